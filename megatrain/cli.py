@@ -1,0 +1,112 @@
+"""Command line: ``megatrain plan``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+def _model(args):
+    from megatrain.planner.graph import from_config, preset
+
+    if args.config:
+        p = Path(args.config)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.exists():
+            raise SystemExit(f"megatrain: model config {p} does not exist")
+        return from_config(json.loads(p.read_text()), name=p.parent.name or p.stem)
+    return preset(args.preset)
+
+
+def _plan(args) -> int:
+    from megatrain.planner import hardware
+    from megatrain.planner.cost import device_memory, host_memory
+    from megatrain.planner.dump import plot, table, write_trace
+    from megatrain.planner.search import PlanError, plan
+
+    try:
+        graph = _model(args)
+        spec = hardware(args.hardware)
+        fixed = dict(n_mb=args.mb, weight_slots=args.slots,
+                     wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
+                     host_checkpoints=args.host_checkpoints)
+        budget = int(args.budget_gib * GiB) if args.budget_gib else None
+        p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
+                 n_steps=args.steps, **fixed)
+    except (PlanError, ValueError) as e:
+        print(f"megatrain plan: {e}", file=sys.stderr)
+        return 2
+    s, tl, b, cfg = p.schedule, p.timeline, p.bound, p.schedule.config
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot([tl], out / "plan.png", title=f"{graph.name} on {spec.name}: {args.tokens} tokens/step, seq {args.seq}",
+               budget_nbytes=cfg.budget_bytes)
+    trace = write_trace([tl], out / "plan.trace.json")
+    (out / "schedule.txt").write_text(s.to_text())
+    (out / "schedule.json").write_text(s.to_json())
+    mem = device_memory(graph, s)
+    host = host_memory(graph, cfg)
+    steady = tl.steady_step_s
+    flops_6nt = 6 * graph.n_params * args.tokens
+    lines = [
+        f"model      {graph.name}: {len(graph)} layers, {graph.n_params / 1e9:.3f}B params",
+        f"hardware   {spec.name}: {spec.gpu_bytes / GiB:.0f} GiB device, budget {cfg.budget_bytes / GiB:.1f} GiB, "
+        f"host {spec.host_bytes / GiB:.0f} GiB",
+        f"batch      {args.tokens} tokens/step = {cfg.n_mb} micro-batches x {cfg.mb_tokens} tokens (seq {args.seq})",
+        f"plan       {cfg.weight_slots} weight slots, {cfg.grad_slots} gradient slots, "
+        f"{mem.slot_count['a']} activation slots; weights on the wire as "
+        f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
+        f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host; optimizer "
+        f"{'after the step (exact global-norm clipping)' if cfg.clip else 'during backward (no clipping)'}",
+        f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
+        f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
+        f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "
+        + ", ".join(f"{r} {v / cfg.n_steps:.3f}" for r, v in b.busy_s.items())
+        + f"); critical path {b.critical_path_s:.3f} s for {cfg.n_steps} steps",
+        f"efficiency bound / predicted = {b.step_s / steady:.2f}",
+        f"device     peak {tl.peak_nbytes / GiB:.2f} GiB in use, {mem.total_nbytes / GiB:.2f} GiB reserved "
+        f"(weights {mem.pool_nbytes['w'] / GiB:.2f}, gradients {mem.pool_nbytes['g'] / GiB:.2f}, "
+        f"activations {mem.pool_nbytes['a'] / GiB:.2f}, working set {mem.workspace_nbytes / GiB:.2f})",
+        f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
+        + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
+        + f") of {spec.host_bytes / GiB:.0f} GiB: {'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}",
+        f"searched   {len(p.tried)} candidate plans",
+        f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
+    ]
+    print("\n".join(lines))
+    if args.table:
+        print(table(s, tl))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="megatrain", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="plan a training step: schedule, predicted time, bound, memory, pictures")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="qwen2.5-7b", help="model shape preset (default qwen2.5-7b)")
+    src.add_argument("--config", help="HF config.json or a directory holding one")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per optimizer step")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length")
+    p.add_argument("--hardware", default="h200", help="hardware preset (h200, h100, cpu) or a JSON spec file")
+    p.add_argument("--budget-gib", type=float, help="device memory the plan may use (default: the card's less reserve)")
+    p.add_argument("--mb", type=int, help="fix the number of micro-batches")
+    p.add_argument("--slots", type=int, help="fix the number of weight slots")
+    p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")
+    p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
+    p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")
+    p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
+    p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
+    p.add_argument("--table", action="store_true", help="print every op with its simulated times")
+    p.set_defaults(fn=_plan)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

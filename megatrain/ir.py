@@ -1,0 +1,259 @@
+"""The schedule IR: pure data, no torch.
+
+A :class:`Schedule` is a program-ordered tuple of :class:`Op`. Each op runs on one :class:`Stream`; ops of one stream
+run in program order; ``deps`` name earlier ops (by id) of any stream that must finish first. An op's ``slots`` name
+the device buffers it touches, each with a role:
+
+======  =============================================================================
+role    meaning
+======  =============================================================================
+``w``   weight slot holding the layer's weights (read)
+``g``   gradient slot the layer accumulates its fp32 gradient into (read + write)
+``x``   activation slot holding the layer's input checkpoint; BWD/LOSS overwrite it in
+        place with the gradient of that input
+``y``   activation slot FWD writes the layer's output into
+``dy``  activation slot holding the gradient of the layer's output (read)
+``a``   activation slot a SAVE_ACT reads or a LOAD_ACT writes
+======  =============================================================================
+
+Text form of one op (one line, parsed back by :meth:`Op.from_str`)::
+
+    12 BWD s0 L3 m1 @compute w1 x4 dy7 g0 <- 9,11
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+FORMAT_VERSION = 1
+
+
+class OpKind(str, enum.Enum):
+    LOAD_W = "LOAD_W"  # h2d: host weights of a layer -> weight slot
+    FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept
+    LOSS = "LOSS"  # compute: forward + backward of the head+loss layer for one mb
+    BWD = "BWD"  # compute: recompute forward from the checkpoint, back-propagate, accumulate grads
+    SAVE_ACT = "SAVE_ACT"  # d2h: checkpoint -> host
+    LOAD_ACT = "LOAD_ACT"  # h2d: host checkpoint -> activation slot
+    STORE_G = "STORE_G"  # d2h: gradient slot -> host gradient of the layer that owns the weights
+    OPT = "OPT"  # cpu (or compute): AdamW on the layer's host block
+
+
+class Stream(str, enum.Enum):
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+    CPU = "cpu"
+
+
+STREAM_ORDER = (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU)
+
+# Which stream each kind may run on.
+KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
+    OpKind.LOAD_W: (Stream.H2D,),
+    OpKind.FWD: (Stream.COMPUTE,),
+    OpKind.LOSS: (Stream.COMPUTE,),
+    OpKind.BWD: (Stream.COMPUTE,),
+    OpKind.SAVE_ACT: (Stream.D2H,),
+    OpKind.LOAD_ACT: (Stream.H2D,),
+    OpKind.STORE_G: (Stream.D2H,),
+    OpKind.OPT: (Stream.CPU, Stream.COMPUTE),
+}
+
+ROLES = ("w", "g", "x", "y", "dy", "a")
+SLOT_POOL = {"w": "w", "g": "g", "x": "a", "y": "a", "dy": "a", "a": "a"}  # role -> pool it indexes
+
+_OP_RE = re.compile(
+    r"^(?P<id>\d+) (?P<kind>[A-Z_]+) s(?P<step>\d+) L(?P<layer>\d+)(?: m(?P<mb>\d+))? @(?P<stream>[a-z0-9]+)"
+    r"(?P<slots>(?: [a-z]+\d+)*)(?: <- (?P<deps>\d+(?:,\d+)*))?$"
+)
+_SLOT_RE = re.compile(r"^([a-z]+)(\d+)$")
+
+
+class IRError(ValueError):
+    """A malformed op, schedule text or JSON."""
+
+
+@dataclass(frozen=True)
+class Op:
+    id: int
+    kind: OpKind
+    stream: Stream
+    step: int
+    layer: int
+    mb: int | None = None
+    slots: tuple[tuple[str, int], ...] = ()  # (role, slot index) in the order the kind lists them
+    deps: tuple[int, ...] = ()
+
+    def slot(self, role: str) -> int | None:
+        for r, i in self.slots:
+            if r == role:
+                return i
+        return None
+
+    def __str__(self) -> str:
+        parts = [str(self.id), self.kind.value, f"s{self.step}", f"L{self.layer}"]
+        if self.mb is not None:
+            parts.append(f"m{self.mb}")
+        parts.append(f"@{self.stream.value}")
+        parts += [f"{r}{i}" for r, i in self.slots]
+        if self.deps:
+            parts.append("<- " + ",".join(map(str, self.deps)))
+        return " ".join(parts)
+
+    @classmethod
+    def from_str(cls, text: str) -> "Op":
+        m = _OP_RE.match(text.strip())
+        if m is None:
+            raise IRError(f"not an op: {text!r}")
+        try:
+            kind = OpKind(m["kind"])
+            stream = Stream(m["stream"])
+        except ValueError as e:
+            raise IRError(f"not an op: {text!r} ({e})") from None
+        slots = []
+        for tok in m["slots"].split():
+            role, idx = _SLOT_RE.match(tok).groups()
+            if role not in ROLES:
+                raise IRError(f"unknown slot role {role!r} in {text!r}")
+            slots.append((role, int(idx)))
+        deps = tuple(int(d) for d in m["deps"].split(",")) if m["deps"] else ()
+        return cls(
+            id=int(m["id"]),
+            kind=kind,
+            stream=stream,
+            step=int(m["step"]),
+            layer=int(m["layer"]),
+            mb=int(m["mb"]) if m["mb"] is not None else None,
+            slots=tuple(slots),
+            deps=deps,
+        )
+
+    def to_dict(self) -> dict:
+        d = {"id": self.id, "kind": self.kind.value, "stream": self.stream.value, "step": self.step, "layer": self.layer}
+        if self.mb is not None:
+            d["mb"] = self.mb
+        if self.slots:
+            d["slots"] = [[r, i] for r, i in self.slots]
+        if self.deps:
+            d["deps"] = list(self.deps)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Op":
+        try:
+            return cls(
+                id=int(d["id"]),
+                kind=OpKind(d["kind"]),
+                stream=Stream(d["stream"]),
+                step=int(d["step"]),
+                layer=int(d["layer"]),
+                mb=int(d["mb"]) if d.get("mb") is not None else None,
+                slots=tuple((str(r), int(i)) for r, i in d.get("slots", ())),
+                deps=tuple(int(x) for x in d.get("deps", ())),
+            )
+        except (KeyError, ValueError, TypeError) as e:
+            raise IRError(f"not an op: {d!r} ({e})") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """The planner's decisions for one schedule; everything the runtime needs besides the layer graph."""
+
+    n_layers: int  # layers of the graph, embedding and head included
+    n_steps: int = 1  # optimizer steps the schedule spans (steps > 1 show the overlap between steps)
+    n_mb: int = 1  # micro-batches per step
+    mb_tokens: int = 1  # tokens in one micro-batch (= sequences per mb x seq_len)
+    seq_len: int = 1  # tokens per sequence; attention cost depends on it
+    weight_slots: int = 2  # device weight slots (2 = double buffering)
+    grad_slots: int = 2  # device fp32 gradient slots
+    wire_bytes_per_param: int = 2  # 2: bf16 shadow on host; 4: fp32 master, cast on the GPU
+    host_checkpoints: int = 0  # checkpoints of layers 1..host_checkpoints are offloaded to host; the rest stay on GPU
+    clip: bool = True  # exact global-norm clipping: every OPT waits for all of the step's gradients
+    budget_bytes: int = 0  # device bytes the plan may use (slots + largest working set)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ScheduleConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise IRError(f"unknown schedule config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    ops: tuple[Op, ...]
+    config: ScheduleConfig
+    provenance: tuple[str, ...] = field(default=())
+
+    def with_ops(self, ops: Iterable[Op], note: str) -> "Schedule":
+        """A new schedule with ``ops`` and one more provenance line."""
+        return Schedule(tuple(ops), self.config, self.provenance + (note,))
+
+    def by_stream(self) -> dict[Stream, list[Op]]:
+        out: dict[Stream, list[Op]] = {s: [] for s in STREAM_ORDER}
+        for op in self.ops:
+            out[op.stream].append(op)
+        return out
+
+    # ---- text form -------------------------------------------------------------------------------------------
+    def to_text(self) -> str:
+        lines = [f"# megatrain schedule v{FORMAT_VERSION}", "# config " + json.dumps(self.config.to_dict())]
+        lines += [f"# pass {p}" for p in self.provenance]
+        lines += [str(op) for op in self.ops]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        lines = text.splitlines()
+        if not lines or lines[0] != f"# megatrain schedule v{FORMAT_VERSION}":
+            raise IRError(f"not a megatrain schedule v{FORMAT_VERSION} (first line {lines[:1]!r})")
+        config = None
+        provenance: list[str] = []
+        ops: list[Op] = []
+        for n, line in enumerate(lines[1:], start=2):
+            if line.startswith("# config "):
+                config = ScheduleConfig.from_dict(json.loads(line[len("# config ") :]))
+            elif line.startswith("# pass "):
+                provenance.append(line[len("# pass ") :])
+            elif line.strip():
+                try:
+                    ops.append(Op.from_str(line))
+                except IRError as e:
+                    raise IRError(f"line {n}: {e}") from None
+        if config is None:
+            raise IRError("schedule text has no '# config' line")
+        return cls(tuple(ops), config, tuple(provenance))
+
+    # ---- JSON ------------------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": "megatrain-schedule",
+                "version": FORMAT_VERSION,
+                "config": self.config.to_dict(),
+                "provenance": list(self.provenance),
+                "ops": [op.to_dict() for op in self.ops],
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        d = json.loads(text)
+        if d.get("format") != "megatrain-schedule" or d.get("version") != FORMAT_VERSION:
+            raise IRError(f"not a megatrain schedule v{FORMAT_VERSION} JSON document")
+        return cls(
+            tuple(Op.from_dict(o) for o in d["ops"]),
+            ScheduleConfig.from_dict(d["config"]),
+            tuple(d.get("provenance", ())),
+        )

@@ -1,0 +1,1 @@
+"""Triton kernels, each with a launcher, an autograd Function and a pure-torch reference."""

@@ -1,0 +1,138 @@
+"""Cost model: bytes and seconds of each op, slot sizes, device and host memory of a plan.
+
+Every op's duration is a roofline of its own (FLOPs at the matmul rate vs. bytes at the memory or copy rate);
+transfers are given at the rate of their direction alone; the simulator slows them when both directions run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, ScheduleConfig
+from megatrain.planner.graph import LOSS_CHUNK_TOKENS, LayerGraph
+from megatrain.planner.hardware import HardwareSpec
+
+GRAD_BYTES = 4  # gradients are accumulated and stored in fp32
+HOST_BYTES_PER_PARAM = 4 + 4 + 4 + 4  # fp32 master, exp_avg, exp_avg_sq, gradient
+POOLS = ("w", "g", "a")
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (GiB, MiB, KiB)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def checkpoint_nbytes(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int:
+    """Bytes of one micro-batch's checkpoint at the input of ``layer`` (the output of ``layer - 1``)."""
+    return graph[layer - 1].act_bytes_per_token * cfg.mb_tokens
+
+
+def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
+    """Size of one slot of each pool: weights (wire dtype), fp32 gradients, activations."""
+    n = len(graph)
+    return {
+        "w": max(graph.weight_params(i) for i in range(n)) * cfg.wire_bytes_per_param,
+        "g": max(graph.weight_params(i) for i in range(n)) * GRAD_BYTES,
+        "a": max(checkpoint_nbytes(graph, cfg, i) for i in range(1, n)),
+    }
+
+
+def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
+    """Transient device bytes a compute op allocates beyond the slots it names."""
+    lay = graph[op.layer]
+    t = cfg.mb_tokens
+    if op.kind is OpKind.FWD:
+        return lay.work_bytes_per_token * t
+    if op.kind is OpKind.BWD:  # recomputed activations and their gradients
+        return 2 * lay.work_bytes_per_token * t
+    if op.kind is OpKind.LOSS:  # one chunk of fp32 logits and their gradient
+        return lay.work_bytes_per_token * t + 2 * min(t, LOSS_CHUNK_TOKENS) * lay.logit_bytes_per_token
+    return 0
+
+
+def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
+    """Bytes an h2d/d2h op moves (0 for other ops)."""
+    if op.kind is OpKind.LOAD_W:
+        return graph.weight_params(op.layer) * cfg.wire_bytes_per_param
+    if op.kind is OpKind.STORE_G:
+        return graph.weight_params(op.layer) * GRAD_BYTES
+    if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT):
+        return checkpoint_nbytes(graph, cfg, op.layer)
+    return 0
+
+
+def compute_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
+    """FLOPs of a compute op: forward; recompute + backward (3x); loss = forward + backward (3x)."""
+    fwd = graph[op.layer].flops_per_token(cfg.seq_len) * cfg.mb_tokens
+    return {OpKind.FWD: 1.0, OpKind.BWD: 3.0, OpKind.LOSS: 3.0}.get(op.kind, 0.0) * fwd
+
+
+def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
+    """Device-memory bytes a compute op reads and writes, roughly (its activations, three times in backward)."""
+    lay = graph[op.layer]
+    per_token = lay.work_bytes_per_token + lay.act_bytes_per_token
+    if op.kind is OpKind.LOSS:
+        per_token += lay.logit_bytes_per_token  # logits written, read for the softmax, gradient written
+        return 3.0 * per_token * cfg.mb_tokens
+    return {OpKind.FWD: 1.0, OpKind.BWD: 3.0}.get(op.kind, 0.0) * per_token * cfg.mb_tokens
+
+
+def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, layer: int) -> float:
+    p = graph[layer].params
+    t = p / spec.cpu_adam_params_per_s
+    if cfg.wire_bytes_per_param == 2:  # refresh the bf16 shadow that goes on the wire
+        t += p / spec.cpu_cast_params_per_s
+    return t
+
+
+def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
+    """Seconds ``op`` takes with its resource to itself."""
+    k = op.kind
+    if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS):
+        return max(compute_flops(graph, cfg, op) / spec.matmul_flops_per_s,
+                   compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s)
+    if k in (OpKind.LOAD_W, OpKind.LOAD_ACT):
+        return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
+    if k in (OpKind.STORE_G, OpKind.SAVE_ACT):
+        return transfer_nbytes(graph, cfg, op) / spec.d2h_bytes_per_s
+    if k is OpKind.OPT:
+        return opt_seconds(graph, cfg, spec, op.layer)
+    raise AssertionError(k)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    slot_nbytes: dict[str, int]  # one slot of each pool
+    slot_count: dict[str, int]  # slots of each pool the schedule uses
+    workspace_nbytes: int  # the largest compute op's transient bytes
+
+    @property
+    def pool_nbytes(self) -> dict[str, int]:
+        return {p: self.slot_nbytes[p] * self.slot_count[p] for p in POOLS}
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(self.pool_nbytes.values()) + self.workspace_nbytes
+
+
+def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
+    """Device bytes the runtime allocates for ``schedule``: its slot pools plus the largest working set."""
+    count = {p: 0 for p in POOLS}
+    for op in schedule.ops:
+        for role, idx in op.slots:
+            pool = SLOT_POOL[role]
+            count[pool] = max(count[pool], idx + 1)
+    work = max((workspace_nbytes(graph, schedule.config, op) for op in schedule.ops), default=0)
+    return DeviceMemory(slot_nbytes(graph, schedule.config), count, work)
+
+
+def host_memory(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
+    """Host bytes by kind: the store (master, moments, gradients), the bf16 shadow, offloaded checkpoints."""
+    out = {"store": graph.n_params * HOST_BYTES_PER_PARAM}
+    if cfg.wire_bytes_per_param == 2:
+        out["bf16_shadow"] = graph.n_params * 2
+    out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb
+    return out

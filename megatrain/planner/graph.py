@@ -1,0 +1,168 @@
+"""LayerGraph: the model as a chain of layers with the numbers the planner needs.
+
+Built by hand (:func:`chain`), from an HF-style decoder config dict (:func:`from_config`, no transformers import) or
+from a named preset (:func:`preset`). Capture from a live ``nn.Module`` produces the same structure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+# Logits of the fused linear + cross-entropy are materialized this many tokens at a time (fp32).
+LOSS_CHUNK_TOKENS = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    name: str  # e.g. "embed", "block.3", "norm", "head"
+    kind: str  # "embedding" | "block" | "norm" | "head"
+    template: str  # layers with equal template keys share one weightless template
+    params: int  # parameters this layer owns (0 for a head tied to the embedding)
+    tie: int | None = None  # index of the layer whose weights this layer uses (tied head), else None
+    matmul_flops_per_token: float = 0.0  # forward FLOPs per token that do not depend on sequence length
+    attn_flops_per_token_per_seq: float = 0.0  # forward attention FLOPs per token per token of sequence length
+    act_bytes_per_token: int = 0  # bytes per token of this layer's output (the next layer's checkpoint)
+    work_bytes_per_token: int = 0  # bytes per token of activations the forward builds for backward
+    logit_bytes_per_token: int = 0  # head only: bytes of one token's fp32 logits row
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token at ``seq_len`` (causal attention: keys average seq_len / 2)."""
+        return self.matmul_flops_per_token + self.attn_flops_per_token_per_seq * seq_len
+
+
+class LayerGraph:
+    """A chain of :class:`Layer` in execution order, kept as a networkx DiGraph (node i -> node i+1)."""
+
+    def __init__(self, layers: list[Layer], name: str = "model"):
+        if len(layers) < 2:
+            raise ValueError(f"a layer graph needs at least 2 layers (a first layer and a head), got {len(layers)}")
+        if layers[-1].kind != "head":
+            raise ValueError(f"the last layer must be the head+loss layer, got kind {layers[-1].kind!r}")
+        for i, lay in enumerate(layers):
+            if lay.tie is not None and not (0 <= lay.tie < i and layers[lay.tie].tie is None):
+                raise ValueError(f"layer {i} ({lay.name}) ties to layer {lay.tie}, which is not an earlier owner")
+            if lay.params < 0 or (lay.tie is None and lay.params == 0):
+                raise ValueError(f"layer {i} ({lay.name}) has {lay.params} parameters and no tie")
+        self.name = name
+        self.layers: tuple[Layer, ...] = tuple(layers)
+        self.g = nx.DiGraph()
+        for i, lay in enumerate(layers):
+            self.g.add_node(i, layer=lay)
+        nx.add_path(self.g, range(len(layers)))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> Layer:
+        return self.layers[i]
+
+    def owner(self, i: int) -> int:
+        """Index of the layer whose host block holds layer i's weights."""
+        tie = self.layers[i].tie
+        return i if tie is None else tie
+
+    def weight_params(self, i: int) -> int:
+        """Parameters layer i reads (its own, or its owner's when tied)."""
+        return self.layers[self.owner(i)].params
+
+    @property
+    def n_params(self) -> int:
+        return sum(lay.params for lay in self.layers)
+
+    def templates(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, lay in enumerate(self.layers):
+            out.setdefault(lay.template, []).append(i)
+        return out
+
+
+def chain(specs: list[dict], name: str = "model") -> LayerGraph:
+    """A LayerGraph from plain dicts of :class:`Layer` fields (the last must have kind 'head')."""
+    return LayerGraph([Layer(**s) for s in specs], name=name)
+
+
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None) -> LayerGraph:
+    """A LayerGraph for an HF-style decoder-only config (Llama / Qwen2 / Mistral layout: RMSNorm, GQA, SwiGLU MLP).
+
+    Keys read: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    vocab_size, head_dim, tie_word_embeddings, attention_bias (Qwen2 sets q/k/v biases).
+    """
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"model config is missing {missing} (needs {list(_REQUIRED)})")
+    H = int(cfg["hidden_size"])
+    inter = int(cfg["intermediate_size"])
+    n_blocks = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    V = int(cfg["vocab_size"])
+    head_dim = int(cfg.get("head_dim") or H // heads)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    qkv_bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
+    for k, v in dict(hidden_size=H, intermediate_size=inter, num_hidden_layers=n_blocks, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, vocab_size=V, head_dim=head_dim).items():
+        if v <= 0:
+            raise ValueError(f"model config {k} must be positive, got {v}")
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    attn_w = H * q_dim + 2 * H * kv_dim + q_dim * H  # q, k, v, o projections
+    mlp_w = 3 * H * inter  # gate, up, down
+    block_params = attn_w + mlp_w + 2 * H + (q_dim + 2 * kv_dim if qkv_bias else 0)
+    a = act_dtype_bytes
+    # Saved for backward per token: norm outputs (2H), q, k, v, attention output, o-proj output, residual (3H + ...),
+    # gate, up, silu(gate)*up (3 * inter).
+    block_work = (4 * H + q_dim + 2 * kv_dim + 3 * inter) * a
+    layers = [
+        Layer(name="embed", kind="embedding", template="embedding", params=V * H, act_bytes_per_token=H * a,
+              work_bytes_per_token=H * a),
+    ]
+    for i in range(n_blocks):
+        layers.append(Layer(
+            name=f"block.{i}", kind="block", template="block", params=block_params,
+            matmul_flops_per_token=2.0 * (attn_w + mlp_w),
+            # QK^T and AV: 2 matmuls x 2 FLOP per multiply-add x (seq/2 keys on average) x q_dim
+            attn_flops_per_token_per_seq=2.0 * q_dim,
+            act_bytes_per_token=H * a, work_bytes_per_token=block_work,
+        ))
+    layers.append(Layer(name="norm", kind="norm", template="norm", params=H, act_bytes_per_token=H * a,
+                        work_bytes_per_token=2 * H * a))
+    layers.append(Layer(
+        name="head", kind="head", template="head", params=0 if tied else V * H, tie=0 if tied else None,
+        matmul_flops_per_token=2.0 * H * V, act_bytes_per_token=0,
+        # the input, its gradient, and per-token fp32 logsumexp; logits exist one chunk at a time (see loss_work_nbytes)
+        work_bytes_per_token=2 * H * a + 8, logit_bytes_per_token=4 * V,
+    ))
+    return LayerGraph(layers, name=name or cfg.get("_name_or_path") or cfg.get("model_type") or "model")
+
+
+def _cfg(H, inter, L, heads, kv, V, tied, bias=True, **kw):
+    return dict(hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=heads,
+                num_key_value_heads=kv, vocab_size=V, tie_word_embeddings=tied, attention_bias=bias, **kw)
+
+
+# Shapes from the models' published config.json files.
+PRESETS: dict[str, dict] = {
+    "qwen2.5-0.5b": _cfg(896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": _cfg(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-3b": _cfg(2048, 11008, 36, 16, 2, 151936, True),
+    "qwen2.5-7b": _cfg(3584, 18944, 28, 28, 4, 152064, False),
+    "qwen2.5-14b": _cfg(5120, 13824, 48, 40, 8, 152064, False),
+    "qwen2.5-32b": _cfg(5120, 27648, 64, 40, 8, 152064, False),
+    "qwen2.5-72b": _cfg(8192, 29568, 80, 64, 8, 152064, False),
+    "llama-3-8b": _cfg(4096, 14336, 32, 32, 8, 128256, False, bias=False),
+    "llama-3-70b": _cfg(8192, 28672, 80, 64, 8, 128256, False, bias=False),
+}
+
+
+def preset(name: str, *, act_dtype_bytes: int = 2) -> LayerGraph:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return from_config(PRESETS[key], act_dtype_bytes=act_dtype_bytes, name=key)

@@ -1,0 +1,89 @@
+"""HardwareSpec: the rates and capacities the cost model uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    name: str
+    gpu_bytes: int  # device memory
+    gpu_reserved_bytes: int  # taken by the CUDA context, allocator slack and kernels' scratch; never planned
+    h2d_bytes_per_s: float  # pinned host -> device, alone
+    d2h_bytes_per_s: float  # pinned device -> host, alone
+    duplex_bytes_per_s: float  # both directions at once, total
+    matmul_flops_per_s: float  # dense bf16 matmul rate
+    hbm_bytes_per_s: float  # device memory bandwidth (bounds ops without matmuls)
+    cpu_adam_params_per_s: float  # host fused AdamW on fp32 master + moments
+    cpu_cast_params_per_s: float  # host fp32 -> bf16 copy (refreshing the bf16 shadow after AdamW)
+    host_bytes: int  # host RAM the plan may use
+
+    @property
+    def budget_bytes(self) -> int:
+        """Device bytes a plan may fill by default."""
+        return self.gpu_bytes - self.gpu_reserved_bytes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareSpec":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        missing = [n for n in names if n not in d]
+        if unknown or missing:
+            raise ValueError(f"hardware spec: unknown keys {unknown}, missing keys {missing}")
+        spec = cls(**d)
+        for f in names[1:]:
+            if not getattr(spec, f) > 0 and f != "gpu_reserved_bytes":
+                raise ValueError(f"hardware spec {spec.name!r}: {f} must be positive, got {getattr(spec, f)}")
+        return spec
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "HardwareSpec":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+PRESETS: dict[str, HardwareSpec] = {
+    # Measured on the project's H200 machine, 2026-11-29 (docs/planner.md): copies with pinned 1 GiB buffers,
+    # an 8192^3 bf16 GEMM, torch's fused CPU AdamW on 16 threads. The HBM rate is a device-to-device copy.
+    "h200": HardwareSpec(
+        name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=4 * GiB,
+        h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
+        matmul_flops_per_s=784e12, hbm_bytes_per_s=4.3e12,
+        cpu_adam_params_per_s=2.75e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
+    ),
+    # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same
+    # chip). Not measured here.
+    "h100": HardwareSpec(
+        name="h100", gpu_bytes=79 * GiB, gpu_reserved_bytes=4 * GiB,
+        h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
+        matmul_flops_per_s=784e12, hbm_bytes_per_s=3.0e12,
+        cpu_adam_params_per_s=2.75e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
+    ),
+    # The CPU runtime: "device" memory is host memory, copies are memcpy; rough rates of a 2-core machine.
+    "cpu": HardwareSpec(
+        name="cpu", gpu_bytes=8 * GiB, gpu_reserved_bytes=1 * GiB,
+        h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, duplex_bytes_per_s=5e9,
+        matmul_flops_per_s=5e10, hbm_bytes_per_s=1e10,
+        cpu_adam_params_per_s=1e8, cpu_cast_params_per_s=5e8, host_bytes=16 * GiB,
+    ),
+}
+
+
+def hardware(name_or_path: str) -> HardwareSpec:
+    """A preset by name, or a spec from a JSON file with every field of :class:`HardwareSpec`."""
+    if name_or_path.lower() in PRESETS:
+        return PRESETS[name_or_path.lower()]
+    p = Path(name_or_path)
+    if p.suffix == ".json" or p.exists():
+        if not p.exists():
+            raise ValueError(f"hardware spec file {p} does not exist")
+        return HardwareSpec.from_json(p)
+    raise ValueError(f"unknown hardware {name_or_path!r}; presets: {', '.join(PRESETS)}, or a JSON file path")

@@ -1,0 +1,337 @@
+"""Passes that build the default plan. Each is a pure ``(Schedule, LayerGraph) -> Schedule`` with a verb name.
+
+Order (see :func:`build_schedule`): compute ops -> checkpoint transfers -> gradient stores -> optimizer ops ->
+weight slots (inserts the loads) -> activation slots -> gradient slots. Ops carry unique ids while passes insert;
+:func:`_finalize` renumbers them so that ``id == position`` and every dependency points backwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict, deque
+from typing import Callable, Iterable
+
+from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
+from megatrain.planner.graph import LayerGraph
+
+C, H2D, D2H, CPU = Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU
+
+
+class _Ids:
+    """Fresh ids above every id of a schedule."""
+
+    def __init__(self, ops: Iterable[Op]):
+        self.next = max((op.id for op in ops), default=-1) + 1
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+def _replace(op: Op, **kw) -> Op:
+    fields = dict(id=op.id, kind=op.kind, stream=op.stream, step=op.step, layer=op.layer, mb=op.mb,
+                  slots=op.slots, deps=op.deps)
+    fields.update(kw)
+    return Op(**fields)
+
+
+def _add_deps(op: Op, deps: Iterable[int]) -> Op:
+    return _replace(op, deps=tuple(dict.fromkeys((*op.deps, *deps))))
+
+
+def _insert_after(ops: list[Op], after: dict[int | None, list[Op]]) -> list[Op]:
+    """``ops`` with ``after[id]`` placed right after op ``id`` (``after[None]``: at the front), in list order."""
+    out = list(after.get(None, ()))
+    for op in ops:
+        out.append(op)
+        out.extend(after.get(op.id, ()))
+    return out
+
+
+def _finalize(ops: list[Op]) -> list[Op]:
+    """Renumber so ``id == position``; drop duplicate deps and deps implied by same-stream program order."""
+    new_id = {op.id: i for i, op in enumerate(ops)}
+    out = []
+    for i, op in enumerate(ops):
+        deps = sorted({new_id[d] for d in op.deps if ops[new_id[d]].stream != op.stream})
+        bad = [d for d in deps if d >= i]
+        if bad:
+            raise AssertionError(f"pass produced a forward dependency: op {op} on {bad}")
+        out.append(_replace(op, id=i, deps=tuple(deps)))
+    return out
+
+
+def _compute_key(op: Op) -> tuple:
+    return (op.kind, op.step, op.layer, op.mb)
+
+
+def _index(ops: list[Op]) -> dict[tuple, Op]:
+    return {_compute_key(op): op for op in ops}
+
+
+# --------------------------------------------------------------------------------------------------------------
+def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
+    """Layer-major compute: FWD of layers 0..L-2 over all mbs, LOSS of the head per mb, BWD of L-2..0."""
+    cfg = s.config
+    L, M = len(graph), cfg.n_mb
+    ops: list[Op] = []
+    ids = _Ids(s.ops)
+    at: dict[tuple, int] = {}
+
+    def emit(kind: OpKind, step: int, layer: int, mb: int, deps: tuple) -> None:
+        op = Op(ids(), kind, C, step, layer, mb, deps=tuple(at[d] for d in deps if d in at))
+        at[(kind, step, layer, mb)] = op.id
+        ops.append(op)
+
+    for st in range(cfg.n_steps):
+        for l in range(L - 1):
+            for j in range(M):
+                emit(OpKind.FWD, st, l, j, ((OpKind.FWD, st, l - 1, j),))
+        for j in range(M):
+            emit(OpKind.LOSS, st, L - 1, j, ((OpKind.FWD, st, L - 2, j),))
+        for l in range(L - 2, -1, -1):
+            for j in range(M):
+                up = (OpKind.LOSS if l + 1 == L - 1 else OpKind.BWD, st, l + 1, j)
+                emit(OpKind.BWD, st, l, j, (up, (OpKind.FWD, st, l, j)))
+    return s.with_ops(list(s.ops) + ops, f"emit_compute: {len(ops)} compute ops, {cfg.n_steps} step(s) x {M} mb")
+
+
+def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
+    """Offload the checkpoints at the input of layers 1..host_checkpoints: SAVE_ACT right after the FWD that made
+    it; LOAD_ACT one layer ahead of its BWD (just before the backward of the layer above)."""
+    cfg = s.config
+    if cfg.host_checkpoints == 0:
+        return s.with_ops(s.ops, "add_checkpoint_transfers: every checkpoint stays on the device")
+    L, ids = len(graph), _Ids(s.ops)
+    ops = list(s.ops)
+    idx = _index(ops)
+    after: dict[int | None, list[Op]] = defaultdict(list)
+    before: dict[int, list[Op]] = defaultdict(list)
+    loaded: dict[tuple, int] = {}
+    for st in range(cfg.n_steps):
+        for l in range(1, cfg.host_checkpoints + 1):
+            for j in range(cfg.n_mb):
+                made = idx[(OpKind.FWD, st, l - 1, j)]
+                save = Op(ids(), OpKind.SAVE_ACT, D2H, st, l, j, deps=(made.id,))
+                after[made.id].append(save)
+                load = Op(ids(), OpKind.LOAD_ACT, H2D, st, l, j, deps=(save.id,))
+                above = idx[(OpKind.LOSS if l + 1 == L - 1 else OpKind.BWD, st, l + 1, j)]
+                before[above.id].append(load)
+                loaded[(OpKind.BWD, st, l, j)] = load.id
+    out = []
+    for op in ops:
+        out.extend(before.get(op.id, ()))
+        dep = loaded.get(_compute_key(op))
+        out.append(_add_deps(op, (dep,)) if dep is not None else op)
+        out.extend(after.get(op.id, ()))
+    n = cfg.host_checkpoints * cfg.n_mb * cfg.n_steps
+    return s.with_ops(out, f"add_checkpoint_transfers: {n} checkpoints of layers 1..{cfg.host_checkpoints} via host")
+
+
+def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
+    """STORE_G of each layer right after its last micro-batch's backward (a tied head stores into its owner)."""
+    cfg = s.config
+    ids, after = _Ids(s.ops), defaultdict(list)
+    last = cfg.n_mb - 1
+    for op in s.ops:
+        if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == last:
+            after[op.id].append(Op(ids(), OpKind.STORE_G, D2H, op.step, op.layer, deps=(op.id,)))
+    n = sum(len(v) for v in after.values())
+    return s.with_ops(_insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores")
+
+
+def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
+    """One OPT per owning layer per step on the cpu stream.
+
+    clip: after the step's last STORE_G (the global norm needs every gradient), in layer order 0..L-1 so the next
+    step's forward can start on the first layers while the rest update. Otherwise: as soon as the layer's gradients
+    (its own and a tied layer's) are stored, overlapping the backward.
+    """
+    cfg = s.config
+    ids, after = _Ids(s.ops), defaultdict(list)
+    stores = defaultdict(list)  # (step, owner) -> STORE_G ops
+    last_store = {}
+    for op in s.ops:
+        if op.kind is OpKind.STORE_G:
+            stores[(op.step, graph.owner(op.layer))].append(op)
+            last_store[op.step] = op
+    for st in range(cfg.n_steps):
+        owners = [l for l in range(len(graph)) if graph[l].tie is None]
+        if cfg.clip:
+            anchor = last_store[st]
+            after[anchor.id] += [Op(ids(), OpKind.OPT, CPU, st, l, deps=(anchor.id,)) for l in owners]
+        else:
+            for l in owners:
+                anchor = stores[(st, l)][-1]
+                after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=tuple(o.id for o in stores[(st, l)])))
+    mode = "after the step's last gradient, layer order (exact clipping)" if cfg.clip else "as gradients arrive"
+    return s.with_ops(_insert_after(list(s.ops), after), f"add_optimizer: OPT {mode}")
+
+
+def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
+    """Give each compute op a weight slot and insert the LOAD_W ops that fill them.
+
+    A layer still resident is not loaded again (the turn from forward to backward). When a slot must be reused,
+    the evicted content is the one needed farthest in the future (Belady), and its LOAD_W goes right after the
+    last reader of what it evicts, so it prefetches as early as the slot allows. LOAD_W of step s+1 waits for
+    the owner's OPT of step s.
+    """
+    cfg = s.config
+    ops = list(s.ops)
+    ids = _Ids(ops)
+    pos = {op.id: i for i, op in enumerate(ops)}
+    opt_of = {(op.step, op.layer): op for op in ops if op.kind is OpKind.OPT}
+    computes = [op for op in ops if op.stream is C and op.kind is not OpKind.OPT]
+    content = [(op.step, graph.owner(op.layer)) for op in computes]
+    next_use: list[float] = [float("inf")] * len(computes)  # position in `computes` of the next use of content
+    seen: dict[tuple, int] = {}
+    for i in range(len(computes) - 1, -1, -1):
+        next_use[i] = seen.get(content[i], float("inf"))
+        seen[content[i]] = i
+
+    slots: list[tuple | None] = [None] * cfg.weight_slots  # content per slot
+    upcoming: list[float] = [float("inf")] * cfg.weight_slots  # next use of each slot's content
+    last_reader: list[Op | None] = [None] * cfg.weight_slots
+    loader: list[Op | None] = [None] * cfg.weight_slots
+    after: dict[int | None, list[Op]] = defaultdict(list)
+    prev_load_anchor = None
+    new_ops: dict[int, Op] = {}
+    n_loads = 0
+    for i, op in enumerate(computes):
+        c = content[i]
+        deps: tuple[int, ...] = ()
+        if c in slots:
+            k = slots.index(c)
+        else:
+            empty = [k for k in range(cfg.weight_slots) if slots[k] is None]
+            k = empty[0] if empty else max(range(cfg.weight_slots), key=lambda k: (upcoming[k], -k))
+            anchors = [a for a in (last_reader[k], prev_load_anchor) if a is not None]
+            war = [last_reader[k].id] if last_reader[k] is not None else []
+            opt = opt_of.get((c[0] - 1, c[1]))
+            if opt is not None:
+                anchors.append(opt)
+            anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else None
+            load = Op(ids(), OpKind.LOAD_W, H2D, op.step, op.layer, slots=(("w", k),),
+                      deps=tuple(war) + ((opt.id,) if opt is not None else ()))
+            after[anchor.id if anchor is not None else None].append(load)
+            prev_load_anchor = anchor
+            slots[k], loader[k] = c, load
+            deps = (load.id,)
+            n_loads += 1
+        upcoming[k] = next_use[i]
+        last_reader[k] = op
+        new_ops[op.id] = _add_deps(_replace(op, slots=(("w", k),) + op.slots), deps)
+    out = _insert_after([new_ops.get(op.id, op) for op in ops], after)
+    return s.with_ops(out, f"assign_weight_slots: {cfg.weight_slots} slots, {n_loads} loads")
+
+
+# Activation buffers: A(step, layer, mb, copy) is the checkpoint at the input of `layer`; copy 0 is the one FWD made,
+# copy 1 the one LOAD_ACT brought back. BWD/LOSS overwrite it in place with the input's gradient, which the
+# backward of the layer below reads as `dy`.
+def _activation_uses(cfg: ScheduleConfig, graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
+    def copy(layer: int, backward: bool) -> int:
+        return 1 if backward and 1 <= layer <= cfg.host_checkpoints else 0
+
+    def uses(op: Op) -> list[tuple[str, tuple, bool]]:  # (role, buffer key, starts the buffer)
+        st, l, j = op.step, op.layer, op.mb
+        if op.kind is OpKind.FWD:
+            out = [("x", (st, l, j, 0), False)] if l > 0 else []
+            return out + [("y", (st, l + 1, j, 0), True)]
+        if op.kind is OpKind.SAVE_ACT:
+            return [("a", (st, l, j, 0), False)]
+        if op.kind is OpKind.LOAD_ACT:
+            return [("a", (st, l, j, 1), True)]
+        if op.kind is OpKind.LOSS:
+            return [("x", (st, l, j, 0), False)]
+        if op.kind is OpKind.BWD:
+            out = [("x", (st, l, j, copy(l, True)), False)] if l > 0 else []
+            return out + [("dy", (st, l + 1, j, copy(l + 1, True)), False)]
+        return []
+
+    return uses
+
+
+def _grad_uses(op: Op) -> list[tuple[str, tuple, bool]]:
+    if op.kind in (OpKind.BWD, OpKind.LOSS):
+        return [("g", (op.step, op.layer), op.mb == 0)]
+    if op.kind is OpKind.STORE_G:
+        return [("g", (op.step, op.layer), False)]
+    return []
+
+
+def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]], pool: int = 0,
+              limit: int | None = None) -> tuple[list[Op], int]:
+    """Program-order slot allocation. A buffer holds its slot from the op that starts it to its last user; the op
+    that next starts a buffer in that slot depends on every user of the previous one (write-after-read).
+
+    Free slots are reused first-freed-first (``pool`` slots are free at the start), so a new buffer waits on the
+    readers that finished longest ago; a slot is added only when none is free. Returns the ops and slots used.
+    """
+    last_user: dict[tuple, int] = {}
+    for op in ops:
+        for _, key, _ in uses(op):
+            last_user[key] = op.id
+    free: deque[int] = deque(range(pool))
+    n_slots = pool
+    slot_of: dict[tuple, int] = {}
+    prev_users: dict[int, list[Op]] = defaultdict(list)  # slot -> users of the buffer it held last
+    used = set()
+    out = []
+    for op in ops:
+        u = uses(op)
+        if not u:
+            out.append(op)
+            continue
+        roles, deps = [], []
+        for role, key, starts in u:
+            if starts:
+                if free:
+                    k = free.popleft()
+                else:
+                    k, n_slots = n_slots, n_slots + 1
+                    if limit is not None and n_slots > limit:
+                        raise AssertionError(f"{n_slots} slots needed, {limit} allowed")
+                deps += [p.id for p in prev_users[k]]
+                prev_users[k] = []
+                slot_of[key] = k
+                used.add(k)
+            if key not in slot_of:
+                raise AssertionError(f"op {op} uses buffer {key} before anything starts it")
+            k = slot_of[key]
+            prev_users[k].append(op)
+            roles.append((role, k))
+        for _, key, _ in u:
+            if last_user[key] == op.id and key in slot_of:
+                free.append(slot_of.pop(key))
+        out.append(_add_deps(_replace(op, slots=op.slots + tuple(roles)), [d for d in deps if d != op.id]))
+    return out, len(used)
+
+
+def assign_activation_slots(s: Schedule, graph: LayerGraph) -> Schedule:
+    ops, n = _allocate(list(s.ops), _activation_uses(s.config, graph))
+    return s.with_ops(ops, f"assign_activation_slots: {n} activation slots")
+
+
+def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
+    ops, n = _allocate(list(s.ops), _grad_uses, pool=s.config.grad_slots, limit=s.config.grad_slots)
+    return s.with_ops(ops, f"assign_grad_slots: {n} of {s.config.grad_slots} gradient slots")
+
+
+PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_weight_slots,
+          assign_activation_slots, assign_grad_slots)
+
+
+def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool | None = None) -> Schedule:
+    """Run every pass on an empty schedule. With ``verify_each`` (default: env MEGATRAIN_VERIFY=1) the final
+    schedule is checked by :func:`megatrain.planner.verify.verify` (intermediate ones lack slots by design)."""
+    if cfg.n_layers != len(graph):
+        raise ValueError(f"config is for {cfg.n_layers} layers, the graph has {len(graph)}")
+    s = Schedule((), cfg)
+    for p in PASSES:
+        s = p(s, graph)
+    s = Schedule(tuple(_finalize(list(s.ops))), cfg, s.provenance + (f"finalize: {len(s.ops)} ops",))
+    if verify_each if verify_each is not None else os.environ.get("MEGATRAIN_VERIFY") == "1":
+        from megatrain.planner.verify import verify
+
+        verify(s, graph)
+    return s

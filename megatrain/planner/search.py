@@ -1,0 +1,139 @@
+"""plan(): refuse what cannot fit, then search the planner's decisions and keep the fastest schedule that verifies."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from megatrain.ir import Schedule, ScheduleConfig
+from megatrain.planner.cost import GRAD_BYTES, HOST_BYTES_PER_PARAM, host_memory, slot_nbytes, workspace_nbytes
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.simulate import Bound, Timeline, bound, simulate
+from megatrain.planner.verify import verify
+
+GiB = 1 << 30
+MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
+MB_CHOICES = 4  # micro-batch sizes tried (the largest ones that fit the token limit)
+
+
+class PlanError(ValueError):
+    """The request cannot be planned; the message names the limit and the numbers."""
+
+
+@dataclass
+class Plan:
+    schedule: Schedule
+    timeline: Timeline
+    bound: Bound
+    graph: LayerGraph
+    spec: HardwareSpec
+    tokens: int
+    tried: list[tuple[ScheduleConfig, str]] = field(default_factory=list)  # every candidate and its outcome
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.timeline.steady_step_s
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f} GiB"
+
+
+def _min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
+    """What any schedule with ``cfg`` needs at least: its weight and grad slots, one mb's activations in and out,
+    and the largest working set."""
+    from megatrain.ir import Op, OpKind, Stream
+
+    size = slot_nbytes(graph, cfg)
+    work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
+               for l in range(len(graph)) for k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS))
+    return cfg.weight_slots * size["w"] + cfg.grad_slots * size["g"] + 2 * size["a"] + work
+
+
+def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, budget: int) -> None:
+    if seq_len <= 0 or tokens <= 0:
+        raise PlanError(f"tokens per step ({tokens}) and sequence length ({seq_len}) must be positive")
+    if tokens % seq_len:
+        raise PlanError(f"tokens per step ({tokens}) must be a multiple of the sequence length ({seq_len})")
+    if budget > spec.gpu_bytes:
+        raise PlanError(f"GPU budget {_gib(budget)} exceeds the {spec.name}'s {_gib(spec.gpu_bytes)}")
+    host = graph.n_params * HOST_BYTES_PER_PARAM
+    if host > spec.host_bytes:
+        raise PlanError(
+            f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {HOST_BYTES_PER_PARAM} B "
+            f"(fp32 master, exp_avg, exp_avg_sq, gradient) = {_gib(host)}, the {spec.name} host has "
+            f"{_gib(spec.host_bytes)}")
+    smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
+                              weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
+                              host_checkpoints=len(graph) - 2, budget_bytes=budget)
+    need = _min_device_nbytes(graph, smallest)
+    if need > budget:
+        size = slot_nbytes(graph, smallest)
+        big = max(range(len(graph)), key=lambda i: graph.weight_params(i))
+        raise PlanError(
+            f"GPU budget {_gib(budget)} is too small for one layer: the smallest plan (1 weight slot, 1 gradient "
+            f"slot, one {seq_len}-token sequence per micro-batch, every checkpoint on host) needs {_gib(need)} "
+            f"(largest layer '{graph[big].name}': {graph.weight_params(big) / 1e6:.1f}M params = "
+            f"{_gib(size['w'])} of bf16 weights + {_gib(size['g'])} of fp32 gradients)")
+
+
+def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
+               n_mb: int | None = None, weight_slots: int | None = None, wire_bytes: int | None = None,
+               host_checkpoints: int | None = None) -> list[ScheduleConfig]:
+    """Every combination of decisions the search tries; a fixed value pins a decision."""
+    n_seqs = tokens // seq_len
+    if n_mb is not None:
+        if n_mb <= 0 or n_seqs % n_mb:
+            raise PlanError(f"{n_mb} micro-batches cannot split {n_seqs} sequences evenly")
+        mbs = [n_mb]
+    else:
+        fit = [m for m in range(1, n_seqs + 1) if n_seqs % m == 0 and tokens // m <= max(MAX_MB_TOKENS, seq_len)]
+        mbs = fit[:MB_CHOICES]
+    slots = [weight_slots] if weight_slots else [2, 3]
+    wires = [wire_bytes] if wire_bytes else [2, 4]
+    offload = [host_checkpoints] if host_checkpoints is not None else sorted({0, len(graph) - 2})
+    if any(h < 0 or h > len(graph) - 2 for h in offload):
+        raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
+    return [
+        ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
+                       weight_slots=k, grad_slots=2, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
+                       budget_bytes=budget)
+        for m, k, w, h in itertools.product(mbs, slots, wires, offload)
+    ]
+
+
+def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
+         clip: bool = True, n_steps: int = 3, **fixed) -> Plan:
+    """The fastest schedule (by simulated time over ``n_steps`` steps) among :func:`candidates` that verifies and
+    fits the device budget and the host. Raises :class:`PlanError` before building anything when nothing can fit."""
+    budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
+    _check_request(graph, spec, tokens, seq_len, budget)
+    tried: list[tuple[ScheduleConfig, str]] = []
+    best = None
+    for cfg in candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed):
+        host = sum(host_memory(graph, cfg).values())
+        if host > spec.host_bytes:
+            tried.append((cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}"))
+            continue
+        need = _min_device_nbytes(graph, cfg)
+        if need > budget:
+            tried.append((cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}"))
+            continue
+        s = build_schedule(graph, cfg)
+        try:
+            verify(s, graph, spec)
+        except ValueError as e:
+            tried.append((cfg, str(e)))
+            continue
+        tl = simulate(s, graph, spec)
+        tried.append((cfg, f"{tl.step_s:.4f} s/step"))
+        key = (tl.makespan_s, tl.reserved_nbytes, cfg.n_mb, cfg.weight_slots)
+        if best is None or key < best[0]:
+            best = (key, s, tl)
+    if best is None:
+        reasons = "; ".join(sorted({why for _, why in tried}))
+        raise PlanError(f"no plan fits: {reasons}")
+    _, s, tl = best
+    return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried)

@@ -1,0 +1,205 @@
+"""Event simulation of a schedule over its streams, and the roofline bound.
+
+Streams run their ops in program order; an op starts when its stream is free and its dependencies are done.
+Compute and cpu ops take the cost model's seconds. Transfers are fluid: alone, a direction moves at its own rate;
+when both directions run, each is slowed so that together they stay within the duplex rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream
+from megatrain.planner.cost import device_memory, duration_s, host_memory, slot_nbytes, transfer_nbytes, workspace_nbytes
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import HardwareSpec
+
+RESOURCES = ("compute", "h2d", "d2h", "pcie", "cpu")
+
+
+@dataclass
+class Timeline:
+    """When each op ran (seconds from the step's start) and device bytes in use over time.
+
+    The simulator and the runtime's recorder both produce this, so the two can be drawn on one picture.
+    """
+
+    source: str  # "simulated" | "measured"
+    ops: tuple[Op, ...]
+    start_s: list[float]
+    end_s: list[float]
+    memory: list[tuple[float, int]] = field(default_factory=list)  # (t, device bytes in use) change points
+    reserved_nbytes: int = 0  # device bytes allocated for slots + largest working set
+    host_nbytes: int = 0
+    n_steps: int = 1
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.end_s, default=0.0)
+
+    @property
+    def step_s(self) -> float:
+        """Average seconds per step over the whole schedule (includes filling the pipeline)."""
+        return self.makespan_s / self.n_steps
+
+    def step_end_s(self) -> list[float]:
+        ends = [0.0] * self.n_steps
+        for op, e in zip(self.ops, self.end_s):
+            ends[op.step] = max(ends[op.step], e)
+        return ends
+
+    @property
+    def steady_step_s(self) -> float:
+        """Seconds between the ends of the last two steps (the steady state); the makespan for one step."""
+        ends = self.step_end_s()
+        return ends[-1] - ends[-2] if len(ends) >= 2 else ends[-1]
+
+    @property
+    def peak_nbytes(self) -> int:
+        return max((b for _, b in self.memory), default=0)
+
+    def busy_s(self) -> dict[str, float]:
+        out = {s.value: 0.0 for s in STREAM_ORDER}
+        for op, a, b in zip(self.ops, self.start_s, self.end_s):
+            out[op.stream.value] += b - a
+        return out
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Lower bounds on the time of a schedule from its op costs.
+
+    ``busy_s``: seconds each resource must work (pcie: both directions' bytes at the duplex rate);
+    ``critical_path_s``: the longest chain through dependencies and stream order.
+    """
+
+    busy_s: dict[str, float]
+    critical_path_s: float
+    n_steps: int
+
+    @property
+    def limiter(self) -> str:
+        return max(self.busy_s, key=lambda r: self.busy_s[r])
+
+    @property
+    def step_s(self) -> float:
+        """Roofline per step: the busiest resource's seconds per step."""
+        return max(self.busy_s.values()) / self.n_steps
+
+    @property
+    def makespan_s(self) -> float:
+        return max(max(self.busy_s.values()), self.critical_path_s)
+
+
+def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
+    cfg = schedule.config
+    busy = dict.fromkeys(RESOURCES, 0.0)
+    nbytes = 0
+    finish: list[float] = []
+    last_on: dict[Stream, int] = {}
+    for op in schedule.ops:
+        d = duration_s(graph, cfg, spec, op)
+        busy[op.stream.value] += d
+        nbytes += transfer_nbytes(graph, cfg, op)
+        preds = [finish[x] for x in op.deps]
+        if op.stream in last_on:
+            preds.append(finish[last_on[op.stream]])
+        finish.append(max(preds, default=0.0) + d)
+        last_on[op.stream] = op.id
+    busy["pcie"] = nbytes / spec.duplex_bytes_per_s
+    return Bound(busy, max(finish, default=0.0), cfg.n_steps)
+
+
+def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timeline:
+    cfg = schedule.config
+    ops = schedule.ops
+    n = len(ops)
+    queues = {s: [op for op in ops if op.stream is s] for s in STREAM_ORDER}
+    head = dict.fromkeys(STREAM_ORDER, 0)
+    start = [0.0] * n
+    end: list[float | None] = [None] * n
+    active: dict[Stream, list] = {}  # stream -> [op, remaining, total]; units: bytes for transfers, seconds else
+    alone = {Stream.H2D: spec.h2d_bytes_per_s, Stream.D2H: spec.d2h_bytes_per_s}
+    t = 0.0
+    finished = 0
+    while finished < n:
+        progress = True
+        while progress:
+            progress = False
+            for s in STREAM_ORDER:
+                if s in active or head[s] >= len(queues[s]):
+                    continue
+                op = queues[s][head[s]]
+                if any(end[d] is None for d in op.deps):
+                    continue
+                head[s] += 1
+                start[op.id] = t
+                units = transfer_nbytes(graph, cfg, op) if s in alone else duration_s(graph, cfg, spec, op)
+                if units <= 0:
+                    end[op.id] = t
+                    finished += 1
+                else:
+                    active[s] = [op, float(units), float(units)]
+                progress = True
+        if not active:
+            if finished < n:
+                raise AssertionError("simulation stalled with ops left (dependencies point forward?)")
+            break
+        rate = {s: 1.0 for s in active}
+        both = Stream.H2D in active and Stream.D2H in active
+        scale = min(1.0, spec.duplex_bytes_per_s / (alone[Stream.H2D] + alone[Stream.D2H])) if both else 1.0
+        for s in alone:
+            if s in active:
+                rate[s] = alone[s] * scale
+        dt = min(a[1] / rate[s] for s, a in active.items())
+        t += dt
+        for s in list(active):
+            a = active[s]
+            a[1] -= rate[s] * dt
+            if a[1] <= 1e-12 * a[2]:  # done, up to rounding
+                end[a[0].id] = t
+                finished += 1
+                del active[s]
+    end_s = [float(e) for e in end]
+    mem = device_memory(graph, schedule)
+    return Timeline(
+        source="simulated", ops=ops, start_s=start, end_s=end_s,
+        memory=memory_curve(schedule, graph, start, end_s),
+        reserved_nbytes=mem.total_nbytes, host_nbytes=sum(host_memory(graph, cfg).values()), n_steps=cfg.n_steps,
+    )
+
+
+def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end: list[float]) -> list[tuple[float, int]]:
+    """Device bytes in use over time: each slot from the start of the op that fills it to the end of the last op
+    that reads that content, plus each compute op's working set while it runs."""
+    cfg = schedule.config
+    size = slot_nbytes(graph, cfg)
+    events: list[tuple[float, int]] = []
+    holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
+    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",)}
+    for op in schedule.ops:
+        fills = set(starters.get(op.kind, ()))
+        if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == 0:
+            fills.add("g")
+        for role, idx in op.slots:
+            key = (SLOT_POOL[role], idx)
+            if role in fills:
+                if key in holder:
+                    events += [(holder[key][0], size[key[0]]), (holder[key][1], -size[key[0]])]
+                holder[key] = (start[op.id], end[op.id])
+            elif key in holder:
+                holder[key] = (holder[key][0], max(holder[key][1], end[op.id]))
+        w = workspace_nbytes(graph, cfg, op)
+        if w:
+            events += [(start[op.id], w), (end[op.id], -w)]
+    for (pool, _), (a, b) in holder.items():
+        events += [(a, size[pool]), (b, -size[pool])]
+    events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
+    curve, cur = [(0.0, 0)], 0
+    for t, d in events:
+        cur += d
+        if curve[-1][0] == t:
+            curve[-1] = (t, cur)
+        else:
+            curve.append((t, cur))
+    return curve

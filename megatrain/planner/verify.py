@@ -1,0 +1,224 @@
+"""verify(schedule, graph, spec): every invariant of the schedule, or a ScheduleError naming the op and the rule.
+
+Happens-before is decided with one vector clock per op over the four streams: an op happens after everything its
+dependencies and its stream predecessor happen after. Slot rules are checked against it, so a schedule that verifies
+is correct for every timing the streams can produce.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+from megatrain.ir import KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule
+from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, host_memory
+from megatrain.planner.graph import LayerGraph
+from megatrain.planner.hardware import HardwareSpec
+
+
+
+class ScheduleError(ValueError):
+    def __init__(self, rule: str, op: Op | None, message: str):
+        self.rule, self.op = rule, op
+        where = f" at op '{op}'" if op is not None else ""
+        super().__init__(f"schedule rule '{rule}' broken{where}: {message}")
+
+
+class HappensBefore:
+    """Vector clocks: ``hb(a, b)`` is true when op a finishes before op b starts in every execution."""
+
+    def __init__(self, ops: tuple[Op, ...]):
+        n_streams = len(STREAM_ORDER)
+        s_index = {s: i for i, s in enumerate(STREAM_ORDER)}
+        self.pos = [0] * len(ops)  # position of each op within its stream
+        self.sid = [s_index[op.stream] for op in ops]
+        self.vc: list[list[int]] = []
+        last_on = [-1] * n_streams  # id of the latest op per stream
+        count = [0] * n_streams
+        for op in ops:
+            s = self.sid[op.id]
+            clock = list(self.vc[last_on[s]]) if last_on[s] >= 0 else [-1] * n_streams
+            for d in op.deps:
+                dv = self.vc[d]
+                for k in range(n_streams):
+                    if dv[k] > clock[k]:
+                        clock[k] = dv[k]
+            self.pos[op.id] = count[s]
+            clock[s] = count[s]
+            count[s] += 1
+            last_on[s] = op.id
+            self.vc.append(clock)
+
+    def __call__(self, a: int, b: int) -> bool:
+        return a == b or self.vc[b][self.sid[a]] >= self.pos[a]
+
+
+def _tags(op: Op, graph: LayerGraph, n_mb: int) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(reads, writes): role -> content tag the op expects to read / leaves in the slot."""
+    st, l, j = op.step, op.layer, op.mb
+    w = ("W", st, graph.owner(l))
+    k = op.kind
+    if k is OpKind.LOAD_W:
+        return {}, {"w": w}
+    if k is OpKind.FWD:
+        reads = {"w": w}
+        if l > 0:
+            reads["x"] = ("A", st, l, j)
+        return reads, {"y": ("A", st, l + 1, j)}
+    if k in (OpKind.BWD, OpKind.LOSS):
+        reads, writes = {"w": w}, {"g": ("G", st, l, j + 1)}
+        if j > 0:
+            reads["g"] = ("G", st, l, j)
+        if k is OpKind.LOSS or l > 0:
+            reads["x"], writes["x"] = ("A", st, l, j), ("dA", st, l, j)
+        if k is OpKind.BWD:
+            reads["dy"] = ("dA", st, l + 1, j)
+        return reads, writes
+    if k is OpKind.SAVE_ACT:
+        return {"a": ("A", st, l, j)}, {}
+    if k is OpKind.LOAD_ACT:
+        return {}, {"a": ("A", st, l, j)}
+    if k is OpKind.STORE_G:
+        return {"g": ("G", st, l, n_mb)}, {}
+    return {}, {}
+
+
+def _check_shape(s: Schedule, graph: LayerGraph) -> None:
+    cfg = s.config
+    L = len(graph)
+    if cfg.n_layers != L:
+        raise ScheduleError("graph", None, f"schedule is for {cfg.n_layers} layers, the graph has {L}")
+    for i, op in enumerate(s.ops):
+        if op.id != i:
+            raise ScheduleError("ids", op, f"op at position {i} has id {op.id}")
+        for d in op.deps:
+            if not 0 <= d < i:
+                raise ScheduleError("acyclic", op, f"dependency {d} does not point to an earlier op")
+        if op.stream not in KIND_STREAMS[op.kind]:
+            raise ScheduleError("stream", op, f"{op.kind.value} cannot run on stream {op.stream.value}")
+        if not (0 <= op.step < cfg.n_steps and 0 <= op.layer < L):
+            raise ScheduleError("range", op, f"step or layer out of range ({cfg.n_steps} steps, {L} layers)")
+        has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.SAVE_ACT, OpKind.LOAD_ACT)
+        if has_mb != (op.mb is not None) or (has_mb and not 0 <= op.mb < cfg.n_mb):
+            raise ScheduleError("range", op, f"micro-batch must be in 0..{cfg.n_mb - 1} for {op.kind.value}")
+        if op.kind in (OpKind.FWD, OpKind.BWD) and op.layer == L - 1:
+            raise ScheduleError("kind", op, "the head+loss layer runs as LOSS, not FWD/BWD")
+        if op.kind is OpKind.LOSS and op.layer != L - 1:
+            raise ScheduleError("kind", op, "LOSS runs only on the last (head) layer")
+        if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT) and not 1 <= op.layer <= cfg.host_checkpoints:
+            raise ScheduleError("kind", op, f"only checkpoints of layers 1..{cfg.host_checkpoints} go to host")
+        if op.kind is OpKind.OPT and graph[op.layer].tie is not None:
+            raise ScheduleError("kind", op, f"layer {op.layer} has no weights of its own to optimize")
+        reads, writes = _tags(op, graph, cfg.n_mb)
+        want = sorted(set(reads) | set(writes))
+        have = sorted(r for r, _ in op.slots)
+        if want != have:
+            raise ScheduleError("slots", op, f"{op.kind.value} needs slot roles {want}, has {have}")
+        for role, idx in op.slots:
+            limit = {"w": cfg.weight_slots, "g": cfg.grad_slots}.get(SLOT_POOL[role])
+            if idx < 0 or (limit is not None and idx >= limit):
+                raise ScheduleError("slots", op, f"{role}{idx} is outside the {limit} configured slots")
+
+
+def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
+    cfg = s.config
+    L = len(graph)
+    seen: dict[tuple, Op] = {}
+    for op in s.ops:
+        if op.kind in (OpKind.LOAD_W, OpKind.LOAD_ACT):
+            continue
+        key = (op.kind, op.step, op.layer, op.mb)
+        if key in seen:
+            what = "optimized" if op.kind is OpKind.OPT else "scheduled"
+            raise ScheduleError("once", op, f"{op.kind.value} of layer {op.layer} {what} twice (first: '{seen[key]}')")
+        seen[key] = op
+    for st in range(cfg.n_steps):
+        for l in range(L):
+            for j in range(cfg.n_mb):
+                kinds = (OpKind.LOSS,) if l == L - 1 else (OpKind.FWD, OpKind.BWD)
+                for k in kinds:
+                    if (k, st, l, j) not in seen:
+                        raise ScheduleError("complete", None, f"step {st} has no {k.value} of layer {l} mb {j}")
+                if l < L - 1 and not hb(seen[(OpKind.FWD, st, l, j)].id, seen[(OpKind.BWD, st, l, j)].id):
+                    raise ScheduleError("fwd-before-bwd", seen[(OpKind.BWD, st, l, j)], "its FWD may not have run")
+            if (OpKind.STORE_G, st, l, None) not in seen:
+                raise ScheduleError("complete", None, f"step {st} never stores the gradient of layer {l}")
+            if graph[l].tie is None and (OpKind.OPT, st, l, None) not in seen:
+                raise ScheduleError("complete", None, f"step {st} never optimizes layer {l}")
+        stores = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st]
+        for opt in (op for op in s.ops if op.kind is OpKind.OPT and op.step == st):
+            for g in stores:
+                if (cfg.clip or graph.owner(g.layer) == opt.layer) and not hb(g.id, opt.id):
+                    why = "clipping needs every gradient of the step" if graph.owner(g.layer) != opt.layer else \
+                        "it updates weights whose gradient"
+                    raise ScheduleError("store-before-opt", opt, f"{why}: '{g}' may not have finished")
+    for op in s.ops:
+        if op.kind is OpKind.LOAD_W and op.step > 0:
+            opt = seen[(OpKind.OPT, op.step - 1, graph.owner(op.layer), None)]
+            if not hb(opt.id, op.id):
+                raise ScheduleError("load-after-opt", op, f"loads weights before '{opt}' of the previous step updated them")
+
+
+def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
+    n_mb = s.config.n_mb
+    writers: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (pool, slot) -> writers in program order
+    tags: dict[int, tuple[dict, dict]] = {}
+    for op in s.ops:
+        tags[op.id] = _tags(op, graph, n_mb)
+        for role, idx in op.slots:
+            if role in tags[op.id][1]:
+                writers[(SLOT_POOL[role], idx)].append(op)
+    written_tag = {}  # (op id, pool, slot) -> tag
+    for op in s.ops:
+        for role, idx in op.slots:
+            if role in tags[op.id][1]:
+                written_tag[(op.id, SLOT_POOL[role], idx)] = tags[op.id][1][role]
+    writer_ids = {key: [w.id for w in ws] for key, ws in writers.items()}
+    for ws in writers.values():
+        for a, b in zip(ws, ws[1:]):
+            if a.id != b.id and not hb(a.id, b.id):
+                raise ScheduleError("slot-write-order", b, f"writes a slot '{a}' may still be writing")
+    for op in s.ops:
+        reads = tags[op.id][0]
+        for role, idx in op.slots:
+            if role not in reads:
+                continue
+            key = (SLOT_POOL[role], idx)
+            ws = writers[key]
+            at = bisect.bisect_left(writer_ids[key], op.id)  # writers before `op`: ws[:at]
+            if at == 0:
+                raise ScheduleError("slot-content", op, f"reads {role}{idx}, which nothing loaded before it")
+            w = ws[at - 1]
+            got = written_tag[(w.id, *key)]
+            if got != reads[role]:
+                raise ScheduleError("slot-content", op,
+                                    f"reads {role}{idx} expecting {reads[role]}, but its latest load is {got} by '{w}'")
+            if not hb(w.id, op.id):
+                raise ScheduleError("slot-ready", op, f"reads {role}{idx} before '{w}' is sure to have filled it")
+            at = bisect.bisect_right(writer_ids[key], op.id)
+            nxt = ws[at] if at < len(ws) else None
+            if nxt is not None and not hb(op.id, nxt.id):
+                raise ScheduleError("slot-overwritten", nxt,
+                                    f"overwrites {role}{idx} while '{op}' may still read it (missing dependency)")
+
+
+def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = None) -> None:
+    """Raise :class:`ScheduleError` at the first broken invariant; return None when the schedule is sound."""
+    _check_shape(schedule, graph)
+    cfg = schedule.config
+    mem = device_memory(graph, schedule)
+    if mem.total_nbytes > cfg.budget_bytes:
+        parts = ", ".join(f"{p}: {mem.slot_count[p]} x {fmt_bytes(mem.slot_nbytes[p])}" for p in POOLS)
+        raise ScheduleError("memory", None, f"needs {fmt_bytes(mem.total_nbytes)} on the device ({parts}, working "
+                            f"set {fmt_bytes(mem.workspace_nbytes)}), budget is {fmt_bytes(cfg.budget_bytes)}")
+    if spec is not None and cfg.budget_bytes > spec.gpu_bytes:
+        raise ScheduleError("memory", None, f"budget {fmt_bytes(cfg.budget_bytes)} exceeds the {spec.name}'s "
+                            f"{fmt_bytes(spec.gpu_bytes)}")
+    hb = HappensBefore(schedule.ops)
+    _check_counts(schedule, graph, hb)
+    _check_slots(schedule, graph, hb)
+    if spec is not None:
+        host = sum(host_memory(graph, cfg).values())
+        if host > spec.host_bytes:
+            raise ScheduleError("host-memory", None, f"needs {fmt_bytes(host)} of host memory, {spec.name} has "
+                                f"{fmt_bytes(spec.host_bytes)}")

@@ -1,0 +1,57 @@
+import pytest
+
+from megatrain.planner.graph import PRESETS, from_config, preset
+from megatrain.planner.hardware import HardwareSpec, hardware
+
+from .helpers import TINY
+
+
+# Parameter counts published for these checkpoints.
+@pytest.mark.parametrize("name,params", [("llama-3-8b", 8_030_261_248), ("qwen2.5-0.5b", 494_032_768),
+                                         ("qwen2.5-7b", 7_615_616_512), ("qwen2.5-1.5b", 1_543_714_304)])
+def test_preset_parameter_counts(name, params):
+    assert preset(name).n_params == params
+
+
+def test_every_preset_builds_a_chain_with_shared_block_template():
+    for name in PRESETS:
+        g = preset(name)
+        blocks = g.templates()["block"]
+        assert len(blocks) == PRESETS[name]["num_hidden_layers"]
+        assert list(g.g.successors(0)) == [1] and g[len(g) - 1].kind == "head"
+
+
+def test_tied_head_reads_the_embedding():
+    g = from_config(TINY)
+    head = len(g) - 1
+    assert g[head].params == 0 and g.owner(head) == 0 and g.weight_params(head) == g[0].params
+    untied = from_config({**TINY, "tie_word_embeddings": False})
+    assert untied.owner(head) == head and untied[head].params == TINY["vocab_size"] * TINY["hidden_size"]
+
+
+def test_attention_flops_grow_with_sequence_length():
+    b = from_config(TINY)[1]
+    assert b.flops_per_token(2048) - b.flops_per_token(1024) == pytest.approx(1024 * 2 * TINY["hidden_size"])
+
+
+@pytest.mark.parametrize("cfg,msg", [({"hidden_size": 64}, "missing"),
+                                     ({**TINY, "num_key_value_heads": 3}, "multiple"),
+                                     ({**TINY, "num_hidden_layers": 0}, "positive")])
+def test_bad_model_config_is_refused(cfg, msg):
+    with pytest.raises(ValueError, match=msg):
+        from_config(cfg)
+
+
+def test_hardware_from_json(tmp_path):
+    d = hardware("h200").to_dict()
+    p = tmp_path / "hw.json"
+    import json
+
+    p.write_text(json.dumps({**d, "name": "mine", "h2d_bytes_per_s": 10e9}))
+    assert hardware(str(p)).h2d_bytes_per_s == 10e9
+    p.write_text(json.dumps({**d, "h2d_bytes_per_s": 0}))
+    with pytest.raises(ValueError, match="h2d_bytes_per_s must be positive"):
+        hardware(str(p))
+    with pytest.raises(ValueError, match="unknown hardware"):
+        hardware("tpu")
+    assert HardwareSpec.from_dict(d) == hardware("h200")

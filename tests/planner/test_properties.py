@@ -1,0 +1,112 @@
+"""Property tests over random layer graphs, batch shapes, slot counts and budgets."""
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from megatrain.ir import Schedule, ScheduleConfig
+from megatrain.planner.cost import device_memory, host_memory
+from megatrain.planner.graph import Layer, LayerGraph
+from megatrain.planner.hardware import PRESETS
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.search import PlanError, plan
+from megatrain.planner.simulate import bound, simulate
+from megatrain.planner.verify import verify
+
+SPEC = PRESETS["h200"]
+MiB = 1 << 20
+
+
+@st.composite
+def graphs(draw, max_layers=64):
+    n = draw(st.integers(2, max_layers))
+    tied = draw(st.booleans())
+    size = st.integers(1, 4_000_000)
+    layers = [Layer(name="embed", kind="embedding", template="embedding", params=draw(size),
+                    act_bytes_per_token=draw(st.integers(2, 8192)), work_bytes_per_token=draw(st.integers(0, 8192)))]
+    for i in range(1, n - 1):  # uneven blocks, sometimes a norm
+        kind = draw(st.sampled_from(["block", "block", "norm"]))
+        layers.append(Layer(name=f"l{i}", kind=kind, template=kind, params=draw(size),
+                            matmul_flops_per_token=draw(st.floats(0, 1e8)),
+                            attn_flops_per_token_per_seq=draw(st.floats(0, 1e4)),
+                            act_bytes_per_token=draw(st.integers(2, 8192)),
+                            work_bytes_per_token=draw(st.integers(0, 65536))))
+    layers.append(Layer(name="head", kind="head", template="head", params=0 if tied else draw(size),
+                        tie=0 if tied else None, matmul_flops_per_token=draw(st.floats(0, 1e8)),
+                        work_bytes_per_token=draw(st.integers(0, 8192)),
+                        logit_bytes_per_token=draw(st.integers(4, 40000))))
+    return LayerGraph(layers)
+
+
+@st.composite
+def configs(draw, graph):
+    seq = draw(st.sampled_from([16, 128, 1024]))
+    return ScheduleConfig(
+        n_layers=len(graph), n_steps=draw(st.integers(1, 2)), n_mb=draw(st.integers(1, 5)),
+        mb_tokens=seq * draw(st.integers(1, 4)), seq_len=seq, weight_slots=draw(st.integers(1, 4)),
+        grad_slots=draw(st.integers(1, 3)), wire_bytes_per_param=draw(st.sampled_from([2, 4])),
+        host_checkpoints=draw(st.integers(0, len(graph) - 2)), clip=draw(st.booleans()),
+        budget_bytes=draw(st.integers(64 * MiB, 4096 * MiB)),
+    )
+
+
+@given(st.data())
+def test_every_schedule_verifies_fits_and_respects_the_bound(data):
+    graph = data.draw(graphs())
+    cfg = data.draw(configs(graph))
+    s = build_schedule(graph, cfg)
+    fits = device_memory(graph, s).total_nbytes <= cfg.budget_bytes
+    if not fits:  # the one way a built schedule may fail: it needs more than the budget
+        with pytest.raises(ValueError, match="schedule rule 'memory'"):
+            verify(s, graph)
+        return
+    verify(s, graph)
+    tl = simulate(s, graph, SPEC)
+    b = bound(s, graph, SPEC)
+    assert tl.peak_nbytes <= tl.reserved_nbytes <= cfg.budget_bytes
+    assert tl.makespan_s >= b.makespan_s * (1 - 1e-9)
+    assert tl.step_s >= b.step_s * (1 - 1e-9)
+    for op in s.ops:  # streams never run two ops at once, and deps finish before their dependents start
+        assert all(tl.end_s[d] <= tl.start_s[op.id] + 1e-12 for d in op.deps)
+    assert Schedule.from_text(s.to_text()) == s
+    assert Schedule.from_json(s.to_json()) == s
+    assert build_schedule(graph, cfg).to_text() == s.to_text()
+
+
+@given(st.data())
+def test_stream_ops_never_overlap(data):
+    graph = data.draw(graphs(max_layers=12))
+    cfg = data.draw(configs(graph))
+    s = build_schedule(graph, cfg)
+    tl = simulate(s, graph, SPEC)
+    for ops in s.by_stream().values():
+        for a, b in zip(ops, ops[1:]):
+            assert tl.end_s[a.id] <= tl.start_s[b.id] + 1e-12
+
+
+@given(st.data(), st.integers(1, 8), st.integers(16, 12000))
+def test_plan_fits_or_refuses_clearly(data, n_seqs, budget_mib):
+    graph = data.draw(graphs(max_layers=16))
+    seq = 128
+    try:
+        p = plan(graph, SPEC, n_seqs * seq, seq, budget_bytes=budget_mib * MiB, n_steps=1)
+    except PlanError as e:
+        msg = str(e)
+        assert "GiB" in msg and ("budget" in msg or "host" in msg)
+        return
+    verify(p.schedule, graph, SPEC)
+    assert p.timeline.peak_nbytes <= p.timeline.reserved_nbytes <= budget_mib * MiB
+    assert sum(host_memory(graph, p.schedule.config).values()) <= SPEC.host_bytes
+    again = plan(graph, SPEC, n_seqs * seq, seq, budget_bytes=budget_mib * MiB, n_steps=1)
+    assert again.schedule.to_text() == p.schedule.to_text()
+
+
+def test_tiny_budget_is_refused_before_anything_is_built():
+    from megatrain.planner.graph import preset
+
+    with pytest.raises(PlanError, match=r"GPU budget 1.00 GiB is too small for one layer.*needs 4.23 GiB"):
+        plan(preset("qwen2.5-7b"), SPEC, 32768, 1024, budget_bytes=1 << 30)
+    with pytest.raises(PlanError, match=r"does not fit host memory.*1083.41 GiB.*125.00 GiB"):
+        plan(preset("qwen2.5-72b"), SPEC, 32768, 1024)
+    with pytest.raises(PlanError, match="multiple of the sequence length"):
+        plan(preset("qwen2.5-0.5b"), SPEC, 1000, 1024)

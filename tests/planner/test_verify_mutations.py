@@ -1,0 +1,116 @@
+"""Break a valid schedule in one way at a time: verify must name the broken rule."""
+
+import dataclasses
+
+import pytest
+
+from megatrain.ir import Op, OpKind, Schedule
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.verify import ScheduleError, verify
+
+from .helpers import config, renumber, tiny_graph
+
+G = tiny_graph(num_hidden_layers=4)
+
+
+def _schedule(**kw) -> Schedule:
+    s = build_schedule(G, config(G, n_steps=2, n_mb=3, **kw))
+    verify(s, G)
+    return s
+
+
+def _find(s: Schedule, kind: OpKind, **kw) -> Op:
+    return next(op for op in s.ops if op.kind is kind and all(getattr(op, k) == v for k, v in kw.items()))
+
+
+def _replace(s: Schedule, op: Op, **kw) -> Schedule:
+    ops = list(s.ops)
+    ops[op.id] = dataclasses.replace(op, **kw)
+    return Schedule(tuple(ops), s.config, s.provenance)
+
+
+def _broken(s: Schedule, rule: str) -> ScheduleError:
+    with pytest.raises(ScheduleError) as e:
+        verify(s, G)
+    assert e.value.rule == rule, str(e.value)
+    return e.value
+
+
+def test_dropping_a_write_after_read_dependency_is_caught():
+    s = _schedule()
+    # the first load that evicts something: it must wait for the evicted layer's last reader
+    load = next(op for op in s.ops if op.kind is OpKind.LOAD_W and op.deps)
+    err = _broken(_replace(s, load, deps=()), "slot-overwritten")
+    assert str(load.id) in str(err) and "missing dependency" in str(err)
+
+
+def test_dropping_a_read_after_write_dependency_is_caught():
+    s = _schedule()
+    fwd = _find(s, OpKind.FWD, step=0, layer=2, mb=0)
+    load = next(s.ops[d] for d in fwd.deps if s.ops[d].kind is OpKind.LOAD_W)
+    _broken(_replace(s, fwd, deps=tuple(d for d in fwd.deps if d != load.id)), "slot-ready")
+
+
+def test_reusing_a_slot_before_its_last_reader_is_caught():
+    s = _schedule(weight_slots=3)
+    # load layer 2 into the slot that still holds layer 1, which FWD(layer 1) has yet to read
+    load = _find(s, OpKind.LOAD_W, step=0, layer=2)
+    held = _find(s, OpKind.LOAD_W, step=0, layer=1).slot("w")
+    assert load.slot("w") != held
+    _broken(_replace(s, load, slots=(("w", held),)), "slot-content")
+
+
+def test_exceeding_the_memory_budget_is_caught():
+    s = _schedule()
+    err = _broken(Schedule(s.ops, dataclasses.replace(s.config, budget_bytes=100_000), s.provenance), "memory")
+    assert "budget is 97.66 KiB" in str(err)
+    # one activation written to a slot far beyond the others grows the pool past the budget
+    fwd = _find(s, OpKind.FWD, step=0, layer=1, mb=0)
+    slots = tuple((r, 1_000_000 if r == "y" else i) for r, i in fwd.slots)
+    err = _broken(_replace(s, fwd, slots=slots), "memory")
+    assert "a: 1000001 x" in str(err)
+
+
+def test_optimizing_a_layer_twice_is_caught():
+    s = _schedule()
+    opt = _find(s, OpKind.OPT, step=0, layer=1)
+    twice = dataclasses.replace(opt, id=len(s.ops), deps=(opt.id,))
+    err = _broken(Schedule(s.ops + (twice,), s.config, s.provenance), "once")
+    assert "optimized twice" in str(err)
+
+
+def test_storing_a_gradient_after_its_optimizer_is_caught():
+    s = _schedule(clip=False)
+    store = _find(s, OpKind.STORE_G, step=0, layer=2)
+    opt = _find(s, OpKind.OPT, step=0, layer=2)
+    ops = [dataclasses.replace(op, deps=tuple(d for d in op.deps if d != store.id)) for op in s.ops if op != store]
+    at = next(i for i, op in enumerate(ops) if op.id == opt.id) + 1
+    ops.insert(at, store)  # now the store comes after the optimizer that needs it
+    _broken(renumber(s, ops), "store-before-opt")
+
+
+def test_loading_weights_before_the_previous_steps_optimizer_is_caught():
+    s = _schedule()
+    load = _find(s, OpKind.LOAD_W, step=1, layer=0)
+    opt = _find(s, OpKind.OPT, step=0, layer=0)
+    _broken(_replace(s, load, deps=tuple(d for d in load.deps if d != opt.id)), "load-after-opt")
+
+
+def test_a_forward_dependency_is_caught():
+    s = _schedule()
+    op = s.ops[5]
+    _broken(_replace(s, op, deps=(len(s.ops) - 1,)), "acyclic")
+
+
+def test_a_missing_backward_is_caught():
+    s = _schedule()
+    bwd = _find(s, OpKind.BWD, step=1, layer=0, mb=2)
+    _broken(renumber(s, [op for op in s.ops if op != bwd]), "complete")
+
+
+def test_error_names_the_op_in_text_form():
+    s = _schedule()
+    load = next(op for op in s.ops if op.kind is OpKind.LOAD_W and op.deps)
+    with pytest.raises(ScheduleError) as e:
+        verify(_replace(s, load, deps=()), G)
+    assert "LOAD_W s0" in str(e.value)

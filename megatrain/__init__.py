@@ -4,7 +4,10 @@ The host owns the model (fp32 master weights and Adam state); the GPU streams la
 that the planner computes before the first step.
 """
 
+from megatrain.api import PlanOptions, StepStats, StreamedModel, compile
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
+from megatrain.runtime.optim import OptimConfig
 
 __version__ = "0.1.0"
-__all__ = ["Op", "OpKind", "Schedule", "ScheduleConfig", "Stream", "__version__"]
+__all__ = ["Op", "OpKind", "OptimConfig", "PlanOptions", "Schedule", "ScheduleConfig", "StepStats", "Stream",
+           "StreamedModel", "compile", "__version__"]

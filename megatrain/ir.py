@@ -28,7 +28,7 @@ import enum
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 FORMAT_VERSION = 1
 
@@ -257,3 +257,54 @@ class Schedule:
             ScheduleConfig.from_dict(d["config"]),
             tuple(d.get("provenance", ())),
         )
+
+
+def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(reads, writes): slot role -> the content an op expects to find / leaves behind.
+
+    Contents: ``("W", step, owner layer)`` weights; ``("A", step, layer, mb)`` the checkpoint at a layer's input;
+    ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs.
+    ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied).
+    """
+    st, l, j = op.step, op.layer, op.mb
+    w = ("W", st, owner(l))
+    k = op.kind
+    if k is OpKind.LOAD_W:
+        return {}, {"w": w}
+    if k is OpKind.FWD:
+        reads = {"w": w}
+        if l > 0:
+            reads["x"] = ("A", st, l, j)
+        return reads, {"y": ("A", st, l + 1, j)}
+    if k in (OpKind.BWD, OpKind.LOSS):
+        reads, writes = {"w": w}, {"g": ("G", st, l, j + 1)}
+        if j > 0:
+            reads["g"] = ("G", st, l, j)
+        if k is OpKind.LOSS or l > 0:
+            reads["x"], writes["x"] = ("A", st, l, j), ("dA", st, l, j)
+        if k is OpKind.BWD:
+            reads["dy"] = ("dA", st, l + 1, j)
+        return reads, writes
+    if k is OpKind.SAVE_ACT:
+        return {"a": ("A", st, l, j)}, {}
+    if k is OpKind.LOAD_ACT:
+        return {}, {"a": ("A", st, l, j)}
+    if k is OpKind.STORE_G:
+        return {"g": ("G", st, l, n_mb)}, {}
+    return {}, {}
+
+
+def format_table(schedule: Schedule, start_s: list[float] | None = None, end_s: list[float] | None = None,
+                 mark: int | None = None, context: int | None = None) -> str:
+    """One row per op (with start/end in ms when given); ``mark`` flags one op with ``<-- HERE``; ``context``
+    limits the rows to that many either side of the marked op."""
+    ops = schedule.ops
+    if mark is not None and context is not None:
+        ops = ops[max(0, mark - context): mark + context + 1]
+    timed = start_s is not None and end_s is not None
+    head = f"{'id':>6s} {'stream':8s} " + (f"{'start_ms':>10s} {'end_ms':>10s}  " if timed else "") + "op"
+    rows = [head]
+    for op in ops:
+        times = f"{start_s[op.id] * 1e3:10.3f} {end_s[op.id] * 1e3:10.3f}  " if timed else ""
+        rows.append(f"{op.id:6d} {op.stream.value:8s} {times}{op}" + ("  <-- HERE" if op.id == mark else ""))
+    return "\n".join(rows)

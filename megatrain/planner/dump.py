@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatrain.ir import STREAM_ORDER, Op, OpKind, Schedule
+from megatrain.ir import STREAM_ORDER, Op, OpKind, Schedule, format_table
 from megatrain.planner.simulate import Timeline
 
 KIND_COLORS = {
@@ -17,15 +17,9 @@ GiB = 1 << 30
 
 def table(schedule: Schedule, timeline: Timeline | None = None, mark: int | None = None) -> str:
     """One row per op; with a timeline, its start and end in ms; ``mark`` flags one op with ``<-- HERE``."""
-    rows = []
-    for op in schedule.ops:
-        times = ""
-        if timeline is not None:
-            times = f"{timeline.start_s[op.id] * 1e3:10.3f} {timeline.end_s[op.id] * 1e3:10.3f}  "
-        flag = "  <-- HERE" if op.id == mark else ""
-        rows.append(f"{op.id:6d} {op.stream.value:8s} {times}{op}{flag}")
-    head = f"{'id':>6s} {'stream':8s} " + (f"{'start_ms':>10s} {'end_ms':>10s}  " if timeline else "") + "op"
-    return "\n".join([head] + rows)
+    if timeline is None:
+        return format_table(schedule, mark=mark)
+    return format_table(schedule, timeline.start_s, timeline.end_s, mark=mark)
 
 
 def _label(op: Op) -> str:

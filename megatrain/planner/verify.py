@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from megatrain.ir import KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule
+from megatrain.ir import KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, slot_contents
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -53,36 +53,6 @@ class HappensBefore:
         return a == b or self.vc[b][self.sid[a]] >= self.pos[a]
 
 
-def _tags(op: Op, graph: LayerGraph, n_mb: int) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(reads, writes): role -> content tag the op expects to read / leaves in the slot."""
-    st, l, j = op.step, op.layer, op.mb
-    w = ("W", st, graph.owner(l))
-    k = op.kind
-    if k is OpKind.LOAD_W:
-        return {}, {"w": w}
-    if k is OpKind.FWD:
-        reads = {"w": w}
-        if l > 0:
-            reads["x"] = ("A", st, l, j)
-        return reads, {"y": ("A", st, l + 1, j)}
-    if k in (OpKind.BWD, OpKind.LOSS):
-        reads, writes = {"w": w}, {"g": ("G", st, l, j + 1)}
-        if j > 0:
-            reads["g"] = ("G", st, l, j)
-        if k is OpKind.LOSS or l > 0:
-            reads["x"], writes["x"] = ("A", st, l, j), ("dA", st, l, j)
-        if k is OpKind.BWD:
-            reads["dy"] = ("dA", st, l + 1, j)
-        return reads, writes
-    if k is OpKind.SAVE_ACT:
-        return {"a": ("A", st, l, j)}, {}
-    if k is OpKind.LOAD_ACT:
-        return {}, {"a": ("A", st, l, j)}
-    if k is OpKind.STORE_G:
-        return {"g": ("G", st, l, n_mb)}, {}
-    return {}, {}
-
-
 def _check_shape(s: Schedule, graph: LayerGraph) -> None:
     cfg = s.config
     L = len(graph)
@@ -109,7 +79,7 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, f"only checkpoints of layers 1..{cfg.host_checkpoints} go to host")
         if op.kind is OpKind.OPT and graph[op.layer].tie is not None:
             raise ScheduleError("kind", op, f"layer {op.layer} has no weights of its own to optimize")
-        reads, writes = _tags(op, graph, cfg.n_mb)
+        reads, writes = slot_contents(op, graph.owner, cfg.n_mb)
         want = sorted(set(reads) | set(writes))
         have = sorted(r for r, _ in op.slots)
         if want != have:
@@ -164,7 +134,7 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     writers: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (pool, slot) -> writers in program order
     tags: dict[int, tuple[dict, dict]] = {}
     for op in s.ops:
-        tags[op.id] = _tags(op, graph, n_mb)
+        tags[op.id] = slot_contents(op, graph.owner, n_mb)
         for role, idx in op.slots:
             if role in tags[op.id][1]:
                 writers[(SLOT_POOL[role], idx)].append(op)

@@ -1,0 +1,168 @@
+"""``megatrain.compile(model)``: capture a causal LM, move its weights into the host store, train it streamed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megatrain.ir import Schedule, ScheduleConfig
+from megatrain.planner.capture import Captured, capture
+from megatrain.planner.cost import device_memory, fmt_bytes
+from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.verify import verify
+from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepOutput
+from megatrain.runtime.init import init_seeded
+from megatrain.runtime.optim import HostAdamW, OptimConfig
+from megatrain.runtime.store import HostStore
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    n_mb: int = 1  # micro-batches per step
+    weight_slots: int = 2
+    grad_slots: int = 2
+    host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    tokens: int  # valid (predicted) tokens in the step
+    lr: float
+    grad_norm: float | None
+    seconds: float
+
+
+class StreamedModel:
+    """A model whose weights and optimizer state live in a :class:`HostStore` and whose layers run on a schedule.
+
+    Memory contract: ``compile`` copies a materialized model's parameters into the store (so both exist until the
+    caller drops the model: build it on the meta device to avoid that). The user's module is never modified;
+    the trained weights are in ``state_dict()`` (views into the store) and ``copy_to(model)`` writes them back.
+    """
+
+    def __init__(self, captured: Captured, store: HostStore, optim: OptimConfig, device: torch.device,
+                 compute_dtype: torch.dtype, plan: PlanOptions, hardware: HardwareSpec):
+        self.captured, self.store, self.graph = captured, store, captured.graph
+        self.device, self.compute_dtype, self.plan_options, self.hardware = device, compute_dtype, plan, hardware
+        self.optimizer = HostAdamW(store, optim)
+        self.executor = Executor(captured, store, self.optimizer, device, compute_dtype)
+        self._schedules: dict[tuple, Schedule] = {}
+        self.step = 0
+
+    # ---- planning -----------------------------------------------------------------------------------------
+    def schedule_for(self, batch_size: int, seq_len: int, **overrides) -> Schedule:
+        """The verified schedule for a step of ``batch_size`` sequences of ``seq_len`` tokens (cached)."""
+        opts = replace(self.plan_options, **overrides)
+        key = (batch_size, seq_len, opts)
+        if key not in self._schedules:
+            if batch_size % opts.n_mb:
+                raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
+            act = torch.finfo(self.compute_dtype).bits // 8
+            graph = self.graph
+            cfg = ScheduleConfig(
+                n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
+                seq_len=seq_len, weight_slots=opts.weight_slots, grad_slots=opts.grad_slots,
+                wire_bytes_per_param=act, host_checkpoints=opts.host_checkpoints,
+                clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes)
+            s = build_schedule(graph, cfg)
+            mem = device_memory(graph, s)
+            if mem.total_nbytes > cfg.budget_bytes:
+                raise ValueError(f"the schedule needs {fmt_bytes(mem.total_nbytes)} of device memory, the budget "
+                                 f"({self.hardware.name}) is {fmt_bytes(cfg.budget_bytes)}: use more micro-batches "
+                                 f"or fewer weight slots")
+            verify(s, graph)
+            self._schedules[key] = s
+        return self._schedules[key]
+
+    # ---- training -----------------------------------------------------------------------------------------
+    def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   labels: torch.Tensor | None = None, **plan_overrides) -> StepStats:
+        """One optimizer step on a batch of sequences (B, T). ``labels`` default to ``input_ids`` with padding
+        (attention_mask == 0) ignored; as in HF, position t is trained to predict label t + 1; the loss is the sum
+        over the step's valid tokens divided by their count."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if labels is None:
+            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        if labels.shape != input_ids.shape or attention_mask.shape != input_ids.shape:
+            raise ValueError("input_ids, attention_mask and labels must have the same shape")
+        vocab = self.captured.vocab_size
+        valid = labels[labels != IGNORE_INDEX]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+            raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids must be in [0, {vocab})")
+        B, T = input_ids.shape
+        schedule = self.schedule_for(B, T, **plan_overrides)
+        nxt = torch.full_like(labels, IGNORE_INDEX)
+        nxt[:, :-1] = labels[:, 1:]
+        denom = int((nxt != IGNORE_INDEX).sum())
+        if denom == 0:
+            raise ValueError("the batch has no token to predict (every label is ignored)")
+        n = schedule.config.n_mb
+        b = B // n
+        mbs = [MicroBatch(input_ids[i * b:(i + 1) * b], attention_mask[i * b:(i + 1) * b], nxt[i * b:(i + 1) * b])
+               for i in range(n)]
+        t0 = time.perf_counter()
+        out: StepOutput = self.executor.run(schedule, mbs, denom)
+        self.step += 1
+        return StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0)
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.store.state_dict()
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        """Write the trained weights into ``model`` (same architecture), in place."""
+        sd = self.state_dict()
+        for name, p in model.named_parameters():
+            p.copy_(sd[name])
+
+    def memory_report(self, batch_size: int | None = None, seq_len: int | None = None) -> dict[str, int]:
+        """Bytes by kind: host store rows; with a batch shape, the device slots and working set of its schedule."""
+        out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
+        if batch_size and seq_len:
+            mem = device_memory(self.graph, self.schedule_for(batch_size, seq_len))
+            out.update({f"device.{p}_slots": v for p, v in mem.pool_nbytes.items()})
+            out["device.working_set"] = mem.workspace_nbytes
+        return out
+
+
+def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed: int | None = None,
+            optim: OptimConfig | None = None, device: str | torch.device | None = None,
+            compute_dtype: torch.dtype | None = None, hardware: str | HardwareSpec | None = None,
+            **plan) -> StreamedModel:
+    """Capture ``model`` (an HF causal LM or a decoder ``nn.Module`` mapping input_ids to logits) and return a
+    :class:`StreamedModel` whose weights live in host memory.
+
+    Weights come from the model itself, or, for a model built on the meta device, from ``checkpoint`` (an HF
+    safetensors directory) or ``init_seed`` (the model's own initializer, one layer at a time).
+    Defaults: CUDA with bf16 compute when available, else CPU in fp32.
+    """
+    from megatrain.planner.hardware import hardware as hardware_spec
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware or
+                                                                            ("h200" if dev.type == "cuda" else "cpu"))
+    if checkpoint is not None and init_seed is not None:
+        raise ValueError("pass checkpoint= or init_seed=, not both")
+    cap = capture(model, act_dtype_bytes=torch.finfo(dtype).bits // 8)
+    store = HostStore(cap, pin=dev.type == "cuda")
+    if checkpoint is not None:
+        store.load_safetensors(checkpoint)
+    elif init_seed is not None:
+        init_seeded(model, cap, store, init_seed)
+    else:
+        store.load_from_module(model)
+    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, PlanOptions(**plan), spec)

@@ -1,0 +1,395 @@
+"""Capture: a causal-LM ``nn.Module`` -> LayerGraph + one weightless template per layer structure.
+
+The model is traced with ``torch.fx`` with each decoder block (the modules of the model's block ``ModuleList``),
+each rotary-embedding module and HF's attention-mask builders as leaves. The traced graph is cut into layers:
+
+- layer 0, the *embedding*: everything that computes the first block's hidden-state input and the *side inputs*
+  the blocks take (attention masks, rotary tables, position ids), from ``input_ids`` and ``attention_mask``;
+- one layer per block call;
+- a *norm* layer: what lies between the last block and the head (final norm, slicing);
+- the *head* layer: the last module call that owns parameters, and what follows it (e.g. logit soft-capping).
+  It returns logits; megatrain computes the loss.
+
+Templates are GraphModules / modules over a copy of the model whose parameters are on the meta device, so they
+hold no weights; calling one binds views of a flat weight buffer with ``torch.func.functional_call``.
+Blocks whose structure (class, parameter shapes, non-tensor attributes except ``layer_idx``) is equal share one.
+The user's model is only read.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import functools
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from megatrain.planner.graph import Layer, LayerGraph
+
+
+class CaptureError(ValueError):
+    """The model has a structure capture does not understand; the message says what."""
+
+
+@dataclass
+class ParamRef:
+    name: str  # name inside the template (what functional_call binds)
+    model_name: str  # the parameter's name in the user's model state_dict
+    offset: int  # element offset in the owner layer's flat block
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Segment:
+    """One layer: how to call its template and which weights it binds."""
+
+    index: int
+    name: str
+    kind: str  # embedding | block | norm | head
+    template: nn.Module
+    template_key: str
+    params: list[ParamRef] = field(default_factory=list)  # views into the owner's flat block
+    owner: int = 0  # layer whose host block holds the weights (itself unless tied)
+    numel: int = 0  # elements of the owner's flat block this layer owns (0 when tied)
+    call_args: Any = None  # blocks: fx args/kwargs structure; side inputs appear as node names
+    tuple_out: bool = False  # blocks return a tuple whose first item is the hidden state
+
+
+@dataclass
+class Captured:
+    graph: LayerGraph
+    segments: list[Segment]
+    side_names: list[str]  # names of the side inputs the embedding layer returns after the hidden state
+    model_param_names: dict[str, tuple[int, int, tuple[int, ...]]]  # model name -> (owner layer, offset, shape)
+    tied_names: dict[str, str]  # extra model names that alias another parameter (tied weights)
+    hidden_size: int
+    vocab_size: int
+
+
+# --------------------------------------------------------------------------------------------------------------
+def _leaf_function(fn):
+    """A stand-in for ``fn`` that records one fx call node (like ``torch.fx.wrap``), binding arguments that fx cannot
+    represent (config objects) into the recorded callable."""
+
+    @functools.wraps(fn)
+    def stand_in(*args, **kwargs):
+        flat = [*args, *kwargs.values()]
+        proxy = next((a for a in flat if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is None:
+            return fn(*args, **kwargs)
+        const = {k: v for k, v in kwargs.items() if not _fx_arg(v)}
+        dyn = {k: v for k, v in kwargs.items() if k not in const}
+
+        def bound(*a, **k):
+            return fn(*a, **const, **k)
+
+        bound.__name__ = bound.__qualname__ = fn.__name__
+        bound.__module__ = __name__
+        return proxy.tracer.create_proxy("call_function", bound, args, dyn)
+
+    return stand_in
+
+
+def _fx_arg(v) -> bool:
+    if isinstance(v, (torch.fx.Proxy, torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_fx_arg(x) for x in v)
+    return False
+
+
+class _Tracer(torch.fx.Tracer):
+    def __init__(self, blocks: set[int]):
+        super().__init__()
+        self.blocks = blocks
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if id(m) in self.blocks or type(m).__name__.endswith("RotaryEmbedding"):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+class _Root(nn.Module):
+    """What is traced: ``(input_ids, attention_mask) -> logits``."""
+
+    def __init__(self, model: nn.Module, hf: bool):
+        super().__init__()
+        self.m = model
+        self.hf = hf
+
+    def forward(self, input_ids, attention_mask):
+        if self.hf:
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return self.m(input_ids)
+
+
+def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and all(
+                any(True for _ in m.parameters()) for m in mod):
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    if best is None:
+        raise CaptureError(f"{type(model).__name__}: found no nn.ModuleList of decoder blocks with parameters")
+    return best
+
+
+def _trace(model: nn.Module, blocks: nn.ModuleList, hf: bool) -> torch.fx.GraphModule:
+    import importlib
+
+    leaves = {id(b) for b in blocks}
+    patched = []
+    mask_mod = None
+    if hf:
+        try:
+            mask_mod = importlib.import_module("transformers.masking_utils")
+        except ImportError:
+            mask_mod = None
+    targets = {}
+    if mask_mod is not None:
+        for n in dir(mask_mod):
+            f = getattr(mask_mod, n)
+            if n.startswith("create_") and n.endswith("mask") and callable(f):
+                targets[f] = _leaf_function(f)
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    try:
+        for mod in modules:
+            for n, v in list(vars(mod).items()):
+                if callable(v) and v in targets:
+                    patched.append((mod, n, v))
+                    setattr(mod, n, targets[v])
+        root = _Root(model, hf)
+        try:
+            graph = _Tracer(leaves).trace(root)
+        except Exception as e:  # noqa: BLE001 - any tracing failure is reported as what capture did not understand
+            raise CaptureError(f"{type(model).__name__}: torch.fx could not trace the forward with decoder blocks "
+                               f"as leaves: {type(e).__name__}: {e}") from None
+        return torch.fx.GraphModule(root, graph)
+    finally:
+        for mod, n, v in patched:
+            setattr(mod, n, v)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A structural copy whose parameters live on the meta device (no weight memory); buffers are copied."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
+def _materialize_meta_buffers(module: nn.Module) -> None:
+    """Buffers of a model built on the meta device (rotary tables) hold no values; rebuild each owning module from
+    its config on the CPU and take its buffers."""
+    for name, mod in module.named_modules():
+        meta = [b for b, t in mod._buffers.items() if t is not None and t.is_meta]
+        if not meta:
+            continue
+        config = getattr(mod, "config", None)
+        if config is None:
+            raise CaptureError(f"buffers {meta} of '{name}' ({type(mod).__name__}) are on the meta device and the "
+                               f"module has no config to rebuild them from; build the model with real buffers")
+        with torch.device("cpu"):
+            fresh = type(mod)(config=config)
+        for b in meta:
+            mod._buffers[b] = fresh._buffers[b]
+
+
+def _structure_key(mod: nn.Module) -> str:
+    parts = [type(mod).__qualname__]
+    for name, sub in mod.named_modules():
+        attrs = sorted((k, repr(v)) for k, v in vars(sub).items()
+                       if not k.startswith("_") and k not in ("training", "layer_idx")
+                       and isinstance(v, (int, float, str, bool, type(None), tuple)))
+        parts.append(f"{name}:{type(sub).__qualname__}:{attrs}")
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in mod.named_parameters()]
+    return f"{type(mod).__name__}-{hashlib.sha1('|'.join(parts).encode()).hexdigest()[:10]}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+def _ancestors(nodes, stop: set) -> list[torch.fx.Node]:
+    """Every node ``nodes`` depend on (themselves included), not walking into ``stop``."""
+    seen, todo = {}, list(nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        seen[n] = True
+        todo.extend(n.all_input_nodes)
+    return list(seen)
+
+
+def _subgraph(order: dict, nodes, inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> torch.fx.Graph:
+    """A graph of ``nodes`` (copied in program order) taking ``inputs`` as placeholders and returning ``outputs``."""
+    g = torch.fx.Graph()
+    env = {n: g.placeholder(n.name if n.op == "placeholder" else f"in_{n.name}") for n in inputs}
+    for n in sorted(nodes, key=order.__getitem__):
+        if n not in env:
+            env[n] = g.node_copy(n, lambda x: env[x])
+    outs = [env[o] for o in outputs]
+    g.output(outs[0] if len(outs) == 1 else tuple(outs))
+    g.lint()
+    return g
+
+
+def _node_params(gm: nn.Module, graph: torch.fx.Graph) -> list[str]:
+    """Parameter names (qualified in ``gm``) a graph uses, in first-use order."""
+    names = []
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            try:
+                gm.get_parameter(n.target)
+                names.append(n.target)
+            except AttributeError:
+                pass
+        elif n.op == "call_module":
+            names += [f"{n.target}.{pn}" for pn, _ in gm.get_submodule(n.target).named_parameters()]
+    return list(dict.fromkeys(names))
+
+
+def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
+    """Trace ``model`` and cut it into layers. Raises :class:`CaptureError` naming what was not understood."""
+    hf = hasattr(model, "config") and hasattr(model, "get_output_embeddings")
+    blocks_name, blocks = _find_blocks(model)
+    traced = _trace(model, blocks, hf)
+    graph = traced.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    block_path = {f"m.{blocks_name}.{i}": i for i in range(len(blocks))}
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target in block_path]
+    if [block_path[n.target] for n in calls] != list(range(len(blocks))):
+        raise CaptureError(f"{type(model).__name__}: the blocks of '{blocks_name}' are not each called once in order "
+                           f"(calls: {[n.target for n in calls]})")
+    tuple_out = False
+    for prev, cur in zip(calls, calls[1:]):
+        h = cur.args[0] if cur.args else None
+        if h is prev:
+            continue
+        if isinstance(h, torch.fx.Node) and h.target is __import__("operator").getitem and h.args == (prev, 0):
+            tuple_out = True
+            continue
+        raise CaptureError(f"{type(model).__name__}: block '{cur.target}' does not take the previous block's output "
+                           f"as its first argument")
+    h0 = calls[0].args[0] if calls[0].args else None
+    if not isinstance(h0, torch.fx.Node):
+        raise CaptureError(f"{type(model).__name__}: the first block takes no hidden-state argument")
+    sides: dict[torch.fx.Node, None] = {}
+    for c in calls:
+        torch.fx.node.map_arg((c.args[1:], c.kwargs), lambda n: sides.setdefault(n, None))
+    block_set = set(calls)
+    if tuple_out:
+        block_set |= {u for c in calls for u in c.users if u.target is __import__("operator").getitem}
+    prologue = _ancestors([h0, *sides], stop=block_set)
+    if block_set & set(prologue) or any(n in block_set for n in sides):
+        raise CaptureError(f"{type(model).__name__}: side inputs of the blocks depend on block outputs")
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    logits = out_node.args[0]
+    last = calls[-1]
+    h_last = next((u for u in last.users if u.target is __import__("operator").getitem), last) if tuple_out else last
+    epilogue = [n for n in _ancestors([logits], stop={h_last}) if n not in set(prologue)]
+    meta_model = _meta_copy(model)
+    _materialize_meta_buffers(meta_model)
+    meta_root = _Root(meta_model, hf)
+    head_calls = [n for n in sorted(epilogue, key=order.__getitem__) if n.op == "call_module"
+                  and any(True for _ in traced.get_submodule(n.target).parameters())]
+    if not head_calls:
+        raise CaptureError(f"{type(model).__name__}: no module with parameters after the last block (the lm head)")
+    head = head_calls[-1]
+    head_in = head.args[0]
+    norm_nodes = _ancestors([head_in], stop={h_last}) if head_in is not h_last else []
+    head_nodes = [n for n in epilogue if n not in set(norm_nodes)]
+
+    segs: list[tuple[str, str, nn.Module, Any]] = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    emb_graph = _subgraph(order, set(prologue) - set(placeholders), placeholders, [h0, *sides])
+    segs.append(("embed", "embedding", torch.fx.GraphModule(meta_root, emb_graph), None))
+    templates: dict[str, nn.Module] = {}
+    for i, c in enumerate(calls):
+        blk = meta_model.get_submodule(f"{blocks_name}.{i}")
+        key = _structure_key(blk)
+        templates.setdefault(key, blk)
+        segs.append((f"{blocks_name}.{i}", "block", templates[key], (c.args[1:], c.kwargs)))
+    if norm_nodes:
+        norm_gm = torch.fx.GraphModule(meta_root, _subgraph(order, set(norm_nodes), [h_last], [head_in]))
+        if _node_params(norm_gm, norm_gm.graph):
+            segs.append(("norm", "norm", norm_gm, None))
+        else:  # nothing to train between the blocks and the head: it runs as part of the head
+            head_nodes, norm_nodes = epilogue, []
+    g = _subgraph(order, set(head_nodes), [head_in if norm_nodes else h_last], [logits])
+    segs.append(("head", "head", torch.fx.GraphModule(meta_root, g), None))
+    return _assemble(model, blocks_name, segs, [n.name for n in sides], tuple_out, act_dtype_bytes)
+
+
+def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], tuple_out: bool,
+              act_dtype_bytes: int) -> Captured:
+    canonical: dict[int, str] = {}
+    tied_names: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            tied_names[name] = canonical[id(p)]
+        else:
+            canonical[id(p)] = name
+    owner_of: dict[str, tuple[int, int]] = {}  # canonical model name -> (owner layer, offset)
+    numel = []
+    segments: list[Segment] = []
+    layers: list[Layer] = []
+    cfg = getattr(model, "config", None)
+    for idx, (name, kind, tmpl, call) in enumerate(segs):
+        if kind == "block":
+            pairs = [(pn, f"{name}.{pn}") for pn, _ in tmpl.named_parameters()]
+        else:
+            pairs = [(pn, pn[2:]) for pn in _node_params(tmpl, tmpl.graph)]  # drop the "m." of the traced root
+        refs, own, owners = [], 0, set()
+        for tname, mname in pairs:
+            p = model.get_parameter(mname)
+            canon = canonical[id(p)]
+            if canon not in owner_of:
+                owner_of[canon] = (idx, own)
+                own += p.numel()
+            owners.add(owner_of[canon][0])
+            refs.append(ParamRef(tname, canon, owner_of[canon][1], tuple(p.shape)))
+        if not refs:
+            raise CaptureError(f"layer '{name}' has no parameters")
+        if len(owners) > 1 or (own and owners != {idx}):
+            raise CaptureError(f"layer '{name}' uses parameters of layers {sorted(owners)}: only a whole layer may be "
+                               f"tied to one earlier layer")
+        owner = owners.pop()
+        numel.append(own)
+        key = _structure_key(tmpl) if kind == "block" else f"{kind}-{idx}"
+        segments.append(Segment(idx, name, kind, tmpl, key, refs, owner, own, call))
+    hidden = int(getattr(cfg, "hidden_size", 0) or max(r.shape[-1] for r in segments[0].params if len(r.shape) == 2))
+    head_w = max((r for r in segments[-1].params if len(r.shape) == 2), key=lambda r: r.shape[0], default=None)
+    vocab = int(getattr(cfg, "vocab_size", 0) or (head_w.shape[0] if head_w else 0))
+    heads = getattr(cfg, "num_attention_heads", None)
+    q_dim = heads * (getattr(cfg, "head_dim", None) or hidden // heads) if heads else hidden
+    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    a = act_dtype_bytes
+    for seg in segments:
+        mat = sum(_numel(r.shape) for r in seg.params if len(r.shape) >= 2) if seg.kind != "embedding" else 0
+        layers.append(Layer(
+            name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,
+            tie=seg.owner if seg.owner != seg.index else None, matmul_flops_per_token=2.0 * mat,
+            attn_flops_per_token_per_seq=2.0 * q_dim if seg.kind == "block" else 0.0,
+            act_bytes_per_token=0 if seg.kind == "head" else hidden * a,
+            work_bytes_per_token=(6 * hidden + 3 * inter) * a if seg.kind == "block" else 2 * hidden * a,
+            logit_bytes_per_token=4 * vocab if seg.kind == "head" else 0,
+        ))
+    names = {canon: (o, off, tuple(model.get_parameter(canon).shape)) for canon, (o, off) in owner_of.items()}
+    missing = [n for n in canonical.values() if n not in owner_of]
+    if missing:
+        raise CaptureError(f"parameters never used by the traced forward: {missing[:5]}")
+    graph = LayerGraph(layers, name=getattr(cfg, "model_type", None) or type(model).__name__)
+    for seg in segments:
+        seg.tuple_out = tuple_out and seg.kind == "block"
+    return Captured(graph, segments, side_names, names, tied_names, hidden, vocab)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

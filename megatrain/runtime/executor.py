@@ -1,0 +1,201 @@
+"""The executor: interprets a Schedule, op by op, in program order (the synchronous mode; CPU and plain CUDA).
+
+It keeps, for every slot, the content it holds and how many of that content's readers have run, and refuses an op
+that reads the wrong content or overwrites content a later op still needs; the error shows the schedule around the
+failing op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, format_table, slot_contents
+from megatrain.planner.capture import Captured
+from megatrain.runtime.optim import HostAdamW
+from megatrain.runtime.store import HostStore
+from megatrain.runtime.templates import LayerRunner
+
+IGNORE_INDEX = -100
+
+
+class ExecutionError(RuntimeError):
+    def __init__(self, schedule: Schedule, op: Op, message: str):
+        self.op = op
+        table = format_table(schedule, mark=op.id, context=12)
+        super().__init__(f"op '{op}': {message}\n{table}")
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # (b, T) int64
+    attention_mask: torch.Tensor  # (b, T) int64, 1 = real token
+    next_labels: torch.Tensor  # (b, T) int64: the label each position predicts (the next token), or -100
+
+
+@dataclass
+class StepOutput:
+    loss: float  # summed over micro-batches, normalized by the step's valid tokens
+    mb_loss_sums: list[float]  # un-normalized cross-entropy sum per micro-batch
+    grad_norm: float | None  # global gradient norm before clipping (None without clipping)
+    lr: float
+
+
+class Executor:
+    def __init__(self, captured: Captured, store: HostStore, optimizer: HostAdamW, device: torch.device,
+                 compute_dtype: torch.dtype):
+        self.captured, self.store, self.optimizer = captured, store, optimizer
+        self.graph = captured.graph
+        self.device, self.dtype = torch.device(device), compute_dtype
+        self.runner = LayerRunner(captured, self.device)
+        self.slot_numel = max(self.graph.weight_params(i) for i in range(len(self.graph)))
+        self.w: list[torch.Tensor] = []
+        self.g: list[torch.Tensor] = []
+
+    def _pools(self, schedule: Schedule) -> None:
+        cfg = schedule.config
+        while len(self.w) < cfg.weight_slots:
+            self.w.append(torch.empty(self.slot_numel, dtype=self.dtype, device=self.device))
+        while len(self.g) < cfg.grad_slots:
+            self.g.append(torch.empty(self.slot_numel, dtype=torch.float32, device=self.device))
+
+    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int) -> StepOutput:
+        """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step."""
+        cfg = schedule.config
+        if cfg.n_steps != 1 or cfg.n_mb != len(mbs):
+            raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
+        self._pools(schedule)
+        owner = self.graph.owner
+        # every access of every slot in program order: (op id, reads?, content)
+        accesses: dict[tuple[str, int], list[tuple[int, bool, tuple]]] = {}
+        for op in schedule.ops:
+            reads, writes = slot_contents(op, owner, cfg.n_mb)
+            for role, idx in op.slots:
+                acc = accesses.setdefault((SLOT_POOL[role], idx), [])
+                if role in reads:
+                    acc.append((op.id, True, reads[role]))
+                if role in writes:
+                    acc.append((op.id, False, writes[role]))
+        position = {key: 0 for key in accesses}
+        self.contents: dict[tuple[str, int], tuple] = {}
+        self.act: dict[int, torch.Tensor] = {}
+        self.host_act: dict[tuple[int, int], torch.Tensor] = {}
+        self.side: dict[int, dict] = {}
+        self.stored: set[int] = set()
+        self.loss_sums = [0.0] * len(mbs)
+        self.mbs = [MicroBatch(*(t.to(self.device) for t in (mb.input_ids, mb.attention_mask, mb.next_labels)))
+                    for mb in mbs]
+        self.denom = denom
+        lr = self.optimizer.begin_step()
+        for op in schedule.ops:
+            reads, writes = slot_contents(op, owner, cfg.n_mb)
+            for role, idx in op.slots:
+                key = (SLOT_POOL[role], idx)
+                if role in reads:
+                    have = self.contents.get(key)
+                    if have != reads[role]:
+                        raise ExecutionError(schedule, op, f"reads {role}{idx} expecting {reads[role]}, "
+                                                           f"the slot holds {have}")
+            for role, idx in op.slots:
+                key = (SLOT_POOL[role], idx)
+                acc = accesses[key]
+                while position[key] < len(acc) and acc[position[key]][0] == op.id:
+                    position[key] += 1
+                if role not in writes:
+                    continue
+                nxt = acc[position[key]] if position[key] < len(acc) else None
+                old = self.contents.get(key)
+                if nxt is not None and nxt[1] and old is not None and nxt[2] == old:
+                    raise ExecutionError(schedule, op, f"loading {role}{idx} with {writes[role]} while "
+                                                       f"'{schedule.ops[nxt[0]]}' still reads {old} from it")
+                self.contents[key] = writes[role]
+            try:
+                self._execute(op)
+            except ExecutionError:
+                raise
+            except Exception as e:
+                raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
+        self.optimizer.end_step()
+        return StepOutput(sum(self.loss_sums) / denom, list(self.loss_sums), self.optimizer.last_grad_norm, lr)
+
+    # ---- ops ------------------------------------------------------------------------------------------------
+    def _weights(self, op: Op, requires_grad: bool) -> torch.Tensor:
+        flat = self.w[op.slot("w")][: self.graph.weight_params(op.layer)]
+        return flat.detach().requires_grad_() if requires_grad else flat
+
+    def _accumulate(self, op: Op, grad: torch.Tensor) -> None:
+        g = self.g[op.slot("g")][: grad.numel()]
+        if op.mb == 0:
+            g.copy_(grad)
+        else:
+            g.add_(grad)
+
+    def _execute(self, op: Op) -> None:
+        k, l = op.kind, op.layer
+        if k is OpKind.LOAD_W:
+            src = self.store.master(self.graph.owner(l))
+            self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=False)
+        elif k is OpKind.FWD:
+            with torch.no_grad():
+                if l == 0:
+                    mb = self.mbs[op.mb]
+                    h, self.side[op.mb] = self.runner.run(0, self._weights(op, False),
+                                                          (mb.input_ids, mb.attention_mask))
+                else:
+                    h = self.runner.run(l, self._weights(op, False), self.act[op.slot("x")], self.side[op.mb])
+            self.act[op.slot("y")] = h
+        elif k is OpKind.LOSS:
+            self._loss(op)
+        elif k is OpKind.BWD:
+            self._backward(op)
+        elif k is OpKind.SAVE_ACT:
+            t = self.act[op.slot("a")]
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.store.pinned)
+            self.host_act[(l, op.mb)] = host.copy_(t)
+        elif k is OpKind.LOAD_ACT:
+            self.act[op.slot("a")] = self.host_act.pop((l, op.mb)).to(self.device)
+        elif k is OpKind.STORE_G:
+            o = self.graph.owner(l)
+            dst = self.store.grad(o)
+            src = self.g[op.slot("g")][: dst.numel()]
+            if o in self.stored:
+                dst.add_(src.to(dst.device))
+            else:
+                dst.copy_(src)
+                self.stored.add(o)
+        elif k is OpKind.OPT:
+            self.optimizer.step_layer(l)
+        else:
+            raise AssertionError(k)
+
+    def _loss(self, op: Op) -> None:
+        x = self.act[op.slot("x")].detach().requires_grad_()
+        flat = self._weights(op, True)
+        with torch.enable_grad():
+            logits = self.runner.run(op.layer, flat, x)
+            labels = self.mbs[op.mb].next_labels
+            loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            dx, dw = torch.autograd.grad(loss_sum / self.denom, [x, flat])
+        self.loss_sums[op.mb] = float(loss_sum.detach())
+        self._accumulate(op, dw.float())
+        self.act[op.slot("x")] = dx
+
+    def _backward(self, op: Op) -> None:
+        flat = self._weights(op, True)
+        dy = self.act[op.slot("dy")]
+        with torch.enable_grad():
+            if op.layer == 0:
+                mb = self.mbs[op.mb]
+                h, _ = self.runner.run(0, flat, (mb.input_ids, mb.attention_mask))
+                (dw,) = torch.autograd.grad(h, [flat], dy)
+            else:
+                x = self.act[op.slot("x")].detach().requires_grad_()
+                out = self.runner.run(op.layer, flat, x, self.side[op.mb])
+                dx, dw = torch.autograd.grad(out, [x, flat], dy)
+                self.act[op.slot("x")] = dx
+        self._accumulate(op, dw.float())
+        if op.layer == 0:
+            self.side.pop(op.mb, None)

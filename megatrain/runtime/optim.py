@@ -1,0 +1,99 @@
+"""AdamW on the host store, one layer at a time, with an LR schedule and exact global-norm clipping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatrain.runtime.store import HostStore
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # decoupled (AdamW), applied to every parameter
+    max_grad_norm: float | None = 1.0  # clip by the exact global norm; None: no clipping
+    warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr
+    total_steps: int | None = None  # cosine decay to min_lr over these steps; None: constant after warmup
+    min_lr: float = 0.0
+    fused: bool = True  # torch's fused CPU AdamW kernel (False: torch's per-tensor loop)
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"learning rate must be positive, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        if self.warmup_steps < 0 or (self.total_steps is not None and self.total_steps <= self.warmup_steps):
+            raise ValueError(f"need 0 <= warmup_steps ({self.warmup_steps}) < total_steps ({self.total_steps})")
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine decay to ``min_lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.total_steps is None:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+class HostAdamW:
+    """One ``torch.optim.AdamW`` per owning layer over the store's flat master row, with its moments living in the
+    store's exp_avg / exp_avg_sq rows (the optimizer allocates nothing)."""
+
+    def __init__(self, store: HostStore, cfg: OptimConfig):
+        self.store, self.cfg = store, cfg
+        self.opts: dict[int, torch.optim.AdamW] = {}
+        self.params: dict[int, torch.Tensor] = {}  # the view objects the optimizers hold (a new view would not do)
+        for layer in store.owners():
+            p = self.params[layer] = store.master(layer)
+            opt = torch.optim.AdamW([p], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                    fused=cfg.fused or None)
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                            "exp_avg": store.row(layer, "exp_avg"), "exp_avg_sq": store.row(layer, "exp_avg_sq")}
+            self.opts[layer] = opt
+        names = store.captured.model_param_names
+        self.grad_views = [store.param_view(n, "grad") for n in names]
+        self.step_index = 0
+        self._coef: float | None = None
+        self.last_grad_norm: float | None = None
+
+    def begin_step(self) -> float:
+        """Start an optimizer step; returns its learning rate."""
+        self._coef = None
+        self.last_grad_norm = None
+        lr = lr_at(self.cfg, self.step_index)
+        for opt in self.opts.values():
+            opt.param_groups[0]["lr"] = lr
+        return lr
+
+    def _clip_coefficient(self) -> float:
+        if self._coef is None:
+            # per parameter, in the model's order, as torch.nn.utils.clip_grad_norm_ groups it
+            norms = torch.stack([torch.linalg.vector_norm(g, 2) for g in self.grad_views])
+            total = torch.linalg.vector_norm(norms, 2)
+            self.last_grad_norm = float(total)
+            if self.cfg.max_grad_norm is None:
+                self._coef = 1.0
+            else:  # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
+                self._coef = float(torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0))
+        return self._coef
+
+    def step_layer(self, layer: int) -> None:
+        """AdamW on one layer. Needs every gradient of the step in the store when clipping."""
+        grad = self.store.grad(layer)
+        if self.cfg.max_grad_norm is not None:
+            grad.mul_(self._clip_coefficient())
+        p = self.params[layer]
+        p.grad = grad
+        self.opts[layer].step()
+        p.grad = None
+
+    def end_step(self) -> None:
+        self.step_index += 1

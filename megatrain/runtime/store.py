@@ -1,0 +1,112 @@
+"""Host store: per layer one contiguous fp32 block holding master weights, exp_avg, exp_avg_sq and the gradient."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megatrain.planner.capture import Captured
+
+ROWS = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+class HostStore:
+    """``block(l)`` is a (4, n_l) fp32 tensor for every layer that owns weights (n_l > 0), allocated in layer order,
+    pinned when CUDA is available so copies to and from the device run at full rate."""
+
+    def __init__(self, captured: Captured, *, pin: bool | None = None):
+        self.captured = captured
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        self.blocks: list[torch.Tensor | None] = []
+        for seg in captured.segments:
+            if seg.numel:
+                b = torch.zeros(len(ROWS), seg.numel, dtype=torch.float32, pin_memory=self.pinned)
+                self.blocks.append(b)
+            else:
+                self.blocks.append(None)
+
+    def row(self, layer: int, what: str) -> torch.Tensor:
+        b = self.blocks[layer]
+        if b is None:
+            raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
+        return b[ROWS.index(what)]
+
+    def master(self, layer: int) -> torch.Tensor:
+        return self.row(layer, "master")
+
+    def grad(self, layer: int) -> torch.Tensor:
+        return self.row(layer, "grad")
+
+    def owners(self) -> list[int]:
+        return [i for i, b in enumerate(self.blocks) if b is not None]
+
+    # ---- weights in and out, by the model's parameter names ------------------------------------------------
+    def param_view(self, name: str, row: str = "master") -> torch.Tensor:
+        name = self.captured.tied_names.get(name, name)
+        layer, off, shape = self.captured.model_param_names[name]
+        n = 1
+        for d in shape:
+            n *= d
+        return self.row(layer, row)[off: off + n].view(shape)
+
+    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Copy tensors named as in the model's state_dict into the master weights."""
+        names = self.captured.model_param_names
+        for name, t in tensors.items():
+            canon = self.captured.tied_names.get(name, name)
+            if canon not in names:
+                if strict:
+                    raise KeyError(f"checkpoint tensor {name!r} is not a parameter of the captured model")
+                continue
+            view = self.param_view(canon)
+            if tuple(t.shape) != tuple(view.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model expects "
+                                 f"{tuple(view.shape)}")
+            view.copy_(t)
+
+    def load_from_module(self, model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            if p.is_meta:
+                raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to compile")
+            self.param_view(name).copy_(p.detach())
+
+    def load_safetensors(self, directory: str | Path) -> None:
+        """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index),
+        one tensor at a time, so host memory holds one tensor beyond the store."""
+        from safetensors import safe_open
+
+        d = Path(directory)
+        index = d / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (d / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{d} holds neither model.safetensors nor model.safetensors.index.json")
+        seen = set()
+        for f in files:
+            with safe_open(str(d / f), framework="pt") as sf:
+                for key in sf.keys():
+                    canon = self.captured.tied_names.get(key, key)
+                    if canon not in self.captured.model_param_names:
+                        raise KeyError(f"{d / f}: tensor {key!r} is not a parameter of the captured model")
+                    self.load_state({key: sf.get_tensor(key)})
+                    seen.add(canon)
+        missing = sorted(set(self.captured.model_param_names) - seen)
+        if missing:
+            raise KeyError(f"{d}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The master weights under the model's own names (tied names included), as views into the store."""
+        out = {name: self.param_view(name) for name in self.captured.model_param_names}
+        for alias, canon in self.captured.tied_names.items():
+            out[alias] = out[canon]
+        return out
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        per_row = sum(b.shape[1] for b in self.blocks if b is not None) * 4
+        return {r: per_row for r in ROWS}

@@ -1,0 +1,56 @@
+"""Binding weightless templates to views of a weight slot, and calling them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.fx.node import Node, map_aggregate
+
+from megatrain.planner.capture import Captured, Segment
+
+
+def bind(seg: Segment, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Template parameter name -> a view of ``flat`` (the owner layer's weights in a slot). No copies."""
+    out = {}
+    for ref in seg.params:
+        n = 1
+        for d in ref.shape:
+            n *= d
+        out[ref.name] = flat[ref.offset: ref.offset + n].view(ref.shape)
+    return out
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Move a template's buffers (rotary tables, scales) to ``device``; its meta parameters stay as they are."""
+    for mod in module.modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None and buf.device != device:
+                mod._buffers[name] = buf.to(device)
+
+
+class LayerRunner:
+    """Calls layer i of a captured model: ``run(i, flat, x, side)`` with weights bound from ``flat``."""
+
+    def __init__(self, captured: Captured, device: torch.device):
+        self.captured = captured
+        seen = set()
+        for seg in captured.segments:
+            if id(seg.template) not in seen:
+                seen.add(id(seg.template))
+                move_buffers(seg.template, device)
+
+    def run(self, i: int, flat: torch.Tensor, x, side: dict[str, object] | None = None):
+        """Layer 0: ``x`` is (input_ids, attention_mask) and the result is (hidden, {side name: value}).
+        Other layers: ``x`` is the hidden state and the result is the layer's output."""
+        seg = self.captured.segments[i]
+        params = bind(seg, flat)
+        if seg.kind == "embedding":
+            out = functional_call(seg.template, params, x, strict=False)
+            out = out if isinstance(out, tuple) else (out,)
+            return out[0], dict(zip(self.captured.side_names, out[1:]))
+        if seg.kind == "block":
+            args, kwargs = map_aggregate(seg.call_args, lambda a: side[a.name] if isinstance(a, Node) else a)
+            out = functional_call(seg.template, params, (x, *args), kwargs, strict=False)
+            return out[0] if seg.tuple_out else out
+        return functional_call(seg.template, params, (x,), strict=False)

@@ -1,0 +1,75 @@
+"""Tiny models the runtime tests train: HF families from configs, and a plain GPT-2 style module."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 97
+
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    "mistral": dict(model_type="mistral", sliding_window=5),
+    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=5),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=5, sliding_window_pattern=2),
+    "phi3": dict(model_type="phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
+
+
+def hf_config(family: str, **kw):
+    from transformers import AutoConfig
+
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+    return AutoConfig.for_model(**{**base, **FAMILIES[family], **kw})
+
+
+def hf_model(family: str, seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(family, **kw), attn_implementation="eager")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):  # (B, T, d)
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """GPT-2 style: learned positions, LayerNorm, the head optionally tied to the token embedding."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 48, layers: int = 3, heads: int = 4, max_len: int = 64,
+                 tied: bool = True):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.5 / math.sqrt(d))
+
+    def forward(self, input_ids):  # (B, T) -> (B, T, V)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln_f(x))

@@ -96,11 +96,11 @@ class StreamedModel:
         if labels.shape != input_ids.shape or attention_mask.shape != input_ids.shape:
             raise ValueError("input_ids, attention_mask and labels must have the same shape")
         vocab = self.captured.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids must be in [0, {vocab})")
         valid = labels[labels != IGNORE_INDEX]
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
             raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX}")
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-            raise ValueError(f"input_ids must be in [0, {vocab})")
         B, T = input_ids.shape
         schedule = self.schedule_for(B, T, **plan_overrides)
         nxt = torch.full_like(labels, IGNORE_INDEX)

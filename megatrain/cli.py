@@ -1,4 +1,4 @@
-"""Command line: ``megatrain plan``."""
+"""Command line: ``megatrain train`` and ``megatrain plan``."""
 
 from __future__ import annotations
 
@@ -84,9 +84,45 @@ def _plan(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    import dataclasses
+
+    from megatrain.data import DataError
+    from megatrain.train import TrainConfig, load_yaml, run
+
+    try:
+        values = load_yaml(args.config) if args.config else {}
+        values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                       if getattr(args, f.name, None) is not None})
+        if args.no_clip:
+            values["clip"] = None
+        run(TrainConfig(**values))
+    except (ValueError, DataError, FileNotFoundError) as e:
+        print(f"megatrain train: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megatrain", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train a model streamed from host memory (default: a tiny Llama, offline)")
+    t.add_argument("--config", help="YAML file with any of the options below (flags override it)")
+    t.add_argument("--model", help="tiny-llama (default), a preset such as qwen2.5-0.5b, or an HF model directory")
+    t.add_argument("--data", help=".txt or .jsonl (field 'text'); default: Python's own documentation")
+    for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
+                           ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
+                           ("warmup", int, "warmup steps (30)"), ("weight_decay", float, "AdamW weight decay (0.1)"),
+                           ("clip", float, "global-norm clipping threshold (1.0)"),
+                           ("mb", int, "micro-batches per step (2)"), ("slots", int, "weight slots (2)"),
+                           ("host_checkpoints", int, "layers whose checkpoints wait on the host (0)"),
+                           ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
+                           ("seed", int, "seed for initialization and batches (0)")]:
+        t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
+    t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
+    t.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    t.add_argument("--out", help="output directory (default: megatrain-runs/<UTC time>); must be new or empty")
+    t.set_defaults(fn=_train)
     p = sub.add_parser("plan", help="plan a training step: schedule, predicted time, bound, memory, pictures")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="qwen2.5-7b", help="model shape preset (default qwen2.5-7b)")

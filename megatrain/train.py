@@ -1,0 +1,170 @@
+"""``megatrain train``: train a causal LM streamed from host memory. With no arguments: a tiny Llama-family model
+from scratch on the default corpus, offline."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatrain.data import DataError, TokenStream, build_tokenizer, default_corpus, read_text
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "tiny-llama"  # "tiny-llama", a planner preset (qwen2.5-7b, ...) or an HF model directory
+    data: str | None = None  # .txt or .jsonl; None: the default corpus (Python's own documentation)
+    steps: int = 300
+    batch: int = 16  # sequences per step
+    seq: int = 128  # tokens per sequence
+    lr: float = 3e-3
+    warmup: int = 30  # warmup steps, then cosine decay to lr / 10
+    weight_decay: float = 0.1
+    clip: float | None = 1.0  # global-norm clipping; None: off
+    mb: int = 2  # micro-batches per step
+    slots: int = 2  # weight slots
+    host_checkpoints: int = 0  # layers whose checkpoints wait on the host
+    vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
+    seed: int = 0
+    device: str | None = None  # default: cuda when present, else cpu
+    out: str | None = None  # default: megatrain-runs/<UTC time>
+
+    def check(self) -> None:
+        for name in ("steps", "batch", "seq", "mb", "slots", "vocab"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.batch % self.mb:
+            raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
+        if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:
+            raise ValueError(f"need lr > 0 and 0 <= warmup ({self.warmup}) < steps ({self.steps})")
+
+
+def load_yaml(path: str) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {p} does not exist")
+    d = yaml.safe_load(p.read_text()) or {}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{p}: unknown keys {unknown}; known: {sorted(names)}")
+    return d
+
+
+def _model_config(name: str, vocab: int, seq: int):
+    from transformers import AutoConfig
+
+    from megatrain.planner.graph import PRESETS
+
+    if name == "tiny-llama":
+        return AutoConfig.for_model(**TINY_LLAMA, vocab_size=vocab, max_position_embeddings=seq), None
+    if name in PRESETS:
+        cfg = dict(PRESETS[name])
+        kind = "llama" if name.startswith("llama") else "qwen2"
+        return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(seq, 4096), **cfg), None
+    d = Path(name)
+    if not (d / "config.json").is_file():
+        raise ValueError(f"model {name!r} is neither tiny-llama, a preset, nor a directory with config.json")
+    return AutoConfig.from_pretrained(d, local_files_only=True), d
+
+
+def _tokenizer(model_dir: Path | None, text: str, vocab: int):
+    if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return build_tokenizer(text, vocab)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train; returns the summary (also written to ``<out>/summary.json``)."""
+    from transformers import AutoModelForCausalLM
+
+    import megatrain
+    from megatrain.planner.dump import plot
+    from megatrain.planner.simulate import simulate
+
+    cfg.check()
+    out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {out} is not empty; choose another --out")
+    model_cfg, model_dir = _model_config(cfg.model, cfg.vocab, cfg.seq)
+    text = default_corpus() if cfg.data is None else read_text(cfg.data)
+    source = "the default corpus" if cfg.data is None else cfg.data
+    if not text.strip():
+        raise DataError(f"{source} holds no text")
+    tok = _tokenizer(model_dir, text, min(cfg.vocab, model_cfg.vocab_size) if model_dir else cfg.vocab)
+    if tok.get_vocab_size() > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, the model's vocabulary {model_cfg.vocab_size}")
+    ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
+    stream = TokenStream(ids, cfg.seq, seed=cfg.seed, source=source)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa")
+    weights = model_dir if model_dir is not None and any(model_dir.glob("model*.safetensors")) else None
+    optim = megatrain.OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip,
+                                  warmup_steps=cfg.warmup, total_steps=cfg.steps, min_lr=cfg.lr / 10)
+    sm = megatrain.compile(model, checkpoint=weights, init_seed=None if weights else cfg.seed, optim=optim,
+                           device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
+                           host_checkpoints=cfg.host_checkpoints)
+    schedule = sm.schedule_for(cfg.batch, cfg.seq)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "schedule.txt").write_text(schedule.to_text())
+    plot([simulate(schedule, sm.graph, sm.hardware)], out / "schedule.png",
+         title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
+         budget_nbytes=schedule.config.budget_bytes)
+    tok.save(str(out / "tokenizer.json"))
+    n_params = sum(n for n in (b.shape[1] for b in sm.store.blocks if b is not None))
+    print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
+          f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
+          f"{cfg.seq} tokens, {cfg.mb} micro-batches; writing {out}/", flush=True)
+    from tqdm import tqdm
+
+    log = (out / "metrics.jsonl").open("w")
+    history = []
+    t_start = time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    for _ in bar:
+        st = sm.train_step(stream.batch(cfg.batch))
+        rec = {"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm, "tokens": st.tokens,
+               "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds}
+        history.append(rec)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+    bar.close()
+    log.close()
+    wall = time.perf_counter() - t_start
+    _save_weights(sm, model_cfg, out)
+    first, last = history[0]["loss"], sum(h["loss"] for h in history[-5:]) / min(5, len(history))
+    summary = {
+        "model": cfg.model, "params": n_params, "device": str(sm.device), "steps": cfg.steps,
+        "tokens_per_step": cfg.batch * cfg.seq, "first_loss": first, "final_loss_avg_last5": last,
+        "loss_drop_pct": 100 * (first - last) / first, "wall_s": wall,
+        "tokens_per_s": cfg.steps * cfg.batch * cfg.seq / wall, "out": str(out),
+        "config": dataclasses.asdict(cfg),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"done: loss {first:.3f} -> {last:.3f} ({summary['loss_drop_pct']:.0f}% lower) in {wall:.1f} s, "
+          f"{summary['tokens_per_s']:,.0f} tokens/s; metrics {out}/metrics.jsonl, schedule {out}/schedule.png, "
+          f"weights {out}/model.safetensors")
+    return summary
+
+
+def _save_weights(sm, model_cfg, out: Path) -> None:
+    """An HF-layout directory: config.json + model.safetensors (tied names stored once)."""
+    from safetensors.torch import save_file
+
+    sd = sm.state_dict()
+    unique = {n: sd[n].contiguous() for n in sm.captured.model_param_names}
+    save_file(unique, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model_cfg.save_pretrained(out)

@@ -152,8 +152,7 @@ class Executor:
             self._backward(op)
         elif k is OpKind.SAVE_ACT:
             t = self.act[op.slot("a")]
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.store.pinned)
-            self.host_act[(l, op.mb)] = host.copy_(t)
+            self.host_act[(l, op.mb)] = t.to("cpu", copy=True)
         elif k is OpKind.LOAD_ACT:
             self.act[op.slot("a")] = self.host_act.pop((l, op.mb)).to(self.device)
         elif k is OpKind.STORE_G:

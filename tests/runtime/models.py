@@ -73,3 +73,10 @@ class TinyGPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.lm_head(self.ln_f(x))
+
+
+def compile_cpu(model, **kw):
+    """megatrain.compile on the CPU in fp32 (also on a machine with a GPU): the parity tests' setting."""
+    import megatrain
+
+    return megatrain.compile(model, device="cpu", **kw)

@@ -5,7 +5,7 @@ import torch
 
 import megatrain
 
-from .models import TinyGPT, hf_config
+from .models import TinyGPT, compile_cpu, hf_config
 
 
 def meta_model(family="llama", **kw):
@@ -17,21 +17,21 @@ def meta_model(family="llama", **kw):
 
 def test_seeded_init_is_deterministic_per_layer_and_follows_the_architecture():
     cfg = hf_config("llama")
-    a = megatrain.compile(meta_model(), init_seed=3).state_dict()
-    b = megatrain.compile(meta_model(), init_seed=3).state_dict()
-    c = megatrain.compile(meta_model(), init_seed=4).state_dict()
+    a = compile_cpu(meta_model(), init_seed=3).state_dict()
+    b = compile_cpu(meta_model(), init_seed=3).state_dict()
+    c = compile_cpu(meta_model(), init_seed=4).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], c["model.layers.0.mlp.up_proj.weight"])
     w = a["model.layers.1.self_attn.q_proj.weight"]
     assert abs(float(w.std()) - cfg.initializer_range) < 0.1 * cfg.initializer_range and abs(float(w.mean())) < 2e-3
     assert torch.equal(a["model.norm.weight"], torch.ones(64))  # RMSNorm weights start at one
     # a layer's values depend on its index and the seed, not on how many layers come after it
-    deeper = megatrain.compile(meta_model(num_hidden_layers=4), init_seed=3).state_dict()
+    deeper = compile_cpu(meta_model(num_hidden_layers=4), init_seed=3).state_dict()
     assert torch.equal(deeper["model.layers.1.mlp.down_proj.weight"], a["model.layers.1.mlp.down_proj.weight"])
 
 
 def test_seeded_init_trains():
-    sm = megatrain.compile(meta_model(), init_seed=0, optim=megatrain.OptimConfig(lr=3e-3), n_mb=2)
+    sm = compile_cpu(meta_model(), init_seed=0, optim=megatrain.OptimConfig(lr=3e-3), n_mb=2)
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(0))
     losses = [sm.train_step(ids).loss for _ in range(8)]
     assert losses[-1] < 0.9 * losses[0]
@@ -39,9 +39,9 @@ def test_seeded_init_trains():
 
 def test_meta_model_needs_weights_from_somewhere(tmp_path):
     with pytest.raises(ValueError, match="meta device: pass checkpoint= or init_seed="):
-        megatrain.compile(meta_model())
+        compile_cpu(meta_model())
     with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
-        megatrain.compile(meta_model(), checkpoint=tmp_path)
+        compile_cpu(meta_model(), checkpoint=tmp_path)
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
@@ -49,11 +49,11 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
     hf_model("llama", hidden_size=32, intermediate_size=48).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"has shape \(97, 32\), the model expects \(97, 64\)"):
-        megatrain.compile(meta_model(), checkpoint=tmp_path)
+        compile_cpu(meta_model(), checkpoint=tmp_path)
 
 
 def test_plain_module_seeded_init_uses_reset_parameters():
     with torch.device("meta"):
         m = TinyGPT()
-    sd = megatrain.compile(m, init_seed=1).state_dict()
+    sd = compile_cpu(m, init_seed=1).state_dict()
     assert torch.equal(sd["ln_f.weight"], torch.ones(48)) and float(sd["blocks.0.fc.weight"].abs().max()) > 0

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import megatrain
 
-from .models import FAMILIES, VOCAB, TinyGPT, hf_model
+from .models import FAMILIES, VOCAB, TinyGPT, compile_cpu, hf_model
 
 # fused=False: the same per-element AdamW arithmetic as the reference's torch.optim.AdamW on CPU, so parameters
 # stay equal even where a gradient is rounding noise (k-projection biases: analytically zero gradient) and
@@ -86,7 +86,7 @@ def test_hf_family_matches_plain_pytorch(family):
     ref = copy.deepcopy(model)
     data = batches()
     ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
-    sm = megatrain.compile(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=2)
+    sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=2)
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
     # the user's model was not touched
@@ -100,7 +100,7 @@ def test_plain_decoder_module_matches_plain_pytorch():
     ref = copy.deepcopy(model)
     data = [(ids, torch.ones_like(ids), labels) for ids, _, labels in batches()]  # no attention mask: labels only
     ref_losses, ref_norms = reference_train(ref, data, n_mb=3, hf=False)
-    sm = megatrain.compile(model, optim=OPT, n_mb=3, weight_slots=3, host_checkpoints=1)
+    sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=3, host_checkpoints=1)
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
 
@@ -114,7 +114,7 @@ def test_plain_decoder_module_with_tied_head_matches_for_a_step():
     ref = copy.deepcopy(model)
     data = [(ids, torch.ones_like(ids), labels) for ids, _, labels in batches(n_steps=1)]
     ref_losses, ref_norms = reference_train(ref, data, n_mb=3, hf=False)
-    sm = megatrain.compile(model, optim=OPT, n_mb=3)
+    sm = compile_cpu(model, optim=OPT, n_mb=3)
     assert sm.graph[len(sm.graph) - 1].tie == 0
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
@@ -128,7 +128,7 @@ def test_fused_adamw_matches_too():
     ref = copy.deepcopy(model)
     data = batches()
     ref_losses, ref_norms = reference_train(ref, data, n_mb=2, opt_cfg=opt)
-    sm = megatrain.compile(model, optim=opt, n_mb=2)
+    sm = compile_cpu(model, optim=opt, n_mb=2)
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
 
@@ -152,7 +152,7 @@ def test_one_step_is_the_same_for_any_micro_batching_and_slots(n_mb, slots, offl
     (loss / (nxt != -100).sum()).backward()
     no_clip = dataclasses.replace(OPT, max_grad_norm=None)
     ref_losses, _ = reference_train(same_split, data, n_mb=n_mb, opt_cfg=no_clip)
-    sm = megatrain.compile(model, optim=no_clip, n_mb=n_mb, weight_slots=slots, host_checkpoints=offload)
+    sm = compile_cpu(model, optim=no_clip, n_mb=n_mb, weight_slots=slots, host_checkpoints=offload)
     stats = sm.train_step(*data[0])
     assert abs(stats.loss - float(loss.detach() / (nxt != -100).sum())) <= 1e-6 * stats.loss
     for n, p in whole.named_parameters():
@@ -173,6 +173,6 @@ def test_meta_model_with_safetensors_checkpoint_matches(tmp_path):
         meta = AutoModelForCausalLM.from_config(hf_config("llama"), attn_implementation="eager")
     data = batches()
     ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
-    sm = megatrain.compile(meta, checkpoint=tmp_path, optim=OPT, n_mb=3)
+    sm = compile_cpu(meta, checkpoint=tmp_path, optim=OPT, n_mb=3)
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)

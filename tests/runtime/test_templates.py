@@ -12,7 +12,7 @@ from megatrain.planner.capture import CaptureError, capture
 from megatrain.runtime.executor import ExecutionError
 from megatrain.runtime.templates import bind
 
-from .models import TinyGPT, hf_model
+from .models import TinyGPT, compile_cpu, hf_model
 
 
 def test_decoder_blocks_share_one_weightless_template():
@@ -30,7 +30,7 @@ def test_layers_that_differ_get_their_own_template():
 
 
 def test_binding_is_zero_copy():
-    sm = megatrain.compile(hf_model("qwen2"), n_mb=1)
+    sm = compile_cpu(hf_model("qwen2"), n_mb=1)
     seg = sm.captured.segments[2]
     slot = torch.randn(sm.executor.slot_numel)
     seen = {}
@@ -53,7 +53,7 @@ def test_binding_is_zero_copy():
 
 
 def test_no_autograd_graph_outlives_a_layer():
-    sm = megatrain.compile(hf_model("llama"), n_mb=2, host_checkpoints=2)
+    sm = compile_cpu(hf_model("llama"), n_mb=2, host_checkpoints=2)
     sm.train_step(torch.randint(0, 97, (4, 8)))
     ex = sm.executor
     live = [t for t in ex.act.values() if t.grad_fn is not None or t.requires_grad]
@@ -62,7 +62,7 @@ def test_no_autograd_graph_outlives_a_layer():
 
 
 def test_executor_refuses_a_slot_overwritten_too_early():
-    sm = megatrain.compile(hf_model("llama"), n_mb=2, weight_slots=3)
+    sm = compile_cpu(hf_model("llama"), n_mb=2, weight_slots=3)
     s = sm.schedule_for(4, 8)
     # load layer 2 into the slot that layer 1 still has to be read from
     load = next(op for op in s.ops if op.kind is OpKind.LOAD_W and op.layer == 2)
@@ -105,7 +105,7 @@ def test_unsupported_model_is_refused_with_what_was_not_understood():
 
 
 def test_memory_report_and_bad_batches():
-    sm = megatrain.compile(hf_model("llama"), n_mb=2)
+    sm = compile_cpu(hf_model("llama"), n_mb=2)
     rep = sm.memory_report(4, 8)
     n = sum(p.numel() for p in hf_model("llama").parameters())
     assert rep["host.master"] == rep["host.exp_avg"] == rep["host.grad"] == 4 * n

@@ -1,0 +1,38 @@
+"""Pure-torch references for every kernel: the definitions the Triton kernels are tested against (fp32 math)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * (offset + weight), computed in fp32, returned in x's dtype.
+    ``offset=1`` is Gemma's ``1 + w`` form."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
+    return y.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32, returned in gate's dtype."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotate-half RoPE. x: (B, H, T, D); cos, sin: (B or 1, T, D)."""
+    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    xf = x.float()
+    return (xf * c + rotate_half(xf) * s).to(x.dtype)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, denom: float,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """sum over valid tokens of cross_entropy(hidden @ weight.T, labels) / denom, with fp32 logits."""
+    logits = hidden.float() @ weight.float().t()
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / denom

@@ -1,0 +1,88 @@
+"""RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (offset + w), fp32 accumulation; offset=1 for Gemma's 1 + w."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatrain.kernels.util import programs_for, rows_2d
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, offset, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, n_rows, n_cols, offset,
+                         rows_per_program, BLOCK: tl.constexpr):
+    # Each program walks a run of rows and keeps its share of dW in registers (one partial row per program).
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < n_cols
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(rows_per_program):
+        row = pid * rows_per_program + i
+        mask = cmask & ((cols * 0 + row) < n_rows)  # row broadcast to the block (the interpreter wants block masks)
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + tl.minimum(row, n_rows - 1))  # rows past the end are masked below
+        xhat = x * rstd
+        wdy = w * dy
+        c = tl.sum(xhat * wdy, axis=0) / n_cols
+        tl.store(DX + row * stride_dx + cols, ((wdy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+    tl.store(DW + pid * n_cols + cols, dw, mask=cmask)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
+    x2 = rows_2d(x)
+    n_rows, n_cols = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_fwd_kernel[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps, offset,
+                                    BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return y.view_as(x), rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      offset: float = 0.0):
+    x2, dy2 = rows_2d(x), rows_2d(dy)
+    n_rows, n_cols = x2.shape
+    dx = torch.empty_like(x2)
+    n_prog = programs_for(n_rows, x.device)
+    per = triton.cdiv(n_rows, n_prog)
+    dw_partial = torch.empty(n_prog, n_cols, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_bwd_kernel[(n_prog,)](dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0),
+                                    n_rows, n_cols, offset, per, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return dx.view_as(x), dw_partial.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, offset: float = 0.0):
+        y, rstd = rms_norm_forward(x, weight, eps, offset)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.offset)
+        return dx, dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    return RMSNormFunction.apply(x, weight, eps, offset)

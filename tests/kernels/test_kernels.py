@@ -1,0 +1,152 @@
+"""Every kernel's forward and gradients against the pure-torch reference (interpreter on CPU; bf16 on the GPU)."""
+
+import pytest
+import torch
+
+from megatrain.kernels import linear_ce, reference
+from megatrain.kernels import linear_cross_entropy, rms_norm, rope, swiglu
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def grads(fn, *inputs, seed=0):
+    """Output and gradients of sum(fn(*inputs) * random) with respect to every floating input."""
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*xs)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outs)
+    loss.backward()
+    return outs, [x.grad for x in xs if x.requires_grad]
+
+
+def assert_close(a, b, dtype, scale=1.0):
+    tol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol["rtol"] * scale, atol=tol["atol"] * scale)
+
+
+def rand(*shape, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(37, 123), (2, 5, 123), (1, 64)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(dtype, shape, offset):
+    x = rand(*shape, dtype=dtype)
+    w = rand(shape[-1], dtype=dtype, seed=1) * 0.5
+    (y,), (dx, dw) = grads(lambda a, b: rms_norm(a, b, 1e-6, offset), x, w)
+    (yr,), (dxr, dwr) = grads(lambda a, b: reference.rms_norm(a, b, 1e-6, offset), x.float(), w.float())
+    assert y.dtype == dtype and dw.dtype == dtype
+    assert_close(y, yr, dtype)
+    assert_close(dx, dxr, dtype)
+    assert_close(dw, dwr, dtype, scale=4)  # summed over rows
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(37, 123), (3, 7, 301), (5000,)])
+def test_swiglu(dtype, shape):
+    g, u = rand(*shape, dtype=dtype), rand(*shape, dtype=dtype, seed=1)
+    (y,), (dg, du) = grads(swiglu, g, u)
+    (yr,), (dgr, dur) = grads(reference.swiglu, g.float(), u.float())
+    assert_close(y, yr, dtype)
+    assert_close(dg, dgr, dtype)
+    assert_close(du, dur, dtype)
+
+
+def rotary(B, T, D, positions, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    freqs = positions.float()[..., None] * inv  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(DEV, dtype), emb.sin().to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("B,H,KV,T,D,shared", [(2, 3, 1, 37, 16, False), (1, 4, 2, 5, 8, True),
+                                               (3, 2, 2, 9, 6, True)])
+def test_rope(dtype, B, H, KV, T, D, shared):
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 4096, (1 if shared else B, T), generator=g)  # arbitrary position ids
+    cos, sin = rotary(B, T, D, positions, dtype)
+    q, k = rand(B, H, T, D, dtype=dtype), rand(B, KV, T, D, dtype=dtype, seed=1)
+    (qo, ko), (dq, dk) = grads(lambda a, b: rope(a, b, cos, sin), q, k)
+    (qr, kr), (dqr, dkr) = grads(lambda a, b: (reference.rope(a, cos, sin), reference.rope(b, cos, sin)),
+                                 q.float(), k.float())
+    for a, b in [(qo, qr), (ko, kr), (dq, dqr), (dk, dkr)]:
+        assert_close(a, b, dtype)
+
+
+def test_rope_refuses_odd_head_dim():
+    with pytest.raises(ValueError, match="even head dim"):
+        rope(torch.zeros(1, 1, 2, 5), torch.zeros(1, 1, 2, 5), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("chunk_rows", [None, 8])
+def test_linear_cross_entropy(dtype, chunk_rows, monkeypatch):
+    T, H, V = 37, 123, 1001
+    if chunk_rows:  # several chunks, the last one short
+        monkeypatch.setattr(linear_ce, "LOGITS_PER_CHUNK", chunk_rows * V)
+    h = rand(T, H, dtype=dtype) * 0.5
+    w = rand(V, H, dtype=dtype, seed=1) * 0.1
+    g = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[[0, 5, 36]] = -100
+    labels = labels.to(DEV)
+    denom = 50.0  # e.g. the valid tokens of the whole step, not of this micro-batch
+    (loss,), (dh, dw) = grads(lambda a, b: linear_cross_entropy(a, b, labels, denom), h, w)
+    (lr,), (dhr, dwr) = grads(lambda a, b: reference.linear_cross_entropy(a, b, labels, denom), h.float(), w.float())
+    assert dh.dtype == dtype and dw.dtype == dtype
+    assert_close(loss, lr, dtype)
+    assert_close(dh, dhr, dtype)
+    assert_close(dw, dwr, dtype)
+
+
+def test_linear_cross_entropy_accumulates_into_an_fp32_buffer():
+    T, H, V = 9, 16, 33
+    h, w = rand(T, H, dtype=torch.float32), rand(V, H, dtype=torch.float32, seed=1)
+    labels = torch.arange(T).to(DEV) % V
+    acc = torch.ones(V, H, device=DEV)
+    loss, dh, dw = linear_ce.linear_cross_entropy_forward(h, w, labels, 4.0, grad_weight=acc)
+    ref = torch.func.grad(lambda b: reference.linear_cross_entropy(h, b, labels, 4.0))(w)
+    assert dw is acc
+    torch.testing.assert_close(acc - 1, ref, rtol=1e-5, atol=1e-6)
+
+
+# ---- bf16 on the GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_bf16_kernels_on_gpu():
+    bf = torch.bfloat16
+    x, w = rand(4096, 3584, dtype=bf), rand(3584, dtype=bf, seed=1) * 0.5
+    (y,), (dx, dw) = grads(lambda a, b: rms_norm(a, b, 1e-6), x, w)
+    (yr,), (dxr, dwr) = grads(lambda a, b: reference.rms_norm(a, b, 1e-6), x.float(), w.float())
+    assert_close(y, yr, bf)
+    assert_close(dx, dxr, bf)
+    torch.testing.assert_close(dw.float(), dwr, rtol=2e-2, atol=2e-2 * float(dwr.abs().max()))
+    g, u = rand(4096, 18944, dtype=bf), rand(4096, 18944, dtype=bf, seed=1)
+    (y,), (dg, du) = grads(swiglu, g, u)
+    (yr,), (dgr, dur) = grads(reference.swiglu, g.float(), u.float())
+    for a, b in [(y, yr), (dg, dgr), (du, dur)]:
+        assert_close(a, b, bf)
+    pos = torch.arange(1024)[None].expand(2, -1)
+    cos, sin = rotary(2, 1024, 128, pos, bf)
+    q, k = rand(2, 28, 1024, 128, dtype=bf), rand(2, 4, 1024, 128, dtype=bf, seed=1)
+    (qo, ko), (dq, dk) = grads(lambda a, b: rope(a, b, cos, sin), q, k)
+    (qr, kr), (dqr, dkr) = grads(lambda a, b: (reference.rope(a, cos, sin), reference.rope(b, cos, sin)),
+                                 q.float(), k.float())
+    for a, b in [(qo, qr), (ko, kr), (dq, dqr), (dk, dkr)]:
+        assert_close(a, b, bf)
+    T, H, V = 2048, 1024, 32000
+    h, wt = rand(T, H, dtype=bf), rand(V, H, dtype=bf, seed=1) * 0.05
+    labels = torch.randint(0, V, (T,), device=DEV)
+    labels[::7] = -100
+    (loss,), (dh, dw) = grads(lambda a, b: linear_cross_entropy(a, b, labels, 1500.0), h, wt)
+    (lr,), (dhr, dwr) = grads(lambda a, b: reference.linear_cross_entropy(a, b, labels, 1500.0), h.float(),
+                              wt.float())
+    torch.testing.assert_close(loss.float(), lr, rtol=1e-3, atol=1e-3)
+    for a, b in [(dh, dhr), (dw, dwr)]:
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))

@@ -8,7 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOGITS_PER_CHUNK = 1 << 27  # elements of one logits chunk: 256 MiB in bf16, whatever the vocabulary
+# Elements of one logits chunk (1 GiB in bf16). Larger chunks mean fewer passes over the weight gradient (each
+# chunk reads and writes it once: at V=152064, H=3584 that is 2.2 GB a chunk in bf16); smaller ones less memory.
+LOGITS_PER_CHUNK = 1 << 29
 
 
 @triton.jit
@@ -55,8 +57,10 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, denom: float,
                                  ignore_index: int = -100, grad_weight: torch.Tensor | None = None):
-    """(loss, d hidden, d weight). hidden (T, H), weight (V, H), labels (T,). ``grad_weight``: an fp32 (V, H)
-    buffer to accumulate into (then returned); default a new one."""
+    """(loss, d hidden, d weight). hidden (T, H), weight (V, H), labels (T,).
+
+    ``grad_weight``: a (V, H) buffer to accumulate into and return (the runtime passes its fp32 gradient slot);
+    by default a new one of the weight's dtype, accumulated chunk by chunk by the GEMM (fp32 inside each GEMM)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
                          f"labels {tuple(labels.shape)} do not fit (T, H), (V, H), (T,)")
@@ -65,8 +69,7 @@ def linear_cross_entropy_forward(hidden: torch.Tensor, weight: torch.Tensor, lab
     labels = labels.contiguous()
     chunk = max(1, min(T, LOGITS_PER_CHUNK // V))
     dh = torch.empty_like(hidden)
-    dw = grad_weight if grad_weight is not None else torch.zeros(weight.shape, dtype=torch.float32,
-                                                                 device=weight.device)
+    dw = grad_weight if grad_weight is not None else torch.zeros_like(weight)
     losses = torch.empty(T, dtype=torch.float32, device=hidden.device)
     block = min(4096, triton.next_power_of_2(V))
     for start in range(0, T, chunk):
@@ -84,7 +87,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, denom: float, ignore_index: int = -100):
         loss, dh, dw = linear_cross_entropy_forward(hidden, weight, labels, denom, ignore_index)
-        ctx.save_for_backward(dh, dw.to(weight.dtype))
+        ctx.save_for_backward(dh, dw)
         return loss
 
     @staticmethod

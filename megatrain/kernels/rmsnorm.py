@@ -23,25 +23,28 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, offset,
 
 @triton.jit
 def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, n_rows, n_cols, offset,
-                         rows_per_program, BLOCK: tl.constexpr):
-    # Each program walks a run of rows and keeps its share of dW in registers (one partial row per program).
+                         rows_per_program, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    # Each program walks a run of rows, BLOCK_R at a time (more bytes in flight per iteration), and keeps its share
+    # of dW in registers: one partial row per program, summed by the launcher.
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)[None, :]
     cmask = cols < n_cols
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(rows_per_program):
-        row = pid * rows_per_program + i
-        mask = cmask & ((cols * 0 + row) < n_rows)  # row broadcast to the block (the interpreter wants block masks)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + tl.minimum(row, n_rows - 1))  # rows past the end are masked below
+    first = pid * rows_per_program
+    for i in range(0, rows_per_program, BLOCK_R):
+        rows = first + i + tl.arange(0, BLOCK_R)[:, None]
+        rmask = rows < n_rows
+        mask = cmask & rmask
+        dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         xhat = x * rstd
         wdy = w * dy
-        c = tl.sum(xhat * wdy, axis=0) / n_cols
-        tl.store(DX + row * stride_dx + cols, ((wdy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
-        dw += dy * xhat
-    tl.store(DW + pid * n_cols + cols, dw, mask=cmask)
+        c = tl.sum(xhat * wdy, axis=1)[:, None] / n_cols
+        tl.store(DX + rows * stride_dx + cols, ((wdy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+    tl.store(DW + pid * n_cols + tl.arange(0, BLOCK), dw, mask=tl.arange(0, BLOCK) < n_cols)
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
@@ -60,12 +63,15 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     x2, dy2 = rows_2d(x), rows_2d(dy)
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
-    n_prog = programs_for(n_rows, x.device)
-    per = triton.cdiv(n_rows, n_prog)
-    dw_partial = torch.empty(n_prog, n_cols, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n_cols)
+    block_r = max(1, min(4, 8192 // block))
+    n_prog = programs_for(n_rows, x.device)
+    per = triton.cdiv(triton.cdiv(n_rows, n_prog), block_r) * block_r
+    n_prog = triton.cdiv(n_rows, per)
+    dw_partial = torch.empty(n_prog, n_cols, dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(n_prog,)](dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0),
-                                    n_rows, n_cols, offset, per, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                    n_rows, n_cols, offset, per, BLOCK_R=block_r, BLOCK=block,
+                                    num_warps=min(16, max(1, block * block_r // 512)))
     return dx.view_as(x), dw_partial.sum(0).to(weight.dtype)
 
 

@@ -1,4 +1,4 @@
-"""RoPE, HF rotate-half convention: out = x * cos + rotate_half(x) * sin, on q and k of layout (B, H, T, D)."""
+"""RoPE, HF rotate-half convention: out = x * cos + rotate_half(x) * sin, on q and k of shape (B, H, T, D)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,33 @@ import torch
 import triton
 import triton.language as tl
 
+BLOCK_ROWS = 16  # (head, position) rows per program; consecutive in memory
+
 
 @triton.jit
-def _rope_kernel(X, COS, SIN, Y, T, n_heads, half,
+def _rope_kernel(X, COS, SIN, Y, n_rows, T, n_heads, half,
                  sxb, sxh, sxt, syb, syh, syt, scb, sct, ssb, sst,
-                 BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    # one program per (batch, position): all heads share that position's cos/sin
-    pid = tl.program_id(0)
-    b = pid // T
-    t = pid % T
-    h = tl.arange(0, BLOCK_H)[:, None]
+                 HEADS_INNER: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Rows are (b, h, t) in the order they lie in memory: heads innermost for a (B, T, H, D) layout (what HF's
+    # transpose of the projection gives), positions innermost for a contiguous (B, H, T, D) one.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < n_heads) & (d < half)
-    dmask = d < half
-    c1 = tl.load(COS + b * scb + t * sct + d, mask=dmask, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + b * scb + t * sct + d + half, mask=dmask, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + b * ssb + t * sst + d, mask=dmask, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + b * ssb + t * sst + d + half, mask=dmask, other=0.0).to(tl.float32)
-    x_ptr = X + b.to(tl.int64) * sxb + t * sxt + h * sxh + d
+    if HEADS_INNER:
+        h = r % n_heads
+        t = (r // n_heads) % T
+        b = r // (n_heads * T)
+    else:
+        t = r % T
+        h = (r // T) % n_heads
+        b = r // (n_heads * T)
+    mask = (r < n_rows) & (d < half)
+    c_ptr = COS + b * scb + t * sct + d
+    s_ptr = SIN + b * ssb + t * sst + d
+    c1 = tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    x_ptr = X + b * sxb + h * sxh + t * sxt + d
     x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:  # transpose of the rotation: (g1, g2) -> (g1 c1 + g2 s2, g2 c2 - g1 s1)
@@ -32,7 +41,7 @@ def _rope_kernel(X, COS, SIN, Y, T, n_heads, half,
     else:
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
-    y_ptr = Y + b.to(tl.int64) * syb + t * syt + h * syh + d
+    y_ptr = Y + b * syb + h * syh + t * syt + d
     tl.store(y_ptr, y1.to(Y.dtype.element_ty), mask=mask)
     tl.store(y_ptr + half, y2.to(Y.dtype.element_ty), mask=mask)
 
@@ -44,18 +53,22 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
     B, H, T, D = x.shape
     if D % 2 or cos.shape[1:] != (T, D) or cos.shape[0] not in (1, B):
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit x {tuple(x.shape)} (even head dim needed)")
-    if x.stride(-1) != 1:
+    heads_inner = x.stride(1) < x.stride(2)
+    if x.stride(-1) != 1 or not (x.is_contiguous() or x.transpose(1, 2).is_contiguous()):
         x = x.contiguous()
+        heads_inner = False
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x)  # same layout as x
     cb = cos.stride(0) if cos.shape[0] == B else 0
     sb = sin.stride(0) if sin.shape[0] == B else 0
-    _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2,
-                           x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-                           cb, cos.stride(1), sb, sin.stride(1),
-                           BACKWARD=backward, BLOCK_H=triton.next_power_of_2(H),
-                           BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4)
+    n_rows = B * H * T
+    _rope_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](
+        x, cos, sin, y, n_rows, T, H, D // 2,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        cb, cos.stride(1), sb, sin.stride(1),
+        HEADS_INNER=heads_inner, BACKWARD=backward, BLOCK_R=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(D // 2),
+        num_warps=4)
     return y
 
 

@@ -22,5 +22,5 @@ def programs_for(n_rows: int, device: torch.device) -> int:
     """Programs for a row-loop kernel that reduces across rows: a few per SM on a GPU (dW partials stay small),
     a handful in the CPU interpreter."""
     if device.type == "cuda":
-        return max(1, min(n_rows, 4 * _sm_count(device.index or 0)))
+        return max(1, min(n_rows, 8 * _sm_count(device.index or 0)))
     return max(1, min(n_rows, 4))

@@ -66,13 +66,17 @@ def rotary(B, T, D, positions, dtype):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("B,H,KV,T,D,shared", [(2, 3, 1, 37, 16, False), (1, 4, 2, 5, 8, True),
-                                               (3, 2, 2, 9, 6, True)])
-def test_rope(dtype, B, H, KV, T, D, shared):
+@pytest.mark.parametrize("B,H,KV,T,D,shared,hf_layout", [(2, 3, 1, 37, 16, False, False), (1, 4, 2, 5, 8, True, False),
+                                                         (3, 2, 2, 9, 6, True, True), (2, 5, 1, 7, 16, False, True)])
+def test_rope(dtype, B, H, KV, T, D, shared, hf_layout):
     g = torch.Generator().manual_seed(3)
     positions = torch.randint(0, 4096, (1 if shared else B, T), generator=g)  # arbitrary position ids
     cos, sin = rotary(B, T, D, positions, dtype)
-    q, k = rand(B, H, T, D, dtype=dtype), rand(B, KV, T, D, dtype=dtype, seed=1)
+    if hf_layout:  # (B, T, H, D) in memory, seen as (B, H, T, D): what HF's projection + transpose gives
+        q = rand(B, T, H, D, dtype=dtype).transpose(1, 2)
+        k = rand(B, T, KV, D, dtype=dtype, seed=1).transpose(1, 2)
+    else:
+        q, k = rand(B, H, T, D, dtype=dtype), rand(B, KV, T, D, dtype=dtype, seed=1)
     (qo, ko), (dq, dk) = grads(lambda a, b: rope(a, b, cos, sin), q, k)
     (qr, kr), (dqr, dkr) = grads(lambda a, b: (reference.rope(a, cos, sin), reference.rope(b, cos, sin)),
                                  q.float(), k.float())

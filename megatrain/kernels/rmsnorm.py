@@ -47,31 +47,33 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx,
     tl.store(DW + pid * n_cols + tl.arange(0, BLOCK), dw, mask=tl.arange(0, BLOCK) < n_cols)
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                     num_warps: int | None = None):
     x2 = rows_2d(x)
     n_rows, n_cols = x2.shape
     y = torch.empty_like(x2)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n_cols)
     _rms_norm_fwd_kernel[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps, offset,
-                                    BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                    BLOCK=block, num_warps=num_warps or min(16, max(1, block // 256)))
     return y.view_as(x), rstd
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      offset: float = 0.0):
+                      offset: float = 0.0, num_warps: int | None = None, block_r: int | None = None,
+                      programs_per_sm: int | None = None):
     x2, dy2 = rows_2d(x), rows_2d(dy)
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
     block = triton.next_power_of_2(n_cols)
-    block_r = max(1, min(4, 8192 // block))
-    n_prog = programs_for(n_rows, x.device)
+    block_r = block_r or max(1, min(4, 8192 // block))
+    n_prog = programs_for(n_rows, x.device, programs_per_sm)
     per = triton.cdiv(triton.cdiv(n_rows, n_prog), block_r) * block_r
     n_prog = triton.cdiv(n_rows, per)
     dw_partial = torch.empty(n_prog, n_cols, dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(n_prog,)](dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0),
                                     n_rows, n_cols, offset, per, BLOCK_R=block_r, BLOCK=block,
-                                    num_warps=min(16, max(1, block * block_r // 512)))
+                                    num_warps=num_warps or min(16, max(1, block * block_r // 512)))
     return dx.view_as(x), dw_partial.sum(0).to(weight.dtype)
 
 

@@ -18,9 +18,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def programs_for(n_rows: int, device: torch.device) -> int:
+def programs_for(n_rows: int, device: torch.device, per_sm: int | None = None) -> int:
     """Programs for a row-loop kernel that reduces across rows: a few per SM on a GPU (dW partials stay small),
     a handful in the CPU interpreter."""
     if device.type == "cuda":
-        return max(1, min(n_rows, 8 * _sm_count(device.index or 0)))
+        return max(1, min(n_rows, (per_sm or 8) * _sm_count(device.index or 0)))
     return max(1, min(n_rows, 4))

@@ -1,0 +1,54 @@
+"""Launch-parameter sweep for the memory-bound kernels (RMSNorm, RoPE) on the GPU; prints GB/s per setting.
+
+    PYTHONPATH=. python3 benchmarks/sweep_kernels.py
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernels import copy_ceiling_gbs, timed  # noqa: E402
+
+from megatrain.kernels import rope as rope_mod  # noqa: E402
+from megatrain.kernels.rmsnorm import rms_norm_backward, rms_norm_forward  # noqa: E402
+
+BF = torch.bfloat16
+
+
+def main():
+    ceiling = copy_ceiling_gbs()
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    N, H = 32768, 3584
+    x = torch.randn(N, H, device="cuda", dtype=BF)
+    w = torch.rand(H, device="cuda", dtype=BF) + 0.5
+    dy = torch.randn_like(x)
+    for nw in (4, 8, 16):
+        ms = timed(lambda: rms_norm_forward(x, w, 1e-6, num_warps=nw), reps=20)
+        print(f"rms fwd warps={nw:2d}: {ms * 1e3:7.1f} us {3 * N * H * 2 / ms / 1e6:6.0f} GB/s (x, y + w)")
+    _, rstd = rms_norm_forward(x, w, 1e-6)
+    for per_sm in (1, 2, 4, 8):
+        for br in (1, 2, 4):
+            for nw in (4, 8, 16):
+                ms = timed(lambda: rms_norm_backward(dy, x, w, rstd, num_warps=nw, block_r=br, programs_per_sm=per_sm),
+                           reps=10)
+                print(f"rms bwd per_sm={per_sm} rows={br} warps={nw:2d}: {ms * 1e3:7.1f} us "
+                      f"{3 * N * H * 2 / ms / 1e6:6.0f} GB/s")
+    B, T, Hq, D = 32, 1024, 28, 128
+    for layout in ("BHTD", "BTHD"):
+        q = torch.randn(B, Hq, T, D, device="cuda", dtype=BF) if layout == "BHTD" else \
+            torch.randn(B, T, Hq, D, device="cuda", dtype=BF).transpose(1, 2)
+        pos = torch.arange(T, device="cuda")[None].expand(B, -1)
+        inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+        emb = torch.cat([pos[..., None] * inv] * 2, dim=-1)
+        cos, sin = emb.cos().to(BF), emb.sin().to(BF)
+        for bt in (4, 8, 16, 32, 64):
+            for nw in (1, 2, 4, 8):
+                ms = timed(lambda: rope_mod._apply(q, cos, sin, False, block_t=bt, num_warps=nw), reps=10)
+                print(f"rope {layout} block_t={bt:2d} warps={nw}: {ms * 1e3:7.1f} us "
+                      f"{2 * q.numel() * 2 / ms / 1e6:6.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

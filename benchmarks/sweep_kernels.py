@@ -6,12 +6,13 @@
 import os
 import sys
 
+import importlib
+
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels import copy_ceiling_gbs, timed  # noqa: E402
 
-from megatrain.kernels import rope as rope_mod  # noqa: E402
 from megatrain.kernels.rmsnorm import rms_norm_backward, rms_norm_forward  # noqa: E402
 
 BF = torch.bfloat16
@@ -26,15 +27,17 @@ def main():
     dy = torch.randn_like(x)
     for nw in (4, 8, 16):
         ms = timed(lambda: rms_norm_forward(x, w, 1e-6, num_warps=nw), reps=20)
-        print(f"rms fwd warps={nw:2d}: {ms * 1e3:7.1f} us {3 * N * H * 2 / ms / 1e6:6.0f} GB/s (x, y + w)")
+        print(f"rms fwd warps={nw:2d}: {ms * 1e3:7.1f} us {2 * N * H * 2 / ms / 1e6:6.0f} GB/s (read x, write y)")
     _, rstd = rms_norm_forward(x, w, 1e-6)
-    for per_sm in (1, 2, 4, 8):
-        for br in (1, 2, 4):
-            for nw in (4, 8, 16):
-                ms = timed(lambda: rms_norm_backward(dy, x, w, rstd, num_warps=nw, block_r=br, programs_per_sm=per_sm),
-                           reps=10)
-                print(f"rms bwd per_sm={per_sm} rows={br} warps={nw:2d}: {ms * 1e3:7.1f} us "
-                      f"{3 * N * H * 2 / ms / 1e6:6.0f} GB/s")
+    for dw_2d in (False, True):
+        for per_sm in (4, 8, 16):
+            for br in (2, 4):
+                for nw in (8, 16):
+                    ms = timed(lambda: rms_norm_backward(dy, x, w, rstd, num_warps=nw, block_r=br,
+                                                         programs_per_sm=per_sm, dw_2d=dw_2d), reps=10)
+                    print(f"rms bwd dw2d={int(dw_2d)} per_sm={per_sm:2d} rows={br} warps={nw:2d}: {ms * 1e3:7.1f} us "
+                          f"{3 * N * H * 2 / ms / 1e6:6.0f} GB/s (read dy, x, write dx)")
+    rope_mod = importlib.import_module("megatrain.kernels.rope")
     B, T, Hq, D = 32, 1024, 28, 128
     for layout in ("BHTD", "BTHD"):
         q = torch.randn(B, Hq, T, D, device="cuda", dtype=BF) if layout == "BHTD" else \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,11 +49,18 @@ class StreamedModel:
     """
 
     def __init__(self, captured: Captured, store: HostStore, optim: OptimConfig, device: torch.device,
-                 compute_dtype: torch.dtype, plan: PlanOptions, hardware: HardwareSpec):
+                 compute_dtype: torch.dtype, plan: PlanOptions, hardware: HardwareSpec, kernels: bool = False):
         self.captured, self.store, self.graph = captured, store, captured.graph
+        self.kernels: dict[str, list[str]] = {}  # what the Triton kernels replaced (empty: kernels off)
+        head_loss = None
+        if kernels:
+            from megatrain.runtime.kernel_rewrite import head_loss_spec, use_kernels
+
+            self.kernels = use_kernels(captured)
+            head_loss = head_loss_spec(captured)
         self.device, self.compute_dtype, self.plan_options, self.hardware = device, compute_dtype, plan, hardware
         self.optimizer = HostAdamW(store, optim)
-        self.executor = Executor(captured, store, self.optimizer, device, compute_dtype)
+        self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         self._schedules: dict[tuple, Schedule] = {}
         self.step = 0
 
@@ -141,13 +149,15 @@ class StreamedModel:
 def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed: int | None = None,
             optim: OptimConfig | None = None, device: str | torch.device | None = None,
             compute_dtype: torch.dtype | None = None, hardware: str | HardwareSpec | None = None,
-            **plan) -> StreamedModel:
+            kernels: bool | None = None, **plan) -> StreamedModel:
     """Capture ``model`` (an HF causal LM or a decoder ``nn.Module`` mapping input_ids to logits) and return a
     :class:`StreamedModel` whose weights live in host memory.
 
     Weights come from the model itself, or, for a model built on the meta device, from ``checkpoint`` (an HF
     safetensors directory) or ``init_seed`` (the model's own initializer, one layer at a time).
-    Defaults: CUDA with bf16 compute when available, else CPU in fp32.
+    Defaults: CUDA with bf16 compute when available, else CPU in fp32. ``kernels`` (default: on with CUDA) puts
+    the Triton kernels into the templates (RMSNorm, SwiGLU, RoPE) and runs the loss as the fused linear +
+    cross-entropy; ``StreamedModel.kernels`` lists what they replaced. On the CPU they need Triton's interpreter.
     """
     from megatrain.planner.hardware import hardware as hardware_spec
 
@@ -155,6 +165,10 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware or
                                                                             ("h200" if dev.type == "cuda" else "cpu"))
+    use_kernels = dev.type == "cuda" if kernels is None else kernels
+    if use_kernels and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernels=True on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+                         "importing megatrain")
     if checkpoint is not None and init_seed is not None:
         raise ValueError("pass checkpoint= or init_seed=, not both")
     cap = capture(model, act_dtype_bytes=torch.finfo(dtype).bits // 8)
@@ -165,4 +179,4 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         init_seeded(model, cap, store, init_seed)
     else:
         store.load_from_module(model)
-    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, PlanOptions(**plan), spec)
+    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, PlanOptions(**plan), spec, use_kernels)

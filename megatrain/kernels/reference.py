@@ -32,7 +32,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, denom: float,
-                         ignore_index: int = -100) -> torch.Tensor:
-    """sum over valid tokens of cross_entropy(hidden @ weight.T, labels) / denom, with fp32 logits."""
+                         ignore_index: int = -100, softcap: float | None = None) -> torch.Tensor:
+    """sum over valid tokens of cross_entropy(hidden @ weight.T, labels) / denom, with fp32 logits
+    (soft-capped to softcap * tanh(logits / softcap) when given)."""
     logits = hidden.float() @ weight.float().t()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / denom

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 16  # positions per program
-NUM_WARPS = 4
+BLOCK_T = 8  # positions per program (H200 sweep: 8 positions, 2 warps; docs/kernels.md)
+NUM_WARPS = 2
 
 
 @triton.jit

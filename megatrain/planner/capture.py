@@ -58,6 +58,7 @@ class Segment:
     numel: int = 0  # elements of the owner's flat block this layer owns (0 when tied)
     call_args: Any = None  # blocks: fx args/kwargs structure; side inputs appear as node names
     tuple_out: bool = False  # blocks return a tuple whose first item is the hidden state
+    patches: list = field(default_factory=list)  # (module, name, value) set only while the template runs
 
 
 @dataclass
@@ -109,7 +110,7 @@ class _Tracer(torch.fx.Tracer):
         self.blocks = blocks
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if id(m) in self.blocks or type(m).__name__.endswith("RotaryEmbedding"):
+        if id(m) in self.blocks or type(m).__name__.endswith(("RotaryEmbedding", "RMSNorm")):
             return True
         return super().is_leaf_module(m, qualname)
 

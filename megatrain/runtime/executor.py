@@ -45,11 +45,12 @@ class StepOutput:
 
 class Executor:
     def __init__(self, captured: Captured, store: HostStore, optimizer: HostAdamW, device: torch.device,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, head_loss=None):
         self.captured, self.store, self.optimizer = captured, store, optimizer
         self.graph = captured.graph
         self.device, self.dtype = torch.device(device), compute_dtype
         self.runner = LayerRunner(captured, self.device)
+        self.head_loss = head_loss  # HeadLossSpec: the head runs as the fused linear + cross-entropy kernel
         self.slot_numel = max(self.graph.weight_params(i) for i in range(len(self.graph)))
         self.w: list[torch.Tensor] = []
         self.g: list[torch.Tensor] = []
@@ -170,6 +171,8 @@ class Executor:
             raise AssertionError(k)
 
     def _loss(self, op: Op) -> None:
+        if self.head_loss is not None:
+            return self._fused_loss(op)
         x = self.act[op.slot("x")].detach().requires_grad_()
         flat = self._weights(op, True)
         with torch.enable_grad():
@@ -181,6 +184,25 @@ class Executor:
         self.loss_sums[op.mb] = float(loss_sum.detach())
         self._accumulate(op, dw.float())
         self.act[op.slot("x")] = dx
+
+    def _fused_loss(self, op: Op) -> None:
+        from megatrain.kernels.linear_ce import linear_cross_entropy_forward
+        from megatrain.runtime.templates import bind
+
+        seg = self.captured.segments[op.layer]
+        spec = self.head_loss
+        ref = next(r for r in seg.params if r.name == spec.weight_name)
+        weight = bind(seg, self._weights(op, False))[spec.weight_name]  # (V, H)
+        g = self.g[op.slot("g")]
+        if op.mb == 0:
+            g[: self.graph.weight_params(op.layer)].zero_()
+        grad_w = g[ref.offset: ref.offset + weight.numel()].view(weight.shape)
+        x = self.act[op.slot("x")]
+        loss, dh, _ = linear_cross_entropy_forward(x.reshape(-1, x.shape[-1]), weight,
+                                                   self.mbs[op.mb].next_labels.reshape(-1), self.denom,
+                                                   grad_weight=grad_w, softcap=spec.softcap)
+        self.loss_sums[op.mb] = float(loss) * self.denom
+        self.act[op.slot("x")] = dh.view_as(x)
 
     def _backward(self, op: Op) -> None:
         flat = self._weights(op, True)

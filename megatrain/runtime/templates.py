@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -29,6 +31,18 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
                 mod._buffers[name] = buf.to(device)
 
 
+@contextlib.contextmanager
+def _patched(patches):
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    try:
+        for mod, name, value in patches:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
 class LayerRunner:
     """Calls layer i of a captured model: ``run(i, flat, x, side)`` with weights bound from ``flat``."""
 
@@ -44,6 +58,12 @@ class LayerRunner:
         """Layer 0: ``x`` is (input_ids, attention_mask) and the result is (hidden, {side name: value}).
         Other layers: ``x`` is the hidden state and the result is the layer's output."""
         seg = self.captured.segments[i]
+        if seg.patches:
+            with _patched(seg.patches):
+                return self._run(seg, flat, x, side)
+        return self._run(seg, flat, x, side)
+
+    def _run(self, seg: Segment, flat: torch.Tensor, x, side):
         params = bind(seg, flat)
         if seg.kind == "embedding":
             out = functional_call(seg.template, params, x, strict=False)

@@ -90,8 +90,8 @@ def test_rope_refuses_odd_head_dim():
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("chunk_rows", [None, 8])
-def test_linear_cross_entropy(dtype, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("chunk_rows,softcap", [(None, None), (8, None), (8, 3.0)])
+def test_linear_cross_entropy(dtype, chunk_rows, softcap, monkeypatch):
     T, H, V = 37, 123, 1001
     if chunk_rows:  # several chunks, the last one short
         monkeypatch.setattr(linear_ce, "LOGITS_PER_CHUNK", chunk_rows * V)
@@ -102,8 +102,11 @@ def test_linear_cross_entropy(dtype, chunk_rows, monkeypatch):
     labels[[0, 5, 36]] = -100
     labels = labels.to(DEV)
     denom = 50.0  # e.g. the valid tokens of the whole step, not of this micro-batch
-    (loss,), (dh, dw) = grads(lambda a, b: linear_cross_entropy(a, b, labels, denom), h, w)
-    (lr,), (dhr, dwr) = grads(lambda a, b: reference.linear_cross_entropy(a, b, labels, denom), h.float(), w.float())
+    if softcap:
+        h = h * 8  # logits large enough for the cap to bend them
+    (loss,), (dh, dw) = grads(lambda a, b: linear_cross_entropy(a, b, labels, denom, softcap=softcap), h, w)
+    (lr,), (dhr, dwr) = grads(lambda a, b: reference.linear_cross_entropy(a, b, labels, denom, softcap=softcap),
+                              h.float(), w.float())
     assert dh.dtype == dtype and dw.dtype == dtype
     assert_close(loss, lr, dtype)
     assert_close(dh, dhr, dtype)

@@ -1,0 +1,145 @@
+"""Capture-time rewrite: put the Triton kernels into the templates of the layers they match.
+
+Only megatrain's own weightless templates change; the user's model is never touched. Parameter names stay the
+same, so binding is unaffected. What is rewritten:
+
+- RMSNorm modules (class name ending in ``RMSNorm``; Gemma's ``1 + w`` form included) -> the RMSNorm kernel;
+- MLPs of the form ``down_proj(silu(gate_proj(x)) * up_proj(x))`` -> the SwiGLU kernel between the projections;
+- the blocks' ``apply_rotary_pos_emb`` (HF rotate-half, full head dim) -> the RoPE kernel, substituted in the
+  block's modeling module only while megatrain calls the template;
+- a head that is a bias-free linear, optionally soft-capped (Gemma 2) -> the fused linear + cross-entropy
+  (see :func:`head_loss_spec`).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatrain.planner.capture import Captured
+
+
+class KernelRMSNorm(nn.Module):
+    def __init__(self, weight: nn.Parameter, eps: float, offset: float):
+        super().__init__()
+        self.weight, self.eps, self.offset = weight, eps, offset
+
+    def forward(self, x):
+        from megatrain.kernels import rms_norm
+
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+
+class KernelSwiGLUMLP(nn.Module):
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x):
+        from megatrain.kernels import swiglu
+
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _rms_norm_replacement(mod: nn.Module) -> nn.Module | None:
+    if not type(mod).__name__.endswith("RMSNorm") or not isinstance(getattr(mod, "weight", None), nn.Parameter):
+        return None
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    if eps is None:
+        return None
+    offset = 1.0 if type(mod).__name__.startswith("Gemma") else 0.0  # Gemma scales by (1 + w)
+    return KernelRMSNorm(mod.weight, float(eps), offset)
+
+
+def _swiglu_replacement(mod: nn.Module) -> nn.Module | None:
+    act = getattr(mod, "act_fn", None)
+    if all(isinstance(getattr(mod, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) and (
+            isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return KernelSwiGLUMLP(mod)
+    return None
+
+
+def _rewrite_modules(root: nn.Module, replaced: dict[str, list[str]], prefix: str) -> None:
+    for name, child in list(root.named_children()):
+        for kind, make in (("rmsnorm", _rms_norm_replacement), ("swiglu", _swiglu_replacement)):
+            new = make(child)
+            if new is not None:
+                setattr(root, name, new)
+                replaced.setdefault(kind, []).append(f"{prefix}{name}")
+                child = new
+                break
+        _rewrite_modules(child, replaced, f"{prefix}{name}.")
+
+
+def _rope_patch(block: nn.Module):
+    """(module, name, replacement) substituting the RoPE kernel for the block module's apply_rotary_pos_emb."""
+    mod = sys.modules.get(type(block).__module__)
+    original = getattr(mod, "apply_rotary_pos_emb", None)
+    if original is None:
+        return None
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", args[-1] if args else 1)
+        if unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1] or q.dim() != 4:
+            return original(q, k, cos, sin, *args, **kwargs)  # partial rotary or another layout: not this kernel
+        from megatrain.kernels import rope
+
+        return rope(q, k, cos, sin)
+
+    return (mod, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+
+
+@dataclass(frozen=True)
+class HeadLossSpec:
+    weight_name: str  # template parameter name of the head weight
+    softcap: float | None
+
+
+def head_loss_spec(captured: Captured) -> HeadLossSpec | None:
+    """The head as ``linear(x)`` or ``cap * tanh(linear(x) / cap)`` (what the fused loss computes), else None."""
+    head = captured.segments[-1]
+    gm = head.template
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    if not nodes or nodes[0].op != "call_module":
+        return None
+    lin = gm.get_submodule(nodes[0].target)
+    if not isinstance(lin, nn.Linear) or lin.bias is not None:
+        return None
+    rest = [(n.op, n.target) for n in nodes[1:]]
+    softcap = None
+    if rest:
+        if rest != [("call_function", operator.truediv), ("call_function", torch.tanh),
+                    ("call_function", operator.mul)]:
+            return None
+        div, _, mul = nodes[1:]
+        cap, cap2 = div.args[1], (mul.args[1] if isinstance(mul.args[1], float) else mul.args[0])
+        if not isinstance(cap, float) or cap != cap2:
+            return None
+        softcap = cap
+    return HeadLossSpec(f"{nodes[0].target}.weight", softcap)
+
+
+def use_kernels(captured: Captured) -> dict[str, list[str]]:
+    """Rewrite every template of ``captured`` in place (templates are megatrain's own). Returns what changed."""
+    replaced: dict[str, list[str]] = {}
+    seen: set[int] = set()
+    for seg in captured.segments:
+        if id(seg.template) in seen:
+            seg.patches = next(s.patches for s in captured.segments if s.template is seg.template)
+            continue
+        seen.add(id(seg.template))
+        _rewrite_modules(seg.template, replaced, f"{seg.name}:")
+        if seg.kind == "block":
+            patch = _rope_patch(seg.template)
+            if patch is not None:
+                seg.patches = [patch]
+                replaced.setdefault("rope", []).append(seg.name)
+    spec = head_loss_spec(captured)
+    if spec is not None:
+        replaced["linear_cross_entropy"] = [captured.segments[-1].name + (f" (softcap {spec.softcap})"
+                                                                         if spec.softcap else "")]
+    return replaced

@@ -49,7 +49,8 @@ class StreamedModel:
     """
 
     def __init__(self, captured: Captured, store: HostStore, optim: OptimConfig, device: torch.device,
-                 compute_dtype: torch.dtype, plan: PlanOptions, hardware: HardwareSpec, kernels: bool = False):
+                 compute_dtype: torch.dtype, plan: PlanOptions, hardware: HardwareSpec, kernels: bool = False,
+                 streams: bool = False):
         self.captured, self.store, self.graph = captured, store, captured.graph
         self.kernels: dict[str, list[str]] = {}  # what the Triton kernels replaced (empty: kernels off)
         head_loss = None
@@ -60,7 +61,12 @@ class StreamedModel:
             head_loss = head_loss_spec(captured)
         self.device, self.compute_dtype, self.plan_options, self.hardware = device, compute_dtype, plan, hardware
         self.optimizer = HostAdamW(store, optim)
-        self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
+        if streams:
+            from megatrain.runtime.streams import StreamExecutor
+
+            self.executor = StreamExecutor(captured, store, self.optimizer, device, compute_dtype, head_loss)
+        else:
+            self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         self._schedules: dict[tuple, Schedule] = {}
         self.step = 0
 
@@ -72,12 +78,12 @@ class StreamedModel:
         if key not in self._schedules:
             if batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
-            act = torch.finfo(self.compute_dtype).bits // 8
             graph = self.graph
             cfg = ScheduleConfig(
                 n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
                 seq_len=seq_len, weight_slots=opts.weight_slots, grad_slots=opts.grad_slots,
-                wire_bytes_per_param=act, host_checkpoints=opts.host_checkpoints,
+                # the executors load the fp32 master and cast on the device (no bf16 host shadow yet)
+                wire_bytes_per_param=4, host_checkpoints=opts.host_checkpoints,
                 clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes)
             s = build_schedule(graph, cfg)
             mem = device_memory(graph, s)
@@ -149,7 +155,7 @@ class StreamedModel:
 def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed: int | None = None,
             optim: OptimConfig | None = None, device: str | torch.device | None = None,
             compute_dtype: torch.dtype | None = None, hardware: str | HardwareSpec | None = None,
-            kernels: bool | None = None, **plan) -> StreamedModel:
+            kernels: bool | None = None, streams: bool | None = None, **plan) -> StreamedModel:
     """Capture ``model`` (an HF causal LM or a decoder ``nn.Module`` mapping input_ids to logits) and return a
     :class:`StreamedModel` whose weights live in host memory.
 
@@ -158,6 +164,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     Defaults: CUDA with bf16 compute when available, else CPU in fp32. ``kernels`` (default: on with CUDA) puts
     the Triton kernels into the templates (RMSNorm, SwiGLU, RoPE) and runs the loss as the fused linear +
     cross-entropy; ``StreamedModel.kernels`` lists what they replaced. On the CPU they need Triton's interpreter.
+    ``streams`` (default: on with CUDA) issues the schedule on separate CUDA streams with a host optimizer thread
+    (:mod:`megatrain.runtime.streams`); off, every op runs in program order.
     """
     from megatrain.planner.hardware import hardware as hardware_spec
 
@@ -179,4 +187,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         init_seeded(model, cap, store, init_seed)
     else:
         store.load_from_module(model)
-    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, PlanOptions(**plan), spec, use_kernels)
+    use_streams = dev.type == "cuda" if streams is None else streams
+    if use_streams and dev.type != "cuda":
+        raise ValueError("streams=True needs a CUDA device")
+    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, PlanOptions(**plan), spec, use_kernels,
+                         use_streams)

@@ -85,11 +85,11 @@ class Executor:
         self.host_act: dict[tuple[int, int], torch.Tensor] = {}
         self.side: dict[int, dict] = {}
         self.stored: set[int] = set()
-        self.loss_sums = [0.0] * len(mbs)
+        self.loss_sums: list[torch.Tensor | float] = [0.0] * len(mbs)  # tensors until the step ends (no syncs)
         self.mbs = [MicroBatch(*(t.to(self.device) for t in (mb.input_ids, mb.attention_mask, mb.next_labels)))
                     for mb in mbs]
         self.denom = denom
-        lr = self.optimizer.begin_step()
+        lr = self._begin_step()
         for op in schedule.ops:
             reads, writes = slot_contents(op, owner, cfg.n_mb)
             for role, idx in op.slots:
@@ -113,13 +113,24 @@ class Executor:
                                                        f"'{schedule.ops[nxt[0]]}' still reads {old} from it")
                 self.contents[key] = writes[role]
             try:
-                self._execute(op)
+                self._issue(op)
             except ExecutionError:
                 raise
             except Exception as e:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
+        self._end_step()
+        sums = [float(t) for t in self.loss_sums]
+        return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
+
+    # ---- hooks the streaming executor overrides --------------------------------------------------------------
+    def _begin_step(self) -> float:
+        return self.optimizer.begin_step()
+
+    def _end_step(self) -> None:
         self.optimizer.end_step()
-        return StepOutput(sum(self.loss_sums) / denom, list(self.loss_sums), self.optimizer.last_grad_norm, lr)
+
+    def _issue(self, op: Op) -> None:
+        self._execute(op)
 
     # ---- ops ------------------------------------------------------------------------------------------------
     def _weights(self, op: Op, requires_grad: bool) -> torch.Tensor:
@@ -181,7 +192,7 @@ class Executor:
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum")
             dx, dw = torch.autograd.grad(loss_sum / self.denom, [x, flat])
-        self.loss_sums[op.mb] = float(loss_sum.detach())
+        self.loss_sums[op.mb] = loss_sum.detach()
         self._accumulate(op, dw.float())
         self.act[op.slot("x")] = dx
 
@@ -201,7 +212,7 @@ class Executor:
         loss, dh, _ = linear_cross_entropy_forward(x.reshape(-1, x.shape[-1]), weight,
                                                    self.mbs[op.mb].next_labels.reshape(-1), self.denom,
                                                    grad_weight=grad_w, softcap=spec.softcap)
-        self.loss_sums[op.mb] = float(loss) * self.denom
+        self.loss_sums[op.mb] = loss * self.denom
         self.act[op.slot("x")] = dh.view_as(x)
 
     def _backward(self, op: Op) -> None:

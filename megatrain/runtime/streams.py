@@ -1,0 +1,174 @@
+"""The streaming executor (CUDA): the same schedule, each op issued on its own stream.
+
+One host thread issues the ops in program order: GPU ops go to the ``compute``, ``h2d`` and ``d2h`` CUDA streams and
+record an event; a dependency on a GPU op is a ``wait_event`` on the issuing stream, so the host never waits for the
+GPU. ``cpu`` ops (AdamW on a layer's host block) go to one worker thread, which first waits for the events of the
+GPU ops they depend on; a GPU op that depends on a ``cpu`` op (the next step's weight load) makes the host wait for
+that worker task before issuing it. Across ``run`` calls, a layer's first load of a step waits for the layer's
+optimizer task of the previous step, so steps overlap without a barrier.
+
+Every op is timed with CUDA events (GPU) or the host clock (cpu ops); :meth:`StreamExecutor.timeline` returns the
+last step as a measured :class:`~megatrain.planner.simulate.Timeline`, comparable with the simulation.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from megatrain.ir import Op, OpKind, Schedule, Stream
+from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
+
+
+class StreamExecutor(Executor):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.device.type != "cuda":
+            raise ValueError("the streaming executor needs a CUDA device")
+        with torch.cuda.device(self.device):
+            self.streams = {Stream.COMPUTE: torch.cuda.Stream(), Stream.H2D: torch.cuda.Stream(),
+                            Stream.D2H: torch.cuda.Stream()}
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
+        self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
+        self.staging: dict[int, torch.Tensor] = {}  # owner -> pinned buffer for a second gradient (tied layers)
+        self._timing: list = []
+        self.steps_issued = 0
+
+    # ---- step ---------------------------------------------------------------------------------------------
+    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True) -> StepOutput:
+        self.schedule = schedule
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.futures: dict[int, Future] = {}
+        self.extra_grad: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self.host_keep: list[torch.Tensor] = []  # pinned host buffers in flight, kept alive for the step
+        self._timing = []
+        torch.cuda.synchronize(self.device)
+        self.t0_event = torch.cuda.Event(enable_timing=True)
+        self.t0_event.record(self.streams[Stream.COMPUTE])
+        self.t0_host = time.perf_counter()
+        with torch.cuda.stream(self.streams[Stream.COMPUTE]):  # inputs are moved on the compute stream
+            out = super().run(schedule, mbs, denom)  # issues everything; reading the losses waits for compute
+        if wait_optimizer:
+            self.drain()
+            out = StepOutput(out.loss, out.mb_loss_sums, self.optimizer.last_grad_norm, out.lr)
+        return out
+
+    def drain(self) -> None:
+        """Wait for every queued optimizer task and every stream."""
+        for f in list(self.last_opt.values()):
+            f.result()
+        torch.cuda.synchronize(self.device)
+
+    def _begin_step(self) -> float:
+        from megatrain.runtime.optim import lr_at
+
+        # the worker runs begin/end in order with the optimizer tasks of the steps before
+        self.worker.submit(self.optimizer.begin_step)
+        return lr_at(self.optimizer.cfg, self.steps_issued)
+
+    def _end_step(self) -> None:
+        self.worker.submit(self.optimizer.end_step)
+        self.steps_issued += 1
+
+    # ---- issuing ------------------------------------------------------------------------------------------
+    def _issue(self, op: Op) -> None:
+        ops = self.schedule.ops
+        gpu_deps = [d for d in op.deps if ops[d].stream is not Stream.CPU]
+        cpu_deps = [d for d in op.deps if ops[d].stream is Stream.CPU]
+        if op.kind is OpKind.LOAD_W:  # the previous step's update of these weights must be done
+            prev = self.last_opt.get(self.graph.owner(op.layer))
+            if prev is not None and not prev.done():
+                prev.result()
+        if op.stream is Stream.CPU:
+            events = [self.events[d] for d in gpu_deps]
+            deps = [self.futures[d] for d in cpu_deps]
+
+            def task(op=op, events=events, deps=deps):
+                for f in deps:
+                    f.result()
+                for e in events:
+                    e.synchronize()
+                start = time.perf_counter()
+                self._execute(op)
+                return start, time.perf_counter()
+
+            fut = self.worker.submit(task)
+            self.futures[op.id] = fut
+            if op.kind is OpKind.OPT:
+                self.last_opt[op.layer] = fut
+            self._timing.append((op, fut))
+            return
+        for d in cpu_deps:
+            self.futures[d].result()
+        stream = self.streams[op.stream]
+        for d in gpu_deps:
+            stream.wait_event(self.events[d])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            self._execute(op)
+            end.record(stream)
+        self.events[op.id] = end
+        self._timing.append((op, (start, end)))
+
+    # ---- ops whose data crosses streams or the PCIe bus ------------------------------------------------------
+    def _execute(self, op: Op) -> None:
+        k, l = op.kind, op.layer
+        if k is OpKind.LOAD_W:
+            src = self.store.master(self.graph.owner(l))
+            self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=True)  # fp32 pinned -> compute dtype
+        elif k is OpKind.SAVE_ACT:
+            t = self.act[op.slot("a")]
+            t.record_stream(self.streams[Stream.D2H])
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self.host_act[(l, op.mb)] = host
+        elif k is OpKind.LOAD_ACT:
+            host = self.host_act.pop((l, op.mb))
+            self.host_keep.append(host)
+            t = host.to(self.device, non_blocking=True)
+            t.record_stream(self.streams[Stream.COMPUTE])
+            self.act[op.slot("a")] = t
+        elif k is OpKind.STORE_G:
+            o = self.graph.owner(l)
+            src = self.g[op.slot("g")][: self.store.grad(o).numel()]
+            if o in self.stored:  # a second gradient for tied weights: the optimizer task adds it
+                buf = self.staging.get(o)
+                if buf is None:
+                    buf = self.staging[o] = torch.empty(src.numel(), dtype=torch.float32, pin_memory=True)
+                buf.copy_(src, non_blocking=True)
+            else:
+                self.store.grad(o).copy_(src, non_blocking=True)
+                self.stored.add(o)
+        elif k is OpKind.OPT:
+            if l in self.staging and self._tied_twice(l):
+                self.store.grad(l).add_(self.staging[l])
+            self.optimizer.step_layer(l)
+        else:
+            super()._execute(op)
+
+    def _tied_twice(self, owner: int) -> bool:
+        return sum(1 for op in self.schedule.ops if op.kind is OpKind.STORE_G and op.step == 0
+                   and self.graph.owner(op.layer) == owner) > 1
+
+    # ---- measurement --------------------------------------------------------------------------------------
+    def timeline(self):
+        """The last step as measured: start and end of every op, seconds from the step's start."""
+        from megatrain.planner.cost import device_memory
+        from megatrain.planner.simulate import Timeline
+
+        self.drain()
+        ops, starts, ends = [], [], []
+        for op, t in sorted(self._timing, key=lambda x: x[0].id):
+            if isinstance(t, Future):
+                a, b = t.result()
+                a, b = a - self.t0_host, b - self.t0_host
+            else:
+                a, b = self.t0_event.elapsed_time(t[0]) / 1e3, self.t0_event.elapsed_time(t[1]) / 1e3
+            ops.append(op)
+            starts.append(a)
+            ends.append(b)
+        return Timeline(source="measured", ops=tuple(ops), start_s=starts, end_s=ends,
+                        reserved_nbytes=device_memory(self.graph, self.schedule).total_nbytes, n_steps=1)

@@ -69,6 +69,9 @@ class StreamedModel:
             self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         self._schedules: dict[tuple, Schedule] = {}
         self.step = 0
+        # streams: let a step's optimizer tasks run on while the next step starts (each layer's next load waits for
+        # its own update); train_step then returns before the step's weights are all updated
+        self.overlap_steps = False
 
     # ---- planning -----------------------------------------------------------------------------------------
     def schedule_for(self, batch_size: int, seq_len: int, **overrides) -> Schedule:
@@ -127,7 +130,10 @@ class StreamedModel:
         mbs = [MicroBatch(input_ids[i * b:(i + 1) * b], attention_mask[i * b:(i + 1) * b], nxt[i * b:(i + 1) * b])
                for i in range(n)]
         t0 = time.perf_counter()
-        out: StepOutput = self.executor.run(schedule, mbs, denom)
+        if self.overlap_steps and hasattr(self.executor, "drain"):
+            out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False)
+        else:
+            out = self.executor.run(schedule, mbs, denom)
         self.step += 1
         return StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0)
 

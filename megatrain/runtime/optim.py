@@ -62,18 +62,29 @@ class HostAdamW:
         self.grad_views = [store.param_view(n, "grad") for n in names]
         self.step_index = 0
         self._coef: float | None = None
+        self._norm_override: float | None = None
         self.last_grad_norm: float | None = None
 
     def begin_step(self) -> float:
         """Start an optimizer step; returns its learning rate."""
         self._coef = None
+        self._norm_override = None
         self.last_grad_norm = None
         lr = lr_at(self.cfg, self.step_index)
         for opt in self.opts.values():
             opt.param_groups[0]["lr"] = lr
         return lr
 
+    def set_grad_norm(self, total: float) -> None:
+        """The step's global gradient norm, computed elsewhere (the streaming executor sums per-layer norms taken
+        on the GPU); spares the host a pass over every gradient."""
+        self._norm_override = float(total)
+
     def _clip_coefficient(self) -> float:
+        if self._coef is None and self._norm_override is not None:
+            self.last_grad_norm = self._norm_override
+            self._coef = 1.0 if self.cfg.max_grad_norm is None else min(
+                1.0, self.cfg.max_grad_norm / (self._norm_override + 1e-6))
         if self._coef is None:
             # per parameter, in the model's order, as torch.nn.utils.clip_grad_norm_ groups it
             norms = torch.stack([torch.linalg.vector_norm(g, 2) for g in self.grad_views])
@@ -88,12 +99,24 @@ class HostAdamW:
     def step_layer(self, layer: int) -> None:
         """AdamW on one layer. Needs every gradient of the step in the store when clipping."""
         grad = self.store.grad(layer)
+        opt = self.opts[layer]
+        scaled = False
         if self.cfg.max_grad_norm is not None:
-            grad.mul_(self._clip_coefficient())
+            coef = self._clip_coefficient()
+            if self._norm_override is not None and self.cfg.fused and coef != 1.0:
+                # the fused kernel divides the gradient by grad_scale as it reads it: no extra pass over it
+                opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+                scaled = True
+            else:
+                grad.mul_(coef)
         p = self.params[layer]
         p.grad = grad
-        self.opts[layer].step()
-        p.grad = None
+        try:
+            opt.step()
+        finally:
+            p.grad = None
+            if scaled:
+                del opt.grad_scale
 
     def end_step(self) -> None:
         self.step_index += 1

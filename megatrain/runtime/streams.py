@@ -43,6 +43,14 @@ class StreamExecutor(Executor):
         self.futures: dict[int, Future] = {}
         self.extra_grad: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self.host_keep: list[torch.Tensor] = []  # pinned host buffers in flight, kept alive for the step
+        self.grad_norms: list[torch.Tensor] = []  # per stored gradient, taken on the GPU before it leaves
+        self.norm_sent = False
+        stores: dict[int, int] = {}
+        for op in schedule.ops:
+            if op.kind is OpKind.STORE_G:
+                stores[self.graph.owner(op.layer)] = stores.get(self.graph.owner(op.layer), 0) + 1
+        self.tied = {o for o, n in stores.items() if n > 1}  # owners whose gradient arrives in two parts
+        self.tied_added: set[int] = set()
         self._timing = []
         torch.cuda.synchronize(self.device)
         self.t0_event = torch.cuda.Event(enable_timing=True)
@@ -134,6 +142,8 @@ class StreamExecutor(Executor):
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             src = self.g[op.slot("g")][: self.store.grad(o).numel()]
+            if self.optimizer.cfg.max_grad_norm is not None and o not in self.tied:
+                self.grad_norms.append(torch.linalg.vector_norm(src))  # tied: summed on the host first
             if o in self.stored:  # a second gradient for tied weights: the optimizer task adds it
                 buf = self.staging.get(o)
                 if buf is None:
@@ -143,15 +153,25 @@ class StreamExecutor(Executor):
                 self.store.grad(o).copy_(src, non_blocking=True)
                 self.stored.add(o)
         elif k is OpKind.OPT:
-            if l in self.staging and self._tied_twice(l):
-                self.store.grad(l).add_(self.staging[l])
+            if self.optimizer.cfg.max_grad_norm is not None and not self.norm_sent:
+                # first update of the step (clipping: every store is done): the global norm
+                for t in self.tied:
+                    self._add_tied(t)
+                sq = sum(float(self.store.grad(t).norm()) ** 2 for t in self.tied)
+                if self.grad_norms:
+                    sq += float(torch.linalg.vector_norm(torch.stack(self.grad_norms))) ** 2
+                self.optimizer.set_grad_norm(sq ** 0.5)
+                self.norm_sent = True
+            if l in self.tied:
+                self._add_tied(l)
             self.optimizer.step_layer(l)
         else:
             super()._execute(op)
 
-    def _tied_twice(self, owner: int) -> bool:
-        return sum(1 for op in self.schedule.ops if op.kind is OpKind.STORE_G and op.step == 0
-                   and self.graph.owner(op.layer) == owner) > 1
+    def _add_tied(self, owner: int) -> None:
+        if owner not in self.tied_added:
+            self.store.grad(owner).add_(self.staging[owner])
+            self.tied_added.add(owner)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def timeline(self):

@@ -20,7 +20,7 @@ import torch
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-1.5b")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, nargs="+", default=[16], help="sequences per step; several: one run each")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--slots", type=int, default=2)
@@ -36,12 +36,7 @@ def main():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import megatrain
-    from megatrain.ir import ScheduleConfig
-    from megatrain.planner.dump import plot, write_trace
     from megatrain.planner.graph import PRESETS
-    from megatrain.planner.hardware import PRESETS as HW
-    from megatrain.planner.passes import build_schedule
-    from megatrain.planner.simulate import bound, simulate
 
     cfg = AutoConfig.for_model(model_type="llama" if args.preset.startswith("llama") else "qwen2",
                                max_position_embeddings=max(4096, args.seq), **PRESETS[args.preset])
@@ -55,7 +50,22 @@ def main():
     t_init = time.perf_counter() - t0
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
     n = sum(b.shape[1] for b in sm.store.blocks if b is not None)
-    tokens = args.batch * args.seq
+    results = []
+    for batch in args.batch:
+        results.append(measure(args, sm, cfg, n, batch, t_init))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results if len(results) > 1 else results[0], f, indent=1)
+
+
+def measure(args, sm, cfg, n, batch, t_init):
+    from megatrain.ir import ScheduleConfig
+    from megatrain.planner.dump import plot, write_trace
+    from megatrain.planner.hardware import PRESETS as HW
+    from megatrain.planner.passes import build_schedule
+    from megatrain.planner.simulate import bound, simulate
+
+    tokens = batch * args.seq
     gen = torch.Generator().manual_seed(0)
     times, losses = [], []
     torch.cuda.reset_peak_memory_stats()
@@ -63,7 +73,7 @@ def main():
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             t_timed = time.perf_counter()
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (batch, args.seq), generator=gen)
         t = time.perf_counter()
         st = sm.train_step(ids)
         times.append(time.perf_counter() - t)
@@ -71,7 +81,7 @@ def main():
     if hasattr(sm.executor, "drain"):
         sm.executor.drain()  # the last step's optimizer tail counts
     step_s = (time.perf_counter() - t_timed) / args.steps  # mean over the timed steps, optimizer included
-    sched = sm.schedule_for(args.batch, args.seq)
+    sched = sm.schedule_for(batch, args.seq)
     spec = HW["h200"]
     c = sched.config
     three = build_schedule(sm.graph, ScheduleConfig(**{**c.to_dict(), "n_steps": 3}))
@@ -90,8 +100,8 @@ def main():
     if args.trace and not args.sync:
         measured = sm.executor.timeline()
         one = simulate(sched, sm.graph, spec)
-        write_trace([one, measured], args.trace + ".trace.json")
-        plot([one, measured], args.trace + ".png", title=f"{args.preset}: simulated vs measured, one step")
+        write_trace([one, measured], f"{args.trace}-b{batch}.trace.json")
+        plot([one, measured], f"{args.trace}-b{batch}.png", title=f"{args.preset}: simulated vs measured, one step")
         busy = measured.busy_s()
         res["measured_busy_s"] = busy
         res["measured_step_span_s"] = measured.makespan_s
@@ -100,9 +110,9 @@ def main():
           f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops_6nt']:.0f} TFLOPS(6NT); bound {b.step_s:.3f} s "
           f"({b.limiter}), simulated {sim.steady_step_s:.3f} s; GPU peak {res['gpu_peak_gib']:.1f} GiB, "
           f"host RSS {res['host_rss_gib']:.1f} GiB")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    return res
+
+
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ The user's model is only read.
 from __future__ import annotations
 
 import copy
+import operator
 import hashlib
 import functools
 import sys
@@ -270,7 +271,7 @@ def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
         h = cur.args[0] if cur.args else None
         if h is prev:
             continue
-        if isinstance(h, torch.fx.Node) and h.target is __import__("operator").getitem and h.args == (prev, 0):
+        if isinstance(h, torch.fx.Node) and h.target is operator.getitem and h.args == (prev, 0):
             tuple_out = True
             continue
         raise CaptureError(f"{type(model).__name__}: block '{cur.target}' does not take the previous block's output "
@@ -283,14 +284,14 @@ def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
         torch.fx.node.map_arg((c.args[1:], c.kwargs), lambda n: sides.setdefault(n, None))
     block_set = set(calls)
     if tuple_out:
-        block_set |= {u for c in calls for u in c.users if u.target is __import__("operator").getitem}
+        block_set |= {u for c in calls for u in c.users if u.target is operator.getitem}
     prologue = _ancestors([h0, *sides], stop=block_set)
     if block_set & set(prologue) or any(n in block_set for n in sides):
         raise CaptureError(f"{type(model).__name__}: side inputs of the blocks depend on block outputs")
     out_node = next(n for n in graph.nodes if n.op == "output")
     logits = out_node.args[0]
     last = calls[-1]
-    h_last = next((u for u in last.users if u.target is __import__("operator").getitem), last) if tuple_out else last
+    h_last = next((u for u in last.users if u.target is operator.getitem), last) if tuple_out else last
     epilogue = [n for n in _ancestors([logits], stop={h_last}) if n not in set(prologue)]
     meta_model = _meta_copy(model)
     _materialize_meta_buffers(meta_model)

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from megatrain.ir import Schedule, ScheduleConfig
-from megatrain.planner.cost import GRAD_BYTES, HOST_BYTES_PER_PARAM, host_memory, slot_nbytes, workspace_nbytes
+from megatrain.planner.cost import HOST_BYTES_PER_PARAM, host_memory, slot_nbytes, workspace_nbytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule

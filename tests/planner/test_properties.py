@@ -1,7 +1,7 @@
 """Property tests over random layer graphs, batch shapes, slot counts and budgets."""
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from megatrain.ir import Schedule, ScheduleConfig

@@ -52,7 +52,7 @@ def test_two_layer_step_by_hand():
 
 
 def test_transfers_running_together_are_slowed():
-    from megatrain.ir import Op, Schedule, ScheduleConfig, Stream
+    from megatrain.ir import Op, Schedule, Stream
     from megatrain.planner.simulate import simulate as sim
 
     g = two_layer_graph()

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-import megatrain
 from megatrain.ir import OpKind, Schedule
 from megatrain.planner.capture import CaptureError, capture
 from megatrain.runtime.executor import ExecutionError

@@ -101,6 +101,10 @@ def measure(args, sm, cfg, n, batch, t_init):
         measured = sm.executor.timeline()
         one = simulate(sched, sm.graph, spec)
         write_trace([one, measured], f"{args.trace}-b{batch}.trace.json")
+        with open(f"{args.trace}-b{batch}.timeline.json", "w") as f:
+            f.write(measured.to_json())
+        with open(f"{args.trace}-b{batch}.schedule.txt", "w") as f:
+            f.write(sched.to_text())
         plot([one, measured], f"{args.trace}-b{batch}.png", title=f"{args.preset}: simulated vs measured, one step")
         busy = measured.busy_s()
         res["measured_busy_s"] = busy

@@ -1,4 +1,4 @@
-"""Command line: ``megatrain train`` and ``megatrain plan``."""
+"""Command line: ``megatrain train``, ``megatrain plan`` and ``megatrain viz``."""
 
 from __future__ import annotations
 
@@ -103,6 +103,38 @@ def _train(args) -> int:
     return 0
 
 
+def _viz(args) -> int:
+    from megatrain.ir import IRError, Schedule
+    from megatrain.planner import hardware
+    from megatrain.planner.dump import plot, write_trace
+    from megatrain.planner.simulate import Timeline, simulate
+
+    try:
+        timelines = []
+        if args.schedule:
+            schedule = Schedule.from_text(Path(args.schedule).read_text())
+            graph = _model(args)
+            if len(graph) != schedule.config.n_layers:
+                raise ValueError(f"the schedule has {schedule.config.n_layers} layers, the model {len(graph)}")
+            timelines.append(simulate(schedule, graph, hardware(args.hardware)))
+        for path in args.timeline:
+            timelines.append(Timeline.from_json(Path(path).read_text()))
+        if not timelines:
+            raise ValueError("nothing to draw: pass --schedule (simulated) and/or --timeline files (measured)")
+    except (OSError, ValueError, IRError) as e:
+        print(f"megatrain viz: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = write_trace(timelines, out / "timelines.trace.json")
+    png = plot(timelines, out / "timelines.png", title=" vs ".join(t.source for t in timelines))
+    for t in timelines:
+        busy = ", ".join(f"{k} {v:.3f}" for k, v in t.busy_s().items())
+        print(f"{t.source:10s} {t.makespan_s:.3f} s for {t.n_steps} step(s); busy: {busy}")
+    print(f"wrote {png}, {trace}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megatrain", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -140,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")
     p.set_defaults(fn=_plan)
+    v = sub.add_parser("viz", help="draw simulated and measured timelines on one picture and one Chrome trace")
+    v.add_argument("--schedule", help="schedule text to simulate (with --preset/--config and --hardware)")
+    vsrc = v.add_mutually_exclusive_group()
+    vsrc.add_argument("--preset", default="qwen2.5-7b", help="model shape preset for the simulation")
+    vsrc.add_argument("--config", help="HF config.json for the simulation")
+    v.add_argument("--hardware", default="h200", help="hardware preset or JSON spec for the simulation")
+    v.add_argument("--timeline", nargs="*", default=[], help="measured timeline JSON files (benchmarks write them)")
+    v.add_argument("--out", default="megatrain-viz", help="output directory")
+    v.set_defaults(fn=_viz)
     args = ap.parse_args(argv)
     return args.fn(args)
 

@@ -7,6 +7,7 @@ when both directions run, each is slowed so that together they stay within the d
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream
@@ -57,6 +58,22 @@ class Timeline:
     @property
     def peak_nbytes(self) -> int:
         return max((b for _, b in self.memory), default=0)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "megatrain-timeline", "source": self.source, "n_steps": self.n_steps,
+                           "ops": [str(op) for op in self.ops], "start_s": self.start_s, "end_s": self.end_s,
+                           "memory": self.memory, "reserved_nbytes": self.reserved_nbytes,
+                           "host_nbytes": self.host_nbytes})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Timeline":
+        d = json.loads(text)
+        if d.get("format") != "megatrain-timeline":
+            raise ValueError("not a megatrain timeline JSON document")
+        return cls(source=d["source"], ops=tuple(Op.from_str(o) for o in d["ops"]), start_s=list(d["start_s"]),
+                   end_s=list(d["end_s"]), memory=[tuple(m) for m in d.get("memory", [])],
+                   reserved_nbytes=d.get("reserved_nbytes", 0), host_nbytes=d.get("host_nbytes", 0),
+                   n_steps=d.get("n_steps", 1))
 
     def busy_s(self) -> dict[str, float]:
         out = {s.value: 0.0 for s in STREAM_ORDER}

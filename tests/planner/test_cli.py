@@ -48,3 +48,35 @@ def test_plan_cli_refuses_with_one_clear_message(tmp_path, capsys, argv, msg):
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_viz_draws_simulated_and_measured_on_one_picture(tmp_path, capsys):
+    import dataclasses
+    import json
+
+    from megatrain.ir import Schedule
+    from megatrain.planner.simulate import Timeline
+
+    assert main(["plan", "--preset", "qwen2.5-0.5b", "--tokens", "8192", "--steps", "1", "--out", str(tmp_path)]) == 0
+    sim_text = (tmp_path / "plan.trace.json").read_text()
+    s = Schedule.from_text((tmp_path / "schedule.txt").read_text())
+    # a "measured" timeline: the simulated one stretched by 1.3 (what a recorder on the GPU writes)
+    from megatrain.planner.graph import preset
+    from megatrain.planner.hardware import hardware
+    from megatrain.planner.simulate import simulate
+
+    sim = simulate(s, preset("qwen2.5-0.5b"), hardware("h200"))
+    measured = dataclasses.replace(sim, source="measured", start_s=[1.3 * t for t in sim.start_s],
+                                   end_s=[1.3 * t for t in sim.end_s], memory=[])
+    assert Timeline.from_json(measured.to_json()) == measured
+    (tmp_path / "m.json").write_text(measured.to_json())
+    out = tmp_path / "viz"
+    assert main(["viz", "--schedule", str(tmp_path / "schedule.txt"), "--preset", "qwen2.5-0.5b",
+                 "--timeline", str(tmp_path / "m.json"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "simulated" in printed and "measured" in printed
+    trace = json.loads((out / "timelines.trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {"simulated", "measured"} and sim_text
+    assert (out / "timelines.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["viz", "--out", str(out)]) == 2

@@ -29,14 +29,13 @@ def main():
         ms = timed(lambda: rms_norm_forward(x, w, 1e-6, num_warps=nw), reps=20)
         print(f"rms fwd warps={nw:2d}: {ms * 1e3:7.1f} us {2 * N * H * 2 / ms / 1e6:6.0f} GB/s (read x, write y)")
     _, rstd = rms_norm_forward(x, w, 1e-6)
-    for dw_2d in (False, True):
-        for per_sm in (4, 8, 16):
-            for br in (2, 4):
-                for nw in (8, 16):
-                    ms = timed(lambda: rms_norm_backward(dy, x, w, rstd, num_warps=nw, block_r=br,
-                                                         programs_per_sm=per_sm, dw_2d=dw_2d), reps=10)
-                    print(f"rms bwd dw2d={int(dw_2d)} per_sm={per_sm:2d} rows={br} warps={nw:2d}: {ms * 1e3:7.1f} us "
-                          f"{3 * N * H * 2 / ms / 1e6:6.0f} GB/s (read dy, x, write dx)")
+    for per_sm in (1, 2, 4, 8, 16):
+        for br in (1, 2, 4):
+            for nw in (4, 8, 16):
+                ms = timed(lambda: rms_norm_backward(dy, x, w, rstd, num_warps=nw, block_r=br,
+                                                     programs_per_sm=per_sm), reps=10)
+                print(f"rms bwd per_sm={per_sm:2d} rows={br} warps={nw:2d}: {ms * 1e3:7.1f} us "
+                      f"{3 * N * H * 2 / ms / 1e6:6.0f} GB/s (read dy, x, write dx)")
     rope_mod = importlib.import_module("megatrain.kernels.rope")
     B, T, Hq, D = 32, 1024, 28, 128
     for layout in ("BHTD", "BTHD"):

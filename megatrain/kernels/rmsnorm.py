@@ -23,17 +23,14 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, offset,
 
 @triton.jit
 def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx, n_rows, n_cols, offset,
-                         rows_per_program, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, DW_2D: tl.constexpr):
+                         rows_per_program, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     # Each program walks a run of rows, BLOCK_R at a time (more bytes in flight per iteration), and keeps its share
     # of dW in registers: one partial row per program, summed by the launcher.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)[None, :]
     cmask = cols < n_cols
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
-    if DW_2D:  # one accumulator row per tile row, reduced once at the end
-        dw2 = tl.zeros([BLOCK_R, BLOCK], dtype=tl.float32)
-    else:
-        dw = tl.zeros([BLOCK], dtype=tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
     first = pid * rows_per_program
     for i in range(0, rows_per_program, BLOCK_R):
         rows = first + i + tl.arange(0, BLOCK_R)[:, None]
@@ -46,12 +43,7 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx,
         wdy = w * dy
         c = tl.sum(xhat * wdy, axis=1)[:, None] / n_cols
         tl.store(DX + rows * stride_dx + cols, ((wdy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
-        if DW_2D:
-            dw2 += dy * xhat
-        else:
-            dw += tl.sum(dy * xhat, axis=0)
-    if DW_2D:
-        dw = tl.sum(dw2, axis=0)
+        dw += tl.sum(dy * xhat, axis=0)
     tl.store(DW + pid * n_cols + tl.arange(0, BLOCK), dw, mask=tl.arange(0, BLOCK) < n_cols)
 
 
@@ -69,7 +61,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                       offset: float = 0.0, num_warps: int | None = None, block_r: int | None = None,
-                      programs_per_sm: int | None = None, dw_2d: bool = False):
+                      programs_per_sm: int | None = None):
     x2, dy2 = rows_2d(x), rows_2d(dy)
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
@@ -82,7 +74,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     n_prog = triton.cdiv(n_rows, per)
     dw_partial = torch.empty(n_prog, n_cols, dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(n_prog,)](dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0),
-                                    n_rows, n_cols, offset, per, BLOCK_R=block_r, BLOCK=block, DW_2D=dw_2d,
+                                    n_rows, n_cols, offset, per, BLOCK_R=block_r, BLOCK=block,
                                     num_warps=num_warps or min(8, max(1, block * block_r // 512)))
     return dx.view_as(x), dw_partial.sum(0).to(weight.dtype)
 

@@ -9,21 +9,11 @@ import torch.nn.functional as F
 import megatrain
 
 from ..runtime.models import hf_model
+from ..runtime.test_parity import batches as make_batches
 
 pytestmark = pytest.mark.gpu
 
 LR, STEPS, N_MB = 1e-4, 3, 4
-
-
-def data(vocab, B=8, T=512, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, vocab, (B, T), generator=g)
-        mask = torch.ones_like(ids)
-        mask[1, T - 100:] = 0
-        out.append((ids, mask, ids.masked_fill(mask == 0, -100)))
-    return out
 
 
 def resident_reference(model, batches):
@@ -61,7 +51,7 @@ def test_100m_llama_streamed_matches_resident_bf16_training():
     model = hf_model("llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)
     assert 90e6 < sum(p.numel() for p in model.parameters()) < 150e6
-    batches = data(32000)
+    batches = make_batches(n_steps=STEPS, B=8, T=512, vocab=32000)
     ref_losses, ref = resident_reference(copy.deepcopy(model), batches)
     losses, got = streamed(copy.deepcopy(model), batches)
     losses2, got2 = streamed(copy.deepcopy(model), batches)

@@ -22,12 +22,12 @@ OPT = megatrain.OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0
                             warmup_steps=1, total_steps=4, fused=False)
 
 
-def batches(n_steps=3, B=6, T=12, seed=1):
+def batches(n_steps=3, B=6, T=12, seed=1, vocab=VOCAB):
     """Random tokens with right padding and some ignored labels in every step."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n_steps):
-        ids = torch.randint(3, VOCAB, (B, T), generator=g)
+        ids = torch.randint(3, vocab, (B, T), generator=g)
         mask = torch.ones_like(ids)
         mask[1, T - 3:] = 0
         mask[4, T // 2:] = 0

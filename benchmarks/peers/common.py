@@ -1,0 +1,113 @@
+"""What the peer benchmarks share: the model, the data, the timing and the result record.
+
+Every system trains the same HF Qwen2.5-shaped model (same config, same seeded initial weights where the model fits
+in host memory twice), on the same random token batches, with the loss summed over the step's valid tokens and
+divided by their count, bf16 compute, fp32 master weights and fp32 AdamW state, clipping at 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+LR = 1e-4
+CLIP = 1.0
+
+
+def hf_config(preset: str, seq: int):
+    from transformers import AutoConfig
+
+    from megatrain.planner.graph import PRESETS
+
+    kind = "llama" if preset.startswith("llama") else "qwen2"
+    if preset == "tiny":  # for smoke runs on a CPU machine
+        return AutoConfig.for_model(model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                    max_position_embeddings=max(seq, 128))
+    return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(4096, seq), **PRESETS[preset])
+
+
+def build_model(cfg, seed: int = 0, meta: bool = False):
+    """The HF model with the architecture's own init under ``seed`` (or on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def batches(vocab: int, tokens: int, seq: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    """``steps`` batches of random tokens, (tokens / seq, seq) each; the same for every system."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (tokens // seq, seq), generator=g) for _ in range(steps)]
+
+
+def next_labels(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    nxt = torch.full_like(ids, -100)
+    nxt[:, :-1] = ids[:, 1:]
+    return nxt, int((nxt != -100).sum())
+
+
+def loss_sum(logits: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), nxt.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+def host_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+
+
+@dataclass
+class Result:
+    system: str
+    preset: str
+    params: int
+    tokens_per_step: int
+    seq: int
+    n_mb: int
+    step_times_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    gpu_peak_gib: float = 0.0
+    host_peak_gib: float = 0.0
+    setup_s: float = 0.0
+    notes: str = ""
+    error: str = ""
+
+    @property
+    def step_s(self) -> float:
+        timed = self.step_times_s[1:] or self.step_times_s  # the first step warms up
+        return sum(timed) / len(timed) if timed else float("nan")
+
+    def finish(self, path: str | None) -> dict:
+        d = asdict(self)
+        d["step_s"] = self.step_s
+        d["tokens_per_s"] = self.tokens_per_step / self.step_s if self.step_times_s else 0.0
+        d["tflops_6nt"] = 6 * self.params * self.tokens_per_step / self.step_s / 1e12 if self.step_times_s else 0.0
+        print(json.dumps(d, indent=1))
+        if path:
+            with open(path, "w") as f:
+                json.dump(d, f, indent=1)
+        return d
+
+
+class StepTimer:
+    def __init__(self):
+        self.t = 0.0
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t = time.perf_counter() - self.t

@@ -1,0 +1,82 @@
+"""PyTorch FSDP2 with CPU offload on the peer benchmark's model and data (one GPU). See run.py.
+
+fully_shard per decoder layer and at the root with CPUOffloadPolicy (parameters, gradients and optimizer state on
+the host) and MixedPrecisionPolicy (bf16 compute, fp32 reduction); activation checkpointing per decoder layer;
+torch AdamW on the host parameters; gradient accumulation over micro-batches; clip_grad_norm_.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import CLIP, LR, Result, StepTimer, batches, build_model, hf_config, host_peak_gib, loss_sum, next_labels
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--tokens", type=int, required=True)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--mb", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = hf_config(args.preset, args.seq)
+    t0 = time.perf_counter()
+    model = build_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    res = Result("fsdp2-cpu-offload", args.preset, n, args.tokens, args.seq, args.mb)
+    try:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        if cuda:
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        for layer in model.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+            res.notes = "AdamW fused on the host"
+        except (RuntimeError, TypeError) as e:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+            res.notes = f"AdamW per-tensor on the host (fused refused: {e})"
+        res.setup_s = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for ids in batches(cfg.vocab_size, args.tokens, args.seq, args.steps):
+            nxt, denom = next_labels(ids)
+            with StepTimer() as t:
+                total = 0.0
+                for sl in torch.arange(len(ids)).chunk(args.mb):
+                    logits = model(input_ids=ids[sl].to(device)).logits
+                    loss = loss_sum(logits, nxt[sl].to(device)) / denom
+                    loss.backward()
+                    total += float(loss)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                opt.step()
+                opt.zero_grad()
+            res.step_times_s.append(t.t)
+            res.losses.append(total)
+    except torch.OutOfMemoryError as e:
+        res.error = f"out of GPU memory: {e}"
+    except MemoryError as e:
+        res.error = f"out of host memory: {e}"
+    res.gpu_peak_gib = torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0
+    res.host_peak_gib = host_peak_gib()
+    res.finish(args.json)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -38,7 +38,7 @@ def main():
     sm = megatrain.compile(model, init_seed=args.seed, device="cuda" if torch.cuda.is_available() else "cpu")
     t2 = time.perf_counter()
     store = sum(sm.store.nbytes.values())
-    n = sum(b.shape[1] for b in sm.store.blocks if b is not None)
+    n = sm.graph.n_params
     w = sm.state_dict()["model.layers.3.mlp.up_proj.weight"]
     res = {
         "preset": args.preset, "params": n, "store_gib": store / (1 << 30), "peak_rss_gib": rss_gib(),

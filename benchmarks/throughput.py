@@ -49,7 +49,7 @@ def main():
                            host_checkpoints=args.host_checkpoints)
     t_init = time.perf_counter() - t0
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
-    n = sum(b.shape[1] for b in sm.store.blocks if b is not None)
+    n = sm.graph.n_params
     results = []
     for batch in args.batch:
         results.append(measure(args, sm, cfg, n, batch, t_init))

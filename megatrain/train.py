@@ -123,7 +123,7 @@ def run(cfg: TrainConfig) -> dict:
          title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
          budget_nbytes=schedule.config.budget_bytes)
     tok.save(str(out / "tokenizer.json"))
-    n_params = sum(n for n in (b.shape[1] for b in sm.store.blocks if b is not None))
+    n_params = sm.graph.n_params
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
           f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
           f"{cfg.seq} tokens, {cfg.mb} micro-batches; writing {out}/", flush=True)

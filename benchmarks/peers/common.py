@@ -7,16 +7,29 @@ divided by their count, bf16 compute, fp32 master weights and fp32 AdamW state, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 LR = 1e-4
 CLIP = 1.0
+
+
+def base_parser(doc: str | None = None) -> argparse.ArgumentParser:
+    """The options every peer script and the driver take."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--preset", required=True, help="a planner preset (qwen2.5-1.5b, ...) or tiny")
+    ap.add_argument("--tokens", type=int, required=True, help="tokens per optimizer step")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--mb", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=4, help="steps; the first is a warm-up")
+    return ap
 
 
 def hf_config(preset: str, seq: int):
@@ -111,3 +124,27 @@ class StepTimer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.t = time.perf_counter() - self.t
+
+
+def run_peer(res: Result, args, cfg, t0: float, setup: Callable[[], Callable]) -> None:
+    """``setup()`` builds the system and returns ``step(ids, next_labels, denom) -> loss``; each step of the
+    shared batches is timed; running out of GPU or host memory (setup included) is recorded as the result."""
+    cuda = torch.cuda.is_available()
+    try:
+        step = setup()
+        res.setup_s = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for ids in batches(cfg.vocab_size, args.tokens, args.seq, args.steps):
+            nxt, denom = next_labels(ids)
+            with StepTimer() as t:
+                loss = step(ids, nxt, denom)
+            res.step_times_s.append(t.t)
+            res.losses.append(loss)
+    except torch.OutOfMemoryError as e:
+        res.error = f"out of GPU memory: {e}"
+    except MemoryError as e:
+        res.error = f"out of host memory: {e}"
+    res.gpu_peak_gib = torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0
+    res.host_peak_gib = host_peak_gib()
+    res.finish(args.json)

@@ -5,23 +5,17 @@ the host) and MixedPrecisionPolicy (bf16 compute, fp32 reduction); activation ch
 torch AdamW on the host parameters; gradient accumulation over micro-batches; clip_grad_norm_.
 """
 
-import argparse
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from common import CLIP, LR, Result, StepTimer, batches, build_model, hf_config, host_peak_gib, loss_sum, next_labels
+from common import CLIP, LR, Result, base_parser, build_model, hf_config, loss_sum, run_peer
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", required=True)
-    ap.add_argument("--tokens", type=int, required=True)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--mb", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=4)
+    ap = base_parser(__doc__)
     ap.add_argument("--json")
     args = ap.parse_args()
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -34,9 +28,10 @@ def main():
     cfg = hf_config(args.preset, args.seq)
     t0 = time.perf_counter()
     model = build_model(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    res = Result("fsdp2-cpu-offload", args.preset, n, args.tokens, args.seq, args.mb)
-    try:
+    res = Result("fsdp2-cpu-offload", args.preset, sum(p.numel() for p in model.parameters()), args.tokens,
+                 args.seq, args.mb)
+
+    def setup():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
@@ -51,30 +46,22 @@ def main():
         except (RuntimeError, TypeError) as e:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
             res.notes = f"AdamW per-tensor on the host (fused refused: {e})"
-        res.setup_s = time.perf_counter() - t0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        for ids in batches(cfg.vocab_size, args.tokens, args.seq, args.steps):
-            nxt, denom = next_labels(ids)
-            with StepTimer() as t:
-                total = 0.0
-                for sl in torch.arange(len(ids)).chunk(args.mb):
-                    logits = model(input_ids=ids[sl].to(device)).logits
-                    loss = loss_sum(logits, nxt[sl].to(device)) / denom
-                    loss.backward()
-                    total += float(loss)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-                opt.step()
-                opt.zero_grad()
-            res.step_times_s.append(t.t)
-            res.losses.append(total)
-    except torch.OutOfMemoryError as e:
-        res.error = f"out of GPU memory: {e}"
-    except MemoryError as e:
-        res.error = f"out of host memory: {e}"
-    res.gpu_peak_gib = torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0
-    res.host_peak_gib = host_peak_gib()
-    res.finish(args.json)
+
+        def step(ids, nxt, denom):
+            total = 0.0
+            for sl in torch.arange(len(ids)).chunk(args.mb):
+                logits = model(input_ids=ids[sl].to(device)).logits
+                loss = loss_sum(logits, nxt[sl].to(device)) / denom
+                loss.backward()
+                total += float(loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        return step
+
+    run_peer(res, args, cfg, t0, setup)
     dist.destroy_process_group()
 
 

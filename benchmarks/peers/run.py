@@ -6,23 +6,19 @@ Each system runs in its own process (clean host and GPU memory, one killed by th
 on the same model, data and seed; prints one table and writes each system's JSON to --out.
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
+
+from common import base_parser
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = {"megatrain": "megatrain_run.py", "deepspeed": "deepspeed_run.py", "fsdp2": "fsdp2_run.py"}
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", required=True)
-    ap.add_argument("--tokens", type=int, required=True)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--mb", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=4)
+    ap = base_parser(__doc__)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--timeout", type=int, default=900, help="seconds per system")
     ap.add_argument("--meta", action="store_true", help="megatrain builds on the meta device (seeded init)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from megatrain.ir import Schedule, ScheduleConfig
+from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner.cost import HOST_BYTES_PER_PARAM, host_memory, slot_nbytes, workspace_nbytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -44,8 +44,6 @@ def _gib(x: float) -> str:
 def _min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     """What any schedule with ``cfg`` needs at least: its weight and grad slots, one mb's activations in and out,
     and the largest working set."""
-    from megatrain.ir import Op, OpKind, Stream
-
     size = slot_nbytes(graph, cfg)
     work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
                for l in range(len(graph)) for k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS))

@@ -46,14 +46,40 @@ def hf_config(preset: str, seq: int):
 
 
 def build_model(cfg, seed: int = 0, meta: bool = False):
-    """The HF model with the architecture's own init under ``seed`` (or on the meta device)."""
+    """The HF model with seeded random weights (or on the meta device).
+
+    The weights are filled in place, parameter by parameter in the model's order, from a generator seeded with
+    ``seed`` and the parameter's index: uniform with the std HF's initializer uses (``initializer_range``) for
+    matrices and embeddings, ones for norm weights, zeros for biases. Every system gets identical weights, and a
+    multi-billion-parameter model fills in seconds rather than the minutes ``normal_`` takes on the host."""
     from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     if meta:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        return model
+    model.to_empty(device="cpu")
+    for name, mod in list(model.named_modules()):  # buffers come back uninitialized from to_empty: rebuild
+        if hasattr(mod, "inv_freq"):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, type(mod)(config=cfg))
+    fill_seeded(model, seed, getattr(cfg, "initializer_range", 0.02))
+    return model
+
+
+@torch.no_grad()
+def fill_seeded(model: torch.nn.Module, seed: int, std: float) -> None:
+    half_width = std * 3 ** 0.5  # uniform(-a, a) has std a / sqrt(3)
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.ndim == 1:  # RMSNorm weights
+            p.fill_(1.0)
+        else:
+            p.uniform_(-half_width, half_width, generator=torch.Generator().manual_seed(seed * 100_003 + i))
+    for name, b in model.named_buffers():
+        if not torch.isfinite(b).all():
+            raise ValueError(f"buffer {name} was left unset on the host")
 
 
 def batches(vocab: int, tokens: int, seq: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
@@ -90,13 +116,15 @@ class Result:
     gpu_peak_gib: float = 0.0
     host_peak_gib: float = 0.0
     setup_s: float = 0.0
+    timed_s: float = 0.0  # wall time per step over the steps after the first, optimizer included
     notes: str = ""
     error: str = ""
 
     @property
     def step_s(self) -> float:
-        timed = self.step_times_s[1:] or self.step_times_s  # the first step warms up
-        return sum(timed) / len(timed) if timed else float("nan")
+        if self.timed_s:
+            return self.timed_s
+        return self.step_times_s[0] if self.step_times_s else float("nan")
 
     def finish(self, path: str | None) -> dict:
         d = asdict(self)
@@ -126,21 +154,34 @@ class StepTimer:
         self.t = time.perf_counter() - self.t
 
 
-def run_peer(res: Result, args, cfg, t0: float, setup: Callable[[], Callable]) -> None:
-    """``setup()`` builds the system and returns ``step(ids, next_labels, denom) -> loss``; each step of the
-    shared batches is timed; running out of GPU or host memory (setup included) is recorded as the result."""
+def run_peer(res: Result, args, cfg, t0: float, setup: Callable[[], Callable | tuple[Callable, Callable]]) -> None:
+    """``setup()`` builds the system and returns ``step(ids, next_labels, denom) -> loss``, or ``(step, drain)``
+    for a system whose step may return before its optimizer work ends (``drain()`` waits for it). Each step of the
+    shared batches is timed; the step time reported is the wall time of the steps after the first, up to the end of
+    the last one's optimizer, divided by their number. Running out of GPU or host memory (setup included) is
+    recorded as the result."""
     cuda = torch.cuda.is_available()
     try:
-        step = setup()
+        made = setup()
+        step, drain = made if isinstance(made, tuple) else (made, lambda: None)
         res.setup_s = time.perf_counter() - t0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        for ids in batches(cfg.vocab_size, args.tokens, args.seq, args.steps):
+        data = batches(cfg.vocab_size, args.tokens, args.seq, args.steps)
+        t_timed = None
+        for i, ids in enumerate(data):
             nxt, denom = next_labels(ids)
+            if i == 1:
+                t_timed = time.perf_counter()
             with StepTimer() as t:
                 loss = step(ids, nxt, denom)
+                if i == len(data) - 1:
+                    drain()
             res.step_times_s.append(t.t)
             res.losses.append(loss)
+            print(f"{res.system} step {i}: loss {loss:.4f}, {t.t:.3f} s", flush=True)
+        if t_timed is not None:
+            res.timed_s = (time.perf_counter() - t_timed) / (len(data) - 1)
     except torch.OutOfMemoryError as e:
         res.error = f"out of GPU memory: {e}"
     except MemoryError as e:

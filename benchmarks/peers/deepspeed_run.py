@@ -56,8 +56,8 @@ def main():
         def step(ids, nxt, denom):
             total = 0.0
             for sl in torch.arange(len(ids)).chunk(args.mb):
-                logits = engine(input_ids=ids[sl].cuda()).logits
-                loss = loss_sum(logits, nxt[sl].cuda()) / denom
+                logits = engine(input_ids=ids[sl].to(engine.device)).logits
+                loss = loss_sum(logits, nxt[sl].to(engine.device)) / denom
                 if no_rescale:
                     engine.backward(loss, scale_wrt_gas=False)
                 else:  # the engine divides by the accumulation steps: undo it

@@ -26,7 +26,8 @@ def main():
                                optim=megatrain.OptimConfig(lr=LR, max_grad_norm=CLIP), n_mb=args.mb, weight_slots=3)
         model = None  # the weights live in the host store now; the model's own copy is freed
         res.notes = f"kernels: {sorted(sm.kernels)}; executor: {type(sm.executor).__name__}"
-        return lambda ids, nxt, denom: sm.train_step(ids).loss
+        sm.overlap_steps = sm.device.type == "cuda"  # a step's optimizer tail overlaps the next step's start
+        return (lambda ids, nxt, denom: sm.train_step(ids).loss), getattr(sm.executor, "drain", lambda: None)
 
     run_peer(res, args, cfg, t0, setup)
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/peers/run.py --preset qwen2.5-1.5b --tokens 16384 --out results/
 
-Each system runs in its own process (clean host and GPU memory, one killed by the OOM killer is recorded as such),
+Each system runs in its own process (clean host and GPU memory); one that runs the host out of memory is stopped and recorded as such,
 on the same model, data and seed; prints one table and writes each system's JSON to --out.
 """
 
@@ -10,17 +10,61 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 from common import base_parser
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+GIB = 1 << 30
 SYSTEMS = {"megatrain": "megatrain_run.py", "deepspeed": "deepspeed_run.py", "fsdp2": "fsdp2_run.py"}
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def run_watched(cmd: list[str], timeout: float, reserve: int) -> tuple[int, str, str]:
+    """Run one system, echoing its output; stop it when the host's available memory falls under ``reserve`` bytes
+    (before the kernel's OOM killer picks a process, perhaps not this one). Returns (exit code, output, why it was
+    stopped or '')."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: list[str] = []
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    t0, why = time.monotonic(), ""
+    while proc.poll() is None:
+        avail = mem_available()
+        if avail < reserve:
+            why = f"out of host memory: available host memory fell to {avail / GIB:.1f} GiB (stopped)"
+        elif time.monotonic() - t0 > timeout:
+            why = f"timed out after {timeout:.0f} s"
+        if why:
+            proc.kill()
+            break
+        time.sleep(0.2)
+    proc.wait()
+    reader.join(timeout=5)
+    return proc.returncode, "".join(lines), why
 
 
 def main():
     ap = base_parser(__doc__)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     ap.add_argument("--timeout", type=int, default=900, help="seconds per system")
+    ap.add_argument("--reserve-gib", type=float, default=3.0,
+                    help="stop a system when available host memory falls below this")
     ap.add_argument("--meta", action="store_true", help="megatrain builds on the meta device (seeded init)")
     ap.add_argument("--out", default="peer-results")
     args = ap.parse_args()
@@ -32,17 +76,14 @@ def main():
                str(args.tokens), "--seq", str(args.seq), "--mb", str(args.mb), "--steps", str(args.steps),
                "--json", path] + (["--meta"] if args.meta and name == "megatrain" else [])
         print("$", " ".join(cmd), flush=True)
-        try:
-            proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
-            tail = (proc.stdout + proc.stderr)[-2000:]
-            if proc.returncode != 0 or not os.path.exists(path):
-                why = "killed (out of host memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}"
-                rows.append({"system": name, "error": why, "tail": tail})
-                continue
-            with open(path) as f:
-                rows.append(json.load(f))
-        except subprocess.TimeoutExpired:
-            rows.append({"system": name, "error": f"timed out after {args.timeout} s"})
+        code, text, why = run_watched(cmd, args.timeout, int(args.reserve_gib * GIB))
+        if why or code != 0 or not os.path.exists(path):
+            if not why:
+                why = "killed by the OOM killer (out of host memory)" if code in (-9, 137) else f"exit {code}"
+            rows.append({"system": name, "error": why, "tail": text[-3000:]})
+            continue
+        with open(path) as f:
+            rows.append(json.load(f))
     with open(os.path.join(args.out, f"table-{args.preset}-{args.tokens}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"\n{args.preset}, {args.tokens} tokens/step, seq {args.seq}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -19,19 +20,32 @@ from megatrain.kernels import linear_cross_entropy, rms_norm, rope, swiglu
 BF = torch.bfloat16
 
 
-def timed(fn, warmup=3, reps=10) -> float:
-    """Median milliseconds of fn() (CUDA events)."""
+def timed(fn, warmup=3, reps=10, batches=5) -> float:
+    """Median device milliseconds per call of fn(): the GPU's own time, without the host's launch gaps.
+
+    Each batch first queues a GPU sleep long enough to cover the host issuing ``reps`` calls, then records an event,
+    the calls and a second event, so the GPU runs the calls back to back; time per call = event gap / reps. (One
+    call between two events would also count the host's launch latency before the first kernel, which for a
+    sub-millisecond kernel is a large part of what is measured.)"""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    t = time.perf_counter()
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         fn()
+    issue_s = time.perf_counter() - t  # host time to issue reps calls (an upper bound: it includes their run)
+    torch.cuda.synchronize()
+    cycles = int(min(issue_s * 2 + 1e-3, 0.5) * 2e9)  # at <= 2 GHz the sleep lasts at least 2 x issue time
+    times = []
+    for _ in range(batches):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        a.record()
+        for _ in range(reps):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
 
 

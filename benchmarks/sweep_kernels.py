@@ -29,9 +29,9 @@ def main():
         ms = timed(lambda: rms_norm_forward(x, w, 1e-6, num_warps=nw), reps=20)
         print(f"rms fwd warps={nw:2d}: {ms * 1e3:7.1f} us {2 * N * H * 2 / ms / 1e6:6.0f} GB/s (read x, write y)")
     _, rstd = rms_norm_forward(x, w, 1e-6)
-    for per_sm in (1, 2, 4, 8, 16):
-        for br in (1, 2, 4):
-            for nw in (4, 8, 16):
+    for per_sm in (4, 8):
+        for br in (2, 4):
+            for nw in (8, 16):
                 ms = timed(lambda: rms_norm_backward(dy, x, w, rstd, num_warps=nw, block_r=br,
                                                      programs_per_sm=per_sm), reps=10)
                 print(f"rms bwd per_sm={per_sm:2d} rows={br} warps={nw:2d}: {ms * 1e3:7.1f} us "
@@ -45,11 +45,11 @@ def main():
         inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda").float() / D))
         emb = torch.cat([pos[..., None] * inv] * 2, dim=-1)
         cos, sin = emb.cos().to(BF), emb.sin().to(BF)
-        for bt in (4, 8, 16, 32, 64):
-            for nw in (1, 2, 4, 8):
-                ms = timed(lambda: rope_mod._apply(q, cos, sin, False, block_t=bt, num_warps=nw), reps=10)
-                print(f"rope {layout} block_t={bt:2d} warps={nw}: {ms * 1e3:7.1f} us "
-                      f"{2 * q.numel() * 2 / ms / 1e6:6.0f} GB/s")
+        for br, nw in ([(br, nw) for br in (8, 16, 32, 64, 128) for nw in (2, 4, 8)] if layout == "BHTD"
+                       else [(16, 4), (32, 4), (64, 8)]):
+            ms = timed(lambda: rope_mod._apply(q, cos, sin, False, block_r=br, num_warps=nw), reps=10)
+            print(f"rope {layout} block_r={br:3d} warps={nw}: {ms * 1e3:7.1f} us "
+                  f"{2 * q.numel() * 2 / ms / 1e6:6.0f} GB/s")
 
 
 if __name__ == "__main__":

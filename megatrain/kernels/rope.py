@@ -6,18 +6,29 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 8  # positions per program (H200 sweep: 8 positions, 2 warps; docs/kernels.md)
-NUM_WARPS = 2
+BLOCK_R = 32  # rows (one position of one head: D values) per program; H200 sweep in docs/kernels.md
+NUM_WARPS = 4
 
 
 @triton.jit
-def _rope_kernel(X, COS, SIN, Y, T, n_heads, half, sxb, sxh, sxt, syb, syh, syt, scb, sct, ssb, sst,
-                 BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program: BLOCK_T positions of one sequence, every head. cos/sin are read once and reused for all heads.
-    b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+def _rope_kernel(X, COS, SIN, Y, n_rows, T, n_heads, half, sxb, sxh, sxt, syb, syh, syt, scb, sct, ssb, sst,
+                 BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program: BLOCK_R consecutive rows (a row: one position of one head, D values) in memory order, (b, h, t)
+    # for the contiguous (B, H, T, D) layout, (b, t, h) for HF's transposed projection; each program streams one
+    # contiguous span of x and y. cos/sin rows (B, T, D) are shared by all heads and stay in L2.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (t < T) & (d < half)
+    mask = (r < n_rows) & (d < half)
+    if HEADS_INNER:
+        h = r % n_heads
+        bt = r // n_heads
+        t = bt % T
+        b = bt // T
+    else:
+        t = r % T
+        bh = r // T
+        b = bh // n_heads
+        h = bh % n_heads
     c_ptr = COS + b * scb + t * sct + d
     s_ptr = SIN + b * ssb + t * sst + d
     c1 = tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32)
@@ -28,18 +39,15 @@ def _rope_kernel(X, COS, SIN, Y, T, n_heads, half, sxb, sxh, sxt, syb, syh, syt,
         a1, b1, a2, b2 = c1, s2, c2, -s1
     else:  # (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
         a1, b1, a2, b2 = c1, -s1, c2, s2
-    x_base = X + b * sxb + t * sxt + d
-    y_base = Y + b * syb + t * syt + d
-    for h in range(n_heads):
-        x_ptr = x_base + h * sxh
-        x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
-        y_ptr = y_base + h * syh
-        tl.store(y_ptr, (x1 * a1 + x2 * b1).to(Y.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + half, (x2 * a2 + x1 * b2).to(Y.dtype.element_ty), mask=mask)
+    x_ptr = X + b * sxb + h * sxh + t * sxt + d
+    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    y_ptr = Y + b * syb + h * syh + t * syt + d
+    tl.store(y_ptr, (x1 * a1 + x2 * b1).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + half, (x2 * a2 + x1 * b2).to(Y.dtype.element_ty), mask=mask)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool, block_t: int | None = None,
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool, block_r: int | None = None,
            num_warps: int | None = None) -> torch.Tensor:
     if x.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
         raise ValueError(f"rope expects x (B, H, T, D) and cos/sin (B or 1, T, D); got {tuple(x.shape)}, "
@@ -54,11 +62,12 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
     y = torch.empty_like(x)  # keeps x's layout: (B, H, T, D) or HF's (B, T, H, D) seen through a transpose
     cb = cos.stride(0) if cos.shape[0] == B else 0
     sb = sin.stride(0) if sin.shape[0] == B else 0
-    bt = block_t or BLOCK_T
-    _rope_kernel[(B, triton.cdiv(T, bt))](
-        x, cos, sin, y, T, H, D // 2, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        cb, cos.stride(1), sb, sin.stride(1),
-        BACKWARD=backward, BLOCK_T=bt, BLOCK_D=triton.next_power_of_2(D // 2), num_warps=num_warps or NUM_WARPS)
+    br = block_r or BLOCK_R
+    n_rows = B * H * T
+    _rope_kernel[(triton.cdiv(n_rows, br),)](
+        x, cos, sin, y, n_rows, T, H, D // 2, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
+        y.stride(2), cb, cos.stride(1), sb, sin.stride(1),
+        BACKWARD=backward, HEADS_INNER=x.stride(1) < x.stride(2), BLOCK_R=br, BLOCK_D=triton.next_power_of_2(D // 2), num_warps=num_warps or NUM_WARPS)
     return y
 
 

@@ -148,20 +148,51 @@ def bench_linear_ce(T, H, V):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--only", nargs="+", choices=["rmsnorm", "swiglu", "rope", "linear_ce"],
+                    help="run these benchmarks alone")
     args = ap.parse_args()
+    want = set(args.only or ["rmsnorm", "swiglu", "rope", "linear_ce"])
     torch.manual_seed(0)
     ceiling = copy_ceiling_gbs()
     rows = []
     N, H, I = 32768, 3584, 18944
-    x = torch.randn(N, H, device="cuda", dtype=BF).requires_grad_()
-    w = (torch.rand(H, device="cuda", dtype=BF) + 0.5).requires_grad_()
-    rows.append(bench_elementwise("rmsnorm 32768x3584", lambda a, b: rms_norm(a, b, 1e-6), rms_eager, (x, w),
-                                  5 * N * H * 2, ceiling))
-    del x
-    g = torch.randn(N, I, device="cuda", dtype=BF).requires_grad_()
-    u = torch.randn(N, I, device="cuda", dtype=BF).requires_grad_()
-    rows.append(bench_elementwise("swiglu 32768x18944", swiglu, swiglu_eager, (g, u), 8 * N * I * 2, ceiling))
-    del g, u
+    if "rmsnorm" in want:
+        x = torch.randn(N, H, device="cuda", dtype=BF).requires_grad_()
+        w = (torch.rand(H, device="cuda", dtype=BF) + 0.5).requires_grad_()
+        rows.append(bench_elementwise("rmsnorm 32768x3584", lambda a, b: rms_norm(a, b, 1e-6), rms_eager, (x, w),
+                                      5 * N * H * 2, ceiling))
+        del x
+    if "swiglu" in want:
+        g = torch.randn(N, I, device="cuda", dtype=BF).requires_grad_()
+        u = torch.randn(N, I, device="cuda", dtype=BF).requires_grad_()
+        rows.append(bench_elementwise("swiglu 32768x18944", swiglu, swiglu_eager, (g, u), 8 * N * I * 2, ceiling))
+        del g, u
+    if "rope" in want:
+        rows.append(bench_rope(ceiling))
+    torch.cuda.empty_cache()
+    if "linear_ce" in want:
+        rows.append(bench_linear_ce(32768, 3584, 152064))
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_ceiling_gbs": ceiling, "rows": rows}
+    print(json.dumps(result, indent=1))
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s")
+    for r in rows:
+        if "speedup_vs_compile" in r:
+            print(f"{r['kernel']:36s} megatrain {r['megatrain_ms']:7.3f} ms ({r['megatrain_gbs']:6.0f} GB/s, "
+                  f"{r['megatrain_pct_of_copy']:4.1f}% of copy)  eager {r['eager_ms']:7.3f}  compile "
+                  f"{r['torch.compile_ms']:7.3f}  x{r['speedup_vs_compile']:.2f} vs compile")
+        else:
+            print(f"{r['kernel']:36s} megatrain {r['megatrain_ms']:7.1f} ms, {r['megatrain_peak_extra_gib']:.2f} "
+                  f"GiB extra; eager {r['eager_ms']:7.1f} ms, {r['eager_peak_extra_gib']:.2f} GiB; "
+                  f"x{r['speedup_vs_eager']:.2f} time, memory ratio {r['memory_ratio']:.3f}; loss "
+                  f"{r['loss_megatrain']:.5f} vs {r['loss_eager']:.5f}; into an fp32 slot "
+                  f"{r['megatrain_fp32_slot_ms']:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def bench_rope(ceiling):
     B, T, Hq, Hk, D = 32, 1024, 28, 4, 128
     q = torch.randn(B, Hq, T, D, device="cuda", dtype=BF).requires_grad_()
     k = torch.randn(B, Hk, T, D, device="cuda", dtype=BF).requires_grad_()
@@ -169,28 +200,9 @@ def main():
     inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     emb = torch.cat([pos[..., None] * inv] * 2, dim=-1)
     cos, sin = emb.cos().to(BF), emb.sin().to(BF)
-    rows.append(bench_elementwise("rope q 32768x3584 + k 32768x512", lambda a, b: rope(a, b, cos, sin),
-                                  lambda a, b: rope_eager(a, b, cos, sin), (q, k),
-                                  4 * (q.numel() + k.numel()) * 2, ceiling))
-    del q, k
-    torch.cuda.empty_cache()
-    rows.append(bench_linear_ce(32768, 3584, 152064))
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "copy_ceiling_gbs": ceiling, "rows": rows}
-    print(json.dumps(result, indent=1))
-    print(f"\ncopy ceiling {ceiling:.0f} GB/s")
-    for r in rows[:3]:
-        print(f"{r['kernel']:36s} megatrain {r['megatrain_ms']:7.3f} ms ({r['megatrain_gbs']:6.0f} GB/s, "
-              f"{r['megatrain_pct_of_copy']:4.1f}% of copy)  eager {r['eager_ms']:7.3f}  compile "
-              f"{r['torch.compile_ms']:7.3f}  x{r['speedup_vs_compile']:.2f} vs compile")
-    r = rows[3]
-    print(f"{r['kernel']:36s} megatrain {r['megatrain_ms']:7.1f} ms, {r['megatrain_peak_extra_gib']:.2f} GiB extra; "
-          f"eager {r['eager_ms']:7.1f} ms, {r['eager_peak_extra_gib']:.2f} GiB; x{r['speedup_vs_eager']:.2f} time, "
-          f"memory ratio {r['memory_ratio']:.3f}; loss {r['loss_megatrain']:.5f} vs {r['loss_eager']:.5f}; "
-          f"into an fp32 slot {r['megatrain_fp32_slot_ms']:.1f} ms")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    return bench_elementwise("rope q 32768x3584 + k 32768x512", lambda a, b: rope(a, b, cos, sin),
+                             lambda a, b: rope_eager(a, b, cos, sin), (q, k), 4 * (q.numel() + k.numel()) * 2,
+                             ceiling)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-clip", action="store_true")
+    ap.add_argument("--cpu-threads", type=int, nargs="+", default=[0],
+                    help="host threads for AdamW (0: torch's default); several: one run each")
     ap.add_argument("--sync", action="store_true", help="program-order executor instead of streams")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--json")
@@ -51,8 +53,10 @@ def main():
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
     n = sm.graph.n_params
     results = []
-    for batch in args.batch:
-        results.append(measure(args, sm, cfg, n, batch, t_init))
+    for threads in args.cpu_threads:
+        sm.optimizer.threads = threads or None
+        for batch in args.batch:
+            results.append(measure(args, sm, cfg, n, batch, t_init))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results if len(results) > 1 else results[0], f, indent=1)
@@ -90,7 +94,8 @@ def measure(args, sm, cfg, n, batch, t_init):
     res = {
         "preset": args.preset, "params": n, "executor": "program order" if args.sync else "streams",
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
-        "host_checkpoints": c.host_checkpoints, "clip": c.clip, "step_times_s": times, "losses": losses,
+        "host_checkpoints": c.host_checkpoints, "clip": c.clip, "cpu_threads": sm.optimizer.threads or
+        torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops_6nt": 6 * n * tokens / step_s / 1e12,
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,
         "efficiency_bound_over_measured": b.step_s / step_s,
@@ -110,7 +115,7 @@ def measure(args, sm, cfg, n, batch, t_init):
         res["measured_busy_s"] = busy
         res["measured_step_span_s"] = measured.makespan_s
     print(json.dumps(res, indent=1))
-    print(f"{args.preset} {res['executor']}: {tokens} tokens/step, {step_s:.3f} s/step, "
+    print(f"{args.preset} {res['executor']} clip={c.clip} threads={res['cpu_threads']}: {tokens} tokens/step, {step_s:.3f} s/step, "
           f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops_6nt']:.0f} TFLOPS(6NT); bound {b.step_s:.3f} s "
           f"({b.limiter}), simulated {sim.steady_step_s:.3f} s; GPU peak {res['gpu_peak_gib']:.1f} GiB, "
           f"host RSS {res['host_rss_gib']:.1f} GiB")

@@ -2,6 +2,8 @@
 
 import time
 
+import torch
+
 from common import CLIP, LR, Result, base_parser, build_model, hf_config, run_peer
 
 import megatrain
@@ -12,6 +14,7 @@ def main():
     ap.add_argument("--meta", action="store_true", help="build on the meta device, seeded init (models too large "
                                                          "to exist twice in host memory)")
     ap.add_argument("--device", default=None, help="default: cuda when present")
+    ap.add_argument("--cpu-threads", type=int, default=None, help="host threads for AdamW (default: torch's)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = hf_config(args.preset, args.seq)
@@ -22,10 +25,12 @@ def main():
 
     def setup():
         nonlocal model
-        sm = megatrain.compile(model, init_seed=0 if args.meta else None, device=args.device,
-                               optim=megatrain.OptimConfig(lr=LR, max_grad_norm=CLIP), n_mb=args.mb, weight_slots=3)
+        optim = megatrain.OptimConfig(lr=LR, max_grad_norm=CLIP, threads=args.cpu_threads)
+        sm = megatrain.compile(model, init_seed=0 if args.meta else None, device=args.device, optim=optim,
+                               n_mb=args.mb, weight_slots=3)
         model = None  # the weights live in the host store now; the model's own copy is freed
-        res.notes = f"kernels: {sorted(sm.kernels)}; executor: {type(sm.executor).__name__}"
+        res.notes = (f"kernels: {sorted(sm.kernels)}; executor: {type(sm.executor).__name__}; AdamW threads: "
+                     f"{args.cpu_threads or torch.get_num_threads()}")
         sm.overlap_steps = sm.device.type == "cuda"  # a step's optimizer tail overlaps the next step's start
         return (lambda ids, nxt, denom: sm.train_step(ids).loss), getattr(sm.executor, "drain", lambda: None)
 

@@ -66,6 +66,7 @@ def main():
     ap.add_argument("--reserve-gib", type=float, default=3.0,
                     help="stop a system when available host memory falls below this")
     ap.add_argument("--meta", action="store_true", help="megatrain builds on the meta device (seeded init)")
+    ap.add_argument("--cpu-threads", type=int, default=None, help="megatrain's host AdamW threads")
     ap.add_argument("--out", default="peer-results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -74,7 +75,10 @@ def main():
         path = os.path.join(args.out, f"{name}-{args.preset}-{args.tokens}.json")
         cmd = [sys.executable, os.path.join(HERE, SYSTEMS[name]), "--preset", args.preset, "--tokens",
                str(args.tokens), "--seq", str(args.seq), "--mb", str(args.mb), "--steps", str(args.steps),
-               "--json", path] + (["--meta"] if args.meta and name == "megatrain" else [])
+               "--json", path]
+        if name == "megatrain":
+            cmd += (["--meta"] if args.meta else []) + (["--cpu-threads", str(args.cpu_threads)]
+                                                         if args.cpu_threads else [])
         print("$", " ".join(cmd), flush=True)
         code, text, why = run_watched(cmd, args.timeout, int(args.reserve_gib * GIB))
         if why or code != 0 or not os.path.exists(path):

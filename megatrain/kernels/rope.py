@@ -6,17 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_R = 32  # rows (one position of one head: D values) per program; H200 sweep in docs/kernels.md
-NUM_WARPS = 4
+BLOCK_R = 16  # rows (one position of one head: D values) per program; H200 sweep in docs/kernels.md
+NUM_WARPS = 2
 
 
 @triton.jit
-def _rope_kernel(X, COS, SIN, Y, n_rows, T, n_heads, half, sxb, sxh, sxt, syb, syh, syt, scb, sct, ssb, sst,
-                 BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program: BLOCK_R consecutive rows (a row: one position of one head, D values) in memory order, (b, h, t)
-    # for the contiguous (B, H, T, D) layout, (b, t, h) for HF's transposed projection; each program streams one
-    # contiguous span of x and y. cos/sin rows (B, T, D) are shared by all heads and stay in L2.
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+def _rope_rows(X, Y, COS, SIN, block, n_rows, T, n_heads, half, sxb, sxh, sxt, syb, syh, syt, scb, sct, ssb, sst,
+               BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # BLOCK_R consecutive rows (a row: one position of one head, D values) in memory order, (b, h, t) for the
+    # contiguous (B, H, T, D) layout, (b, t, h) for HF's transposed projection: one contiguous span of x and y.
+    # cos/sin rows (B, T, D) are shared by all heads and stay in L2.
+    r = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (r < n_rows) & (d < half)
     if HEADS_INNER:
@@ -47,40 +47,73 @@ def _rope_kernel(X, COS, SIN, Y, n_rows, T, n_heads, half, sxb, sxh, sxt, syb, s
     tl.store(y_ptr + half, (x2 * a2 + x1 * b2).to(Y.dtype.element_ty), mask=mask)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool, block_r: int | None = None,
-           num_warps: int | None = None) -> torch.Tensor:
+@triton.jit
+def _rope_kernel(Q, YQ, K, YK, COS, SIN, q_blocks, q_rows, q_heads, k_rows, k_heads, T, half,
+                 sqb, sqh, sqt, syqb, syqh, syqt, skb, skh, skt, sykb, sykh, sykt, scb, sct, ssb, sst,
+                 BACKWARD: tl.constexpr, Q_HEADS_INNER: tl.constexpr, K_HEADS_INNER: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # q and k in one launch: the first q_blocks programs take q's rows, the rest k's
+    pid = tl.program_id(0)
+    if pid < q_blocks:
+        _rope_rows(Q, YQ, COS, SIN, pid, q_rows, T, q_heads, half, sqb, sqh, sqt, syqb, syqh, syqt,
+                   scb, sct, ssb, sst, BACKWARD, Q_HEADS_INNER, BLOCK_R, BLOCK_D)
+    else:
+        _rope_rows(K, YK, COS, SIN, pid - q_blocks, k_rows, T, k_heads, half, skb, skh, skt, sykb, sykh, sykt,
+                   scb, sct, ssb, sst, BACKWARD, K_HEADS_INNER, BLOCK_R, BLOCK_D)
+
+
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if x.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
         raise ValueError(f"rope expects x (B, H, T, D) and cos/sin (B or 1, T, D); got {tuple(x.shape)}, "
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     B, H, T, D = x.shape
     if D % 2 or cos.shape[1:] != (T, D) or cos.shape[0] not in (1, B):
         raise ValueError(f"rope: cos/sin {tuple(cos.shape)} do not fit x {tuple(x.shape)} (even head dim needed)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
+              block_r: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = _check(q, cos, sin), _check(k, cos, sin)
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, length or head dim")
+    B, Hq, T, D = q.shape
+    Hk = k.shape[1]
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    y = torch.empty_like(x)  # keeps x's layout: (B, H, T, D) or HF's (B, T, H, D) seen through a transpose
+    yq, yk = torch.empty_like(q), torch.empty_like(k)  # keep the layout: (B, H, T, D) or HF's (B, T, H, D)^T
     cb = cos.stride(0) if cos.shape[0] == B else 0
     sb = sin.stride(0) if sin.shape[0] == B else 0
     br = block_r or BLOCK_R
-    n_rows = B * H * T
-    _rope_kernel[(triton.cdiv(n_rows, br),)](
-        x, cos, sin, y, n_rows, T, H, D // 2, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
-        y.stride(2), cb, cos.stride(1), sb, sin.stride(1),
-        BACKWARD=backward, HEADS_INNER=x.stride(1) < x.stride(2), BLOCK_R=br, BLOCK_D=triton.next_power_of_2(D // 2), num_warps=num_warps or NUM_WARPS)
-    return y
+    q_rows, k_rows = B * Hq * T, B * Hk * T
+    q_blocks = triton.cdiv(q_rows, br)
+    _rope_kernel[(q_blocks + triton.cdiv(k_rows, br),)](
+        q, yq, k, yk, cos, sin, q_blocks, q_rows, Hq, k_rows, Hk, T, D // 2,
+        q.stride(0), q.stride(1), q.stride(2), yq.stride(0), yq.stride(1), yq.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), yk.stride(0), yk.stride(1), yk.stride(2),
+        cb, cos.stride(1), sb, sin.stride(1), BACKWARD=backward, Q_HEADS_INNER=q.stride(1) < q.stride(2),
+        K_HEADS_INNER=k.stride(1) < k.stride(2), BLOCK_R=br, BLOCK_D=triton.next_power_of_2(D // 2),
+        num_warps=num_warps or NUM_WARPS)
+    return yq, yk
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool, block_r: int | None = None,
+           num_warps: int | None = None) -> torch.Tensor:
+    """One tensor alone (a launch whose k part is empty)."""
+    return _apply_qk(x, x[:, :0], cos, sin, backward, block_r, num_warps)[0]
 
 
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _apply(q, cos, sin, False), _apply(k, cos, sin, False)
+        return _apply_qk(q, k, cos, sin, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        return _apply(dq, cos, sin, True), _apply(dk, cos, sin, True), None, None
+        dq, dk = _apply_qk(dq, dk, cos, sin, True)
+        return dq, dk, None, None
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

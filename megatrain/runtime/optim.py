@@ -21,6 +21,8 @@ class OptimConfig:
     total_steps: int | None = None  # cosine decay to min_lr over these steps; None: constant after warmup
     min_lr: float = 0.0
     fused: bool = True  # torch's fused CPU AdamW kernel (False: torch's per-tensor loop)
+    threads: int | None = None  # host threads for the update (None: torch's setting); fewer than the cores leaves
+    # one free for the thread that issues GPU work, so no update waits on a descheduled thread
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -29,6 +31,8 @@ class OptimConfig:
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.warmup_steps < 0 or (self.total_steps is not None and self.total_steps <= self.warmup_steps):
             raise ValueError(f"need 0 <= warmup_steps ({self.warmup_steps}) < total_steps ({self.total_steps})")
 
@@ -64,6 +68,7 @@ class HostAdamW:
         self._coef: float | None = None
         self._norm_override: float | None = None
         self.last_grad_norm: float | None = None
+        self.threads = cfg.threads  # may be changed between steps (benchmarks sweep it)
 
     def begin_step(self) -> float:
         """Start an optimizer step; returns its learning rate."""
@@ -98,6 +103,8 @@ class HostAdamW:
 
     def step_layer(self, layer: int) -> None:
         """AdamW on one layer. Needs every gradient of the step in the store when clipping."""
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
         grad = self.store.grad(layer)
         opt = self.opts[layer]
         scaled = False

@@ -133,6 +133,24 @@ def test_fused_adamw_matches_too():
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
 
 
+def test_host_optimizer_thread_count_changes_nothing_but_speed():
+    opt = dataclasses.replace(OPT, fused=True, threads=1)
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    data = batches()
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=2, opt_cfg=opt)
+    before = torch.get_num_threads()
+    try:
+        sm = compile_cpu(model, optim=opt, n_mb=2)
+        stats = [sm.train_step(*b) for b in data]
+        assert torch.get_num_threads() == 1  # the update ran with the configured thread count
+    finally:
+        torch.set_num_threads(before)
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+    with pytest.raises(ValueError, match="threads"):
+        dataclasses.replace(OPT, threads=0)
+
+
 @pytest.mark.parametrize("n_mb,slots,offload", [(1, 1, 0), (2, 2, 3), (3, 3, 1), (6, 4, 4)])
 def test_one_step_is_the_same_for_any_micro_batching_and_slots(n_mb, slots, offload):
     """Gradients and loss of one step equal the whole-batch reference for any micro-batching, slot count and

@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--host-checkpoints", type=int, default=0)
+    ap.add_argument("--gpu-opt-every", type=int, default=0, help="update every k-th layer on the GPU (0: none)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-clip", action="store_true")
@@ -48,7 +49,7 @@ def main():
     optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else 1.0)
     sm = megatrain.compile(model, init_seed=0, device="cuda", optim=optim, streams=not args.sync,
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
-                           host_checkpoints=args.host_checkpoints)
+                           host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every)
     t_init = time.perf_counter() - t0
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
     n = sm.graph.n_params
@@ -94,8 +95,8 @@ def measure(args, sm, cfg, n, batch, t_init):
     res = {
         "preset": args.preset, "params": n, "executor": "program order" if args.sync else "streams",
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
-        "host_checkpoints": c.host_checkpoints, "clip": c.clip, "cpu_threads": sm.optimizer.threads or
-        torch.get_num_threads(), "step_times_s": times, "losses": losses,
+        "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
+        "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops_6nt": 6 * n * tokens / step_s / 1e12,
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,
         "efficiency_bound_over_measured": b.step_s / step_s,
@@ -115,7 +116,8 @@ def measure(args, sm, cfg, n, batch, t_init):
         res["measured_busy_s"] = busy
         res["measured_step_span_s"] = measured.makespan_s
     print(json.dumps(res, indent=1))
-    print(f"{args.preset} {res['executor']} clip={c.clip} threads={res['cpu_threads']}: {tokens} tokens/step, {step_s:.3f} s/step, "
+    print(f"{args.preset} {res['executor']} clip={c.clip} threads={res['cpu_threads']} gpu_opt={list(c.gpu_opt)}: "
+          f"{tokens} tokens/step, {step_s:.3f} s/step, "
           f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops_6nt']:.0f} TFLOPS(6NT); bound {b.step_s:.3f} s "
           f"({b.limiter}), simulated {sim.steady_step_s:.3f} s; GPU peak {res['gpu_peak_gib']:.1f} GiB, "
           f"host RSS {res['host_rss_gib']:.1f} GiB")

@@ -28,6 +28,11 @@ class PlanOptions:
     weight_slots: int = 2
     grad_slots: int = 2
     host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
+    gpu_opt_every: int = 0  # every k-th layer (of those that share no weights) is updated on the GPU; 0: none
+
+    def __post_init__(self):
+        if self.gpu_opt_every < 0:
+            raise ValueError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {self.gpu_opt_every}")
 
 
 @dataclass
@@ -82,12 +87,15 @@ class StreamedModel:
             if batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
             graph = self.graph
+            k = opts.gpu_opt_every
+            eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
             cfg = ScheduleConfig(
                 n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
                 seq_len=seq_len, weight_slots=opts.weight_slots, grad_slots=opts.grad_slots,
                 # the executors load the fp32 master and cast on the device (no bf16 host shadow yet)
                 wire_bytes_per_param=4, host_checkpoints=opts.host_checkpoints,
-                clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes)
+                clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes,
+                gpu_opt=tuple(eligible[k - 1::k]) if k else ())
             s = build_schedule(graph, cfg)
             mem = device_memory(graph, s)
             if mem.total_nbytes > cfg.budget_bytes:

@@ -34,7 +34,8 @@ def _plan(args) -> int:
         spec = hardware(args.hardware)
         fixed = dict(n_mb=args.mb, weight_slots=args.slots,
                      wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
-                     host_checkpoints=args.host_checkpoints)
+                     host_checkpoints=args.host_checkpoints,
+                     gpu_opt_every=None if args.gpu_opt_every == "auto" else int(args.gpu_opt_every))
         budget = int(args.budget_gib * GiB) if args.budget_gib else None
         p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
                  n_steps=args.steps, **fixed)
@@ -62,7 +63,8 @@ def _plan(args) -> int:
         f"{mem.slot_count['a']} activation slots; weights on the wire as "
         f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
         f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host; optimizer "
-        f"{'after the step (exact global-norm clipping)' if cfg.clip else 'during backward (no clipping)'}",
+        f"{'after the step (exact global-norm clipping)' if cfg.clip else 'during backward (no clipping)'}"
+        + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else ""),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
         f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "
@@ -71,7 +73,9 @@ def _plan(args) -> int:
         f"efficiency bound / predicted = {b.step_s / steady:.2f}",
         f"device     peak {tl.peak_nbytes / GiB:.2f} GiB in use, {mem.total_nbytes / GiB:.2f} GiB reserved "
         f"(weights {mem.pool_nbytes['w'] / GiB:.2f}, gradients {mem.pool_nbytes['g'] / GiB:.2f}, "
-        f"activations {mem.pool_nbytes['a'] / GiB:.2f}, working set {mem.workspace_nbytes / GiB:.2f})",
+        f"activations {mem.pool_nbytes['a'] / GiB:.2f}, "
+        + (f"optimizer {mem.pool_nbytes['o'] / GiB:.2f}, " if mem.pool_nbytes['o'] else "")
+        + f"working set {mem.workspace_nbytes / GiB:.2f})",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
         + f") of {spec.host_bytes / GiB:.0f} GiB: {'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}",
@@ -168,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")
     p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
     p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")
+    p.add_argument("--gpu-opt-every", default="0", metavar="K|auto",
+                   help="update every K-th layer (of those sharing no weights) on the GPU: its master weights and "
+                        "moments go to the device and back; 0 (default): all on the host; auto: search 0, 4, 3, 2")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")

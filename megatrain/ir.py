@@ -41,7 +41,9 @@ class OpKind(str, enum.Enum):
     SAVE_ACT = "SAVE_ACT"  # d2h: checkpoint -> host
     LOAD_ACT = "LOAD_ACT"  # h2d: host checkpoint -> activation slot
     STORE_G = "STORE_G"  # d2h: gradient slot -> host gradient of the layer that owns the weights
-    OPT = "OPT"  # cpu (or compute): AdamW on the layer's host block
+    OPT = "OPT"  # cpu: AdamW on the layer's host block; compute: AdamW on the block in an optimizer slot
+    LOAD_OPT = "LOAD_OPT"  # h2d: the layer's host block (master, moments, gradient) -> optimizer slot
+    STORE_OPT = "STORE_OPT"  # d2h: updated master and moments -> the layer's host block
 
 
 class Stream(str, enum.Enum):
@@ -63,10 +65,12 @@ KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.LOAD_ACT: (Stream.H2D,),
     OpKind.STORE_G: (Stream.D2H,),
     OpKind.OPT: (Stream.CPU, Stream.COMPUTE),
+    OpKind.LOAD_OPT: (Stream.H2D,),
+    OpKind.STORE_OPT: (Stream.D2H,),
 }
 
-ROLES = ("w", "g", "x", "y", "dy", "a")
-SLOT_POOL = {"w": "w", "g": "g", "x": "a", "y": "a", "dy": "a", "a": "a"}  # role -> pool it indexes
+ROLES = ("w", "g", "x", "y", "dy", "a", "o")
+SLOT_POOL = {"w": "w", "g": "g", "x": "a", "y": "a", "dy": "a", "a": "a", "o": "o"}  # role -> pool it indexes
 
 _OP_RE = re.compile(
     r"^(?P<id>\d+) (?P<kind>[A-Z_]+) s(?P<step>\d+) L(?P<layer>\d+)(?: m(?P<mb>\d+))? @(?P<stream>[a-z0-9]+)"
@@ -176,9 +180,15 @@ class ScheduleConfig:
     host_checkpoints: int = 0  # checkpoints of layers 1..host_checkpoints are offloaded to host; the rest stay on GPU
     clip: bool = True  # exact global-norm clipping: every OPT waits for all of the step's gradients
     budget_bytes: int = 0  # device bytes the plan may use (slots + largest working set)
+    gpu_opt: tuple[int, ...] = ()  # layers updated on the device (LOAD_OPT, OPT on compute, STORE_OPT)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.gpu_opt:
+            d["gpu_opt"] = list(self.gpu_opt)
+        else:
+            del d["gpu_opt"]  # the key appears only when used: older schedules read back the same
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ScheduleConfig":
@@ -186,6 +196,9 @@ class ScheduleConfig:
         unknown = set(d) - names
         if unknown:
             raise IRError(f"unknown schedule config keys: {sorted(unknown)}")
+        d = dict(d)
+        if "gpu_opt" in d:
+            d["gpu_opt"] = tuple(int(x) for x in d["gpu_opt"])
         return cls(**d)
 
 
@@ -263,7 +276,8 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int) -> tuple[dict[
     """(reads, writes): slot role -> the content an op expects to find / leaves behind.
 
     Contents: ``("W", step, owner layer)`` weights; ``("A", step, layer, mb)`` the checkpoint at a layer's input;
-    ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs.
+    ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs;
+    ``("S", step, layer)`` / ``("U", step, layer)`` a layer's optimizer block before / after its device update.
     ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied).
     """
     st, l, j = op.step, op.layer, op.mb
@@ -291,6 +305,12 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int) -> tuple[dict[
         return {}, {"a": ("A", st, l, j)}
     if k is OpKind.STORE_G:
         return {"g": ("G", st, l, n_mb)}, {}
+    if k is OpKind.LOAD_OPT:
+        return {}, {"o": ("S", st, l)}
+    if k is OpKind.OPT and op.stream is Stream.COMPUTE:
+        return {"o": ("S", st, l)}, {"o": ("U", st, l)}
+    if k is OpKind.STORE_OPT:
+        return {"o": ("U", st, l)}, {}
     return {}, {}
 
 

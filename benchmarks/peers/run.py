@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/peers/run.py --preset qwen2.5-1.5b --tokens 16384 --out results/
 
-Each system runs in its own process (clean host and GPU memory); one that runs the host out of memory is stopped and recorded as such,
-on the same model, data and seed; prints one table and writes each system's JSON to --out.
+Each system runs in its own process (clean host and GPU memory) on the same model, data and seed; one that runs the
+host out of memory is stopped and recorded as such. Prints one table and writes each system's JSON to --out.
 """
 
 import json
@@ -67,6 +67,7 @@ def main():
                     help="stop a system when available host memory falls below this")
     ap.add_argument("--meta", action="store_true", help="megatrain builds on the meta device (seeded init)")
     ap.add_argument("--cpu-threads", type=int, default=None, help="megatrain's host AdamW threads")
+    ap.add_argument("--gpu-opt-every", type=int, default=0, help="megatrain: update every k-th layer on the GPU")
     ap.add_argument("--out", default="peer-results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -79,6 +80,7 @@ def main():
         if name == "megatrain":
             cmd += (["--meta"] if args.meta else []) + (["--cpu-threads", str(args.cpu_threads)]
                                                          if args.cpu_threads else [])
+            cmd += ["--gpu-opt-every", str(args.gpu_opt_every)]
         print("$", " ".join(cmd), flush=True)
         code, text, why = run_watched(cmd, args.timeout, int(args.reserve_gib * GIB))
         if why or code != 0 or not os.path.exists(path):

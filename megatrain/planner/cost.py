@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, ScheduleConfig
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner.graph import LOSS_CHUNK_TOKENS, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
 GRAD_BYTES = 4  # gradients are accumulated and stored in fp32
 HOST_BYTES_PER_PARAM = 4 + 4 + 4 + 4  # fp32 master, exp_avg, exp_avg_sq, gradient
-POOLS = ("w", "g", "a")
+OPT_IN_BYTES = 16  # LOAD_OPT: the whole fp32 block (master, moments, gradient)
+OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
+OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
+POOLS = ("w", "g", "a", "o")
 
 
 def fmt_bytes(n: float) -> str:
@@ -37,6 +40,7 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
         "w": max(graph.weight_params(i) for i in range(n)) * cfg.wire_bytes_per_param,
         "g": max(graph.weight_params(i) for i in range(n)) * GRAD_BYTES,
         "a": max(checkpoint_nbytes(graph, cfg, i) for i in range(1, n)),
+        "o": max((graph[l].params for l in cfg.gpu_opt), default=0) * OPT_IN_BYTES,
     }
 
 
@@ -59,6 +63,10 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
         return graph.weight_params(op.layer) * cfg.wire_bytes_per_param
     if op.kind is OpKind.STORE_G:
         return graph.weight_params(op.layer) * GRAD_BYTES
+    if op.kind is OpKind.LOAD_OPT:
+        return graph[op.layer].params * OPT_IN_BYTES
+    if op.kind is OpKind.STORE_OPT:
+        return graph[op.layer].params * OPT_OUT_BYTES
     if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT):
         return checkpoint_nbytes(graph, cfg, op.layer)
     return 0
@@ -94,10 +102,12 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS):
         return max(compute_flops(graph, cfg, op) / spec.matmul_flops_per_s,
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s)
-    if k in (OpKind.LOAD_W, OpKind.LOAD_ACT):
+    if k in (OpKind.LOAD_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
-    if k in (OpKind.STORE_G, OpKind.SAVE_ACT):
+    if k in (OpKind.STORE_G, OpKind.SAVE_ACT, OpKind.STORE_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.d2h_bytes_per_s
+    if k is OpKind.OPT and op.stream is Stream.COMPUTE:
+        return graph[op.layer].params * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s
     if k is OpKind.OPT:
         return opt_seconds(graph, cfg, spec, op.layer)
     raise AssertionError(k)

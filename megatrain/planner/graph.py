@@ -58,6 +58,10 @@ class LayerGraph:
     def __getitem__(self, i: int) -> Layer:
         return self.layers[i]
 
+    def tied_to(self, i: int) -> list[int]:
+        """Layers that use layer i's weights."""
+        return [j for j, lay in enumerate(self.layers) if lay.tie == i]
+
     def owner(self, i: int) -> int:
         """Index of the layer whose host block holds layer i's weights."""
         tie = self.layers[i].tie

@@ -141,11 +141,13 @@ def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
 
 
 def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
-    """One OPT per owning layer per step on the cpu stream.
+    """One update per owning layer per step: OPT on the cpu stream, or, for the layers in ``gpu_opt``, LOAD_OPT
+    (h2d) -> OPT (compute) -> STORE_OPT (d2h).
 
     clip: after the step's last STORE_G (the global norm needs every gradient), in layer order 0..L-1 so the next
     step's forward can start on the first layers while the rest update. Otherwise: as soon as the layer's gradients
-    (its own and a tied layer's) are stored, overlapping the backward.
+    (its own and a tied layer's) are stored, overlapping the backward. A device update's OPT and STORE_OPT go one
+    update later in program order than its LOAD_OPT, so the compute stream does not stall behind the load.
     """
     cfg = s.config
     ids, after = _Ids(s.ops), defaultdict(list)
@@ -155,17 +157,50 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         if op.kind is OpKind.STORE_G:
             stores[(op.step, graph.owner(op.layer))].append(op)
             last_store[op.step] = op
+    on_gpu = set(cfg.gpu_opt)
+    bad = sorted(l for l in on_gpu if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l))
+    if bad:
+        raise ValueError(f"gpu_opt layers {bad}: only layers that own weights no other layer shares can be updated "
+                         f"on the device")
+    pos = {op.id: i for i, op in enumerate(s.ops)}
+    pending: list[list[Op]] = []  # a device update's OPT + STORE_OPT, waiting for the next update's anchor
     for st in range(cfg.n_steps):
         owners = [l for l in range(len(graph)) if graph[l].tie is None]
-        if cfg.clip:
-            anchor = last_store[st]
-            after[anchor.id] += [Op(ids(), OpKind.OPT, CPU, st, l, deps=(anchor.id,)) for l in owners]
-        else:
-            for l in owners:
-                anchor = stores[(st, l)][-1]
-                after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=tuple(o.id for o in stores[(st, l)])))
+        if not cfg.clip:  # in the order their gradients are complete
+            owners.sort(key=lambda l: pos[stores[(st, l)][-1].id])
+        for l in owners:
+            anchor = last_store[st] if cfg.clip else stores[(st, l)][-1]
+            deps = (anchor.id,) if cfg.clip else tuple(o.id for o in stores[(st, l)])
+            if pending:
+                after[anchor.id] += pending.pop()
+            if l not in on_gpu:
+                after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=deps))
+                continue
+            load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=deps)
+            opt = Op(ids(), OpKind.OPT, C, st, l, deps=(load.id,))
+            after[anchor.id].append(load)
+            pending.append([opt, Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))])
+        if pending:
+            after[last_store[st].id] += pending.pop()
     mode = "after the step's last gradient, layer order (exact clipping)" if cfg.clip else "as gradients arrive"
-    return s.with_ops(_insert_after(list(s.ops), after), f"add_optimizer: OPT {mode}")
+    where = f"; on the device: layers {list(cfg.gpu_opt)}" if cfg.gpu_opt else ""
+    return s.with_ops(_insert_after(list(s.ops), after), f"add_optimizer: OPT {mode}{where}")
+
+
+def _opt_uses(op: Op) -> list[tuple[str, tuple, bool]]:
+    if op.kind is OpKind.LOAD_OPT:
+        return [("o", (op.step, op.layer), True)]
+    if op.kind is OpKind.STORE_OPT or (op.kind is OpKind.OPT and op.stream is C):
+        return [("o", (op.step, op.layer), False)]
+    return []
+
+
+def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
+    """Optimizer slots for the device updates (two to start with: one loads while the other updates)."""
+    if not s.config.gpu_opt:
+        return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
+    ops, n = _allocate(list(s.ops), _opt_uses, pool=2)
+    return s.with_ops(ops, f"assign_opt_slots: {n} optimizer slots")
 
 
 def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
@@ -180,7 +215,9 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     ops = list(s.ops)
     ids = _Ids(ops)
     pos = {op.id: i for i, op in enumerate(ops)}
-    opt_of = {(op.step, op.layer): op for op in ops if op.kind is OpKind.OPT}
+    # the op after which a layer's weights are updated on the host: OPT (cpu) or STORE_OPT (device update)
+    opt_of = {(op.step, op.layer): op for op in ops
+              if (op.kind is OpKind.OPT and op.stream is CPU) or op.kind is OpKind.STORE_OPT}
     computes = [op for op in ops if op.stream is C and op.kind is not OpKind.OPT]
     content = [(op.step, graph.owner(op.layer)) for op in computes]
     next_use: list[float] = [float("inf")] * len(computes)  # position in `computes` of the next use of content
@@ -317,8 +354,8 @@ def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     return s.with_ops(ops, f"assign_grad_slots: {n} of {s.config.grad_slots} gradient slots")
 
 
-PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_weight_slots,
-          assign_activation_slots, assign_grad_slots)
+PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_opt_slots,
+          assign_weight_slots, assign_activation_slots, assign_grad_slots)
 
 
 def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool | None = None) -> Schedule:

@@ -79,8 +79,10 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
 
 def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
                n_mb: int | None = None, weight_slots: int | None = None, wire_bytes: int | None = None,
-               host_checkpoints: int | None = None) -> list[ScheduleConfig]:
-    """Every combination of decisions the search tries; a fixed value pins a decision."""
+               host_checkpoints: int | None = None, gpu_opt_every: int | None = 0) -> list[ScheduleConfig]:
+    """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
+    k-th layer that shares no weights is updated on the device (0: none, the default until measured on the
+    GPU; None: search 0, 4, 3, 2)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -94,11 +96,16 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     offload = [host_checkpoints] if host_checkpoints is not None else sorted({0, len(graph) - 2})
     if any(h < 0 or h > len(graph) - 2 for h in offload):
         raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
+    if gpu_opt_every is not None and gpu_opt_every < 0:
+        raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
+    eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
+    device_sets = sorted({tuple(eligible[k - 1::k]) if k else () for k in
+                          ([gpu_opt_every] if gpu_opt_every is not None else [0, 4, 3, 2])})
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
                        weight_slots=k, grad_slots=2, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
-                       budget_bytes=budget)
-        for m, k, w, h in itertools.product(mbs, slots, wires, offload)
+                       budget_bytes=budget, gpu_opt=g)
+        for m, k, w, h, g in itertools.product(mbs, slots, wires, offload, device_sets)
     ]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from megatrain.ir import KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, slot_contents
+from megatrain.ir import KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, slot_contents
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -79,6 +79,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, f"only checkpoints of layers 1..{cfg.host_checkpoints} go to host")
         if op.kind is OpKind.OPT and graph[op.layer].tie is not None:
             raise ScheduleError("kind", op, f"layer {op.layer} has no weights of its own to optimize")
+        on_gpu = op.layer in cfg.gpu_opt
+        if op.kind is OpKind.OPT and on_gpu != (op.stream is Stream.COMPUTE):
+            where = "on the device (gpu_opt)" if on_gpu else "on the host"
+            raise ScheduleError("kind", op, f"layer {op.layer} is updated {where}, not on {op.stream.value}")
+        if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT) and not on_gpu:
+            raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt)")
         reads, writes = slot_contents(op, graph.owner, cfg.n_mb)
         want = sorted(set(reads) | set(writes))
         have = sorted(r for r, _ in op.slots)
@@ -115,8 +121,15 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                 raise ScheduleError("complete", None, f"step {st} never stores the gradient of layer {l}")
             if graph[l].tie is None and (OpKind.OPT, st, l, None) not in seen:
                 raise ScheduleError("complete", None, f"step {st} never optimizes layer {l}")
+            if l in cfg.gpu_opt:
+                for k in (OpKind.LOAD_OPT, OpKind.STORE_OPT):
+                    if (k, st, l, None) not in seen:
+                        raise ScheduleError("complete", None, f"step {st} has no {k.value} of layer {l}")
         stores = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st]
-        for opt in (op for op in s.ops if op.kind is OpKind.OPT and op.step == st):
+        # the ops that read a layer's host gradient: a host OPT, or the LOAD_OPT of a device update
+        readers = (op for op in s.ops if op.step == st and (op.kind is OpKind.LOAD_OPT or
+                                                             (op.kind is OpKind.OPT and op.stream is Stream.CPU)))
+        for opt in readers:
             for g in stores:
                 if (cfg.clip or graph.owner(g.layer) == opt.layer) and not hb(g.id, opt.id):
                     why = "clipping needs every gradient of the step" if graph.owner(g.layer) != opt.layer else \
@@ -124,9 +137,11 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                     raise ScheduleError("store-before-opt", opt, f"{why}: '{g}' may not have finished")
     for op in s.ops:
         if op.kind is OpKind.LOAD_W and op.step > 0:
-            opt = seen[(OpKind.OPT, op.step - 1, graph.owner(op.layer), None)]
+            o = graph.owner(op.layer)
+            opt = seen[(OpKind.STORE_OPT if o in cfg.gpu_opt else OpKind.OPT, op.step - 1, o, None)]
             if not hb(opt.id, op.id):
-                raise ScheduleError("load-after-opt", op, f"loads weights before '{opt}' of the previous step updated them")
+                raise ScheduleError("load-after-opt", op,
+                                    f"loads weights before '{opt}' of the previous step updated them")
 
 
 def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:

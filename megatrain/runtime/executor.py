@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, format_table, slot_contents
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, format_table, slot_contents
 from megatrain.planner.capture import Captured
 from megatrain.runtime.optim import HostAdamW
-from megatrain.runtime.store import HostStore
+from megatrain.runtime.store import ROWS, HostStore
 from megatrain.runtime.templates import LayerRunner
 
 IGNORE_INDEX = -100
@@ -54,6 +54,7 @@ class Executor:
         self.slot_numel = max(self.graph.weight_params(i) for i in range(len(self.graph)))
         self.w: list[torch.Tensor] = []
         self.g: list[torch.Tensor] = []
+        self.o: list[torch.Tensor] = []  # optimizer slots: (4, n) fp32 blocks for the device updates
 
     def _pools(self, schedule: Schedule) -> None:
         cfg = schedule.config
@@ -61,6 +62,12 @@ class Executor:
             self.w.append(torch.empty(self.slot_numel, dtype=self.dtype, device=self.device))
         while len(self.g) < cfg.grad_slots:
             self.g.append(torch.empty(self.slot_numel, dtype=torch.float32, device=self.device))
+        n_o = max((i + 1 for op in schedule.ops for r, i in op.slots if r == "o"), default=0)
+        o_numel = max((self.graph[l].params for l in cfg.gpu_opt), default=0)
+        if self.o and (len(self.o) < n_o or self.o[0].shape[1] < o_numel):
+            self.o = []  # a schedule with more or larger device updates: reallocate
+        while len(self.o) < n_o:
+            self.o.append(torch.empty(len(ROWS), o_numel, dtype=torch.float32, device=self.device))
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int) -> StepOutput:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step."""
@@ -176,10 +183,19 @@ class Executor:
             else:
                 dst.copy_(src)
                 self.stored.add(o)
+        elif k is OpKind.OPT and op.stream is Stream.COMPUTE:
+            self.optimizer.step_layer_on(l, self._opt_block(op))
         elif k is OpKind.OPT:
             self.optimizer.step_layer(l)
+        elif k is OpKind.LOAD_OPT:
+            self._opt_block(op).copy_(self.store.block(l))
+        elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
+            self.store.block(l)[:3].copy_(self._opt_block(op)[:3])
         else:
             raise AssertionError(k)
+
+    def _opt_block(self, op: Op) -> torch.Tensor:
+        return self.o[op.slot("o")][:, : self.graph[op.layer].params]
 
     def _loss(self, op: Op) -> None:
         if self.head_loss is not None:

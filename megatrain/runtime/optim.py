@@ -69,6 +69,7 @@ class HostAdamW:
         self._norm_override: float | None = None
         self.last_grad_norm: float | None = None
         self.threads = cfg.threads  # may be changed between steps (benchmarks sweep it)
+        self._device_opts: dict[tuple, tuple[torch.optim.AdamW, torch.nn.Parameter]] = {}  # device updates
 
     def begin_step(self) -> float:
         """Start an optimizer step; returns its learning rate."""
@@ -101,21 +102,25 @@ class HostAdamW:
                 self._coef = float(torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0))
         return self._coef
 
+    def _clip(self, opt: torch.optim.AdamW, grad: torch.Tensor) -> bool:
+        """Apply the step's clip factor to ``grad`` (or to the fused kernel's grad_scale); True if grad_scale set."""
+        if self.cfg.max_grad_norm is None:
+            return False
+        coef = self._clip_coefficient()
+        if self._norm_override is not None and self.cfg.fused and coef != 1.0:
+            # the fused kernel divides the gradient by grad_scale as it reads it: no extra pass over it
+            opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=grad.device)
+            return True
+        grad.mul_(coef)
+        return False
+
     def step_layer(self, layer: int) -> None:
-        """AdamW on one layer. Needs every gradient of the step in the store when clipping."""
+        """AdamW on one layer's host block. Needs every gradient of the step in the store when clipping."""
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
         grad = self.store.grad(layer)
         opt = self.opts[layer]
-        scaled = False
-        if self.cfg.max_grad_norm is not None:
-            coef = self._clip_coefficient()
-            if self._norm_override is not None and self.cfg.fused and coef != 1.0:
-                # the fused kernel divides the gradient by grad_scale as it reads it: no extra pass over it
-                opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
-                scaled = True
-            else:
-                grad.mul_(coef)
+        scaled = self._clip(opt, grad)
         p = self.params[layer]
         p.grad = grad
         try:
@@ -124,6 +129,41 @@ class HostAdamW:
             p.grad = None
             if scaled:
                 del opt.grad_scale
+
+    def step_layer_on(self, layer: int, block: torch.Tensor) -> None:
+        """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
+        same hyper-parameters, step count and clip factor as :meth:`step_layer`; the caller copies master and
+        moments back to the store."""
+        master, exp_avg, exp_avg_sq, grad = block
+        opt, p = self._device_opt(layer, block.device)
+        host_step = self.opts[layer].state[self.params[layer]]["step"]
+        state = opt.state[p]
+        state["step"].fill_(float(host_step))
+        state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
+        opt.param_groups[0]["lr"] = self.opts[layer].param_groups[0]["lr"]
+        scaled = self._clip(opt, grad)
+        p.data = master
+        p.grad = grad
+        try:
+            opt.step()
+        finally:
+            p.grad = None
+            p.data = torch.empty(0, device=block.device)
+            state["exp_avg"] = state["exp_avg_sq"] = None
+            if scaled:
+                del opt.grad_scale
+        host_step.add_(1)  # the host's count stays the one truth, whichever side updates the layer
+
+    def _device_opt(self, layer: int, device: torch.device) -> tuple[torch.optim.AdamW, torch.nn.Parameter]:
+        key = (layer, str(device))
+        if key not in self._device_opts:
+            p = torch.nn.Parameter(torch.empty(0, device=device))
+            cfg = self.cfg
+            opt = torch.optim.AdamW([p], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                    fused=cfg.fused or None)
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=device)}
+            self._device_opts[key] = (opt, p)
+        return self._device_opts[key]
 
     def end_step(self) -> None:
         self.step_index += 1

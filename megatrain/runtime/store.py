@@ -54,6 +54,13 @@ class HostStore:
             raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
         return b[ROWS.index(what)]
 
+    def block(self, layer: int) -> torch.Tensor:
+        """The layer's (4, n) fp32 block, rows in ``ROWS`` order (master, exp_avg, exp_avg_sq, grad)."""
+        b = self.blocks[layer]
+        if b is None:
+            raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
+        return b
+
     def master(self, layer: int) -> torch.Tensor:
         return self.row(layer, "master")
 

@@ -13,6 +13,7 @@ last step as a measured :class:`~megatrain.planner.simulate.Timeline`, comparabl
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -45,6 +46,7 @@ class StreamExecutor(Executor):
         self.host_keep: list[torch.Tensor] = []  # pinned host buffers in flight, kept alive for the step
         self.grad_norms: list[torch.Tensor] = []  # per stored gradient, taken on the GPU before it leaves
         self.norm_sent = False
+        self.norm_lock = threading.Lock()
         stores: dict[int, int] = {}
         for op in schedule.ops:
             if op.kind is OpKind.STORE_G:
@@ -73,7 +75,7 @@ class StreamExecutor(Executor):
         from megatrain.runtime.optim import lr_at
 
         # the worker runs begin/end in order with the optimizer tasks of the steps before
-        self.worker.submit(self.optimizer.begin_step)
+        self.begun = self.worker.submit(self.optimizer.begin_step)
         return lr_at(self.optimizer.cfg, self.steps_issued)
 
     def _end_step(self) -> None:
@@ -152,21 +154,39 @@ class StreamExecutor(Executor):
             else:
                 self.store.grad(o).copy_(src, non_blocking=True)
                 self.stored.add(o)
+        elif k is OpKind.LOAD_OPT:
+            self._opt_block(op).copy_(self.store.block(l), non_blocking=True)
+        elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
+            self.store.block(l)[:3].copy_(self._opt_block(op)[:3], non_blocking=True)
         elif k is OpKind.OPT:
-            if self.optimizer.cfg.max_grad_norm is not None and not self.norm_sent:
-                # first update of the step (clipping: every store is done): the global norm
-                for t in self.tied:
-                    self._add_tied(t)
-                sq = sum(float(self.store.grad(t).norm()) ** 2 for t in self.tied)
-                if self.grad_norms:
-                    sq += float(torch.linalg.vector_norm(torch.stack(self.grad_norms))) ** 2
-                self.optimizer.set_grad_norm(sq ** 0.5)
-                self.norm_sent = True
+            on_device = op.stream is Stream.COMPUTE
+            if on_device:  # the previous step's host updates are done and this step's lr is set
+                self.begun.result()
+            if self.optimizer.cfg.max_grad_norm is not None:
+                self._send_norm(on_device)
+            if on_device:  # issued by the host thread on the compute stream, after its LOAD_OPT
+                self.optimizer.step_layer_on(l, self._opt_block(op))
+                return
             if l in self.tied:
                 self._add_tied(l)
             self.optimizer.step_layer(l)
         else:
             super()._execute(op)
+
+    def _send_norm(self, from_host_thread: bool) -> None:
+        """The step's global gradient norm, once, before the first update (clipping: every store is issued)."""
+        with self.norm_lock:
+            if self.norm_sent:
+                return
+            if from_host_thread:  # a worker task waited for the stores' events; the host thread has not
+                self.streams[Stream.D2H].synchronize()
+            for t in self.tied:
+                self._add_tied(t)
+            sq = sum(float(self.store.grad(t).norm()) ** 2 for t in self.tied)
+            if self.grad_norms:
+                sq += float(torch.linalg.vector_norm(torch.stack(self.grad_norms))) ** 2
+            self.optimizer.set_grad_norm(sq ** 0.5)
+            self.norm_sent = True
 
     def _add_tied(self, owner: int) -> None:
         if owner not in self.tied_added:

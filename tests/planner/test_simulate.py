@@ -63,3 +63,22 @@ def test_transfers_running_together_are_slowed():
     tl = sim(Schedule(ops, cfg), g, SPEC)
     # together they move 8 MB at 1.5 GB/s: both end at 5.33 ms
     assert tl.end_s == pytest.approx([8e6 / 1.5e9, 8e6 / 1.5e9])
+
+
+def test_device_updates_shorten_a_host_bound_step():
+    """Qwen2.5-7B at 32,768 tokens is bound by the host's AdamW; updating every third layer on the GPU moves
+    28 bytes per parameter of those layers over PCIe instead and the simulated step gets shorter, while the bound
+    moves from the cpu to another resource."""
+    from megatrain.planner.graph import preset
+
+    g = preset("qwen2.5-7b")
+    spec = PRESETS["h200"]
+    eligible = [l for l in range(len(g)) if g[l].tie is None and not g.tied_to(l)]
+    steps = {}
+    for gpu_opt in ((), tuple(eligible[2::3])):
+        cfg = dataclasses.replace(config(g, n_steps=3, n_mb=4, mb_tokens=8192, seq_len=1024, weight_slots=3,
+                                         wire_bytes_per_param=4, budget_bytes=spec.budget_bytes), gpu_opt=gpu_opt)
+        s = build_schedule(g, cfg)
+        steps[bool(gpu_opt)] = (simulate(s, g, spec).steady_step_s, bound(s, g, spec))
+    assert steps[False][1].limiter == "cpu" and steps[True][1].limiter != "cpu"
+    assert steps[True][0] < 0.9 * steps[False][0]

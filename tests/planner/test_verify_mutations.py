@@ -114,3 +114,55 @@ def test_error_names_the_op_in_text_form():
     with pytest.raises(ScheduleError) as e:
         verify(_replace(s, load, deps=()), G)
     assert "LOAD_W s0" in str(e.value)
+
+
+# ---- updates on the device (gpu_opt): LOAD_OPT -> OPT on compute -> STORE_OPT --------------------------------
+def _gpu_schedule(clip: bool = True) -> Schedule:
+    return _schedule(gpu_opt=(1, 3), clip=clip)
+
+
+def test_device_updates_build_and_verify_in_both_modes():
+    for clip in (True, False):
+        s = _gpu_schedule(clip)
+        for st in range(2):
+            for l in (1, 3):
+                load, opt, store = (_find(s, k, step=st, layer=l) for k in
+                                    (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT))
+                assert opt.stream.value == "compute" and load.id < opt.id < store.id
+        assert all(op.stream.value == "cpu" for op in s.ops if op.kind is OpKind.OPT and op.layer not in (1, 3))
+
+
+def test_loading_weights_before_the_device_update_is_back_is_caught():
+    s = _gpu_schedule()
+    load = _find(s, OpKind.LOAD_W, step=1, layer=1)
+    store = _find(s, OpKind.STORE_OPT, step=0, layer=1)
+    assert store.id in load.deps
+    err = _broken(_replace(s, load, deps=tuple(d for d in load.deps if d != store.id)), "load-after-opt")
+    assert "STORE_OPT" in str(err)
+
+
+def test_reusing_an_optimizer_slot_too_early_is_caught():
+    s = build_schedule(G, config(G, n_steps=1, n_mb=3, gpu_opt=(1, 2, 3)))  # (one step: no later load
+    verify(s, G)                                                               # implies the dependency)
+    # the third device update of a step reuses the first one's slot: it must wait for that one's STORE_OPT
+    reuse = _find(s, OpKind.LOAD_OPT, step=0, layer=3)
+    assert reuse.slot("o") == _find(s, OpKind.LOAD_OPT, step=0, layer=1).slot("o")
+    war = tuple(d for d in reuse.deps if s.ops[d].kind is not OpKind.STORE_OPT)
+    _broken(_replace(s, reuse, deps=war), "slot-overwritten")
+
+
+def test_reading_the_gradient_before_it_is_stored_is_caught():
+    s = _gpu_schedule(clip=False)
+    load = _find(s, OpKind.LOAD_OPT, step=0, layer=3)
+    _broken(_replace(s, load, deps=()), "store-before-opt")
+
+
+def test_a_device_update_of_a_layer_not_in_gpu_opt_is_caught():
+    s = _gpu_schedule()
+    _broken(Schedule(s.ops, dataclasses.replace(s.config, gpu_opt=(1,)), s.provenance), "kind")
+
+
+def test_gpu_opt_refuses_shared_weights():
+    g = tiny_graph(num_hidden_layers=2, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"gpu_opt layers \[0\]"):
+        build_schedule(g, config(g, gpu_opt=(0,)))

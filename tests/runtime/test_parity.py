@@ -133,6 +133,26 @@ def test_fused_adamw_matches_too():
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
 
 
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_updates_on_the_device_match_too(clip):
+    """Every second layer updated through LOAD_OPT -> OPT on compute -> STORE_OPT (the device is the CPU here)."""
+    opt = dataclasses.replace(OPT, fused=True, max_grad_norm=clip)
+    model = hf_model("llama")
+    ref = copy.deepcopy(model)
+    data = batches()
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=2, opt_cfg=opt)
+    sm = compile_cpu(model, optim=opt, n_mb=2, gpu_opt_every=2)
+    assert sm.schedule_for(6, 12).config.gpu_opt == (1, 3, 5)
+    stats = [sm.train_step(*b) for b in data]
+    norms = ([s.grad_norm for s in stats], ref_norms) if clip else ()
+    check(sm, ref, [s.loss for s in stats], ref_losses, *norms)
+    host = {n: t.clone() for n, t in sm.state_dict().items()}  # the same updates as all on the host, exactly
+    sm2 = compile_cpu(hf_model("llama"), optim=opt, n_mb=2)
+    for b in data:
+        sm2.train_step(*b)
+    assert all(torch.equal(host[n], t) for n, t in sm2.state_dict().items())
+
+
 def test_host_optimizer_thread_count_changes_nothing_but_speed():
     opt = dataclasses.replace(OPT, fused=True, threads=1)
     model = hf_model("llama")

@@ -26,6 +26,7 @@ def main():
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--host-checkpoints", type=int, default=0)
     ap.add_argument("--gpu-opt-every", type=int, default=0, help="update every k-th layer on the GPU (0: none)")
+    ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="weights on the wire")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-clip", action="store_true")
@@ -49,7 +50,8 @@ def main():
     optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else 1.0)
     sm = megatrain.compile(model, init_seed=0, device="cuda", optim=optim, streams=not args.sync,
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
-                           host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every)
+                           host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
+                           wire=args.wire)
     t_init = time.perf_counter() - t0
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
     n = sm.graph.n_params
@@ -96,6 +98,7 @@ def measure(args, sm, cfg, n, batch, t_init):
         "preset": args.preset, "params": n, "executor": "program order" if args.sync else "streams",
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
+        "wire_bytes_per_param": c.wire_bytes_per_param,
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops_6nt": 6 * n * tokens / step_s / 1e12,
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,

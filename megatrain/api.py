@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -29,8 +30,12 @@ class PlanOptions:
     grad_slots: int = 2
     host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
     gpu_opt_every: int = 0  # every k-th layer (of those that share no weights) is updated on the GPU; 0: none
+    wire: str = "fp32"  # weights on the wire: "fp32" (the master, cast on the device) or "bf16" (a host shadow
+    # the optimizer keeps current: half the bytes per load, a host cast per update, 2 more bytes per param of RAM)
 
     def __post_init__(self):
+        if self.wire not in ("fp32", "bf16"):
+            raise ValueError(f"wire must be 'fp32' or 'bf16', got {self.wire!r}")
         if self.gpu_opt_every < 0:
             raise ValueError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {self.gpu_opt_every}")
 
@@ -92,8 +97,7 @@ class StreamedModel:
             cfg = ScheduleConfig(
                 n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
                 seq_len=seq_len, weight_slots=opts.weight_slots, grad_slots=opts.grad_slots,
-                # the executors load the fp32 master and cast on the device (no bf16 host shadow yet)
-                wire_bytes_per_param=4, host_checkpoints=opts.host_checkpoints,
+                wire_bytes_per_param=2 if opts.wire == "bf16" else 4, host_checkpoints=opts.host_checkpoints,
                 clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes,
                 gpu_opt=tuple(eligible[k - 1::k]) if k else ())
             s = build_schedule(graph, cfg)
@@ -187,6 +191,13 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware or
                                                                             ("h200" if dev.type == "cuda" else "cpu"))
+    try:
+        opts = PlanOptions(**plan)
+    except TypeError as e:
+        known = ", ".join(f.name for f in fields(PlanOptions))
+        raise ValueError(f"unknown plan option ({e}); plan options are: {known}") from None
+    if opts.wire == "bf16" and dtype != torch.bfloat16:
+        raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is {dtype}")
     use_kernels = dev.type == "cuda" if kernels is None else kernels
     if use_kernels and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels=True on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 before "
@@ -204,5 +215,5 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     use_streams = dev.type == "cuda" if streams is None else streams
     if use_streams and dev.type != "cuda":
         raise ValueError("streams=True needs a CUDA device")
-    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, PlanOptions(**plan), spec, use_kernels,
+    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels,
                          use_streams)

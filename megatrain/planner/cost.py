@@ -65,8 +65,8 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
         return graph.weight_params(op.layer) * GRAD_BYTES
     if op.kind is OpKind.LOAD_OPT:
         return graph[op.layer].params * OPT_IN_BYTES
-    if op.kind is OpKind.STORE_OPT:
-        return graph[op.layer].params * OPT_OUT_BYTES
+    if op.kind is OpKind.STORE_OPT:  # plus the refreshed bf16 shadow when that is what goes on the wire
+        return graph[op.layer].params * (OPT_OUT_BYTES + (2 if cfg.wire_bytes_per_param == 2 else 0))
     if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT):
         return checkpoint_nbytes(graph, cfg, op.layer)
     return 0

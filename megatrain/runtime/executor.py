@@ -75,6 +75,9 @@ class Executor:
         if cfg.n_steps != 1 or cfg.n_mb != len(mbs):
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
         self._pools(schedule)
+        self.wire = cfg.wire_bytes_per_param
+        if self.wire == 2 and self.dtype != torch.bfloat16:
+            raise ValueError(f"weights on the wire as bf16 need bf16 compute; this model computes in {self.dtype}")
         owner = self.graph.owner
         # every access of every slot in program order: (op id, reads?, content)
         accesses: dict[tuple[str, int], list[tuple[int, bool, tuple]]] = {}
@@ -154,7 +157,7 @@ class Executor:
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
         if k is OpKind.LOAD_W:
-            src = self.store.master(self.graph.owner(l))
+            src = self._wire(self.graph.owner(l))
             self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=False)
         elif k is OpKind.FWD:
             with torch.no_grad():
@@ -191,8 +194,14 @@ class Executor:
             self._opt_block(op).copy_(self.store.block(l))
         elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
             self.store.block(l)[:3].copy_(self._opt_block(op)[:3])
+            if self.wire == 2:
+                self.store.shadow(l).copy_(self._opt_block(op)[0])
         else:
             raise AssertionError(k)
+
+    def _wire(self, owner: int) -> torch.Tensor:
+        """What LOAD_W sends: the bf16 shadow (plans with a bf16 wire) or the fp32 master (cast on the device)."""
+        return self.store.shadow(owner) if self.wire == 2 else self.store.master(owner)
 
     def _opt_block(self, op: Op) -> torch.Tensor:
         return self.o[op.slot("o")][:, : self.graph[op.layer].params]

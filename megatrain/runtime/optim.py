@@ -129,11 +129,12 @@ class HostAdamW:
             p.grad = None
             if scaled:
                 del opt.grad_scale
+        self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
     def step_layer_on(self, layer: int, block: torch.Tensor) -> None:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
         same hyper-parameters, step count and clip factor as :meth:`step_layer`; the caller copies master and
-        moments back to the store."""
+        moments (and the bf16 shadow, if any) back to the store."""
         master, exp_avg, exp_avg_sq, grad = block
         opt, p = self._device_opt(layer, block.device)
         host_step = self.opts[layer].state[self.params[layer]]["step"]

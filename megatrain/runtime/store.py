@@ -47,6 +47,7 @@ class HostStore:
                 self.blocks.append(b)
             else:
                 self.blocks.append(None)
+        self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
 
     def row(self, layer: int, what: str) -> torch.Tensor:
         b = self.blocks[layer]
@@ -66,6 +67,23 @@ class HostStore:
 
     def grad(self, layer: int) -> torch.Tensor:
         return self.row(layer, "grad")
+
+    # ---- the bf16 shadow: what goes on the wire when a plan sends weights as bf16 --------------------------
+    def shadow(self, layer: int) -> torch.Tensor:
+        """The layer's master weights rounded to bf16 (made from the masters on first use; pinned like the
+        store). The optimizer refreshes it after each update."""
+        if self.shadows is None:
+            self.shadows = {}
+            for i in self.owners():
+                n = self.blocks[i].shape[1]
+                t = pinned_zeros(n, dtype=torch.bfloat16) if self.pinned else torch.zeros(n, dtype=torch.bfloat16)
+                t.copy_(self.blocks[i][0])
+                self.shadows[i] = t
+        return self.shadows[layer]
+
+    def refresh_shadow(self, layer: int) -> None:
+        if self.shadows is not None:
+            self.shadows[layer].copy_(self.blocks[layer][0])
 
     def owners(self) -> list[int]:
         return [i for i, b in enumerate(self.blocks) if b is not None]
@@ -93,12 +111,14 @@ class HostStore:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model expects "
                                  f"{tuple(view.shape)}")
             view.copy_(t)
+        self.shadows = None  # made again from the new masters when next needed
 
     def load_from_module(self, model: nn.Module) -> None:
         for name, p in model.named_parameters():
             if p.is_meta:
                 raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to compile")
             self.param_view(name).copy_(p.detach())
+        self.shadows = None
 
     def load_safetensors(self, directory: str | Path) -> None:
         """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index),

@@ -127,7 +127,7 @@ class StreamExecutor(Executor):
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
         if k is OpKind.LOAD_W:
-            src = self.store.master(self.graph.owner(l))
+            src = self._wire(self.graph.owner(l))
             self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=True)  # fp32 pinned -> compute dtype
         elif k is OpKind.SAVE_ACT:
             t = self.act[op.slot("a")]
@@ -158,6 +158,8 @@ class StreamExecutor(Executor):
             self._opt_block(op).copy_(self.store.block(l), non_blocking=True)
         elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
             self.store.block(l)[:3].copy_(self._opt_block(op)[:3], non_blocking=True)
+            if self.wire == 2:  # rounded on the GPU (as the host would: to nearest even), 2 more bytes per param
+                self.store.shadow(l).copy_(self._opt_block(op)[0].to(torch.bfloat16), non_blocking=True)
         elif k is OpKind.OPT:
             on_device = op.stream is Stream.COMPUTE
             if on_device:  # the previous step's host updates are done and this step's lr is set

@@ -70,3 +70,15 @@ def test_device_updates_match_host_updates(clip):
     for n, p in ref_sd.items():  # AdamW moves an element by at most about lr (1e-3) per step, whatever rounds
         d = (sd[n] - p).abs()
         assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
+
+
+@pytest.mark.parametrize("gpu_opt_every", [0, 2])
+def test_bf16_wire_equals_fp32_wire(gpu_opt_every):
+    """The bf16 shadow (host-rounded, or GPU-rounded after a device update) against the fp32 master cast on the
+    GPU: the same bits land in the weight slots, so the streamed runs are identical."""
+    model = small("qwen2")
+    data = batches(n_steps=3)
+    runs = [train(copy.deepcopy(model), True, data, clip=0.5, n_mb=2, wire=w, gpu_opt_every=gpu_opt_every)
+            for w in ("fp32", "bf16")]
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][2][n], runs[1][2][n]) for n in runs[0][2])

@@ -153,6 +153,37 @@ def test_updates_on_the_device_match_too(clip):
     assert all(torch.equal(host[n], t) for n, t in sm2.state_dict().items())
 
 
+@pytest.mark.parametrize("gpu_opt_every", [0, 2])
+def test_bf16_wire_from_the_host_shadow_equals_casting_on_the_device(gpu_opt_every):
+    """bf16 compute: weights sent as the bf16 shadow the optimizer keeps (wire='bf16') or as the fp32 master cast
+    where they land (wire='fp32') round the same way (to nearest even), so training is identical; the device
+    updates (gpu_opt_every=2) refresh the shadow from their own result."""
+    data = batches()
+    runs = {}
+    for wire in ("fp32", "bf16"):
+        sm = compile_cpu(hf_model("llama"), optim=OPT, n_mb=2, compute_dtype=torch.bfloat16, wire=wire,
+                         gpu_opt_every=gpu_opt_every)
+        assert sm.schedule_for(6, 12).config.wire_bytes_per_param == (2 if wire == "bf16" else 4)
+        losses = [sm.train_step(*b).loss for b in data]
+        runs[wire] = losses, {n: t.clone() for n, t in sm.state_dict().items()}
+        if wire == "bf16":
+            for layer in sm.store.owners():  # the shadow is the current master, rounded
+                master = sm.store.master(layer)
+                assert torch.equal(sm.store.shadow(layer), master.to(torch.bfloat16))
+    assert runs["fp32"][0] == runs["bf16"][0]
+    assert all(torch.equal(runs["fp32"][1][n], t) for n, t in runs["bf16"][1].items())
+    assert runs["fp32"][0][0] != runs["fp32"][0][2]  # it trained
+
+
+def test_bf16_wire_needs_bf16_compute_and_plan_options_are_checked():
+    with pytest.raises(ValueError, match="needs bf16 compute"):
+        compile_cpu(hf_model("llama"), wire="bf16")
+    with pytest.raises(ValueError, match="wire must be"):
+        compile_cpu(hf_model("llama"), wire="fp8")
+    with pytest.raises(ValueError, match="unknown plan option.*plan options are: n_mb"):
+        compile_cpu(hf_model("llama"), n_microbatches=2)
+
+
 def test_host_optimizer_thread_count_changes_nothing_but_speed():
     opt = dataclasses.replace(OPT, fused=True, threads=1)
     model = hf_model("llama")

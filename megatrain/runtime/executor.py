@@ -64,10 +64,10 @@ class Executor:
             self.g.append(torch.empty(self.slot_numel, dtype=torch.float32, device=self.device))
         n_o = max((i + 1 for op in schedule.ops for r, i in op.slots if r == "o"), default=0)
         o_numel = max((self.graph[l].params for l in cfg.gpu_opt), default=0)
-        if self.o and (len(self.o) < n_o or self.o[0].shape[1] < o_numel):
+        if self.o and (len(self.o) < n_o or self.o[0].numel() < len(ROWS) * o_numel):
             self.o = []  # a schedule with more or larger device updates: reallocate
         while len(self.o) < n_o:
-            self.o.append(torch.empty(len(ROWS), o_numel, dtype=torch.float32, device=self.device))
+            self.o.append(torch.empty(len(ROWS) * o_numel, dtype=torch.float32, device=self.device))
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int) -> StepOutput:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step."""
@@ -194,7 +194,7 @@ class Executor:
             self._opt_block(op).copy_(self.store.block(l))
         elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
             self.store.block(l)[:3].copy_(self._opt_block(op)[:3])
-            if self.wire == 2:
+            if self.store.shadows is not None:  # kept current whichever wire this schedule uses
                 self.store.shadow(l).copy_(self._opt_block(op)[0])
         else:
             raise AssertionError(k)
@@ -204,7 +204,9 @@ class Executor:
         return self.store.shadow(owner) if self.wire == 2 else self.store.master(owner)
 
     def _opt_block(self, op: Op) -> torch.Tensor:
-        return self.o[op.slot("o")][:, : self.graph[op.layer].params]
+        """The (4, n) block of an optimizer slot, contiguous like the host block (copies need no staging)."""
+        n = self.graph[op.layer].params
+        return self.o[op.slot("o")][: len(ROWS) * n].view(len(ROWS), n)
 
     def _loss(self, op: Op) -> None:
         if self.head_loss is not None:

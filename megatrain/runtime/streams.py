@@ -158,7 +158,7 @@ class StreamExecutor(Executor):
             self._opt_block(op).copy_(self.store.block(l), non_blocking=True)
         elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
             self.store.block(l)[:3].copy_(self._opt_block(op)[:3], non_blocking=True)
-            if self.store.shadows is not None:  # rounded on the GPU (as the host would: to nearest even), 2 more bytes per param
+            if self.store.shadows is not None:  # rounded on the GPU as the host would (to nearest even)
                 self.store.shadow(l).copy_(self._opt_block(op)[0].to(torch.bfloat16), non_blocking=True)
         elif k is OpKind.OPT:
             on_device = op.stream is Stream.COMPUTE

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("clip", float, "global-norm clipping threshold (1.0)"),
                            ("mb", int, "micro-batches per step (2)"), ("slots", int, "weight slots (2)"),
                            ("host_checkpoints", int, "layers whose checkpoints wait on the host (0)"),
+                           ("gpu_opt_every", int, "update every k-th layer on the GPU, not the host (0: none)"),
+                           ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)

@@ -32,6 +32,8 @@ class TrainConfig:
     mb: int = 2  # micro-batches per step
     slots: int = 2  # weight slots
     host_checkpoints: int = 0  # layers whose checkpoints wait on the host
+    gpu_opt_every: int = 0  # every k-th layer updated on the GPU (0: all on the host)
+    wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     seed: int = 0
     device: str | None = None  # default: cuda when present, else cpu
@@ -41,6 +43,10 @@ class TrainConfig:
         for name in ("steps", "batch", "seq", "mb", "slots", "vocab"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.wire not in ("fp32", "bf16"):
+            raise ValueError(f"wire must be fp32 or bf16, got {self.wire!r}")
+        if self.gpu_opt_every < 0:
+            raise ValueError(f"gpu_opt_every must be >= 0, got {self.gpu_opt_every}")
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:
@@ -115,7 +121,7 @@ def run(cfg: TrainConfig) -> dict:
                                   warmup_steps=cfg.warmup, total_steps=cfg.steps, min_lr=cfg.lr / 10)
     sm = megatrain.compile(model, checkpoint=weights, init_seed=None if weights else cfg.seed, optim=optim,
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
-                           host_checkpoints=cfg.host_checkpoints)
+                           host_checkpoints=cfg.host_checkpoints, gpu_opt_every=cfg.gpu_opt_every, wire=cfg.wire)
     schedule = sm.schedule_for(cfg.batch, cfg.seq)
     out.mkdir(parents=True, exist_ok=True)
     (out / "schedule.txt").write_text(schedule.to_text())

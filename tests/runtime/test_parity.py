@@ -153,6 +153,23 @@ def test_updates_on_the_device_match_too(clip):
     assert all(torch.equal(host[n], t) for n, t in sm2.state_dict().items())
 
 
+@pytest.mark.parametrize("every,n_mb,slots,offload,clip", [(1, 3, 1, 0, 1.0), (3, 1, 2, 3, None), (2, 6, 4, 1, 1.0)])
+def test_device_updates_equal_host_updates_for_any_plan(every, n_mb, slots, offload, clip):
+    """Any set of device updates, with any micro-batching, weight slots and offloaded checkpoints: the program-order
+    executor gives bit for bit the parameters and losses of host-only updates (the same AdamW kernel)."""
+    opt = dataclasses.replace(OPT, fused=True, max_grad_norm=clip)
+    data = batches()
+    runs = []
+    for k in (0, every):
+        sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=n_mb, weight_slots=slots, host_checkpoints=offload,
+                         gpu_opt_every=k)
+        losses = [sm.train_step(*b).loss for b in data]
+        runs.append((losses, {n: t.clone() for n, t in sm.state_dict().items()}))
+    (host_losses, host), (dev_losses, dev) = runs
+    assert dev_losses == host_losses
+    assert all(torch.equal(host[n], t) for n, t in dev.items())
+
+
 @pytest.mark.parametrize("gpu_opt_every", [0, 2])
 def test_bf16_wire_from_the_host_shadow_equals_casting_on_the_device(gpu_opt_every):
     """bf16 compute: weights sent as the bf16 shadow the optimizer keeps (wire='bf16') or as the fp32 master cast

@@ -169,6 +169,7 @@ def main():
         del g, u
     if "rope" in want:
         rows.append(bench_rope(ceiling))
+        rows.append(bench_rope(ceiling, halves_equal=True))
     torch.cuda.empty_cache()
     if "linear_ce" in want:
         rows.append(bench_linear_ce(32768, 3584, 152064))
@@ -192,7 +193,7 @@ def main():
             json.dump(result, f, indent=1)
 
 
-def bench_rope(ceiling):
+def bench_rope(ceiling, halves_equal=False):
     B, T, Hq, Hk, D = 32, 1024, 28, 4, 128
     q = torch.randn(B, Hq, T, D, device="cuda", dtype=BF).requires_grad_()
     k = torch.randn(B, Hk, T, D, device="cuda", dtype=BF).requires_grad_()
@@ -200,7 +201,8 @@ def bench_rope(ceiling):
     inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda").float() / D))
     emb = torch.cat([pos[..., None] * inv] * 2, dim=-1)
     cos, sin = emb.cos().to(BF), emb.sin().to(BF)
-    return bench_elementwise("rope q 32768x3584 + k 32768x512", lambda a, b: rope(a, b, cos, sin),
+    name = "rope q 32768x3584 + k 32768x512" + (" (halves equal)" if halves_equal else "")
+    return bench_elementwise(name, lambda a, b: rope(a, b, cos, sin, halves_equal=halves_equal),
                              lambda a, b: rope_eager(a, b, cos, sin), (q, k), 4 * (q.numel() + k.numel()) * 2,
                              ceiling)
 

@@ -12,7 +12,8 @@ NUM_WARPS = 2
 
 @triton.jit
 def _rope_rows(X, Y, COS, SIN, block, n_rows, T, n_heads, half, sxb, sxh, sxt, syb, syh, syt, scb, sct, ssb, sst,
-               BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+               BACKWARD: tl.constexpr, HEADS_INNER: tl.constexpr, HALVES_EQUAL: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     # BLOCK_R consecutive rows (a row: one position of one head, D values) in memory order, (b, h, t) for the
     # contiguous (B, H, T, D) layout, (b, t, h) for HF's transposed projection: one contiguous span of x and y.
     # cos/sin rows (B, T, D) are shared by all heads and stay in L2.
@@ -32,9 +33,12 @@ def _rope_rows(X, Y, COS, SIN, block, n_rows, T, n_heads, half, sxb, sxh, sxt, s
     c_ptr = COS + b * scb + t * sct + d
     s_ptr = SIN + b * ssb + t * sst + d
     c1 = tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c_ptr + half, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(s_ptr, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    if HALVES_EQUAL:  # cos/sin = cat(f, f), as HF's rotary embeddings build them: half the cos/sin reads
+        c2, s2 = c1, s1
+    else:
+        c2 = tl.load(c_ptr + half, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(s_ptr + half, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:  # transpose of the rotation: (g1, g2) -> (g1 c1 + g2 s2, g2 c2 - g1 s1)
         a1, b1, a2, b2 = c1, s2, c2, -s1
     else:  # (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
@@ -51,15 +55,15 @@ def _rope_rows(X, Y, COS, SIN, block, n_rows, T, n_heads, half, sxb, sxh, sxt, s
 def _rope_kernel(Q, YQ, K, YK, COS, SIN, q_blocks, q_rows, q_heads, k_rows, k_heads, T, half,
                  sqb, sqh, sqt, syqb, syqh, syqt, skb, skh, skt, sykb, sykh, sykt, scb, sct, ssb, sst,
                  BACKWARD: tl.constexpr, Q_HEADS_INNER: tl.constexpr, K_HEADS_INNER: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                 HALVES_EQUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # q and k in one launch: the first q_blocks programs take q's rows, the rest k's
     pid = tl.program_id(0)
     if pid < q_blocks:
         _rope_rows(Q, YQ, COS, SIN, pid, q_rows, T, q_heads, half, sqb, sqh, sqt, syqb, syqh, syqt,
-                   scb, sct, ssb, sst, BACKWARD, Q_HEADS_INNER, BLOCK_R, BLOCK_D)
+                   scb, sct, ssb, sst, BACKWARD, Q_HEADS_INNER, HALVES_EQUAL, BLOCK_R, BLOCK_D)
     else:
         _rope_rows(K, YK, COS, SIN, pid - q_blocks, k_rows, T, k_heads, half, skb, skh, skt, sykb, sykh, sykt,
-                   scb, sct, ssb, sst, BACKWARD, K_HEADS_INNER, BLOCK_R, BLOCK_D)
+                   scb, sct, ssb, sst, BACKWARD, K_HEADS_INNER, HALVES_EQUAL, BLOCK_R, BLOCK_D)
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,7 +77,8 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
-              block_r: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              block_r: int | None = None, num_warps: int | None = None,
+              halves_equal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     q, k = _check(q, cos, sin), _check(k, cos, sin)
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, length or head dim")
@@ -92,30 +97,32 @@ def _apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         q.stride(0), q.stride(1), q.stride(2), yq.stride(0), yq.stride(1), yq.stride(2),
         k.stride(0), k.stride(1), k.stride(2), yk.stride(0), yk.stride(1), yk.stride(2),
         cb, cos.stride(1), sb, sin.stride(1), BACKWARD=backward, Q_HEADS_INNER=q.stride(1) < q.stride(2),
-        K_HEADS_INNER=k.stride(1) < k.stride(2), BLOCK_R=br, BLOCK_D=triton.next_power_of_2(D // 2),
+        K_HEADS_INNER=k.stride(1) < k.stride(2), HALVES_EQUAL=halves_equal, BLOCK_R=br, BLOCK_D=triton.next_power_of_2(D // 2),
         num_warps=num_warps or NUM_WARPS)
     return yq, yk
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool, block_r: int | None = None,
-           num_warps: int | None = None) -> torch.Tensor:
+           num_warps: int | None = None, halves_equal: bool = False) -> torch.Tensor:
     """One tensor alone (a launch whose k part is empty)."""
-    return _apply_qk(x, x[:, :0], cos, sin, backward, block_r, num_warps)[0]
+    return _apply_qk(x, x[:, :0], cos, sin, backward, block_r, num_warps, halves_equal)[0]
 
 
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, q, k, cos, sin, halves_equal=False):
         ctx.save_for_backward(cos, sin)
-        return _apply_qk(q, k, cos, sin, False)
+        ctx.halves_equal = halves_equal
+        return _apply_qk(q, k, cos, sin, False, halves_equal=halves_equal)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        dq, dk = _apply_qk(dq, dk, cos, sin, True)
-        return dq, dk, None, None
+        dq, dk = _apply_qk(dq, dk, cos, sin, True, halves_equal=ctx.halves_equal)
+        return dq, dk, None, None, None
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(q, k) rotated; cos/sin as HF's rotary embedding returns them."""
-    return RoPEFunction.apply(q, k, cos, sin)
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves_equal: bool = False):
+    """(q, k) rotated; cos/sin as HF's rotary embedding returns them. ``halves_equal``: the caller guarantees
+    ``cos[..., :D/2] == cos[..., D/2:]`` (and the same for sin), so the kernel reads only the first halves."""
+    return RoPEFunction.apply(q, k, cos, sin, halves_equal)

@@ -84,6 +84,26 @@ def test_rope(dtype, B, H, KV, T, D, shared, hf_layout):
         assert_close(a, b, dtype)
 
 
+@pytest.mark.parametrize("hf_layout", [False, True])
+def test_rope_reading_half_of_cos_sin_when_the_halves_are_equal(hf_layout):
+    B, H, KV, T, D = 2, 3, 1, 11, 16
+    positions = torch.randint(0, 4096, (B, T), generator=torch.Generator().manual_seed(5))
+    cos, sin = rotary(B, T, D, positions, torch.float32)  # cat(f, f): equal halves
+    if hf_layout:
+        q = rand(B, T, H, D, dtype=torch.float32).transpose(1, 2)
+        k = rand(B, T, KV, D, dtype=torch.float32, seed=1).transpose(1, 2)
+    else:
+        q, k = rand(B, H, T, D, dtype=torch.float32), rand(B, KV, T, D, dtype=torch.float32, seed=1)
+    (qo, ko), (dq, dk) = grads(lambda a, b: rope(a, b, cos, sin, halves_equal=True), q, k)
+    (qr, kr), (dqr, dkr) = grads(lambda a, b: (reference.rope(a, cos, sin), reference.rope(b, cos, sin)), q, k)
+    for a, b in [(qo, qr), (ko, kr), (dq, dqr), (dk, dkr)]:
+        assert_close(a, b, torch.float32)
+    # the flag really skips the second halves: with unequal halves it gives another (wrong) answer
+    cos2 = cos.clone()
+    cos2[..., D // 2:] += 1.0
+    assert not torch.allclose(rope(q, k, cos2, sin, halves_equal=True)[0], reference.rope(q, cos2, sin))
+
+
 def test_rope_refuses_odd_head_dim():
     with pytest.raises(ValueError, match="even head dim"):
         rope(torch.zeros(1, 1, 2, 5), torch.zeros(1, 1, 2, 5), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5))

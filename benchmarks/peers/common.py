@@ -127,7 +127,11 @@ class Result:
         return self.step_times_s[0] if self.step_times_s else float("nan")
 
     def finish(self, path: str | None) -> dict:
+        import transformers
+
         d = asdict(self)
+        d["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
         d["step_s"] = self.step_s
         d["tokens_per_s"] = self.tokens_per_step / self.step_s if self.step_times_s else 0.0
         d["tflops_6nt"] = 6 * self.params * self.tokens_per_step / self.step_s / 1e12 if self.step_times_s else 0.0

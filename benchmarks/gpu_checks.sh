@@ -3,7 +3,7 @@
 #   1. the GPU-marked tests (streaming executor, device updates, bf16 wire, 100M parity, kernels in bf16);
 #   2. the kernel benchmark;
 #   3. streamed throughput of Qwen2.5-1.5B (16,384 tokens) and 7B (32,768) with every update on the host and with
-#      every 3rd / 2nd layer updated on the GPU, clipping on and off.
+#      every 3rd / 2nd layer updated on the GPU, clipping on and off; 1.5B with 1 and 2 micro-batches (with traces).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
 #   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out
 set -uo pipefail
@@ -27,6 +27,12 @@ for clip in "" "--no-clip"; do
         stage "tp-1.5b${tag:+-$tag}-gpuopt$k" 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 \
             --mb 4 --slots 3 --steps 3 $clip --gpu-opt-every "$k" --json "$out/tp-1.5b${tag:+-$tag}-gpuopt$k.json"
     done
+done
+# fewer, larger micro-batches: at 4 x 4,096 tokens the 1.5B backward ran at ~300 TFLOPS, maybe bound by the host
+# issuing ~150 kernels per (layer, micro-batch) rather than by the GPU
+for mb in 1 2; do
+    stage "tp-1.5b-mb$mb" 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb "$mb" --slots 3 \
+        --steps 3 --trace "$out/trace-1.5b-mb$mb" --json "$out/tp-1.5b-mb$mb.json"
 done
 stage tp-7b-gpuopt3 240 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots 3 \
     --steps 3 --no-clip --gpu-opt-every 3 --json "$out/tp-7b-gpuopt3.json"

@@ -29,7 +29,7 @@ for clip in "" "--no-clip"; do
     done
 done
 # fewer, larger micro-batches: at 4 x 4,096 tokens the 1.5B backward ran at ~300 TFLOPS, maybe bound by the host
-# issuing ~150 kernels per (layer, micro-batch) rather than by the GPU
+# issuing on the order of a hundred kernels per (layer, micro-batch) rather than by the GPU
 for mb in 1 2; do
     stage "tp-1.5b-mb$mb" 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb "$mb" --slots 3 \
         --steps 3 --trace "$out/trace-1.5b-mb$mb" --json "$out/tp-1.5b-mb$mb.json"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import time
 
 import torch
@@ -63,6 +64,24 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results if len(results) > 1 else results[0], f, indent=1)
+    print_table(results)
+
+
+def print_table(results: list[dict]) -> None:
+    cols = [("tokens/step", "tokens_per_step", "{:,}"), ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
+            ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
+            ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
+            ("TFLOPS 6NT", "tflops_6nt", "{:.0f}"), ("HW TFLOPS", "hardware_tflops", "{:.0f}"),
+            ("bound s", "bound_step_s", "{:.3f}"), ("sim s", "simulated_steady_step_s", "{:.3f}"),
+            ("bound/meas", "efficiency_bound_over_measured", "{:.2f}"), ("GPU GiB", "gpu_peak_gib", "{:.1f}"),
+            ("host GiB", "host_rss_gib", "{:.1f}")]
+    rows = [[fmt.format(len(r[key]) if key == "gpu_opt" else r[key]) for _, key, fmt in cols] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _, _) in enumerate(cols)]
+    print(f"\n{results[0]['preset']} ({results[0]['params'] / 1e9:.2f}B params), {results[0]['executor']}; "
+          f"gpu_opt = layers updated on the GPU")
+    print("  ".join(h.rjust(w) for (h, _, _), w in zip(cols, widths)))
+    for row in rows:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
 def measure(args, sm, cfg, n, batch, t_init):
@@ -74,8 +93,9 @@ def measure(args, sm, cfg, n, batch, t_init):
 
     tokens = batch * args.seq
     gen = torch.Generator().manual_seed(0)
-    times, losses = [], []
+    times, losses, done = [], [], []
     torch.cuda.reset_peak_memory_stats()
+    worker = getattr(sm.executor, "worker", None)
     t_timed = None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
@@ -85,13 +105,21 @@ def measure(args, sm, cfg, n, batch, t_init):
         st = sm.train_step(ids)
         times.append(time.perf_counter() - t)
         losses.append(st.loss)
+        # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
+        done.append(worker.submit(time.perf_counter) if worker is not None else time.perf_counter())
     if hasattr(sm.executor, "drain"):
         sm.executor.drain()  # the last step's optimizer tail counts
     step_s = (time.perf_counter() - t_timed) / args.steps  # mean over the timed steps, optimizer included
+    ends = [d.result() if worker is not None else d for d in done]
+    per_step = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup else []
+    median_s = statistics.median(per_step) if per_step else step_s
     sched = sm.schedule_for(batch, args.seq)
     spec = HW["h200"]
     c = sched.config
-    three = build_schedule(sm.graph, ScheduleConfig(**{**c.to_dict(), "n_steps": 3}))
+    three = build_schedule(sm.graph, ScheduleConfig.from_dict({**c.to_dict(), "n_steps": 3}))
+    from megatrain.planner.cost import compute_flops
+
+    hw_flops = sum(compute_flops(sm.graph, c, op) for op in sched.ops)  # recompute included
     sim = simulate(three, sm.graph, spec)
     b = bound(three, sm.graph, spec)
     res = {
@@ -100,7 +128,9 @@ def measure(args, sm, cfg, n, batch, t_init):
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param,
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
-        "step_s": step_s, "tokens_per_s": tokens / step_s, "tflops_6nt": 6 * n * tokens / step_s / 1e12,
+        "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
+        "tokens_per_s": tokens / step_s, "tflops_6nt": 6 * n * tokens / step_s / 1e12,
+        "hardware_tflops": hw_flops / step_s / 1e12,
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,
         "efficiency_bound_over_measured": b.step_s / step_s,
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / (1 << 30),

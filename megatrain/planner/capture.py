@@ -11,7 +11,8 @@ each rotary-embedding module and HF's attention-mask builders as leaves. The tra
   It returns logits; megatrain computes the loss.
 
 Templates are GraphModules / modules over a copy of the model whose parameters are on the meta device, so they
-hold no weights; calling one binds views of a flat weight buffer with ``torch.func.functional_call``.
+hold no weights; calling one puts views of a flat weight buffer in place of its parameters for that call
+(``runtime/templates.py``).
 Blocks whose structure (class, parameter shapes, non-tensor attributes except ``layer_idx``) is equal share one.
 The user's model is only read.
 """
@@ -39,7 +40,7 @@ class CaptureError(ValueError):
 
 @dataclass
 class ParamRef:
-    name: str  # name inside the template (what functional_call binds)
+    name: str  # name inside the template (the parameter a call binds to a view of the slot)
     model_name: str  # the parameter's name in the user's model state_dict
     offset: int  # element offset in the owner layer's flat block
     shape: tuple[int, ...]

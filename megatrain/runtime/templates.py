@@ -6,7 +6,6 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.fx.node import Node, map_aggregate
 
 from megatrain.planner.capture import Captured, Segment
@@ -43,11 +42,43 @@ def _patched(patches):
             setattr(mod, name, value)
 
 
+class _Binding:
+    """Where each of a segment's parameters lives in its template (submodule, attribute), resolved once, and the
+    slice of the flat weight buffer it takes. Binding puts views of the buffer into the template's parameter table
+    for one call and puts the weightless originals back after it: what ``torch.func.functional_call`` does, without
+    walking the module tree on every call (the per-call cost of a compute op's host side)."""
+
+    def __init__(self, seg: Segment):
+        self.entries = []
+        for ref in seg.params:
+            path, _, attr = ref.name.rpartition(".")
+            mod = seg.template.get_submodule(path) if path else seg.template
+            if attr not in mod._parameters:
+                raise KeyError(f"template {type(seg.template).__name__} has no parameter {ref.name!r}")
+            n = 1
+            for d in ref.shape:
+                n *= d
+            self.entries.append((mod, attr, ref.offset, n, tuple(ref.shape)))
+
+    @contextlib.contextmanager
+    def bound(self, flat: torch.Tensor):
+        saved = []
+        try:
+            for mod, attr, off, n, shape in self.entries:
+                saved.append((mod, attr, mod._parameters[attr]))
+                mod._parameters[attr] = flat[off: off + n].view(shape)
+            yield
+        finally:
+            for mod, attr, original in saved:
+                mod._parameters[attr] = original
+
+
 class LayerRunner:
     """Calls layer i of a captured model: ``run(i, flat, x, side)`` with weights bound from ``flat``."""
 
     def __init__(self, captured: Captured, device: torch.device):
         self.captured = captured
+        self.bindings = [_Binding(seg) for seg in captured.segments]
         seen = set()
         for seg in captured.segments:
             if id(seg.template) not in seen:
@@ -64,13 +95,13 @@ class LayerRunner:
         return self._run(seg, flat, x, side)
 
     def _run(self, seg: Segment, flat: torch.Tensor, x, side):
-        params = bind(seg, flat)
-        if seg.kind == "embedding":
-            out = functional_call(seg.template, params, x, strict=False)
-            out = out if isinstance(out, tuple) else (out,)
-            return out[0], dict(zip(self.captured.side_names, out[1:]))
-        if seg.kind == "block":
-            args, kwargs = map_aggregate(seg.call_args, lambda a: side[a.name] if isinstance(a, Node) else a)
-            out = functional_call(seg.template, params, (x, *args), kwargs, strict=False)
-            return out[0] if seg.tuple_out else out
-        return functional_call(seg.template, params, (x,), strict=False)
+        with self.bindings[seg.index].bound(flat):
+            if seg.kind == "embedding":
+                out = seg.template(*x)
+                out = out if isinstance(out, tuple) else (out,)
+                return out[0], dict(zip(self.captured.side_names, out[1:]))
+            if seg.kind == "block":
+                args, kwargs = map_aggregate(seg.call_args, lambda a: side[a.name] if isinstance(a, Node) else a)
+                out = seg.template(x, *args, **kwargs)
+                return out[0] if seg.tuple_out else out
+            return seg.template(x)

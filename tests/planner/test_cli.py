@@ -36,8 +36,24 @@ def test_plan_cli_trace_has_every_op(tmp_path, capsys):
     assert {e["args"]["op"] for e in spans} == {str(op) for op in s.ops}
 
 
+def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys):
+    """The numbers docs/planner.md quotes for --gpu-opt-every 3 on Qwen2.5-7B at 32,768 tokens."""
+    assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--gpu-opt-every", "3",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layers [2, 5, 8, 11, 14, 17, 20, 23, 26, 29] updated on the GPU" in out
+    assert re.search(r"^predicted  4\.517 s/step", out, re.M), out
+    assert re.search(r"^bound      2\.368 s/step \(compute-bound", out, re.M), out
+    assert "optimizer 6.95" in out
+    s = (tmp_path / "schedule.txt").read_text()
+    assert "LOAD_OPT" in s and "STORE_OPT" in s and "OPT s0 L2 @compute" in s
+    text = DOCS.read_text()
+    assert "4.517 s predicted" in text and "(2.368 s)" in text and "6.95 GiB" in text
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--preset", "qwen2.5-72b"], "does not fit host memory"),
+    (["--gpu-opt-every", "-1"], "gpu_opt_every must be >= 0"),
     (["--budget-gib", "1"], "too small for one layer"),
     (["--tokens", "1000"], "multiple of the sequence length"),
     (["--preset", "gpt-5"], "unknown model preset"),

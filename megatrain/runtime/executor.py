@@ -55,6 +55,7 @@ class Executor:
         self.w: list[torch.Tensor] = []
         self.g: list[torch.Tensor] = []
         self.o: list[torch.Tensor] = []  # optimizer slots: (4, n) fp32 blocks for the device updates
+        self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
 
     def _pools(self, schedule: Schedule) -> None:
         cfg = schedule.config
@@ -78,17 +79,7 @@ class Executor:
         self.wire = cfg.wire_bytes_per_param
         if self.wire == 2 and self.dtype != torch.bfloat16:
             raise ValueError(f"weights on the wire as bf16 need bf16 compute; this model computes in {self.dtype}")
-        owner = self.graph.owner
-        # every access of every slot in program order: (op id, reads?, content)
-        accesses: dict[tuple[str, int], list[tuple[int, bool, tuple]]] = {}
-        for op in schedule.ops:
-            reads, writes = slot_contents(op, owner, cfg.n_mb)
-            for role, idx in op.slots:
-                acc = accesses.setdefault((SLOT_POOL[role], idx), [])
-                if role in reads:
-                    acc.append((op.id, True, reads[role]))
-                if role in writes:
-                    acc.append((op.id, False, writes[role]))
+        tags, accesses = self._slot_plan(schedule)
         position = {key: 0 for key in accesses}
         self.contents: dict[tuple[str, int], tuple] = {}
         self.act: dict[int, torch.Tensor] = {}
@@ -101,7 +92,7 @@ class Executor:
         self.denom = denom
         lr = self._begin_step()
         for op in schedule.ops:
-            reads, writes = slot_contents(op, owner, cfg.n_mb)
+            reads, writes = tags[op.id]
             for role, idx in op.slots:
                 key = (SLOT_POOL[role], idx)
                 if role in reads:
@@ -131,6 +122,25 @@ class Executor:
         self._end_step()
         sums = [float(t) for t in self.loss_sums]
         return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
+
+    def _slot_plan(self, schedule: Schedule):
+        """Per op its slot contents (reads, writes), and every access of every slot in program order: (op id,
+        reads?, content). Computed once per schedule (the API reuses schedule objects step after step)."""
+        cached = self._slot_plans.get(id(schedule))
+        if cached is not None and cached[0] is schedule:
+            return cached[1], cached[2]
+        tags = [slot_contents(op, self.graph.owner, schedule.config.n_mb) for op in schedule.ops]
+        accesses: dict[tuple[str, int], list[tuple[int, bool, tuple]]] = {}
+        for op in schedule.ops:
+            reads, writes = tags[op.id]
+            for role, idx in op.slots:
+                acc = accesses.setdefault((SLOT_POOL[role], idx), [])
+                if role in reads:
+                    acc.append((op.id, True, reads[role]))
+                if role in writes:
+                    acc.append((op.id, False, writes[role]))
+        self._slot_plans[id(schedule)] = (schedule, tags, accesses)
+        return tags, accesses
 
     # ---- hooks the streaming executor overrides --------------------------------------------------------------
     def _begin_step(self) -> float:

@@ -153,16 +153,27 @@ class Executor:
         self._execute(op)
 
     # ---- ops ------------------------------------------------------------------------------------------------
-    def _weights(self, op: Op, requires_grad: bool) -> torch.Tensor:
-        flat = self.w[op.slot("w")][: self.graph.weight_params(op.layer)]
-        return flat.detach().requires_grad_() if requires_grad else flat
+    def _weights(self, op: Op) -> torch.Tensor:
+        return self.w[op.slot("w")][: self.graph.weight_params(op.layer)]
 
-    def _accumulate(self, op: Op, grad: torch.Tensor) -> None:
-        g = self.g[op.slot("g")][: grad.numel()]
-        if op.mb == 0:
-            g.copy_(grad)
-        else:
-            g.add_(grad)
+    def _accumulate(self, op: Op, views: list, grads) -> None:
+        """Add each parameter's gradient (compute dtype) into its span of the fp32 gradient slot; the first
+        micro-batch writes instead of adding."""
+        g = self.g[op.slot("g")]
+        first = op.mb == 0
+        numel = self.graph.weight_params(op.layer)
+        if first and not self.runner.tiles(op.layer, numel):  # gaps, shared or unused spans: clear, then add
+            g[:numel].zero_()
+            first = False
+        for (off, n, _), dw in zip(views, grads):
+            dst = g[off: off + n]
+            if dw is None:  # a parameter this layer's output does not depend on
+                if first:
+                    dst.zero_()
+            elif first:
+                dst.copy_(dw.reshape(-1))
+            else:
+                dst.add_(dw.reshape(-1))
 
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
@@ -173,10 +184,10 @@ class Executor:
             with torch.no_grad():
                 if l == 0:
                     mb = self.mbs[op.mb]
-                    h, self.side[op.mb] = self.runner.run(0, self._weights(op, False),
+                    h, self.side[op.mb] = self.runner.run(0, self._weights(op),
                                                           (mb.input_ids, mb.attention_mask))
                 else:
-                    h = self.runner.run(l, self._weights(op, False), self.act[op.slot("x")], self.side[op.mb])
+                    h = self.runner.run(l, self._weights(op), self.act[op.slot("x")], self.side[op.mb])
             self.act[op.slot("y")] = h
         elif k is OpKind.LOSS:
             self._loss(op)
@@ -222,15 +233,16 @@ class Executor:
         if self.head_loss is not None:
             return self._fused_loss(op)
         x = self.act[op.slot("x")].detach().requires_grad_()
-        flat = self._weights(op, True)
+        views: list = []
         with torch.enable_grad():
-            logits = self.runner.run(op.layer, flat, x)
+            logits = self.runner.run(op.layer, self._weights(op), x, grad_views=views)
             labels = self.mbs[op.mb].next_labels
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum")
-            dx, dw = torch.autograd.grad(loss_sum / self.denom, [x, flat])
+            dx, *dws = torch.autograd.grad(loss_sum / self.denom, [x, *(v for *_, v in views)],
+                                           allow_unused=True)
         self.loss_sums[op.mb] = loss_sum.detach()
-        self._accumulate(op, dw.float())
+        self._accumulate(op, views, dws)
         self.act[op.slot("x")] = dx
 
     def _fused_loss(self, op: Op) -> None:
@@ -240,7 +252,7 @@ class Executor:
         seg = self.captured.segments[op.layer]
         spec = self.head_loss
         ref = next(r for r in seg.params if r.name == spec.weight_name)
-        weight = bind(seg, self._weights(op, False))[spec.weight_name]  # (V, H)
+        weight = bind(seg, self._weights(op))[spec.weight_name]  # (V, H)
         g = self.g[op.slot("g")]
         if op.mb == 0:
             g[: self.graph.weight_params(op.layer)].zero_()
@@ -253,18 +265,19 @@ class Executor:
         self.act[op.slot("x")] = dh.view_as(x)
 
     def _backward(self, op: Op) -> None:
-        flat = self._weights(op, True)
+        flat = self._weights(op)
         dy = self.act[op.slot("dy")]
+        views: list = []
         with torch.enable_grad():
             if op.layer == 0:
                 mb = self.mbs[op.mb]
-                h, _ = self.runner.run(0, flat, (mb.input_ids, mb.attention_mask))
-                (dw,) = torch.autograd.grad(h, [flat], dy)
+                h, _ = self.runner.run(0, flat, (mb.input_ids, mb.attention_mask), grad_views=views)
+                dws = torch.autograd.grad(h, [v for *_, v in views], dy, allow_unused=True)
             else:
                 x = self.act[op.slot("x")].detach().requires_grad_()
-                out = self.runner.run(op.layer, flat, x, self.side[op.mb])
-                dx, dw = torch.autograd.grad(out, [x, flat], dy)
+                out = self.runner.run(op.layer, flat, x, self.side[op.mb], grad_views=views)
+                dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], dy, allow_unused=True)
                 self.act[op.slot("x")] = dx
-        self._accumulate(op, dw.float())
+        self._accumulate(op, views, dws)
         if op.layer == 0:
             self.side.pop(op.mb, None)

@@ -59,14 +59,27 @@ class _Binding:
             for d in ref.shape:
                 n *= d
             self.entries.append((mod, attr, ref.offset, n, tuple(ref.shape)))
+        spans = sorted((off, n) for _, _, off, n, _ in self.entries)
+        # the parameters follow each other from offset 0 without gaps or overlaps, up to ``end``
+        self.contiguous = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])) and (not spans or
+                                                                                            spans[0][0] == 0)
+        self.end = spans[-1][0] + spans[-1][1] if spans else 0
 
     @contextlib.contextmanager
-    def bound(self, flat: torch.Tensor):
+    def bound(self, flat: torch.Tensor, grad_views: list | None = None):
+        """Bind views of ``flat``. With ``grad_views`` (a list) each view is a leaf that requires grad, appended
+        with its (offset, numel): gradients can then be taken per parameter and added straight into a gradient
+        slot, instead of autograd building each parameter's gradient as a zero-filled block-sized tensor and
+        summing them (one block-sized write and add per parameter)."""
         saved = []
         try:
             for mod, attr, off, n, shape in self.entries:
                 saved.append((mod, attr, mod._parameters[attr]))
-                mod._parameters[attr] = flat[off: off + n].view(shape)
+                view = flat[off: off + n].view(shape)
+                if grad_views is not None:
+                    view = view.detach().requires_grad_()
+                    grad_views.append((off, n, view))
+                mod._parameters[attr] = view
             yield
         finally:
             for mod, attr, original in saved:
@@ -85,17 +98,25 @@ class LayerRunner:
                 seen.add(id(seg.template))
                 move_buffers(seg.template, device)
 
-    def run(self, i: int, flat: torch.Tensor, x, side: dict[str, object] | None = None):
+    def run(self, i: int, flat: torch.Tensor, x, side: dict[str, object] | None = None,
+            grad_views: list | None = None):
         """Layer 0: ``x`` is (input_ids, attention_mask) and the result is (hidden, {side name: value}).
-        Other layers: ``x`` is the hidden state and the result is the layer's output."""
+        Other layers: ``x`` is the hidden state and the result is the layer's output. ``grad_views``: see
+        :meth:`_Binding.bound`."""
         seg = self.captured.segments[i]
         if seg.patches:
             with _patched(seg.patches):
-                return self._run(seg, flat, x, side)
-        return self._run(seg, flat, x, side)
+                return self._run(seg, flat, x, side, grad_views)
+        return self._run(seg, flat, x, side, grad_views)
 
-    def _run(self, seg: Segment, flat: torch.Tensor, x, side):
-        with self.bindings[seg.index].bound(flat):
+    def tiles(self, i: int, numel: int) -> bool:
+        """Whether layer i's parameters cover the first ``numel`` elements of its weight block exactly once (a
+        tied head uses only part of its owner's block)."""
+        b = self.bindings[i]
+        return b.contiguous and b.end == numel
+
+    def _run(self, seg: Segment, flat: torch.Tensor, x, side, grad_views=None):
+        with self.bindings[seg.index].bound(flat, grad_views):
             if seg.kind == "embedding":
                 out = seg.template(*x)
                 out = out if isinstance(out, tuple) else (out,)

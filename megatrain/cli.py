@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")
     p.add_argument("--gpu-opt-every", default="0", metavar="K|auto",
                    help="update every K-th layer (of those sharing no weights) on the GPU: its master weights and "
-                        "moments go to the device and back; 0 (default): all on the host; auto: search 0, 4, 3, 2")
+                        "moments go to the device and back; 0 (default): all on the host; auto: search every 4th, "
+                        "3rd and 2nd layer, each with and without the first")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")

@@ -82,7 +82,7 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that shares no weights is updated on the device (0: none, the default until measured on the
-    GPU; None: search 0, 4, 3, 2)."""
+    GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -99,8 +99,14 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     if gpu_opt_every is not None and gpu_opt_every < 0:
         raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
     eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
-    device_sets = sorted({tuple(eligible[k - 1::k]) if k else () for k in
-                          ([gpu_opt_every] if gpu_opt_every is not None else [0, 4, 3, 2])})
+    if gpu_opt_every is not None:
+        device_sets = [tuple(eligible[gpu_opt_every - 1::gpu_opt_every]) if gpu_opt_every else ()]
+    else:  # every k-th, and the same plus the first eligible layer (with clipping the next forward waits on it)
+        device_sets = {()}
+        for k in (4, 3, 2):
+            every = tuple(eligible[k - 1::k])
+            device_sets |= {every, tuple(sorted({*every, *eligible[:1]}))}
+        device_sets = sorted(device_sets)
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
                        weight_slots=k, grad_slots=2, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,

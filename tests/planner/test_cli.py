@@ -49,6 +49,12 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     assert "LOAD_OPT" in s and "STORE_OPT" in s and "OPT s0 L2 @compute" in s
     text = DOCS.read_text()
     assert "4.517 s predicted" in text and "(2.368 s)" in text and "6.95 GiB" in text
+    # auto: the search also tries each set plus the embedding, which the next forward waits on first
+    assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--gpu-opt-every", "auto",
+                 "--out", str(tmp_path / "auto")]) == 0
+    out = capsys.readouterr().out
+    assert "layers [0, 2, 5, 8, 11, 14, 17, 20, 23, 26, 29] updated on the GPU" in out
+    assert re.search(r"^predicted  4\.319 s/step", out, re.M) and "(4.319 s)" in text
 
 
 @pytest.mark.parametrize("argv,msg", [

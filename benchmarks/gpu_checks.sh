@@ -36,4 +36,6 @@ for mb in 1 2; do
 done
 stage tp-7b-gpuopt3 240 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots 3 \
     --steps 3 --no-clip --gpu-opt-every 3 --json "$out/tp-7b-gpuopt3.json"
+stage tp-7b-clip-auto 240 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots 3 \
+    --steps 3 --gpu-opt-every auto --json "$out/tp-7b-clip-auto.json"
 grep -H "tokens/s" "$out"/tp-*.log

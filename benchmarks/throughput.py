@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from megatrain.api import gpu_opt_every
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -26,7 +28,8 @@ def main():
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--host-checkpoints", type=int, default=0)
-    ap.add_argument("--gpu-opt-every", type=int, default=0, help="update every k-th layer on the GPU (0: none)")
+    ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
+                    help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
     ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="weights on the wire")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)

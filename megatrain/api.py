@@ -29,15 +29,28 @@ class PlanOptions:
     weight_slots: int = 2
     grad_slots: int = 2
     host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
-    gpu_opt_every: int = 0  # every k-th layer (of those that share no weights) is updated on the GPU; 0: none
+    gpu_opt_every: int | str = 0  # every k-th layer (of those that share no weights) is updated on the GPU;
+    # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search)
     wire: str = "fp32"  # weights on the wire: "fp32" (the master, cast on the device) or "bf16" (a host shadow
     # the optimizer keeps current: half the bytes per load, a host cast per update, 2 more bytes per param of RAM)
 
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
             raise ValueError(f"wire must be 'fp32' or 'bf16', got {self.wire!r}")
-        if self.gpu_opt_every < 0:
-            raise ValueError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {self.gpu_opt_every}")
+        k = self.gpu_opt_every
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"gpu_opt_every must be an integer >= 0 (0: every update on the host) or 'auto', "
+                             f"got {k!r}")
+
+
+def gpu_opt_every(value: str | int) -> int | str:
+    """Parse a ``gpu_opt_every`` option from text: an integer >= 0 or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"gpu_opt_every must be an integer >= 0 or 'auto', got {value!r}") from None
 
 
 @dataclass
@@ -92,14 +105,12 @@ class StreamedModel:
             if batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
             graph = self.graph
-            k = opts.gpu_opt_every
-            eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
             cfg = ScheduleConfig(
                 n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
                 seq_len=seq_len, weight_slots=opts.weight_slots, grad_slots=opts.grad_slots,
                 wire_bytes_per_param=2 if opts.wire == "bf16" else 4, host_checkpoints=opts.host_checkpoints,
-                clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes,
-                gpu_opt=tuple(eligible[k - 1::k]) if k else ())
+                clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes)
+            cfg = replace(cfg, gpu_opt=self._device_updates(cfg, opts.gpu_opt_every))
             s = build_schedule(graph, cfg)
             mem = device_memory(graph, s)
             if mem.total_nbytes > cfg.budget_bytes:
@@ -109,6 +120,26 @@ class StreamedModel:
             verify(s, graph)
             self._schedules[key] = s
         return self._schedules[key]
+
+    def _device_updates(self, cfg: ScheduleConfig, every: int | str) -> tuple[int, ...]:
+        """The layers updated on the device: every k-th eligible one, or for "auto" the candidate set (as the plan
+        search tries them) whose simulated three-step schedule is fastest within the device budget."""
+        from megatrain.planner.search import device_update_sets
+        from megatrain.planner.simulate import simulate
+
+        sets = device_update_sets(self.graph, None if every == "auto" else every)
+        if len(sets) == 1:
+            return sets[0]
+        best = None
+        for gpu_opt in sets:
+            three = replace(cfg, n_steps=3, gpu_opt=gpu_opt)
+            s = build_schedule(self.graph, three)
+            if device_memory(self.graph, s).total_nbytes > cfg.budget_bytes:
+                continue
+            t = simulate(s, self.graph, self.hardware).steady_step_s
+            if best is None or t < best[0]:
+                best = (t, gpu_opt)
+        return best[1] if best is not None else ()
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -35,7 +35,7 @@ def _plan(args) -> int:
         fixed = dict(n_mb=args.mb, weight_slots=args.slots,
                      wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
                      host_checkpoints=args.host_checkpoints,
-                     gpu_opt_every=None if args.gpu_opt_every == "auto" else int(args.gpu_opt_every))
+                     gpu_opt_every=None if args.gpu_opt_every == "auto" else _every(args.gpu_opt_every))
         budget = int(args.budget_gib * GiB) if args.budget_gib else None
         p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
                  n_steps=args.steps, **fixed)
@@ -139,6 +139,15 @@ def _viz(args) -> int:
     return 0
 
 
+def _every(value: str):
+    from megatrain.api import gpu_opt_every
+
+    return gpu_opt_every(value)
+
+
+_every.__name__ = "gpu_opt_every"  # argparse names the option's type in its error message
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megatrain", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("clip", float, "global-norm clipping threshold (1.0)"),
                            ("mb", int, "micro-batches per step (2)"), ("slots", int, "weight slots (2)"),
                            ("host_checkpoints", int, "layers whose checkpoints wait on the host (0)"),
-                           ("gpu_opt_every", int, "update every k-th layer on the GPU, not the host (0: none)"),
+                           ("gpu_opt_every", _every, "update every k-th layer on the GPU, not the host (0: none; "
+                                                     "auto: the planner's choice)"),
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)")]:

@@ -32,7 +32,7 @@ class TrainConfig:
     mb: int = 2  # micro-batches per step
     slots: int = 2  # weight slots
     host_checkpoints: int = 0  # layers whose checkpoints wait on the host
-    gpu_opt_every: int = 0  # every k-th layer updated on the GPU (0: all on the host)
+    gpu_opt_every: int | str = 0  # every k-th layer updated on the GPU (0: all on the host; "auto": the planner's)
     wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     seed: int = 0
@@ -45,8 +45,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.wire not in ("fp32", "bf16"):
             raise ValueError(f"wire must be fp32 or bf16, got {self.wire!r}")
-        if self.gpu_opt_every < 0:
-            raise ValueError(f"gpu_opt_every must be >= 0, got {self.gpu_opt_every}")
+        k = self.gpu_opt_every
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"gpu_opt_every must be an integer >= 0 or 'auto', got {k!r}")
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:

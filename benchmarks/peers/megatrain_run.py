@@ -7,6 +7,7 @@ import torch
 from common import CLIP, LR, Result, base_parser, build_model, hf_config, run_peer
 
 import megatrain
+from megatrain.api import gpu_opt_every
 
 
 def main():
@@ -15,7 +16,8 @@ def main():
                                                          "to exist twice in host memory)")
     ap.add_argument("--device", default=None, help="default: cuda when present")
     ap.add_argument("--cpu-threads", type=int, default=None, help="host threads for AdamW (default: torch's)")
-    ap.add_argument("--gpu-opt-every", type=int, default=0, help="update every k-th layer on the GPU (0: none)")
+    ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
+                    help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = hf_config(args.preset, args.seq)

@@ -67,7 +67,7 @@ def main():
                     help="stop a system when available host memory falls below this")
     ap.add_argument("--meta", action="store_true", help="megatrain builds on the meta device (seeded init)")
     ap.add_argument("--cpu-threads", type=int, default=None, help="megatrain's host AdamW threads")
-    ap.add_argument("--gpu-opt-every", type=int, default=0, help="megatrain: update every k-th layer on the GPU")
+    ap.add_argument("--gpu-opt-every", default="0", help="megatrain: update every k-th layer on the GPU, or auto")
     ap.add_argument("--out", default="peer-results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

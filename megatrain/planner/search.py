@@ -98,21 +98,27 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
         raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
     if gpu_opt_every is not None and gpu_opt_every < 0:
         raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
-    eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
-    if gpu_opt_every is not None:
-        device_sets = [tuple(eligible[gpu_opt_every - 1::gpu_opt_every]) if gpu_opt_every else ()]
-    else:  # every k-th, and the same plus the first eligible layer (with clipping the next forward waits on it)
-        device_sets = {()}
-        for k in (4, 3, 2):
-            every = tuple(eligible[k - 1::k])
-            device_sets |= {every, tuple(sorted({*every, *eligible[:1]}))}
-        device_sets = sorted(device_sets)
+    device_sets = device_update_sets(graph, gpu_opt_every)
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
                        weight_slots=k, grad_slots=2, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
                        budget_bytes=budget, gpu_opt=g)
         for m, k, w, h, g in itertools.product(mbs, slots, wires, offload, device_sets)
     ]
+
+
+def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, ...]]:
+    """Sets of layers to update on the device: every ``every``-th layer that shares no weights (0: none), or for
+    None the candidates a search tries — none, every 4th, 3rd, 2nd, each also with the first such layer (with
+    clipping the next step's forward waits on that one's update first)."""
+    eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
+    if every is not None:
+        return [tuple(eligible[every - 1::every]) if every else ()]
+    sets = {()}
+    for k in (4, 3, 2):
+        each = tuple(eligible[k - 1::k])
+        sets |= {each, tuple(sorted({*each, *eligible[:1]}))}
+    return sorted(sets)
 
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,

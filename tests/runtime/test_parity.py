@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import megatrain
+from megatrain.planner.passes import build_schedule
 
 from .models import FAMILIES, VOCAB, TinyGPT, compile_cpu, hf_model
 
@@ -168,6 +169,26 @@ def test_device_updates_equal_host_updates_for_any_plan(every, n_mb, slots, offl
     (host_losses, host), (dev_losses, dev) = runs
     assert dev_losses == host_losses
     assert all(torch.equal(host[n], t) for n, t in dev.items())
+
+
+def test_auto_device_updates_take_the_fastest_simulated_set():
+    from megatrain.planner.search import device_update_sets
+    from megatrain.planner.simulate import simulate
+
+    opt = dataclasses.replace(OPT, fused=True)
+    data = batches()
+    sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every="auto")
+    chosen = sm.schedule_for(6, 12).config
+    times = {}
+    for gpu_opt in device_update_sets(sm.graph, None):
+        s = build_schedule(sm.graph, dataclasses.replace(chosen, n_steps=3, gpu_opt=gpu_opt))
+        times[gpu_opt] = simulate(s, sm.graph, sm.hardware).steady_step_s
+    assert times[chosen.gpu_opt] == min(times.values()) and len(times) > 1
+    losses = [sm.train_step(*b).loss for b in data]
+    host = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2)
+    assert losses == [host.train_step(*b).loss for b in data]
+    with pytest.raises(ValueError, match="gpu_opt_every must be"):
+        compile_cpu(hf_model("qwen2"), gpu_opt_every="fast")
 
 
 @pytest.mark.parametrize("gpu_opt_every", [0, 2])

@@ -23,13 +23,27 @@ def qwen2(seed=0, **kw):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
+def compiled(model, batch: tuple[int, int], warmup: int):
+    """The model compiled for the CPU (4 micro-batches, no Triton kernels) after ``warmup`` steps on a random
+    ``batch`` (sequences, tokens), and that batch."""
+    sm = megatrain.compile(model, device="cpu", n_mb=4, kernels=False)
+    ids = torch.randint(0, model.config.vocab_size, batch)
+    for _ in range(warmup):
+        sm.train_step(ids)
+    return sm, ids
+
+
+def mean_step_s(sm, ids, steps: int) -> float:
+    t = time.perf_counter()
+    for _ in range(steps):
+        sm.train_step(ids)
+    return (time.perf_counter() - t) / steps
+
+
 def per_op(steps=5):
     m = qwen2(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128)
-    sm = megatrain.compile(m, device="cpu", n_mb=4, kernels=False)
-    ids = torch.randint(0, 128, (8, 32))
-    for _ in range(3):
-        sm.train_step(ids)
+    sm, ids = compiled(m, (8, 32), warmup=3)
     total, count = collections.defaultdict(float), collections.Counter()
     original = Executor._execute
 
@@ -41,10 +55,7 @@ def per_op(steps=5):
 
     Executor._execute = timed
     try:
-        t = time.perf_counter()
-        for _ in range(steps):
-            sm.train_step(ids)
-        step = (time.perf_counter() - t) / steps
+        step = mean_step_s(sm, ids, steps)
     finally:
         Executor._execute = original
     print(f"tiny Qwen2 (hidden 64, 8 layers, 4 micro-batches of 2 x 32 tokens): {step * 1e3:.1f} ms/step")
@@ -71,16 +82,9 @@ def per_op(steps=5):
 def wide(steps=4):
     m = qwen2(hidden_size=1536, intermediate_size=8960, num_hidden_layers=2, num_attention_heads=12,
               num_key_value_heads=2, vocab_size=512)
-    sm = megatrain.compile(m, device="cpu", n_mb=4, kernels=False)
-    ids = torch.randint(0, 512, (4, 16))
-    for _ in range(2):
-        sm.train_step(ids)
-    t = time.perf_counter()
-    for _ in range(steps):
-        sm.train_step(ids)
-    print(f"two blocks at Qwen2.5-1.5B width, 4 micro-batches of 16 tokens: "
-          f"{(time.perf_counter() - t) / steps * 1e3:.0f} ms/step")
-
+    sm, ids = compiled(m, (4, 16), warmup=2)
+    print(f"two blocks at Qwen2.5-1.5B width, 4 micro-batches of 16 tokens: {mean_step_s(sm, ids, steps) * 1e3:.0f} "
+          f"ms/step")
 
 if __name__ == "__main__":
     torch.set_num_threads(2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import os
 import time
 from dataclasses import dataclass, fields, replace
@@ -44,7 +43,7 @@ class PlanOptions:
 
 
 def gpu_opt_every(value: str | int) -> int | str:
-    """Parse a ``gpu_opt_every`` option from text: an integer >= 0 or 'auto'."""
+    """Parse a ``gpu_opt_every`` option from text: an integer or 'auto' (its range is checked where it is used)."""
     if value == "auto":
         return value
     try:
@@ -100,6 +99,9 @@ class StreamedModel:
     def schedule_for(self, batch_size: int, seq_len: int, **overrides) -> Schedule:
         """The verified schedule for a step of ``batch_size`` sequences of ``seq_len`` tokens (cached)."""
         opts = replace(self.plan_options, **overrides)
+        if opts.wire == "bf16" and self.compute_dtype != torch.bfloat16:
+            raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is "
+                             f"{self.compute_dtype}")
         key = (batch_size, seq_len, opts)
         if key not in self._schedules:
             if batch_size % opts.n_mb:

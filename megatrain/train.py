@@ -43,11 +43,9 @@ class TrainConfig:
         for name in ("steps", "batch", "seq", "mb", "slots", "vocab"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.wire not in ("fp32", "bf16"):
-            raise ValueError(f"wire must be fp32 or bf16, got {self.wire!r}")
-        k = self.gpu_opt_every
-        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-            raise ValueError(f"gpu_opt_every must be an integer >= 0 or 'auto', got {k!r}")
+        from megatrain.api import PlanOptions
+
+        PlanOptions(gpu_opt_every=self.gpu_opt_every, wire=self.wire)  # the plan options' own checks
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:

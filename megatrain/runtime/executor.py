@@ -44,6 +44,8 @@ class StepOutput:
 
 
 class Executor:
+    non_blocking = False  # host <-> device copies: synchronous here, asynchronous on the streaming executor
+
     def __init__(self, captured: Captured, store: HostStore, optimizer: HostAdamW, device: torch.device,
                  compute_dtype: torch.dtype, head_loss=None):
         self.captured, self.store, self.optimizer = captured, store, optimizer
@@ -77,8 +79,6 @@ class Executor:
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
         self._pools(schedule)
         self.wire = cfg.wire_bytes_per_param
-        if self.wire == 2 and self.dtype != torch.bfloat16:
-            raise ValueError(f"weights on the wire as bf16 need bf16 compute; this model computes in {self.dtype}")
         tags, accesses = self._slot_plan(schedule)
         position = {key: 0 for key in accesses}
         self.contents: dict[tuple[str, int], tuple] = {}
@@ -177,9 +177,9 @@ class Executor:
 
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
-        if k is OpKind.LOAD_W:
+        if k is OpKind.LOAD_W:  # fp32 master -> compute dtype, or the bf16 shadow as it is
             src = self._wire(self.graph.owner(l))
-            self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=False)
+            self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=self.non_blocking)
         elif k is OpKind.FWD:
             with torch.no_grad():
                 if l == 0:
@@ -212,11 +212,13 @@ class Executor:
         elif k is OpKind.OPT:
             self.optimizer.step_layer(l)
         elif k is OpKind.LOAD_OPT:
-            self._opt_block(op).copy_(self.store.block(l))
+            self._opt_block(op).copy_(self.store.block(l), non_blocking=self.non_blocking)
         elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
-            self.store.block(l)[:3].copy_(self._opt_block(op)[:3])
-            if self.store.shadows is not None:  # kept current whichever wire this schedule uses
-                self.store.shadow(l).copy_(self._opt_block(op)[0])
+            block = self._opt_block(op)
+            self.store.block(l)[:3].copy_(block[:3], non_blocking=self.non_blocking)
+            if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where
+                # the update ran, to nearest even as the host would
+                self.store.shadow(l).copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
         else:
             raise AssertionError(k)
 

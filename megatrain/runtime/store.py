@@ -50,10 +50,7 @@ class HostStore:
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
 
     def row(self, layer: int, what: str) -> torch.Tensor:
-        b = self.blocks[layer]
-        if b is None:
-            raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
-        return b[ROWS.index(what)]
+        return self.block(layer)[ROWS.index(what)]
 
     def block(self, layer: int) -> torch.Tensor:
         """The layer's (4, n) fp32 block, rows in ``ROWS`` order (master, exp_avg, exp_avg_sq, grad)."""

@@ -24,6 +24,7 @@ from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
 
 
 class StreamExecutor(Executor):
+    non_blocking = True
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.device.type != "cuda":
@@ -126,10 +127,7 @@ class StreamExecutor(Executor):
     # ---- ops whose data crosses streams or the PCIe bus ------------------------------------------------------
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
-        if k is OpKind.LOAD_W:
-            src = self._wire(self.graph.owner(l))
-            self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=True)  # fp32 pinned -> compute dtype
-        elif k is OpKind.SAVE_ACT:
+        if k is OpKind.SAVE_ACT:
             t = self.act[op.slot("a")]
             t.record_stream(self.streams[Stream.D2H])
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -154,12 +152,6 @@ class StreamExecutor(Executor):
             else:
                 self.store.grad(o).copy_(src, non_blocking=True)
                 self.stored.add(o)
-        elif k is OpKind.LOAD_OPT:
-            self._opt_block(op).copy_(self.store.block(l), non_blocking=True)
-        elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
-            self.store.block(l)[:3].copy_(self._opt_block(op)[:3], non_blocking=True)
-            if self.store.shadows is not None:  # rounded on the GPU as the host would (to nearest even)
-                self.store.shadow(l).copy_(self._opt_block(op)[0].to(torch.bfloat16), non_blocking=True)
         elif k is OpKind.OPT:
             on_device = op.stream is Stream.COMPUTE
             if on_device:  # the previous step's host updates are done and this step's lr is set

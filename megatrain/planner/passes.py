@@ -163,7 +163,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         raise ValueError(f"gpu_opt layers {bad}: only layers that own weights no other layer shares can be updated "
                          f"on the device")
     pos = {op.id: i for i, op in enumerate(s.ops)}
-    pending: list[list[Op]] = []  # a device update's OPT + STORE_OPT, waiting for the next update's anchor
+    pending: list[Op] = []  # the last device update's OPT + STORE_OPT, waiting for the next update's anchor
     for st in range(cfg.n_steps):
         owners = [l for l in range(len(graph)) if graph[l].tie is None]
         if not cfg.clip:  # in the order their gradients are complete
@@ -171,17 +171,17 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         for l in owners:
             anchor = last_store[st] if cfg.clip else stores[(st, l)][-1]
             deps = (anchor.id,) if cfg.clip else tuple(o.id for o in stores[(st, l)])
-            if pending:
-                after[anchor.id] += pending.pop()
+            after[anchor.id] += pending
+            pending = []
             if l not in on_gpu:
                 after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=deps))
                 continue
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=deps)
             opt = Op(ids(), OpKind.OPT, C, st, l, deps=(load.id,))
             after[anchor.id].append(load)
-            pending.append([opt, Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))])
-        if pending:
-            after[last_store[st].id] += pending.pop()
+            pending = [opt, Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))]
+        after[last_store[st].id] += pending
+        pending = []
     mode = "after the step's last gradient, layer order (exact clipping)" if cfg.clip else "as gradients arrive"
     where = f"; on the device: layers {list(cfg.gpu_opt)}" if cfg.gpu_opt else ""
     return s.with_ops(_insert_after(list(s.ops), after), f"add_optimizer: OPT {mode}{where}")

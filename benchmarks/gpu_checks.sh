@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The GPU machine's checks and measurements in one run, results under $1 (default gpu-results/):
-#   1. the GPU-marked tests (streaming executor, device updates, bf16 wire, 100M parity, kernels in bf16);
-#   2. the kernel benchmark;
-#   3. streamed throughput of Qwen2.5-1.5B (16,384 tokens) and 7B (32,768) with every update on the host and with
-#      every 3rd / 2nd layer updated on the GPU, clipping on and off; 1.5B with 1 and 2 micro-batches (with traces).
+# The GPU machine's checks and measurements, results under $1 (default gpu-results/). $2 picks a part:
+#   tests   the GPU-marked tests (streaming executor, device updates, bf16 wire, 100M parity, kernels in bf16)
+#           and the RoPE rows of the kernel benchmark;
+#   1.5b    Qwen2.5-1.5B at 16,384 tokens, one model, several plans: every update on the host vs device updates
+#           (auto / every 2nd layer), 4 vs 2 micro-batches, clipping on and off, fp32 vs bf16 wire; with traces;
+#   7b      Qwen2.5-7B at 32,768 tokens likewise (fewer variants: the model takes a minute to build);
+#   all     the three in turn (over ten minutes).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
-#   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out
+#   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out all
 set -uo pipefail
 out="${1:-gpu-results}"
+part="${2:-all}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-.}"
 stage() {  # stage NAME SECONDS CMD...
@@ -17,25 +20,19 @@ stage() {  # stage NAME SECONDS CMD...
     timeout "$secs" "$@" > "$out/$name.log" 2>&1
     echo "== $name: exit $? ($(tail -n 1 "$out/$name.log"))"
 }
-stage tests 240 python3 -m pytest -q tests/gpu tests/kernels
-stage kernels 150 python3 benchmarks/kernels.py --json "$out/kernels.json"
-for clip in "" "--no-clip"; do
-    tag=${clip:+noclip}
-    stage "tp-1.5b${tag:+-$tag}" 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 \
-        --slots 3 --steps 3 $clip --json "$out/tp-1.5b${tag:+-$tag}.json"
-    for k in 3 2; do
-        stage "tp-1.5b${tag:+-$tag}-gpuopt$k" 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 \
-            --mb 4 --slots 3 --steps 3 $clip --gpu-opt-every "$k" --json "$out/tp-1.5b${tag:+-$tag}-gpuopt$k.json"
-    done
-done
-# fewer, larger micro-batches: at 4 x 4,096 tokens the 1.5B backward ran at ~300 TFLOPS, maybe bound by the host
-# issuing on the order of a hundred kernels per (layer, micro-batch) rather than by the GPU
-for mb in 1 2; do
-    stage "tp-1.5b-mb$mb" 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb "$mb" --slots 3 \
-        --steps 3 --trace "$out/trace-1.5b-mb$mb" --json "$out/tp-1.5b-mb$mb.json"
-done
-stage tp-7b-gpuopt3 240 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots 3 \
-    --steps 3 --no-clip --gpu-opt-every 3 --json "$out/tp-7b-gpuopt3.json"
-stage tp-7b-clip-auto 240 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots 3 \
-    --steps 3 --gpu-opt-every auto --json "$out/tp-7b-clip-auto.json"
-grep -H "tokens/s" "$out"/tp-*.log
+if [[ $part == tests || $part == all ]]; then
+    stage tests 150 python3 -m pytest -q tests/gpu tests/kernels
+    stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"
+fi
+if [[ $part == 1.5b || $part == all ]]; then
+    stage tp-1.5b 300 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 --steps 3 \
+        --variant gpu_opt=auto --variant gpu_opt=2 --variant gpu_opt=auto,mb=2 --variant clip=0 \
+        --variant clip=0,gpu_opt=auto --variant gpu_opt=auto,wire=bf16 \
+        --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
+fi
+if [[ $part == 7b || $part == all ]]; then
+    stage tp-7b 420 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots 3 --steps 3 \
+        --gpu-opt-every auto --variant clip=0 --variant gpu_opt=0 --variant wire=bf16 \
+        --trace "$out/trace-7b" --json "$out/tp-7b.json"
+fi
+grep -h -A12 "^qwen.*gpu_opt = layers" "$out"/tp-*.log 2>/dev/null

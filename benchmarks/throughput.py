@@ -14,6 +14,8 @@ import json
 import resource
 import statistics
 import time
+import traceback
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +24,7 @@ from megatrain.api import gpu_opt_every
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen2.5-1.5b")
+    ap.add_argument("--preset", default="qwen2.5-1.5b", help="a planner preset, or tiny (CPU smoke runs)")
     ap.add_argument("--batch", type=int, nargs="+", default=[16], help="sequences per step; several: one run each")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--mb", type=int, default=4)
@@ -38,40 +40,78 @@ def main():
                     help="host threads for AdamW (0: torch's default); several: one run each")
     ap.add_argument("--sync", action="store_true", help="program-order executor instead of streams")
     ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of this script (program order)")
     ap.add_argument("--json")
     ap.add_argument("--trace", help="path prefix for the measured + simulated trace and PNG")
+    ap.add_argument("--variant", action="append", type=parse_variant, default=[],
+                    help="run again on the same model with these settings changed, e.g. "
+                         "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots); repeatable; "
+                         "the first run uses the flags above")
     args = ap.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import megatrain
-    from megatrain.planner.graph import PRESETS
+    from benchmarks.peers.common import hf_config
 
-    cfg = AutoConfig.for_model(model_type="llama" if args.preset.startswith("llama") else "qwen2",
-                               max_position_embeddings=max(4096, args.seq), **PRESETS[args.preset])
+    cfg = hf_config(args.preset, args.seq)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     t0 = time.perf_counter()
     optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else 1.0)
-    sm = megatrain.compile(model, init_seed=0, device="cuda", optim=optim, streams=not args.sync,
+    sm = megatrain.compile(model, init_seed=0, device=args.device, optim=optim,
+                           streams=not args.sync and args.device != "cpu",
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
                            wire=args.wire)
     t_init = time.perf_counter() - t0
+    args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
     n = sm.graph.n_params
-    results = []
-    for threads in args.cpu_threads:
-        sm.optimizer.threads = threads or None
-        for batch in args.batch:
-            results.append(measure(args, sm, cfg, n, batch, t_init))
+    results, failed = [], []
+    base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots}
+    for variant in [{}, *args.variant]:
+        clip = variant.pop("clip", not args.no_clip)
+        sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
+        overrides = {**base, **variant}
+        for threads in args.cpu_threads:
+            sm.optimizer.threads = threads or None
+            for batch in args.batch:
+                try:
+                    results.append(measure(args, sm, cfg, n, batch, t_init, overrides))
+                except Exception as e:  # report it and go on with the next variant; the exit status says so
+                    traceback.print_exc()
+                    failed.append({"batch": batch, "clip": clip, **overrides, "error": f"{type(e).__name__}: {e}"})
+                    if hasattr(sm.executor, "drain"):
+                        sm.executor.drain()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results if len(results) > 1 else results[0], f, indent=1)
-    print_table(results)
+            json.dump(results + failed if len(results) + len(failed) > 1 else (results + failed)[0], f, indent=1)
+    if results:
+        print_table(results)
+    for f in failed:
+        print(f"FAILED: {f}")
+    if failed:
+        raise SystemExit(1)
+
+
+VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
+                "slots": ("weight_slots", int), "clip": ("clip", lambda v: bool(int(v)))}
+
+
+def parse_variant(text: str) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in VARIANT_KEYS:
+            raise argparse.ArgumentTypeError(f"variant item {item!r}: expected key=value with key in "
+                                             f"{sorted(VARIANT_KEYS)}")
+        name, conv = VARIANT_KEYS[key]
+        out[name] = conv(value)
+    return out
 
 
 def print_table(results: list[dict]) -> None:
-    cols = [("tokens/step", "tokens_per_step", "{:,}"), ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
+    cols = [("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"), ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
             ("TFLOPS 6NT", "tflops_6nt", "{:.0f}"), ("HW TFLOPS", "hardware_tflops", "{:.0f}"),
@@ -87,7 +127,7 @@ def print_table(results: list[dict]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def measure(args, sm, cfg, n, batch, t_init):
+def measure(args, sm, cfg, n, batch, t_init, overrides):
     from megatrain.ir import ScheduleConfig
     from megatrain.planner.dump import plot, write_trace
     from megatrain.planner.hardware import PRESETS as HW
@@ -97,7 +137,9 @@ def measure(args, sm, cfg, n, batch, t_init):
     tokens = batch * args.seq
     gen = torch.Generator().manual_seed(0)
     times, losses, done = [], [], []
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     worker = getattr(sm.executor, "worker", None)
     t_timed = None
     for i in range(args.warmup + args.steps):
@@ -105,7 +147,7 @@ def measure(args, sm, cfg, n, batch, t_init):
             t_timed = time.perf_counter()
         ids = torch.randint(0, cfg.vocab_size, (batch, args.seq), generator=gen)
         t = time.perf_counter()
-        st = sm.train_step(ids)
+        st = sm.train_step(ids, **overrides)
         times.append(time.perf_counter() - t)
         losses.append(st.loss)
         # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
@@ -116,7 +158,7 @@ def measure(args, sm, cfg, n, batch, t_init):
     ends = [d.result() if worker is not None else d for d in done]
     per_step = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup else []
     median_s = statistics.median(per_step) if per_step else step_s
-    sched = sm.schedule_for(batch, args.seq)
+    sched = sm.schedule_for(batch, args.seq, **overrides)
     spec = HW["h200"]
     c = sched.config
     three = build_schedule(sm.graph, ScheduleConfig.from_dict({**c.to_dict(), "n_steps": 3}))
@@ -136,18 +178,19 @@ def measure(args, sm, cfg, n, batch, t_init):
         "hardware_tflops": hw_flops / step_s / 1e12,
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,
         "efficiency_bound_over_measured": b.step_s / step_s,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated() / (1 << 30),
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
     }
     if args.trace and not args.sync:
+        tag = f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
         measured = sm.executor.timeline()
         one = simulate(sched, sm.graph, spec)
-        write_trace([one, measured], f"{args.trace}-b{batch}.trace.json")
-        with open(f"{args.trace}-b{batch}.timeline.json", "w") as f:
+        write_trace([one, measured], f"{args.trace}-{tag}.trace.json")
+        with open(f"{args.trace}-{tag}.timeline.json", "w") as f:
             f.write(measured.to_json())
-        with open(f"{args.trace}-b{batch}.schedule.txt", "w") as f:
+        with open(f"{args.trace}-{tag}.schedule.txt", "w") as f:
             f.write(sched.to_text())
-        plot([one, measured], f"{args.trace}-b{batch}.png", title=f"{args.preset}: simulated vs measured, one step")
+        plot([one, measured], f"{args.trace}-{tag}.png", title=f"{args.preset}: simulated vs measured, one step")
         busy = measured.busy_s()
         res["measured_busy_s"] = busy
         res["measured_step_span_s"] = measured.makespan_s

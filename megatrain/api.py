@@ -102,7 +102,8 @@ class StreamedModel:
         if opts.wire == "bf16" and self.compute_dtype != torch.bfloat16:
             raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is "
                              f"{self.compute_dtype}")
-        key = (batch_size, seq_len, opts)
+        clip = self.optimizer.cfg.max_grad_norm is not None
+        key = (batch_size, seq_len, opts, clip)
         if key not in self._schedules:
             if batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
@@ -111,7 +112,7 @@ class StreamedModel:
                 n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
                 seq_len=seq_len, weight_slots=opts.weight_slots, grad_slots=opts.grad_slots,
                 wire_bytes_per_param=2 if opts.wire == "bf16" else 4, host_checkpoints=opts.host_checkpoints,
-                clip=self.optimizer.cfg.max_grad_norm is not None, budget_bytes=self.hardware.budget_bytes)
+                clip=clip, budget_bytes=self.hardware.budget_bytes)
             cfg = replace(cfg, gpu_opt=self._device_updates(cfg, opts.gpu_opt_every))
             s = build_schedule(graph, cfg)
             mem = device_memory(graph, s)

@@ -3,7 +3,8 @@
 #   tests   the GPU-marked tests (streaming executor, device updates, bf16 wire, 100M parity, kernels in bf16)
 #           and the RoPE rows of the kernel benchmark;
 #   1.5b    Qwen2.5-1.5B at 16,384 tokens, one model, several plans: every update on the host vs device updates
-#           (auto / every 2nd layer), 4 vs 2 micro-batches, clipping on and off, fp32 vs bf16 wire; with traces;
+#           (auto / every untied layer), 3 weight slots vs one per layer, clipping on and off, 4 vs 2 micro-batches;
+#           with traces;
 #   7b      Qwen2.5-7B at 32,768 tokens likewise (fewer variants: the model takes a minute to build);
 #   all     the three in turn (over ten minutes).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
@@ -25,14 +26,14 @@ if [[ $part == tests || $part == all ]]; then
     stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"
 fi
 if [[ $part == 1.5b || $part == all ]]; then
-    stage tp-1.5b 300 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 --steps 3 \
-        --variant gpu_opt=auto --variant gpu_opt=2 --variant gpu_opt=auto,mb=2 --variant clip=0 \
-        --variant clip=0,gpu_opt=auto --variant gpu_opt=auto,wire=bf16 \
+    stage tp-1.5b 330 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 --steps 3 \
+        --variant slots=all --variant gpu_opt=auto --variant gpu_opt=auto,slots=all --variant gpu_opt=1,slots=all \
+        --variant clip=0,slots=all --variant clip=0,gpu_opt=auto,slots=all --variant gpu_opt=auto,slots=all,mb=2 \
         --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
 fi
 if [[ $part == 7b || $part == all ]]; then
-    stage tp-7b 420 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots 3 --steps 3 \
-        --gpu-opt-every auto --variant clip=0 --variant gpu_opt=0 --variant wire=bf16 \
+    stage tp-7b 420 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \
+        --gpu-opt-every auto --variant clip=0 --variant gpu_opt=0 --variant gpu_opt=2 \
         --trace "$out/trace-7b" --json "$out/tp-7b.json"
 fi
 grep -h -A12 "^qwen.*gpu_opt = layers" "$out"/tp-*.log 2>/dev/null

@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[16], help="sequences per step; several: one run each")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--mb", type=int, default=4)
-    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--slots", type=slots_arg, default=2, help="weight slots, or all (one per layer)")
     ap.add_argument("--host-checkpoints", type=int, default=0)
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
                     help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
@@ -94,8 +94,12 @@ def main():
         raise SystemExit(1)
 
 
+def slots_arg(value: str) -> int | str:
+    return value if value == "all" else int(value)
+
+
 VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
-                "slots": ("weight_slots", int), "clip": ("clip", lambda v: bool(int(v)))}
+                "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v)))}
 
 
 def parse_variant(text: str) -> dict:

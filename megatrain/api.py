@@ -25,7 +25,8 @@ from megatrain.runtime.store import HostStore
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     n_mb: int = 1  # micro-batches per step
-    weight_slots: int = 2
+    weight_slots: int | str = 2  # device buffers for layers' weights; "all": one per layer, so the backward finds
+    # every layer's weights still there from the forward and each layer is loaded once per step
     grad_slots: int = 2
     host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
     gpu_opt_every: int | str = 0  # every k-th layer (of those that share no weights) is updated on the GPU;
@@ -36,6 +37,9 @@ class PlanOptions:
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
             raise ValueError(f"wire must be 'fp32' or 'bf16', got {self.wire!r}")
+        w = self.weight_slots
+        if w != "all" and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
         k = self.gpu_opt_every
         if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"gpu_opt_every must be an integer >= 0 (0: every update on the host) or 'auto', "
@@ -110,7 +114,8 @@ class StreamedModel:
             graph = self.graph
             cfg = ScheduleConfig(
                 n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
-                seq_len=seq_len, weight_slots=opts.weight_slots, grad_slots=opts.grad_slots,
+                seq_len=seq_len, grad_slots=opts.grad_slots,
+                weight_slots=len(graph) if opts.weight_slots == "all" else opts.weight_slots,
                 wire_bytes_per_param=2 if opts.wire == "bf16" else 4, host_checkpoints=opts.host_checkpoints,
                 clip=clip, budget_bytes=self.hardware.budget_bytes)
             cfg = replace(cfg, gpu_opt=self._device_updates(cfg, opts.gpu_opt_every))

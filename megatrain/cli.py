@@ -148,6 +148,18 @@ def _every(value: str):
 _every.__name__ = "gpu_opt_every"  # argparse names the option's type in its error message
 
 
+def _slots(value: str):
+    if value == "all":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"weight slots must be an integer >= 1 or 'all', got {value!r}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megatrain", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -159,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
                            ("warmup", int, "warmup steps (30)"), ("weight_decay", float, "AdamW weight decay (0.1)"),
                            ("clip", float, "global-norm clipping threshold (1.0)"),
-                           ("mb", int, "micro-batches per step (2)"), ("slots", int, "weight slots (2)"),
+                           ("mb", int, "micro-batches per step (2)"),
+                           ("slots", _slots, "weight slots (2; all: one per layer)"),
                            ("host_checkpoints", int, "layers whose checkpoints wait on the host (0)"),
                            ("gpu_opt_every", _every, "update every k-th layer on the GPU, not the host (0: none; "
                                                      "auto: the planner's choice)"),
@@ -180,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="h200", help="hardware preset (h200, h100, cpu) or a JSON spec file")
     p.add_argument("--budget-gib", type=float, help="device memory the plan may use (default: the card's less reserve)")
     p.add_argument("--mb", type=int, help="fix the number of micro-batches")
-    p.add_argument("--slots", type=int, help="fix the number of weight slots")
+    p.add_argument("--slots", type=_slots, help="fix the number of weight slots (all: one per layer)")
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")
     p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
     p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")

@@ -40,9 +40,10 @@ class OpKind(str, enum.Enum):
     BWD = "BWD"  # compute: recompute forward from the checkpoint, back-propagate, accumulate grads
     SAVE_ACT = "SAVE_ACT"  # d2h: checkpoint -> host
     LOAD_ACT = "LOAD_ACT"  # h2d: host checkpoint -> activation slot
-    STORE_G = "STORE_G"  # d2h: gradient slot -> host gradient of the layer that owns the weights
+    STORE_G = "STORE_G"  # d2h: gradient slot -> host gradient of the layer that owns the weights; compute (a layer
+    # updated on the device): gradient slot -> the gradient row of the layer's optimizer slot
     OPT = "OPT"  # cpu: AdamW on the layer's host block; compute: AdamW on the block in an optimizer slot
-    LOAD_OPT = "LOAD_OPT"  # h2d: the layer's host block (master, moments, gradient) -> optimizer slot
+    LOAD_OPT = "LOAD_OPT"  # h2d: the layer's master weights and moments -> optimizer slot
     STORE_OPT = "STORE_OPT"  # d2h: updated master and moments -> the layer's host block
 
 
@@ -63,7 +64,7 @@ KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.BWD: (Stream.COMPUTE,),
     OpKind.SAVE_ACT: (Stream.D2H,),
     OpKind.LOAD_ACT: (Stream.H2D,),
-    OpKind.STORE_G: (Stream.D2H,),
+    OpKind.STORE_G: (Stream.D2H, Stream.COMPUTE),
     OpKind.OPT: (Stream.CPU, Stream.COMPUTE),
     OpKind.LOAD_OPT: (Stream.H2D,),
     OpKind.STORE_OPT: (Stream.D2H,),
@@ -277,7 +278,8 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int) -> tuple[dict[
 
     Contents: ``("W", step, owner layer)`` weights; ``("A", step, layer, mb)`` the checkpoint at a layer's input;
     ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs;
-    ``("S", step, layer)`` / ``("U", step, layer)`` a layer's optimizer block before / after its device update.
+    ``("S", step, layer)`` a layer's master weights and moments in an optimizer slot, ``("SG", step, layer)`` the
+    same with the step's gradient, ``("U", step, layer)`` after its device update.
     ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied).
     """
     st, l, j = op.step, op.layer, op.mb
@@ -303,12 +305,14 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int) -> tuple[dict[
         return {"a": ("A", st, l, j)}, {}
     if k is OpKind.LOAD_ACT:
         return {}, {"a": ("A", st, l, j)}
+    if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # into the optimizer slot its LOAD_OPT filled
+        return {"g": ("G", st, l, n_mb), "o": ("S", st, l)}, {"o": ("SG", st, l)}
     if k is OpKind.STORE_G:
         return {"g": ("G", st, l, n_mb)}, {}
     if k is OpKind.LOAD_OPT:
         return {}, {"o": ("S", st, l)}
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
-        return {"o": ("S", st, l)}, {"o": ("U", st, l)}
+        return {"o": ("SG", st, l)}, {"o": ("U", st, l)}
     if k is OpKind.STORE_OPT:
         return {"o": ("U", st, l)}, {}
     return {}, {}

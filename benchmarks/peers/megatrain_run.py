@@ -16,6 +16,7 @@ def main():
                                                          "to exist twice in host memory)")
     ap.add_argument("--device", default=None, help="default: cuda when present")
     ap.add_argument("--cpu-threads", type=int, default=None, help="host threads for AdamW (default: torch's)")
+    ap.add_argument("--slots", default="3", help="weight slots, or all (one per layer)")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
                     help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
     ap.add_argument("--json")
@@ -30,11 +31,12 @@ def main():
         nonlocal model
         optim = megatrain.OptimConfig(lr=LR, max_grad_norm=CLIP, threads=args.cpu_threads)
         sm = megatrain.compile(model, init_seed=0 if args.meta else None, device=args.device, optim=optim,
-                               n_mb=args.mb, weight_slots=3, gpu_opt_every=args.gpu_opt_every)
+                               n_mb=args.mb, gpu_opt_every=args.gpu_opt_every,
+                               weight_slots=args.slots if args.slots == "all" else int(args.slots))
         model = None  # the weights live in the host store now; the model's own copy is freed
         res.notes = (f"kernels: {sorted(sm.kernels)}; executor: {type(sm.executor).__name__}; AdamW threads: "
                      f"{args.cpu_threads or torch.get_num_threads()}; layers updated on the GPU: every "
-                     f"{args.gpu_opt_every or 'none'}")
+                     f"{args.gpu_opt_every or 'none'}; weight slots: {args.slots}")
         sm.overlap_steps = sm.device.type == "cuda"  # a step's optimizer tail overlaps the next step's start
         return (lambda ids, nxt, denom: sm.train_step(ids).loss), getattr(sm.executor, "drain", lambda: None)
 

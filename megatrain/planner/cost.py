@@ -14,7 +14,8 @@ from megatrain.planner.hardware import HardwareSpec
 
 GRAD_BYTES = 4  # gradients are accumulated and stored in fp32
 HOST_BYTES_PER_PARAM = 4 + 4 + 4 + 4  # fp32 master, exp_avg, exp_avg_sq, gradient
-OPT_IN_BYTES = 16  # LOAD_OPT: the whole fp32 block (master, moments, gradient)
+OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the gradient slot on the device)
+OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
 POOLS = ("w", "g", "a", "o")
@@ -40,7 +41,7 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
         "w": max(graph.weight_params(i) for i in range(n)) * cfg.wire_bytes_per_param,
         "g": max(graph.weight_params(i) for i in range(n)) * GRAD_BYTES,
         "a": max(checkpoint_nbytes(graph, cfg, i) for i in range(1, n)),
-        "o": max((graph[l].params for l in cfg.gpu_opt), default=0) * OPT_IN_BYTES,
+        "o": max((graph[l].params for l in cfg.gpu_opt), default=0) * OPT_SLOT_BYTES,
     }
 
 
@@ -61,8 +62,8 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     """Bytes an h2d/d2h op moves (0 for other ops)."""
     if op.kind is OpKind.LOAD_W:
         return graph.weight_params(op.layer) * cfg.wire_bytes_per_param
-    if op.kind is OpKind.STORE_G:
-        return graph.weight_params(op.layer) * GRAD_BYTES
+    if op.kind is OpKind.STORE_G:  # on the compute stream: a device copy into the optimizer slot
+        return 0 if op.stream is Stream.COMPUTE else graph.weight_params(op.layer) * GRAD_BYTES
     if op.kind is OpKind.LOAD_OPT:
         return graph[op.layer].params * OPT_IN_BYTES
     if op.kind is OpKind.STORE_OPT:  # plus the refreshed bf16 shadow when that is what goes on the wire
@@ -104,6 +105,8 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s)
     if k in (OpKind.LOAD_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
+    if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # read from the gradient slot, write the optimizer slot
+        return graph.weight_params(op.layer) * 2 * GRAD_BYTES / spec.hbm_bytes_per_s
     if k in (OpKind.STORE_G, OpKind.SAVE_ACT, OpKind.STORE_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:

@@ -129,13 +129,16 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
 
 
 def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
-    """STORE_G of each layer right after its last micro-batch's backward (a tied head stores into its owner)."""
+    """STORE_G of each layer right after its last micro-batch's backward (a tied head stores into its owner): to
+    the host (d2h), or, for a layer updated on the device, into its optimizer slot (a copy on the compute stream)."""
     cfg = s.config
     ids, after = _Ids(s.ops), defaultdict(list)
     last = cfg.n_mb - 1
+    on_gpu = set(cfg.gpu_opt)
     for op in s.ops:
         if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == last:
-            after[op.id].append(Op(ids(), OpKind.STORE_G, D2H, op.step, op.layer, deps=(op.id,)))
+            stream = C if op.layer in on_gpu else D2H
+            after[op.id].append(Op(ids(), OpKind.STORE_G, stream, op.step, op.layer, deps=(op.id,)))
     n = sum(len(v) for v in after.values())
     return s.with_ops(_insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores")
 
@@ -146,60 +149,71 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
 
     clip: after the step's last STORE_G (the global norm needs every gradient), in layer order 0..L-1 so the next
     step's forward can start on the first layers while the rest update. Otherwise: as soon as the layer's gradients
-    (its own and a tied layer's) are stored, overlapping the backward. A device update's OPT and STORE_OPT go one
-    update later in program order than its LOAD_OPT, so the compute stream does not stall behind the load.
+    (its own and a tied layer's) are stored, overlapping the backward. A device update's LOAD_OPT (master weights
+    and moments, which the step's gradients do not change) goes after the first backward op of the layer above, so
+    it loads while the backward works its way down and the gradient can go straight into the optimizer slot.
     """
     cfg = s.config
     ids, after = _Ids(s.ops), defaultdict(list)
     stores = defaultdict(list)  # (step, owner) -> STORE_G ops
-    last_store = {}
+    last_store: dict[tuple[int, Stream], Op] = {}  # (step, stream) -> the step's last store on that stream
+    first_bwd = {}  # (step, layer) -> the layer's first backward op (BWD or LOSS of micro-batch 0)
     for op in s.ops:
         if op.kind is OpKind.STORE_G:
             stores[(op.step, graph.owner(op.layer))].append(op)
-            last_store[op.step] = op
+            last_store[(op.step, op.stream)] = op
+        elif op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == 0:
+            first_bwd[(op.step, op.layer)] = op
+        elif op.kind is OpKind.FWD:  # above the head: its LOAD_OPT goes after the step's last forward
+            first_bwd[(op.step, len(graph))] = op
     on_gpu = set(cfg.gpu_opt)
     bad = sorted(l for l in on_gpu if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l))
     if bad:
         raise ValueError(f"gpu_opt layers {bad}: only layers that own weights no other layer shares can be updated "
                          f"on the device")
     pos = {op.id: i for i, op in enumerate(s.ops)}
-    pending: list[Op] = []  # the last device update's OPT + STORE_OPT, waiting for the next update's anchor
+    prev_store_opt: dict[int, Op] = {}  # layer -> its STORE_OPT of the step before (the host block it rewrites)
+    loaded: dict[int, int] = {}  # id of a STORE_G into an optimizer slot -> the LOAD_OPT that fills the slot
     for st in range(cfg.n_steps):
+        for l in on_gpu:
+            prev = prev_store_opt.get(l)
+            load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
+            after[first_bwd[(st, l + 1)].id].append(load)
+            loaded[stores[(st, l)][-1].id] = load.id
         owners = [l for l in range(len(graph)) if graph[l].tie is None]
+        ends = [op for (step, _), op in last_store.items() if step == st]
+        last = max(ends, key=lambda op: pos[op.id])
         if not cfg.clip:  # in the order their gradients are complete
             owners.sort(key=lambda l: pos[stores[(st, l)][-1].id])
         for l in owners:
-            anchor = last_store[st] if cfg.clip else stores[(st, l)][-1]
-            deps = (anchor.id,) if cfg.clip else tuple(o.id for o in stores[(st, l)])
-            after[anchor.id] += pending
-            pending = []
+            anchor = last if cfg.clip else stores[(st, l)][-1]
+            deps = tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])
             if l not in on_gpu:
                 after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=deps))
                 continue
-            load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=deps)
-            opt = Op(ids(), OpKind.OPT, C, st, l, deps=(load.id,))
-            after[anchor.id].append(load)
-            pending = [opt, Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))]
-        after[last_store[st].id] += pending
-        pending = []
+            opt = Op(ids(), OpKind.OPT, C, st, l, deps=deps)
+            prev_store_opt[l] = Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))
+            after[anchor.id] += [opt, prev_store_opt[l]]
     mode = "after the step's last gradient, layer order (exact clipping)" if cfg.clip else "as gradients arrive"
     where = f"; on the device: layers {list(cfg.gpu_opt)}" if cfg.gpu_opt else ""
-    return s.with_ops(_insert_after(list(s.ops), after), f"add_optimizer: OPT {mode}{where}")
+    ops = [_add_deps(op, (loaded[op.id],)) if op.id in loaded else op for op in s.ops]
+    return s.with_ops(_insert_after(ops, after), f"add_optimizer: OPT {mode}{where}")
 
 
 def _opt_uses(op: Op) -> list[tuple[str, tuple, bool]]:
     if op.kind is OpKind.LOAD_OPT:
         return [("o", (op.step, op.layer), True)]
-    if op.kind is OpKind.STORE_OPT or (op.kind is OpKind.OPT and op.stream is C):
+    if op.kind is OpKind.STORE_OPT or (op.kind in (OpKind.OPT, OpKind.STORE_G) and op.stream is C):
         return [("o", (op.step, op.layer), False)]
     return []
 
 
 def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Optimizer slots for the device updates (two to start with: one loads while the other updates)."""
+    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT at the start of the
+    backward to its STORE_OPT)."""
     if not s.config.gpu_opt:
         return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
-    ops, n = _allocate(list(s.ops), _opt_uses, pool=2)
+    ops, n = _allocate(list(s.ops), _opt_uses)
     return s.with_ops(ops, f"assign_opt_slots: {n} optimizer slots")
 
 
@@ -218,7 +232,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     # the op after which a layer's weights are updated on the host: OPT (cpu) or STORE_OPT (device update)
     opt_of = {(op.step, op.layer): op for op in ops
               if (op.kind is OpKind.OPT and op.stream is CPU) or op.kind is OpKind.STORE_OPT}
-    computes = [op for op in ops if op.stream is C and op.kind is not OpKind.OPT]
+    computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS)]
     content = [(op.step, graph.owner(op.layer)) for op in computes]
     next_use: list[float] = [float("inf")] * len(computes)  # position in `computes` of the next use of content
     seen: dict[tuple, int] = {}

@@ -78,7 +78,7 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
 
 
 def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
-               n_mb: int | None = None, weight_slots: int | None = None, wire_bytes: int | None = None,
+               n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that shares no weights is updated on the device (0: none, the default until measured on the
@@ -91,7 +91,9 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     else:
         fit = [m for m in range(1, n_seqs + 1) if n_seqs % m == 0 and tokens // m <= max(MAX_MB_TOKENS, seq_len)]
         mbs = fit[:MB_CHOICES]
-    slots = [weight_slots] if weight_slots else [2, 3]
+    if weight_slots == "all":
+        weight_slots = len(graph)
+    slots = [weight_slots] if weight_slots else [2, 3, len(graph)]  # len(graph): each layer loaded once a step
     wires = [wire_bytes] if wire_bytes else [2, 4]
     offload = [host_checkpoints] if host_checkpoints is not None else sorted({0, len(graph) - 2})
     if any(h < 0 or h > len(graph) - 2 for h in offload):

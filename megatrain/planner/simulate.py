@@ -193,7 +193,7 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
     size = slot_nbytes(graph, cfg)
     events: list[tuple[float, int]] = []
     holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
-    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",)}
+    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.LOAD_OPT: ("o",)}
     for op in schedule.ops:
         fills = set(starters.get(op.kind, ()))
         if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == 0:

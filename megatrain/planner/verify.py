@@ -85,6 +85,9 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, f"layer {op.layer} is updated {where}, not on {op.stream.value}")
         if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT) and not on_gpu:
             raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt)")
+        if op.kind is OpKind.STORE_G and (graph.owner(op.layer) in cfg.gpu_opt) != (op.stream is Stream.COMPUTE):
+            want = "into its optimizer slot (compute)" if on_gpu else "to the host (d2h)"
+            raise ScheduleError("stream", op, f"layer {op.layer}'s gradient goes {want}, not on {op.stream.value}")
         reads, writes = slot_contents(op, graph.owner, cfg.n_mb)
         want = sorted(set(reads) | set(writes))
         have = sorted(r for r, _ in op.slots)
@@ -126,9 +129,7 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                     if (k, st, l, None) not in seen:
                         raise ScheduleError("complete", None, f"step {st} has no {k.value} of layer {l}")
         stores = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st]
-        # the ops that read a layer's host gradient: a host OPT, or the LOAD_OPT of a device update
-        readers = (op for op in s.ops if op.step == st and (op.kind is OpKind.LOAD_OPT or
-                                                             (op.kind is OpKind.OPT and op.stream is Stream.CPU)))
+        readers = (op for op in s.ops if op.step == st and op.kind is OpKind.OPT)
         for opt in readers:
             for g in stores:
                 if (cfg.clip or graph.owner(g.layer) == opt.layer) and not hb(g.id, opt.id):

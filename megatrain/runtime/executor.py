@@ -198,6 +198,11 @@ class Executor:
             self.host_act[(l, op.mb)] = t.to("cpu", copy=True)
         elif k is OpKind.LOAD_ACT:
             self.act[op.slot("a")] = self.host_act.pop((l, op.mb)).to(self.device)
+        elif k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # into the optimizer slot of a device update
+            src = self.g[op.slot("g")][: self.graph.weight_params(l)]
+            self._opt_block(op)[3].copy_(src)
+            # and to the host row too: this executor's clipping takes the global norm over the host gradients
+            self.store.grad(l).copy_(src)
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             dst = self.store.grad(o)
@@ -211,8 +216,8 @@ class Executor:
             self.optimizer.step_layer_on(l, self._opt_block(op))
         elif k is OpKind.OPT:
             self.optimizer.step_layer(l)
-        elif k is OpKind.LOAD_OPT:
-            self._opt_block(op).copy_(self.store.block(l), non_blocking=self.non_blocking)
+        elif k is OpKind.LOAD_OPT:  # master and moments; the gradient row is filled by the layer's STORE_G
+            self._opt_block(op)[:3].copy_(self.store.block(l)[:3], non_blocking=self.non_blocking)
         elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
             block = self._opt_block(op)
             self.store.block(l)[:3].copy_(block[:3], non_blocking=self.non_blocking)

@@ -75,7 +75,31 @@ def _rewrite_modules(root: nn.Module, replaced: dict[str, list[str]], prefix: st
         _rewrite_modules(child, replaced, f"{prefix}{name}.")
 
 
-def _rope_patch(block: nn.Module):
+def rotary_halves_equal(captured: Captured) -> bool:
+    """Whether every rotary embedding module of the model returns cos and sin whose two halves are equal (HF's
+    rotary embeddings build them as ``cat(freqs, freqs)``), probed at positions 0..255 and a few large ones: the
+    RoPE kernel then reads only the first halves. False when the model has none or one differs."""
+    found = False
+    for seg in captured.segments:
+        for mod in seg.template.modules():
+            if not type(mod).__name__.endswith("RotaryEmbedding") or not hasattr(mod, "inv_freq"):
+                continue
+            found = True
+            pos = torch.cat([torch.arange(256), torch.tensor([4095, 32767, 131071, 524287])])[None]
+            try:
+                with torch.no_grad():
+                    cos, sin = mod(torch.zeros(1, dtype=torch.float32, device=mod.inv_freq.device), pos.to(
+                        mod.inv_freq.device))
+            except Exception:
+                return False
+            h = cos.shape[-1] // 2
+            if cos.shape[-1] % 2 or not (torch.equal(cos[..., :h], cos[..., h:]) and
+                                         torch.equal(sin[..., :h], sin[..., h:])):
+                return False
+    return found
+
+
+def _rope_patch(block: nn.Module, halves_equal: bool = False):
     """(module, name, replacement) substituting the RoPE kernel for the block module's apply_rotary_pos_emb."""
     mod = sys.modules.get(type(block).__module__)
     original = getattr(mod, "apply_rotary_pos_emb", None)
@@ -88,7 +112,7 @@ def _rope_patch(block: nn.Module):
             return original(q, k, cos, sin, *args, **kwargs)  # partial rotary or another layout: not this kernel
         from megatrain.kernels import rope
 
-        return rope(q, k, cos, sin)
+        return rope(q, k, cos, sin, halves_equal=halves_equal)
 
     return (mod, "apply_rotary_pos_emb", apply_rotary_pos_emb)
 
@@ -127,6 +151,7 @@ def use_kernels(captured: Captured) -> dict[str, list[str]]:
     """Rewrite every template of ``captured`` in place (templates are megatrain's own). Returns what changed."""
     replaced: dict[str, list[str]] = {}
     seen: set[int] = set()
+    halves = rotary_halves_equal(captured)
     for seg in captured.segments:
         if id(seg.template) in seen:
             seg.patches = next(s.patches for s in captured.segments if s.template is seg.template)
@@ -134,10 +159,10 @@ def use_kernels(captured: Captured) -> dict[str, list[str]]:
         seen.add(id(seg.template))
         _rewrite_modules(seg.template, replaced, f"{seg.name}:")
         if seg.kind == "block":
-            patch = _rope_patch(seg.template)
+            patch = _rope_patch(seg.template, halves)
             if patch is not None:
                 seg.patches = [patch]
-                replaced.setdefault("rope", []).append(seg.name)
+                replaced.setdefault("rope", []).append(seg.name + (" (cos/sin halves equal)" if halves else ""))
     spec = head_loss_spec(captured)
     if spec is not None:
         replaced["linear_cross_entropy"] = [captured.segments[-1].name + (f" (softcap {spec.softcap})"

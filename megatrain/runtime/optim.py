@@ -102,12 +102,22 @@ class HostAdamW:
                 self._coef = float(torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0))
         return self._coef
 
-    def _clip(self, opt: torch.optim.AdamW, grad: torch.Tensor) -> bool:
-        """Apply the step's clip factor to ``grad`` (or to the fused kernel's grad_scale); True if grad_scale set."""
+    def clip_factor(self, total_norm: float) -> float:
+        """The factor a gradient of global norm ``total_norm`` is scaled by: max_norm / (norm + 1e-6), at most 1
+        (as torch.nn.utils.clip_grad_norm_); 1 without clipping."""
+        if self.cfg.max_grad_norm is None:
+            return 1.0
+        return min(1.0, self.cfg.max_grad_norm / (float(total_norm) + 1e-6))
+
+    def _clip(self, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float | None = None) -> bool:
+        """Apply the step's clip factor (or ``coef``, given by the caller) to ``grad`` (or to the fused kernel's
+        grad_scale); True if grad_scale set."""
         if self.cfg.max_grad_norm is None:
             return False
-        coef = self._clip_coefficient()
-        if self._norm_override is not None and self.cfg.fused and coef != 1.0:
+        given = coef is not None
+        if not given:
+            coef = self._clip_coefficient()
+        if (given or self._norm_override is not None) and self.cfg.fused and coef != 1.0:
             # the fused kernel divides the gradient by grad_scale as it reads it: no extra pass over it
             opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=grad.device)
             return True
@@ -131,18 +141,23 @@ class HostAdamW:
                 del opt.grad_scale
         self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
-    def step_layer_on(self, layer: int, block: torch.Tensor) -> None:
+    def step_layer_on(self, layer: int, block: torch.Tensor, lr: float | None = None,
+                      coef: float | None = None) -> None:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
         same hyper-parameters, step count and clip factor as :meth:`step_layer`; the caller copies master and
-        moments (and the bf16 shadow, if any) back to the store."""
+        moments (and the bf16 shadow, if any) back to the store.
+
+        ``lr`` and ``coef`` (the step's clip factor, see :meth:`clip_factor`) default to the current step's as
+        :meth:`begin_step` and the gradient norm set them; a caller issuing device updates while the host still
+        works on the previous step's passes them (the layer's own step count is this layer's alone)."""
         master, exp_avg, exp_avg_sq, grad = block
         opt, p = self._device_opt(layer, block.device)
         host_step = self.opts[layer].state[self.params[layer]]["step"]
         state = opt.state[p]
         state["step"].fill_(float(host_step))
         state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
-        opt.param_groups[0]["lr"] = self.opts[layer].param_groups[0]["lr"]
-        scaled = self._clip(opt, grad)
+        opt.param_groups[0]["lr"] = self.opts[layer].param_groups[0]["lr"] if lr is None else lr
+        scaled = self._clip(opt, grad, coef)
         p.data = master
         p.grad = grad
         try:

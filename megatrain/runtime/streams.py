@@ -15,12 +15,24 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from megatrain.ir import Op, OpKind, Schedule, Stream
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
+
+
+@dataclass
+class _StepState:
+    """Per step: the owners whose gradient arrives in two parts (tied weights), the per-gradient norms taken on
+    the GPU before each store, the global norm once known, and which tied gradients have been summed."""
+    tied: set[int]
+    grad_norms: list[torch.Tensor] = field(default_factory=list)
+    norm: float | None = None
+    tied_added: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class StreamExecutor(Executor):
@@ -45,15 +57,12 @@ class StreamExecutor(Executor):
         self.futures: dict[int, Future] = {}
         self.extra_grad: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self.host_keep: list[torch.Tensor] = []  # pinned host buffers in flight, kept alive for the step
-        self.grad_norms: list[torch.Tensor] = []  # per stored gradient, taken on the GPU before it leaves
-        self.norm_sent = False
-        self.norm_lock = threading.Lock()
         stores: dict[int, int] = {}
         for op in schedule.ops:
             if op.kind is OpKind.STORE_G:
                 stores[self.graph.owner(op.layer)] = stores.get(self.graph.owner(op.layer), 0) + 1
-        self.tied = {o for o, n in stores.items() if n > 1}  # owners whose gradient arrives in two parts
-        self.tied_added: set[int] = set()
+        # what this step's optimizer ops share; worker tasks hold their own step's (the next step may be issuing)
+        self.st = _StepState(tied={o for o, n in stores.items() if n > 1})
         self._timing = []
         torch.cuda.synchronize(self.device)
         self.t0_event = torch.cuda.Event(enable_timing=True)
@@ -75,9 +84,11 @@ class StreamExecutor(Executor):
     def _begin_step(self) -> float:
         from megatrain.runtime.optim import lr_at
 
-        # the worker runs begin/end in order with the optimizer tasks of the steps before
-        self.begun = self.worker.submit(self.optimizer.begin_step)
-        return lr_at(self.optimizer.cfg, self.steps_issued)
+        # the worker runs begin/end in order with the optimizer tasks of the steps before; device updates, issued
+        # by this thread, use this step's lr and clip factor directly and do not wait for the worker
+        self.worker.submit(self.optimizer.begin_step)
+        self.step_lr = lr_at(self.optimizer.cfg, self.steps_issued)
+        return self.step_lr
 
     def _end_step(self) -> None:
         self.worker.submit(self.optimizer.end_step)
@@ -96,13 +107,13 @@ class StreamExecutor(Executor):
             events = [self.events[d] for d in gpu_deps]
             deps = [self.futures[d] for d in cpu_deps]
 
-            def task(op=op, events=events, deps=deps):
+            def task(op=op, events=events, deps=deps, st=self.st):
                 for f in deps:
                     f.result()
                 for e in events:
                     e.synchronize()
                 start = time.perf_counter()
-                self._execute(op)
+                self._execute(op, st)
                 return start, time.perf_counter()
 
             fut = self.worker.submit(task)
@@ -125,7 +136,8 @@ class StreamExecutor(Executor):
         self._timing.append((op, (start, end)))
 
     # ---- ops whose data crosses streams or the PCIe bus ------------------------------------------------------
-    def _execute(self, op: Op) -> None:
+    def _execute(self, op: Op, st: "_StepState | None" = None) -> None:
+        st = st or self.st
         k, l = op.kind, op.layer
         if k is OpKind.SAVE_ACT:
             t = self.act[op.slot("a")]
@@ -139,11 +151,16 @@ class StreamExecutor(Executor):
             t = host.to(self.device, non_blocking=True)
             t.record_stream(self.streams[Stream.COMPUTE])
             self.act[op.slot("a")] = t
+        elif k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # a device update's gradient: stays on the GPU
+            src = self.g[op.slot("g")][: self.graph.weight_params(l)]
+            if self.optimizer.cfg.max_grad_norm is not None:
+                st.grad_norms.append(torch.linalg.vector_norm(src))
+            self._opt_block(op)[3].copy_(src)
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             src = self.g[op.slot("g")][: self.store.grad(o).numel()]
-            if self.optimizer.cfg.max_grad_norm is not None and o not in self.tied:
-                self.grad_norms.append(torch.linalg.vector_norm(src))  # tied: summed on the host first
+            if self.optimizer.cfg.max_grad_norm is not None and o not in st.tied:
+                st.grad_norms.append(torch.linalg.vector_norm(src))  # tied: summed on the host first
             if o in self.stored:  # a second gradient for tied weights: the optimizer task adds it
                 buf = self.staging.get(o)
                 if buf is None:
@@ -154,38 +171,41 @@ class StreamExecutor(Executor):
                 self.stored.add(o)
         elif k is OpKind.OPT:
             on_device = op.stream is Stream.COMPUTE
-            if on_device:  # the previous step's host updates are done and this step's lr is set
-                self.begun.result()
-            if self.optimizer.cfg.max_grad_norm is not None:
-                self._send_norm(on_device)
-            if on_device:  # issued by the host thread on the compute stream, after its LOAD_OPT
-                self.optimizer.step_layer_on(l, self._opt_block(op))
+            clip = self.optimizer.cfg.max_grad_norm is not None
+            if on_device:  # issued by this thread on the compute stream, after its LOAD_OPT
+                coef = self.optimizer.clip_factor(self._grad_norm(st, True)) if clip else None
+                self.optimizer.step_layer_on(l, self._opt_block(op), lr=self.step_lr, coef=coef)
                 return
-            if l in self.tied:
-                self._add_tied(l)
+            if clip:  # a worker task: the optimizer is at this step (begin_step ran before it)
+                self.optimizer.set_grad_norm(self._grad_norm(st, False))
+            if l in st.tied:
+                self._add_tied(st, l)
             self.optimizer.step_layer(l)
         else:
             super()._execute(op)
 
-    def _send_norm(self, from_host_thread: bool) -> None:
-        """The step's global gradient norm, once, before the first update (clipping: every store is issued)."""
-        with self.norm_lock:
-            if self.norm_sent:
-                return
-            if from_host_thread:  # a worker task waited for the stores' events; the host thread has not
-                self.streams[Stream.D2H].synchronize()
-            for t in self.tied:
-                self._add_tied(t)
-            sq = sum(float(self.store.grad(t).norm()) ** 2 for t in self.tied)
-            if self.grad_norms:
-                sq += float(torch.linalg.vector_norm(torch.stack(self.grad_norms))) ** 2
-            self.optimizer.set_grad_norm(sq ** 0.5)
-            self.norm_sent = True
+    def _grad_norm(self, st: "_StepState", from_host_thread: bool) -> float:
+        """The step's global gradient norm, computed once by whichever thread first needs it (clipping: every
+        store is issued by then). When this thread computes it, the worker is told too, in its queue after this
+        step's begin_step, so host updates issued later in the step find it set."""
+        with st.lock:
+            if st.norm is None:
+                if from_host_thread:  # a worker task waited for the stores' events; the host thread has not
+                    self.streams[Stream.D2H].synchronize()
+                for t in st.tied:
+                    self._add_tied(st, t)
+                sq = sum(float(self.store.grad(t).norm()) ** 2 for t in st.tied)
+                if st.grad_norms:
+                    sq += float(torch.linalg.vector_norm(torch.stack(st.grad_norms))) ** 2
+                st.norm = sq ** 0.5
+                if from_host_thread:
+                    self.worker.submit(self.optimizer.set_grad_norm, st.norm)
+            return st.norm
 
-    def _add_tied(self, owner: int) -> None:
-        if owner not in self.tied_added:
+    def _add_tied(self, st: "_StepState", owner: int) -> None:
+        if owner not in st.tied_added:
             self.store.grad(owner).add_(self.staging[owner])
-            self.tied_added.add(owner)
+            st.tied_added.add(owner)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def timeline(self):

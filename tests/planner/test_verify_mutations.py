@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from megatrain.ir import Op, OpKind, Schedule
+from megatrain.ir import Op, OpKind, Schedule, Stream
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.verify import ScheduleError, verify
 
@@ -142,19 +142,34 @@ def test_loading_weights_before_the_device_update_is_back_is_caught():
 
 
 def test_reusing_an_optimizer_slot_too_early_is_caught():
-    s = build_schedule(G, config(G, n_steps=1, n_mb=3, gpu_opt=(1, 2, 3)))  # (one step: no later load
-    verify(s, G)                                                               # implies the dependency)
-    # the third device update of a step reuses the first one's slot: it must wait for that one's STORE_OPT
-    reuse = _find(s, OpKind.LOAD_OPT, step=0, layer=3)
-    assert reuse.slot("o") == _find(s, OpKind.LOAD_OPT, step=0, layer=1).slot("o")
+    # one step (no later load implies the dependency), updates as gradients arrive: layer 3's update is back on
+    # the host before the backward reaches layer 2, so layer 1's LOAD_OPT reuses its slot after its STORE_OPT
+    s = build_schedule(G, config(G, n_steps=1, n_mb=3, gpu_opt=(1, 2, 3), clip=False))
+    verify(s, G)
+    reuse = _find(s, OpKind.LOAD_OPT, step=0, layer=1)
+    assert reuse.slot("o") == _find(s, OpKind.LOAD_OPT, step=0, layer=3).slot("o")
     war = tuple(d for d in reuse.deps if s.ops[d].kind is not OpKind.STORE_OPT)
     _broken(_replace(s, reuse, deps=war), "slot-overwritten")
 
 
-def test_reading_the_gradient_before_it_is_stored_is_caught():
+def test_a_device_update_before_every_gradient_is_stored_is_caught():
+    s = _gpu_schedule(clip=True)  # clipping: the update needs the global norm, so every gradient of the step
+    opt = _find(s, OpKind.OPT, step=0, layer=1)  # the first device update (the later ones follow it in stream order)
+    _broken(_replace(s, opt, deps=()), "store-before-opt")
+
+
+def test_storing_the_gradient_before_its_optimizer_slot_is_loaded_is_caught():
+    # every layer's weights stay in a slot through the step: no weight load after the LOAD_OPT orders it either
+    s = _schedule(gpu_opt=(1, 3), clip=False, weight_slots=len(G))
+    store = next(op for op in s.ops if op.kind is OpKind.STORE_G and op.step == 0 and op.layer == 3)
+    assert store.stream.value == "compute" and store.slot("o") is not None
+    _broken(_replace(s, store, deps=()), "slot-write-order")
+
+
+def test_a_device_updated_gradient_sent_to_the_host_is_caught():
     s = _gpu_schedule(clip=False)
-    load = _find(s, OpKind.LOAD_OPT, step=0, layer=3)
-    _broken(_replace(s, load, deps=()), "store-before-opt")
+    store = next(op for op in s.ops if op.kind is OpKind.STORE_G and op.step == 0 and op.layer == 3)
+    _broken(_replace(s, store, stream=Stream.D2H), "stream")
 
 
 def test_a_device_update_of_a_layer_not_in_gpu_opt_is_caught():

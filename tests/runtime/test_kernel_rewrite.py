@@ -3,6 +3,7 @@
 import copy
 
 import pytest
+import torch
 
 import megatrain
 
@@ -38,3 +39,28 @@ def test_kernels_on_the_cpu_need_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         megatrain.compile(hf_model("llama"), device="cpu", kernels=True)
+
+
+def test_rope_reads_half_of_cos_and_sin_only_where_the_rotary_module_repeats_them():
+    from megatrain.planner.capture import capture
+    from megatrain.runtime.kernel_rewrite import rotary_halves_equal
+
+    model = hf_model("llama")
+    captured = capture(model)
+    assert rotary_halves_equal(captured)  # HF builds cos/sin as cat(freqs, freqs) at every position
+    fused = compile_cpu(model, optim=OPT, n_mb=1, kernels=True)
+    assert all(name.endswith("(cos/sin halves equal)") for name in fused.kernels["rope"]), fused.kernels
+    rotary = next(m for seg in captured.segments for m in seg.template.modules()
+                  if type(m).__name__.endswith("RotaryEmbedding"))
+    half = rotary.inv_freq.numel()  # D/2
+    original = type(rotary).forward
+
+    def skewed(self, x, position_ids):  # a module whose second half differs from the first
+        cos, sin = original(self, x, position_ids)
+        return cos, torch.cat([sin[..., :half], -sin[..., half:]], dim=-1)
+
+    type(rotary).forward = skewed
+    try:
+        assert not rotary_halves_equal(captured)
+    finally:
+        type(rotary).forward = original

@@ -6,6 +6,7 @@
 #           (auto / every untied layer), 3 weight slots vs one per layer, clipping on and off, 4 vs 2 micro-batches;
 #           with traces;
 #   7b      Qwen2.5-7B at 32,768 tokens likewise (fewer variants: the model takes a minute to build);
+#   profile torch.profiler over one 1.5B step: host time by operator;
 #   all     the three in turn (over ten minutes).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
 #   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out all
@@ -28,12 +29,16 @@ fi
 if [[ $part == 1.5b || $part == all ]]; then
     stage tp-1.5b 330 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 --steps 3 \
         --variant slots=all --variant gpu_opt=auto --variant gpu_opt=auto,slots=all --variant gpu_opt=1,slots=all \
-        --variant clip=0,slots=all --variant clip=0,gpu_opt=auto,slots=all --variant gpu_opt=auto,slots=all,mb=2 \
-        --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
+        --variant gpu_opt=auto,slots=all,mb=2 --variant gpu_opt=auto,slots=all,mb=1 --variant clip=0 \
+        --variant clip=0,slots=all --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
 fi
 if [[ $part == 7b || $part == all ]]; then
     stage tp-7b 420 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \
-        --gpu-opt-every auto --variant clip=0 --variant gpu_opt=0 --variant gpu_opt=2 \
+        --gpu-opt-every auto --variant clip=0 --variant gpu_opt=0 \
         --trace "$out/trace-7b" --json "$out/tp-7b.json"
+fi
+if [[ $part == profile || $part == all ]]; then
+    stage profile-1.5b 120 python3 benchmarks/profile_step.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 \
+        --gpu-opt-every auto
 fi
 grep -h -A12 "^qwen.*gpu_opt = layers" "$out"/tp-*.log 2>/dev/null

@@ -185,8 +185,12 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
     }
+    if hasattr(sm.executor, "host_issue_s"):  # the last step's host thread: issuing ops, and waiting within that
+        res["host_issue_s"] = dict(sm.executor.host_issue_s)
+        res["host_wait_s"] = sm.executor.host_wait_s
     if args.trace and not args.sync:
-        tag = f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
+        tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
+               f"-s{c.weight_slots}")
         measured = sm.executor.timeline()
         one = simulate(sched, sm.graph, spec)
         write_trace([one, measured], f"{args.trace}-{tag}.trace.json")
@@ -199,6 +203,10 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         res["measured_busy_s"] = busy
         res["measured_step_span_s"] = measured.makespan_s
     print(json.dumps(res, indent=1))
+    if "host_issue_s" in res:
+        issue = res["host_issue_s"]
+        print(f"host thread, last step: {sum(issue.values()):.3f} s issuing ops (of which {res['host_wait_s']:.3f} s "
+              f"waiting for the optimizer worker): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(issue.items())))
     print(f"{args.preset} {res['executor']} clip={c.clip} threads={res['cpu_threads']} gpu_opt={list(c.gpu_opt)}: "
           f"{tokens} tokens/step, {step_s:.3f} s/step, "
           f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops_6nt']:.0f} TFLOPS(6NT); bound {b.step_s:.3f} s "

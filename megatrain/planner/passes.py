@@ -217,13 +217,18 @@ def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     return s.with_ops(ops, f"assign_opt_slots: {n} optimizer slots")
 
 
+PREFETCH_LAYERS = 2  # how many layers ahead of its first reader a weight load may be issued
+
+
 def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     """Give each compute op a weight slot and insert the LOAD_W ops that fill them.
 
     A layer still resident is not loaded again (the turn from forward to backward). When a slot must be reused,
     the evicted content is the one needed farthest in the future (Belady), and its LOAD_W goes right after the
-    last reader of what it evicts, so it prefetches as early as the slot allows. LOAD_W of step s+1 waits for
-    the owner's OPT of step s.
+    last reader of what it evicts, so it prefetches as early as the slot allows — but no more than
+    ``PREFETCH_LAYERS`` layers ahead of its first reader: a load waits for the layer's update of the step before,
+    and issuing it far ahead (with a slot per layer, every load at the step's start) would hold back the compute
+    ops behind it in program order. LOAD_W of step s+1 waits for the owner's OPT of step s.
     """
     cfg = s.config
     ops = list(s.ops)
@@ -234,6 +239,10 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
               if (op.kind is OpKind.OPT and op.stream is CPU) or op.kind is OpKind.STORE_OPT}
     computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS)]
     content = [(op.step, graph.owner(op.layer)) for op in computes]
+    step_start: dict[int, int] = {}
+    for i, op in enumerate(computes):
+        step_start.setdefault(op.step, i)
+    ahead = PREFETCH_LAYERS * cfg.n_mb  # compute ops a load may run ahead of its first reader
     next_use: list[float] = [float("inf")] * len(computes)  # position in `computes` of the next use of content
     seen: dict[tuple, int] = {}
     for i in range(len(computes) - 1, -1, -1):
@@ -261,6 +270,8 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
             opt = opt_of.get((c[0] - 1, c[1]))
             if opt is not None:
                 anchors.append(opt)
+            if i - ahead >= step_start[op.step]:
+                anchors.append(computes[i - ahead])
             anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else None
             load = Op(ids(), OpKind.LOAD_W, H2D, op.step, op.layer, slots=(("w", k),),
                       deps=tuple(war) + ((opt.id,) if opt is not None else ()))

@@ -64,6 +64,8 @@ class StreamExecutor(Executor):
         # what this step's optimizer ops share; worker tasks hold their own step's (the next step may be issuing)
         self.st = _StepState(tied={o for o, n in stores.items() if n > 1})
         self._timing = []
+        self.host_issue_s: dict[str, float] = {}  # this step's host time issuing ops, by kind (waits included)
+        self.host_wait_s = 0.0  # of which: waiting for optimizer tasks
         torch.cuda.synchronize(self.device)
         self.t0_event = torch.cuda.Event(enable_timing=True)
         self.t0_event.record(self.streams[Stream.COMPUTE])
@@ -96,13 +98,29 @@ class StreamExecutor(Executor):
 
     # ---- issuing ------------------------------------------------------------------------------------------
     def _issue(self, op: Op) -> None:
+        t_issue = time.perf_counter()
+        try:
+            self._issue_op(op)
+        finally:  # host time per op kind, and how much of it went to waiting for the optimizer worker
+            self.host_issue_s[op.kind.value] = self.host_issue_s.get(op.kind.value, 0.0) + (
+                time.perf_counter() - t_issue)
+
+    def _wait(self, fut: Future) -> None:
+        if not fut.done():
+            t = time.perf_counter()
+            fut.result()
+            self.host_wait_s += time.perf_counter() - t
+        else:
+            fut.result()
+
+    def _issue_op(self, op: Op) -> None:
         ops = self.schedule.ops
         gpu_deps = [d for d in op.deps if ops[d].stream is not Stream.CPU]
         cpu_deps = [d for d in op.deps if ops[d].stream is Stream.CPU]
         if op.kind is OpKind.LOAD_W:  # the previous step's update of these weights must be done
             prev = self.last_opt.get(self.graph.owner(op.layer))
-            if prev is not None and not prev.done():
-                prev.result()
+            if prev is not None:
+                self._wait(prev)
         if op.stream is Stream.CPU:
             events = [self.events[d] for d in gpu_deps]
             deps = [self.futures[d] for d in cpu_deps]
@@ -123,7 +141,7 @@ class StreamExecutor(Executor):
             self._timing.append((op, fut))
             return
         for d in cpu_deps:
-            self.futures[d].result()
+            self._wait(self.futures[d])
         stream = self.streams[op.stream]
         for d in gpu_deps:
             stream.wait_event(self.events[d])

@@ -1,6 +1,8 @@
-"""Launch-parameter sweep for the memory-bound kernels (RMSNorm, RoPE) on the GPU; prints GB/s per setting.
+"""Launch-parameter sweep for the memory-bound kernels (RMSNorm, RoPE, SwiGLU) on the GPU; prints GB/s per setting.
 
-    PYTHONPATH=. python3 benchmarks/sweep_kernels.py
+    PYTHONPATH=. python3 benchmarks/sweep_kernels.py [--only swiglu]
+
+SwiGLU is timed forward + backward at 32,768 x 18,944 against torch.compile of the same function, in one process.
 """
 
 import os
@@ -18,9 +20,33 @@ from megatrain.kernels.rmsnorm import rms_norm_backward, rms_norm_forward  # noq
 BF = torch.bfloat16
 
 
+def sweep_swiglu():
+    """Forward + backward through autograd, as benchmarks/kernels.py times it, for several launch settings (the
+    module's defaults are set for each), against torch.compile of the eager function in the same process."""
+    from kernels import fwd_bwd, swiglu_eager  # noqa: E402
+
+    import megatrain.kernels.swiglu as mod
+
+    N, F = 32768, 18944
+    inputs = [torch.randn(N, F, device="cuda", dtype=BF, requires_grad=True) for _ in range(2)]
+    grads = (torch.randn(N, F, device="cuda", dtype=BF),)
+    nbytes = 8 * N * F * 2  # forward: read g, u, write y; backward: read dy, g, u, write dg, du
+    base = timed(fwd_bwd(torch.compile(swiglu_eager), inputs, grads))
+    print(f"swiglu torch.compile fwd+bwd: {base * 1e3:8.1f} us {nbytes / base / 1e6:6.0f} GB/s")
+    default = (mod.BLOCK, mod.NUM_WARPS)
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), default):
+        mod.BLOCK, mod.NUM_WARPS = block, warps
+        ms = timed(fwd_bwd(mod.swiglu, inputs, grads))
+        print(f"swiglu block={block:5d} warps={warps:2d}: {ms * 1e3:8.1f} us {nbytes / ms / 1e6:6.0f} GB/s "
+              f"x{base / ms:.4f} vs compile")
+    mod.BLOCK, mod.NUM_WARPS = default
+
+
 def main():
     ceiling = copy_ceiling_gbs()
     print(f"copy ceiling {ceiling:.0f} GB/s")
+    if sys.argv[1:] == ["--only", "swiglu"]:
+        return sweep_swiglu()
     N, H = 32768, 3584
     x = torch.randn(N, H, device="cuda", dtype=BF)
     w = torch.rand(H, device="cuda", dtype=BF) + 0.5

@@ -32,21 +32,27 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
-def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+NUM_WARPS = 8
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, block: int | None = None, num_warps: int | None = None):
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
     g, u = gate.contiguous(), up.contiguous()
     y = torch.empty_like(g)
     n = g.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK, num_warps=8)
+    block, num_warps = block or BLOCK, num_warps or NUM_WARPS
+    _swiglu_fwd_kernel[(triton.cdiv(n, block),)](g, u, y, n, BLOCK=block, num_warps=num_warps)
     return y
 
 
-def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, block: int | None = None,
+                    num_warps: int | None = None):
     dy = dy.contiguous()
     dg, du = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
-    _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, gate, up, dg, du, n, BLOCK=BLOCK, num_warps=8)
+    block, num_warps = block or BLOCK, num_warps or NUM_WARPS
+    _swiglu_bwd_kernel[(triton.cdiv(n, block),)](dy, gate, up, dg, du, n, BLOCK=block, num_warps=num_warps)
     return dg, du
 
 

@@ -26,12 +26,13 @@ from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
 
 @dataclass
 class _StepState:
-    """Per step: the owners whose gradient arrives in two parts (tied weights), the per-gradient norms taken on
-    the GPU before each store, the global norm once known, and which tied gradients have been summed."""
-    tied: set[int]
+    """Per step: the owners whose gradient arrives in several parts (tied weights) and how many, the
+    per-gradient norms taken on the GPU before each store, the global norm once known, and the tied parts summed
+    so far."""
+    tied: dict[int, int]
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     norm: float | None = None
-    tied_added: set[int] = field(default_factory=set)
+    tied_parts: dict[int, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -46,7 +47,7 @@ class StreamExecutor(Executor):
                             Stream.D2H: torch.cuda.Stream()}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
-        self.staging: dict[int, torch.Tensor] = {}  # owner -> pinned buffer for a second gradient (tied layers)
+        self.tied_sum: dict[int, torch.Tensor] = {}  # owner -> device buffer summing a tied gradient's parts
         self._timing: list = []
         self.steps_issued = 0
 
@@ -62,7 +63,7 @@ class StreamExecutor(Executor):
             if op.kind is OpKind.STORE_G:
                 stores[self.graph.owner(op.layer)] = stores.get(self.graph.owner(op.layer), 0) + 1
         # what this step's optimizer ops share; worker tasks hold their own step's (the next step may be issuing)
-        self.st = _StepState(tied={o for o, n in stores.items() if n > 1})
+        self.st = _StepState(tied={o: n for o, n in stores.items() if n > 1})
         self._timing = []
         self.host_issue_s: dict[str, float] = {}  # this step's host time issuing ops, by kind (waits included)
         self.host_wait_s = 0.0  # of which: waiting for optimizer tasks
@@ -177,16 +178,24 @@ class StreamExecutor(Executor):
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             src = self.g[op.slot("g")][: self.store.grad(o).numel()]
-            if self.optimizer.cfg.max_grad_norm is not None and o not in st.tied:
-                st.grad_norms.append(torch.linalg.vector_norm(src))  # tied: summed on the host first
-            if o in self.stored:  # a second gradient for tied weights: the optimizer task adds it
-                buf = self.staging.get(o)
+            clip = self.optimizer.cfg.max_grad_norm is not None
+            if o in st.tied:  # tied weights: the parts are summed on the GPU, the sum goes to the host once
+                buf = self.tied_sum.get(o)
                 if buf is None:
-                    buf = self.staging[o] = torch.empty(src.numel(), dtype=torch.float32, pin_memory=True)
-                buf.copy_(src, non_blocking=True)
-            else:
-                self.store.grad(o).copy_(src, non_blocking=True)
-                self.stored.add(o)
+                    buf = self.tied_sum[o] = torch.empty(src.numel(), dtype=torch.float32, device=self.device)
+                if o not in st.tied_parts:
+                    buf.copy_(src)
+                    st.tied_parts[o] = 1
+                    return
+                buf.add_(src)
+                st.tied_parts[o] += 1
+                if st.tied_parts[o] < st.tied[o]:
+                    return
+                src = buf
+            if clip:
+                st.grad_norms.append(torch.linalg.vector_norm(src))
+            self.store.grad(o).copy_(src, non_blocking=True)
+            self.stored.add(o)
         elif k is OpKind.OPT:
             on_device = op.stream is Stream.COMPUTE
             clip = self.optimizer.cfg.max_grad_norm is not None
@@ -196,8 +205,6 @@ class StreamExecutor(Executor):
                 return
             if clip:  # a worker task: the optimizer is at this step (begin_step ran before it)
                 self.optimizer.set_grad_norm(self._grad_norm(st, False))
-            if l in st.tied:
-                self._add_tied(st, l)
             self.optimizer.step_layer(l)
         else:
             super()._execute(op)
@@ -210,20 +217,10 @@ class StreamExecutor(Executor):
             if st.norm is None:
                 if from_host_thread:  # a worker task waited for the stores' events; the host thread has not
                     self.streams[Stream.D2H].synchronize()
-                for t in st.tied:
-                    self._add_tied(st, t)
-                sq = sum(float(self.store.grad(t).norm()) ** 2 for t in st.tied)
-                if st.grad_norms:
-                    sq += float(torch.linalg.vector_norm(torch.stack(st.grad_norms))) ** 2
-                st.norm = sq ** 0.5
+                st.norm = float(torch.linalg.vector_norm(torch.stack(st.grad_norms))) if st.grad_norms else 0.0
                 if from_host_thread:
                     self.worker.submit(self.optimizer.set_grad_norm, st.norm)
             return st.norm
-
-    def _add_tied(self, st: "_StepState", owner: int) -> None:
-        if owner not in st.tied_added:
-            self.store.grad(owner).add_(self.staging[owner])
-            st.tied_added.add(owner)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def timeline(self):

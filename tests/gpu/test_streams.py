@@ -38,7 +38,7 @@ def test_streams_match_program_order_and_repeat(plan):
     assert all(torch.equal(sd[n], ref_sd[n]) for n in sd)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: tied embedding, its norm summed on the host
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: tied embedding, its parts summed on the GPU
 def test_streams_clip_by_the_same_global_norm(family):
     """With clipping the streaming executor takes per-layer gradient norms on the GPU: the same global norm up to
     fp32 summation order. The first step agrees to that rounding; after it the weights differ by the rounding of

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 1024
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
-NUM_WARPS = 8
+NUM_WARPS = 4
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, block: int | None = None, num_warps: int | None = None):

@@ -70,6 +70,7 @@ class HostAdamW:
         self.last_grad_norm: float | None = None
         self.threads = cfg.threads  # may be changed between steps (benchmarks sweep it)
         self._device_opts: dict[tuple, tuple[torch.optim.AdamW, torch.nn.Parameter]] = {}  # device updates
+        self._grad_scales: dict[str, torch.Tensor] = {}  # per device: the fused kernel's 1 / clip factor
 
     def begin_step(self) -> float:
         """Start an optimizer step; returns its learning rate."""
@@ -118,8 +119,13 @@ class HostAdamW:
         if not given:
             coef = self._clip_coefficient()
         if (given or self._norm_override is not None) and self.cfg.fused and coef != 1.0:
-            # the fused kernel divides the gradient by grad_scale as it reads it: no extra pass over it
-            opt.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=grad.device)
+            # the fused kernel divides the gradient by grad_scale as it reads it: no extra pass over it. The scalar
+            # is filled in place: a new CUDA tensor from a Python number would be a copy from pageable memory,
+            # which waits for the whole compute stream
+            key = str(grad.device)
+            if key not in self._grad_scales:
+                self._grad_scales[key] = torch.empty((), dtype=torch.float32, device=grad.device)
+            opt.grad_scale = self._grad_scales[key].fill_(1.0 / coef)
             return True
         grad.mul_(coef)
         return False

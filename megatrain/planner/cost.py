@@ -102,7 +102,8 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     k = op.kind
     if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS):
         return max(compute_flops(graph, cfg, op) / spec.matmul_flops_per_s,
-                   compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s)
+                   compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s,
+                   spec.bwd_issue_s if k is OpKind.BWD else spec.fwd_issue_s)
     if k in (OpKind.LOAD_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # read from the gradient slot, write the optimizer slot
@@ -110,7 +111,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k in (OpKind.STORE_G, OpKind.SAVE_ACT, OpKind.STORE_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
-        return graph[op.layer].params * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s
+        return max(graph[op.layer].params * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
     if k is OpKind.OPT:
         return opt_seconds(graph, cfg, spec, op.layer)
     raise AssertionError(k)

@@ -23,6 +23,10 @@ class HardwareSpec:
     cpu_adam_params_per_s: float  # host fused AdamW on fp32 master + moments
     cpu_cast_params_per_s: float  # host fp32 -> bf16 copy (refreshing the bf16 shadow after AdamW)
     host_bytes: int  # host RAM the plan may use
+    # host time to issue one compute op (Python, autograd, kernel launches): a floor under its duration, which
+    # small ops (short sequences, many micro-batches) hit before the GPU is busy. 0: not modelled
+    fwd_issue_s: float = 0.0  # FWD, LOSS and a device update
+    bwd_issue_s: float = 0.0  # BWD: recompute + backward
 
     @property
     def budget_bytes(self) -> int:
@@ -34,14 +38,16 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
-        names = [f.name for f in dataclasses.fields(cls)]
+        fields = dataclasses.fields(cls)
+        names = [f.name for f in fields]
         unknown = sorted(set(d) - set(names))
-        missing = [n for n in names if n not in d]
+        missing = [f.name for f in fields if f.name not in d and f.default is dataclasses.MISSING]
         if unknown or missing:
             raise ValueError(f"hardware spec: unknown keys {unknown}, missing keys {missing}")
         spec = cls(**d)
         for f in names[1:]:
-            if not getattr(spec, f) > 0 and f != "gpu_reserved_bytes":
+            may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s")
+            if not (getattr(spec, f) >= 0 if may_be_zero else getattr(spec, f) > 0):
                 raise ValueError(f"hardware spec {spec.name!r}: {f} must be positive, got {getattr(spec, f)}")
         return spec
 
@@ -52,12 +58,16 @@ class HardwareSpec:
 
 PRESETS: dict[str, HardwareSpec] = {
     # Measured on the project's H200 machine, 2026-11-29 (docs/planner.md): copies with pinned 1 GiB buffers,
-    # an 8192^3 bf16 GEMM, torch's fused CPU AdamW on 16 threads. The HBM rate is a device-to-device copy.
+    # torch's fused CPU AdamW on 16 threads; the HBM rate is a device-to-device copy. The matmul rate is what
+    # decoder-layer ops reached in streamed Qwen2.5-7B steps (600-650 TFLOP/s for FWD, BWD and the fused loss; an
+    # 8192^3 bf16 GEMM alone reaches 784), the issue floors what one FWD / BWD op of a Qwen2 block with the Triton
+    # kernels cost the host thread (1.5B at 4,096 tokens per op: 1.2 / 4.4 ms whatever the op's size).
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=4 * GiB,
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
-        matmul_flops_per_s=784e12, hbm_bytes_per_s=4.3e12,
+        matmul_flops_per_s=620e12, hbm_bytes_per_s=4.3e12,
         cpu_adam_params_per_s=2.75e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
+        fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3,
     ),
     # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same
     # chip). Not measured here.

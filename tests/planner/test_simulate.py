@@ -12,10 +12,10 @@ from megatrain.planner.simulate import bound, simulate
 
 from .helpers import config
 
-# Round numbers: 1 GB/s each way, 1.5 GB/s both at once, 1 GFLOP/s, 1 M params/s of Adam.
+# Round numbers: 1 GB/s each way, 1.5 GB/s both at once, 1 GFLOP/s, 1 M params/s of Adam, no issue floors.
 SPEC = dataclasses.replace(PRESETS["h200"], h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex_bytes_per_s=1.5e9,
                            matmul_flops_per_s=1e9, hbm_bytes_per_s=1e15, cpu_adam_params_per_s=1e6,
-                           cpu_cast_params_per_s=1e30)
+                           cpu_cast_params_per_s=1e30, fwd_issue_s=0.0, bwd_issue_s=0.0)
 
 
 def two_layer_graph():
@@ -66,13 +66,13 @@ def test_transfers_running_together_are_slowed():
 
 
 def test_device_updates_shorten_a_host_bound_step():
-    """Qwen2.5-7B at 32,768 tokens is bound by the host's AdamW; updating every third layer on the GPU moves
-    28 bytes per parameter of those layers over PCIe instead and the simulated step gets shorter, while the bound
-    moves from the cpu to another resource."""
+    """Qwen2.5-7B at 32,768 tokens on a host whose AdamW runs at 2 G params/s is bound by that AdamW; updating every
+    third layer on the GPU moves 24 bytes per parameter of those layers over PCIe instead and the simulated step
+    gets shorter, while the bound moves from the cpu to another resource."""
     from megatrain.planner.graph import preset
 
     g = preset("qwen2.5-7b")
-    spec = PRESETS["h200"]
+    spec = dataclasses.replace(PRESETS["h200"], cpu_adam_params_per_s=2e9)
     eligible = [l for l in range(len(g)) if g[l].tie is None and not g.tied_to(l)]
     steps = {}
     for gpu_opt in ((), tuple(eligible[2::3])):
@@ -82,3 +82,19 @@ def test_device_updates_shorten_a_host_bound_step():
         steps[bool(gpu_opt)] = (simulate(s, g, spec).steady_step_s, bound(s, g, spec))
     assert steps[False][1].limiter == "cpu" and steps[True][1].limiter != "cpu"
     assert steps[True][0] < 0.9 * steps[False][0]
+
+
+def test_small_compute_ops_take_at_least_their_issue_time():
+    """A compute op lasts at least the host time to issue it (the spec's floor), however few its FLOPs."""
+    from megatrain.ir import Op, Stream
+    from megatrain.planner.cost import duration_s
+
+    g = two_layer_graph()
+    cfg = config(g, n_mb=1, mb_tokens=1000)
+    spec = dataclasses.replace(SPEC, fwd_issue_s=0.5, bwd_issue_s=2.0)
+    loss = Op(0, OpKind.LOSS, Stream.COMPUTE, 0, 1, 0)
+    bwd = Op(1, OpKind.BWD, Stream.COMPUTE, 0, 0, 0)
+    assert duration_s(g, cfg, SPEC, loss) == pytest.approx(0.003)  # 3e6 FLOP at 1 GFLOP/s
+    assert duration_s(g, cfg, spec, loss) == 0.5 and duration_s(g, cfg, spec, bwd) == 2.0
+    fast = dataclasses.replace(spec, matmul_flops_per_s=1e3)  # now the FLOPs take longer than the floor
+    assert duration_s(g, cfg, fast, loss) == pytest.approx(3e3)

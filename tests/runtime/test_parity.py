@@ -154,7 +154,8 @@ def test_updates_on_the_device_match_too(clip):
     assert all(torch.equal(host[n], t) for n, t in sm2.state_dict().items())
 
 
-@pytest.mark.parametrize("every,n_mb,slots,offload,clip", [(1, 3, 1, 0, 1.0), (3, 1, 2, 3, None), (2, 6, 4, 1, 1.0)])
+@pytest.mark.parametrize("every,n_mb,slots,offload,clip", [(1, 3, 1, 0, 1.0), (3, 1, 2, 3, None), (2, 6, 4, 1, 1.0),
+                                                          (2, 2, "all", 0, 1.0)])
 def test_device_updates_equal_host_updates_for_any_plan(every, n_mb, slots, offload, clip):
     """Any set of device updates, with any micro-batching, weight slots and offloaded checkpoints: the program-order
     executor gives bit for bit the parameters and losses of host-only updates (the same AdamW kernel)."""
@@ -216,6 +217,9 @@ def test_bf16_wire_from_the_host_shadow_equals_casting_on_the_device(gpu_opt_eve
 def test_bf16_wire_needs_bf16_compute_and_plan_options_are_checked():
     with pytest.raises(ValueError, match="needs bf16 compute"):
         compile_cpu(hf_model("llama"), wire="bf16")
+    for bad in (0, "most", 2.5):
+        with pytest.raises(ValueError, match="weight_slots must be an integer >= 1 or 'all'"):
+            compile_cpu(hf_model("llama"), weight_slots=bad)
     with pytest.raises(ValueError, match="wire must be"):
         compile_cpu(hf_model("llama"), wire="fp8")
     with pytest.raises(ValueError, match="unknown plan option.*plan options are: n_mb"):
@@ -240,7 +244,7 @@ def test_host_optimizer_thread_count_changes_nothing_but_speed():
         dataclasses.replace(OPT, threads=0)
 
 
-@pytest.mark.parametrize("n_mb,slots,offload", [(1, 1, 0), (2, 2, 3), (3, 3, 1), (6, 4, 4)])
+@pytest.mark.parametrize("n_mb,slots,offload", [(1, 1, 0), (2, 2, 3), (3, 3, 1), (6, 4, 4), (2, "all", 0)])
 def test_one_step_is_the_same_for_any_micro_batching_and_slots(n_mb, slots, offload):
     """Gradients and loss of one step equal the whole-batch reference for any micro-batching, slot count and
     checkpoint placement; parameters equal a reference that accumulates over the same micro-batches.

@@ -1,0 +1,65 @@
+"""The simulator against measured steps: rebuilds each measured run's schedule from a throughput.py JSON and prints
+the measured step time, the simulated steady-state step time, the bound, and their ratios. Runs on the CPU.
+
+    PYTHONPATH=. python benchmarks/sim_accuracy.py docs/results/2026-11-29-h200-throughput-*-1b317cd.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from megatrain.ir import ScheduleConfig
+from megatrain.planner.graph import preset
+from megatrain.planner.hardware import hardware
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.simulate import bound, simulate
+
+
+def rows(paths: list[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        data = json.load(open(p))
+        for r in data if isinstance(data, list) else [data]:
+            if "error" not in r:
+                out.append({**r, "source": p})
+    return out
+
+
+def predict(r: dict, spec) -> tuple[float, float, str]:
+    graph = preset(r["preset"])
+    seq = r.get("seq", 1024)
+    cfg = ScheduleConfig(n_layers=len(graph), n_steps=3, n_mb=r["n_mb"], mb_tokens=r["tokens_per_step"] // r["n_mb"],
+                         seq_len=seq, weight_slots=r["weight_slots"], grad_slots=2,
+                         wire_bytes_per_param=r["wire_bytes_per_param"], host_checkpoints=r["host_checkpoints"],
+                         clip=r["clip"], budget_bytes=spec.budget_bytes, gpu_opt=tuple(r["gpu_opt"]))
+    s = build_schedule(graph, cfg)
+    b = bound(s, graph, spec)
+    return simulate(s, graph, spec).steady_step_s, b.step_s, b.limiter
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", nargs="+", help="throughput.py --json files")
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override spec fields")
+    args = ap.parse_args()
+    spec = hardware(args.hardware)
+    if args.set:
+        spec = replace(spec, **{k: float(v) for k, v in (kv.split("=") for kv in args.set)})
+    print(f"{'model':14s} {'mb':>3s} {'slots':>5s} {'clip':>5s} {'dev':>4s} {'measured':>9s} {'sim':>7s} "
+          f"{'sim/meas':>8s} {'bound':>7s} {'meas/bound':>10s} limiter")
+    errs = []
+    for r in rows(args.results):
+        sim, b, limiter = predict(r, spec)
+        meas = r["step_s"]
+        errs.append(abs(sim / meas - 1))
+        print(f"{r['preset']:14s} {r['n_mb']:3d} {r['weight_slots']:5d} {str(r['clip']):>5s} {len(r['gpu_opt']):4d} "
+              f"{meas:9.3f} {sim:7.3f} {sim / meas:8.2f} {b:7.3f} {meas / b:10.2f} {limiter}")
+    within = sum(e <= 0.15 for e in errs)
+    print(f"{within} of {len(errs)} within 15%; mean |sim/measured - 1| = {sum(errs) / len(errs):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks/throughput.py on the CPU (the smoke mode) and benchmarks/sim_accuracy.py on the recorded H200 runs."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(args, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, **kw)
+    return proc
+
+
+def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
+    out = tmp_path / "tp.json"
+    proc = run([os.path.join(ROOT, "benchmarks", "throughput.py"), "--preset", "tiny", "--device", "cpu",
+                "--no-kernels", "--batch", "4", "--seq", "64", "--mb", "2", "--steps", "2",
+                "--variant", "gpu_opt=1,slots=all", "--variant", "clip=0,mb=1", "--variant", "wire=bf16",
+                "--json", str(out)])
+    rows = json.loads(out.read_text())
+    # the bf16 wire needs bf16 compute (fp32 on the CPU): that variant fails alone, the exit status says so
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAILED" in proc.stdout and "needs bf16 compute" in rows[-1]["error"]
+    ok = rows[:-1]
+    assert [(r["n_mb"], r["clip"], r["weight_slots"]) for r in ok] == [(2, True, 2), (2, True, 5), (1, False, 2)]
+    assert ok[0]["gpu_opt"] == [] and ok[1]["gpu_opt"] == [0, 1, 2, 3, 4]  # every layer: none shares weights
+    for r in ok:
+        assert r["tokens_per_step"] == 256 and r["step_s"] > 0 and len(r["losses"]) == 3
+    # the variants train one model in turn: each starts where the one before stopped
+    losses = [x for r in ok for x in r["losses"]]
+    assert all(0 < x < 10 for x in losses) and losses[-1] < losses[0]
+
+
+def test_sim_accuracy_reads_the_recorded_runs():
+    results = os.path.join(ROOT, "docs", "results")
+    files = sorted(os.path.join(results, f) for f in os.listdir(results) if re.search(r"throughput-.*-1b317cd", f))
+    proc = run([os.path.join(ROOT, "benchmarks", "sim_accuracy.py"), *files])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [l for l in proc.stdout.splitlines() if l.startswith("qwen2.5-")]
+    assert len(rows) == 12
+    m = re.search(r"(\d+) of 12 within 15%; mean \|sim/measured - 1\| = ([\d.]+)", proc.stdout)
+    assert m and int(m.group(1)) == 8 and float(m.group(2)) == 0.10, proc.stdout  # docs/benchmarks.md quotes these

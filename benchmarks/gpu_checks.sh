@@ -31,6 +31,10 @@ if [[ $part == 1.5b || $part == all ]]; then
         --variant slots=all --variant gpu_opt=auto --variant gpu_opt=auto,slots=all --variant gpu_opt=1,slots=all \
         --variant gpu_opt=auto,slots=all,mb=2 --variant gpu_opt=auto,slots=all,mb=1 --variant clip=0 \
         --variant clip=0,slots=all --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
+    # no device-wide sync between steps: the next forward runs under the device updates' STORE_OPT tail
+    stage tp-1.5b-nosync 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots all \
+        --gpu-opt-every auto --steps 3 --no-step-sync --variant mb=1 --variant gpu_opt=1 \
+        --trace "$out/trace-1.5b-nosync" --json "$out/tp-1.5b-nosync.json"
 fi
 if [[ $part == 7b || $part == all ]]; then
     stage tp-7b 420 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \

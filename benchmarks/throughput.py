@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--cpu-threads", type=int, nargs="+", default=[0],
                     help="host threads for AdamW (0: torch's default); several: one run each")
     ap.add_argument("--sync", action="store_true", help="program-order executor instead of streams")
+    ap.add_argument("--no-step-sync", action="store_true",
+                    help="streams: order steps by events only, no device-wide sync between steps")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of this script (program order)")
     ap.add_argument("--json")
@@ -66,6 +68,8 @@ def main():
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
+    if args.no_step_sync and hasattr(sm.executor, "sync_between_steps"):
+        sm.executor.sync_between_steps = False
     n = sm.graph.n_params
     results, failed = [], []
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots}
@@ -176,6 +180,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param,
+        "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
         "tokens_per_s": tokens / step_s, "tflops_6nt": 6 * n * tokens / step_s / 1e12,

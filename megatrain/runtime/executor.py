@@ -68,6 +68,7 @@ class Executor:
         n_o = max((i + 1 for op in schedule.ops for r, i in op.slots if r == "o"), default=0)
         o_numel = max((self.graph[l].params for l in cfg.gpu_opt), default=0)
         if self.o and (len(self.o) < n_o or self.o[0].numel() < len(ROWS) * o_numel):
+            self._quiesce()  # nothing may still use the old slots
             self.o = []  # a schedule with more or larger device updates: reallocate
         while len(self.o) < n_o:
             self.o.append(torch.empty(len(ROWS) * o_numel, dtype=torch.float32, device=self.device))
@@ -80,6 +81,7 @@ class Executor:
         self._pools(schedule)
         self.wire = cfg.wire_bytes_per_param
         tags, accesses = self._slot_plan(schedule)
+        self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
         position = {key: 0 for key in accesses}
         self.contents: dict[tuple[str, int], tuple] = {}
         self.act: dict[int, torch.Tensor] = {}
@@ -143,6 +145,9 @@ class Executor:
         return tags, accesses
 
     # ---- hooks the streaming executor overrides --------------------------------------------------------------
+    def _quiesce(self) -> None:
+        """Wait until no earlier op can still touch a device buffer (here every op has run by the time it returns)."""
+
     def _begin_step(self) -> float:
         return self.optimizer.begin_step()
 

@@ -5,7 +5,9 @@ record an event; a dependency on a GPU op is a ``wait_event`` on the issuing str
 GPU. ``cpu`` ops (AdamW on a layer's host block) go to one worker thread, which first waits for the events of the
 GPU ops they depend on; a GPU op that depends on a ``cpu`` op (the next step's weight load) makes the host wait for
 that worker task before issuing it. Across ``run`` calls, a layer's first load of a step waits for the layer's
-optimizer task of the previous step, so steps overlap without a barrier.
+optimizer task of the previous step, so steps overlap without a barrier. Between steps the device is synchronized
+(``sync_between_steps``), or, with that off, only the ops that rewrite a slot or load a layer's host copy wait, on
+the GPU, for the earlier step's ops they conflict with.
 
 Every op is timed with CUDA events (GPU) or the host clock (cpu ops); :meth:`StreamExecutor.timeline` returns the
 last step as a measured :class:`~megatrain.planner.simulate.Timeline`, comparable with the simulation.
@@ -15,13 +17,17 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
-from megatrain.ir import Op, OpKind, Schedule, Stream
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
+
+
+BUFFER_POOLS = ("w", "g", "o")  # pools of buffers allocated once and rewritten every step (activations are fresh
+# tensors, which the caching allocator keeps apart across streams)
 
 
 @dataclass
@@ -38,6 +44,13 @@ class _StepState:
 
 class StreamExecutor(Executor):
     non_blocking = True
+    # Between steps: True waits for the whole device (the previous step's last transfers included) before issuing
+    # the next step. False orders only what needs it, on the GPU: an op that writes a slot waits for the previous
+    # step's last use of that slot, and a load of a layer updated on the device waits for the STORE_OPT that wrote
+    # its host copy; the next step's forward then runs under the previous step's STORE_OPT tail. Not yet measured
+    # on the GPU: True until it is.
+    sync_between_steps = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.device.type != "cuda":
@@ -50,13 +63,18 @@ class StreamExecutor(Executor):
         self.tied_sum: dict[int, torch.Tensor] = {}  # owner -> device buffer summing a tied gradient's parts
         self._timing: list = []
         self.steps_issued = 0
+        # across steps (sync_between_steps False): (step, event) of each slot's last use and of each layer's
+        # latest STORE_OPT; pinned buffers of the step before, which its copies may still read
+        self.slot_use: dict[tuple[str, int], tuple[int, torch.cuda.Event]] = {}
+        self.store_opt_done: dict[int, tuple[int, torch.cuda.Event]] = {}
+        self.host_keep: list[torch.Tensor] = []
 
     # ---- step ---------------------------------------------------------------------------------------------
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True) -> StepOutput:
         self.schedule = schedule
         self.events: dict[int, torch.cuda.Event] = {}
         self.futures: dict[int, Future] = {}
-        self.extra_grad: dict[int, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self.prev_host_keep = self.host_keep  # the step before may still be copying from these (no device sync)
         self.host_keep: list[torch.Tensor] = []  # pinned host buffers in flight, kept alive for the step
         stores: dict[int, int] = {}
         for op in schedule.ops:
@@ -67,7 +85,8 @@ class StreamExecutor(Executor):
         self._timing = []
         self.host_issue_s: dict[str, float] = {}  # this step's host time issuing ops, by kind (waits included)
         self.host_wait_s = 0.0  # of which: waiting for optimizer tasks
-        torch.cuda.synchronize(self.device)
+        if self.sync_between_steps:
+            torch.cuda.synchronize(self.device)
         self.t0_event = torch.cuda.Event(enable_timing=True)
         self.t0_event.record(self.streams[Stream.COMPUTE])
         self.t0_host = time.perf_counter()
@@ -83,6 +102,9 @@ class StreamExecutor(Executor):
         for f in list(self.last_opt.values()):
             f.result()
         torch.cuda.synchronize(self.device)
+
+    def _quiesce(self) -> None:
+        self.drain()
 
     def _begin_step(self) -> float:
         from megatrain.runtime.optim import lr_at
@@ -146,6 +168,8 @@ class StreamExecutor(Executor):
         stream = self.streams[op.stream]
         for d in gpu_deps:
             stream.wait_event(self.events[d])
+        if not self.sync_between_steps:
+            self._wait_for_earlier_steps(op, stream)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
@@ -153,6 +177,25 @@ class StreamExecutor(Executor):
             end.record(stream)
         self.events[op.id] = end
         self._timing.append((op, (start, end)))
+        if not self.sync_between_steps:
+            for role, idx in op.slots:
+                if SLOT_POOL[role] in BUFFER_POOLS:
+                    self.slot_use[(SLOT_POOL[role], idx)] = (self.steps_issued, end)
+            if op.kind is OpKind.STORE_OPT:
+                self.store_opt_done[op.layer] = (self.steps_issued, end)
+
+    def _wait_for_earlier_steps(self, op: Op, stream: torch.cuda.Stream) -> None:
+        """What the schedule of one step cannot say: a slot this op writes may still be read by an earlier step's
+        op, and a layer's host copy this op loads may still be being written by an earlier step's STORE_OPT."""
+        writes = self.tags[op.id][1]
+        for role, idx in op.slots:
+            last = self.slot_use.get((SLOT_POOL[role], idx))
+            if role in writes and last is not None and last[0] < self.steps_issued:
+                stream.wait_event(last[1])
+        if op.kind in (OpKind.LOAD_W, OpKind.LOAD_OPT):
+            done = self.store_opt_done.get(self.graph.owner(op.layer))
+            if done is not None and done[0] < self.steps_issued:
+                stream.wait_event(done[1])
 
     # ---- ops whose data crosses streams or the PCIe bus ------------------------------------------------------
     def _execute(self, op: Op, st: "_StepState | None" = None) -> None:

@@ -82,3 +82,24 @@ def test_bf16_wire_equals_fp32_wire(gpu_opt_every):
             for w in ("fp32", "bf16")]
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][2][n], runs[1][2][n]) for n in runs[0][2])
+
+
+@pytest.mark.parametrize("gpu_opt_every", [0, 2])
+def test_steps_ordered_by_events_match_a_device_sync_between_steps(gpu_opt_every):
+    """sync_between_steps=False: no device-wide sync between steps (a slot's first writer waits for the earlier
+    step's last use of it, a device-updated layer's loads for its STORE_OPT); with the steps overlapping, the
+    results are those of a device sync between steps, bit for bit."""
+    model = small("qwen2")
+    data = batches(n_steps=4)
+    runs = []
+    for sync in (True, False):
+        opt = megatrain.OptimConfig(lr=1e-3, max_grad_norm=0.5)
+        sm = megatrain.compile(copy.deepcopy(model), device="cuda", streams=True, optim=opt, n_mb=2,
+                               weight_slots="all", gpu_opt_every=gpu_opt_every)
+        sm.overlap_steps = True
+        sm.executor.sync_between_steps = sync
+        losses = [sm.train_step(*[t.cuda() for t in b]).loss for b in data]
+        sm.executor.drain()
+        runs.append((losses, {n: t.clone() for n, t in sm.state_dict().items()}))
+    assert runs[0][0] == runs[1][0] and runs[0][0][0] != runs[0][0][-1]
+    assert all(torch.equal(runs[0][1][n], t) for n, t in runs[1][1].items())

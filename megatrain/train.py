@@ -30,7 +30,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip: float | None = 1.0  # global-norm clipping; None: off
     mb: int = 2  # micro-batches per step
-    slots: int = 2  # weight slots
+    slots: int | str = 2  # weight slots; "all": one per layer
     host_checkpoints: int = 0  # layers whose checkpoints wait on the host
     gpu_opt_every: int | str = 0  # every k-th layer updated on the GPU (0: all on the host; "auto": the planner's)
     wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
@@ -40,12 +40,13 @@ class TrainConfig:
     out: str | None = None  # default: megatrain-runs/<UTC time>
 
     def check(self) -> None:
-        for name in ("steps", "batch", "seq", "mb", "slots", "vocab"):
+        for name in ("steps", "batch", "seq", "mb", "vocab"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         from megatrain.api import PlanOptions
 
-        PlanOptions(gpu_opt_every=self.gpu_opt_every, wire=self.wire)  # the plan options' own checks
+        # the plan options' own checks
+        PlanOptions(weight_slots=self.slots, gpu_opt_every=self.gpu_opt_every, wire=self.wire)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:

@@ -67,3 +67,14 @@ def test_bad_jsonl_names_the_line(tmp_path, capsys):
     data.write_text('{"text": "ok"}\n{"txt": "no"}\n')
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "r")]) == 2
     assert f"{data}:2: each line must be an object" in capsys.readouterr().err
+
+
+def test_weight_slots_from_a_config_file_are_checked(tmp_path, capsys):
+    bad, good = tmp_path / "bad.yaml", tmp_path / "good.yaml"
+    bad.write_text("slots: 0\n")
+    good.write_text("slots: all\nbatch: 4\nseq: 32\n")
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "a")]) == 2
+    assert "weight_slots must be an integer >= 1 or 'all', got 0" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    assert main(["train", "--config", str(good), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["config"]["slots"] == "all"

@@ -175,7 +175,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     prev_store_opt: dict[int, Op] = {}  # layer -> its STORE_OPT of the step before (the host block it rewrites)
     loaded: dict[int, int] = {}  # id of a STORE_G into an optimizer slot -> the LOAD_OPT that fills the slot
     for st in range(cfg.n_steps):
-        for l in on_gpu:
+        for l in sorted(on_gpu):
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
             after[first_bwd[(st, l + 1)].id].append(load)
@@ -209,7 +209,7 @@ def _opt_uses(op: Op) -> list[tuple[str, tuple, bool]]:
 
 
 def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT at the start of the
+    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT during the
     backward to its STORE_OPT)."""
     if not s.config.gpu_opt:
         return s.with_ops(s.ops, "assign_opt_slots: every update on the host")

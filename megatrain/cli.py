@@ -75,6 +75,7 @@ def _plan(args) -> int:
         f"(weights {mem.pool_nbytes['w'] / GiB:.2f}, gradients {mem.pool_nbytes['g'] / GiB:.2f}, "
         f"activations {mem.pool_nbytes['a'] / GiB:.2f}, "
         + (f"optimizer {mem.pool_nbytes['o'] / GiB:.2f}, " if mem.pool_nbytes['o'] else "")
+        + (f"updated weights kept {mem.kept_nbytes / GiB:.2f}, " if mem.kept_nbytes else "")
         + f"working set {mem.workspace_nbytes / GiB:.2f})",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())

@@ -18,6 +18,7 @@ OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the g
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
+COMPUTE_BYTES = 2  # bf16 weights on the device; a device-updated layer keeps its new weights so, for the next step
 POOLS = ("w", "g", "a", "o")
 
 
@@ -58,10 +59,16 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     return 0
 
 
+def loads_from_device(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> bool:
+    """A LOAD_W of weights its layer's device update of the step before left on the device: a device copy, no
+    PCIe bytes (the first step of a run has no such copy and loads from the host)."""
+    return op.kind is OpKind.LOAD_W and op.step > 0 and graph.owner(op.layer) in cfg.gpu_opt
+
+
 def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     """Bytes an h2d/d2h op moves (0 for other ops)."""
     if op.kind is OpKind.LOAD_W:
-        return graph.weight_params(op.layer) * cfg.wire_bytes_per_param
+        return 0 if loads_from_device(graph, cfg, op) else graph.weight_params(op.layer) * cfg.wire_bytes_per_param
     if op.kind is OpKind.STORE_G:  # on the compute stream: a device copy into the optimizer slot
         return 0 if op.stream is Stream.COMPUTE else graph.weight_params(op.layer) * GRAD_BYTES
     if op.kind is OpKind.LOAD_OPT:
@@ -104,6 +111,8 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         return max(compute_flops(graph, cfg, op) / spec.matmul_flops_per_s,
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s,
                    spec.bwd_issue_s if k is OpKind.BWD else spec.fwd_issue_s)
+    if loads_from_device(graph, cfg, op):  # a device copy of well under a millisecond: not modelled
+        return 0.0
     if k in (OpKind.LOAD_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # read from the gradient slot, write the optimizer slot
@@ -122,6 +131,7 @@ class DeviceMemory:
     slot_nbytes: dict[str, int]  # one slot of each pool
     slot_count: dict[str, int]  # slots of each pool the schedule uses
     workspace_nbytes: int  # the largest compute op's transient bytes
+    kept_nbytes: int = 0  # new weights of the device-updated layers, kept for the next step's loads
 
     @property
     def pool_nbytes(self) -> dict[str, int]:
@@ -129,7 +139,7 @@ class DeviceMemory:
 
     @property
     def total_nbytes(self) -> int:
-        return sum(self.pool_nbytes.values()) + self.workspace_nbytes
+        return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes
 
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
@@ -140,7 +150,8 @@ def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
             pool = SLOT_POOL[role]
             count[pool] = max(count[pool], idx + 1)
     work = max((workspace_nbytes(graph, schedule.config, op) for op in schedule.ops), default=0)
-    return DeviceMemory(slot_nbytes(graph, schedule.config), count, work)
+    kept = sum(graph[l].params for l in schedule.config.gpu_opt) * COMPUTE_BYTES
+    return DeviceMemory(slot_nbytes(graph, schedule.config), count, work, kept)
 
 
 def host_memory(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:

@@ -228,15 +228,16 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     last reader of what it evicts, so it prefetches as early as the slot allows — but no more than
     ``PREFETCH_LAYERS`` layers ahead of its first reader: a load waits for the layer's update of the step before,
     and issuing it far ahead (with a slot per layer, every load at the step's start) would hold back the compute
-    ops behind it in program order. LOAD_W of step s+1 waits for the owner's OPT of step s.
+    ops behind it in program order. LOAD_W of step s+1 waits for the owner's OPT of step s (a device update's
+    OPT leaves the new weights on the device: that load is a device copy, see ``cost.loads_from_device``).
     """
     cfg = s.config
     ops = list(s.ops)
     ids = _Ids(ops)
     pos = {op.id: i for i, op in enumerate(ops)}
-    # the op after which a layer's weights are updated on the host: OPT (cpu) or STORE_OPT (device update)
-    opt_of = {(op.step, op.layer): op for op in ops
-              if (op.kind is OpKind.OPT and op.stream is CPU) or op.kind is OpKind.STORE_OPT}
+    # the op after which a layer's new weights can be loaded: its OPT (on the host, or on the device, which keeps
+    # the new weights there for the next step's load)
+    opt_of = {(op.step, op.layer): op for op in ops if op.kind is OpKind.OPT}
     computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS)]
     content = [(op.step, graph.owner(op.layer)) for op in computes]
     step_start: dict[int, int] = {}

@@ -139,7 +139,7 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     for op in s.ops:
         if op.kind is OpKind.LOAD_W and op.step > 0:
             o = graph.owner(op.layer)
-            opt = seen[(OpKind.STORE_OPT if o in cfg.gpu_opt else OpKind.OPT, op.step - 1, o, None)]
+            opt = seen[(OpKind.OPT, op.step - 1, o, None)]  # on the device, its new weights stay there
             if not hb(opt.id, op.id):
                 raise ScheduleError("load-after-opt", op,
                                     f"loads weights before '{opt}' of the previous step updated them")

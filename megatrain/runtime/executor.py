@@ -57,6 +57,10 @@ class Executor:
         self.w: list[torch.Tensor] = []
         self.g: list[torch.Tensor] = []
         self.o: list[torch.Tensor] = []  # optimizer slots: (4, n) fp32 blocks for the device updates
+        # a device update leaves the layer's new weights (compute dtype) here for the next step's load, which then
+        # copies them on the device instead of loading the host master: owner -> (buffer, store generation)
+        self.kept: dict[int, tuple[torch.Tensor, int]] = {}
+        self.kept_buf: dict[int, torch.Tensor] = {}
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
 
     def _pools(self, schedule: Schedule) -> None:
@@ -182,8 +186,11 @@ class Executor:
 
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
-        if k is OpKind.LOAD_W:  # fp32 master -> compute dtype, or the bf16 shadow as it is
-            src = self._wire(self.graph.owner(l))
+        if k is OpKind.LOAD_W:  # the weights a device update left here, or from the host: the fp32 master (cast
+            # where it lands) or the bf16 shadow; all three hold the same values in the compute dtype
+            o = self.graph.owner(l)
+            kept = self.kept_weights(o)
+            src = kept if kept is not None else self._wire(o)
             self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=self.non_blocking)
         elif k is OpKind.FWD:
             with torch.no_grad():
@@ -219,7 +226,9 @@ class Executor:
                 self.stored.add(o)
         elif k is OpKind.OPT and op.stream is Stream.COMPUTE:
             self.optimizer.step_layer_on(l, self._opt_block(op))
+            self._keep(l, self._opt_block(op)[0])
         elif k is OpKind.OPT:
+            self.kept.pop(l, None)  # the host master changes: a kept copy would be stale
             self.optimizer.step_layer(l)
         elif k is OpKind.LOAD_OPT:  # master and moments; the gradient row is filled by the layer's STORE_G
             self._opt_block(op)[:3].copy_(self.store.block(l)[:3], non_blocking=self.non_blocking)
@@ -231,6 +240,20 @@ class Executor:
                 self.store.shadow(l).copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
         else:
             raise AssertionError(k)
+
+    def kept_weights(self, owner: int) -> torch.Tensor | None:
+        """The layer's weights as its last device update left them, if the host master is still those."""
+        kept = self.kept.get(owner)
+        if kept is None or kept[1] != self.store.generation:
+            return None
+        return kept[0]
+
+    def _keep(self, layer: int, master: torch.Tensor) -> None:
+        buf = self.kept_buf.get(layer)
+        if buf is None:
+            buf = self.kept_buf[layer] = torch.empty(master.numel(), dtype=self.dtype, device=master.device)
+        buf.copy_(master)  # rounded to the compute dtype as a load would (to nearest even)
+        self.kept[layer] = (buf, self.store.generation)
 
     def _wire(self, owner: int) -> torch.Tensor:
         """What LOAD_W sends: the bf16 shadow (plans with a bf16 wire) or the fp32 master (cast on the device)."""

@@ -48,6 +48,7 @@ class HostStore:
             else:
                 self.blocks.append(None)
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
+        self.generation = 0  # counts loads of new weights from outside (copies made of the masters go stale)
 
     def row(self, layer: int, what: str) -> torch.Tensor:
         return self.block(layer)[ROWS.index(what)]
@@ -109,6 +110,7 @@ class HostStore:
                                  f"{tuple(view.shape)}")
             view.copy_(t)
         self.shadows = None  # made again from the new masters when next needed
+        self.generation += 1
 
     def load_from_module(self, model: nn.Module) -> None:
         for name, p in model.named_parameters():
@@ -116,6 +118,7 @@ class HostStore:
                 raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to compile")
             self.param_view(name).copy_(p.detach())
         self.shadows = None
+        self.generation += 1
 
     def load_safetensors(self, directory: str | Path) -> None:
         """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index),

@@ -64,9 +64,10 @@ class StreamExecutor(Executor):
         self._timing: list = []
         self.steps_issued = 0
         # across steps (sync_between_steps False): (step, event) of each slot's last use and of each layer's
-        # latest STORE_OPT; pinned buffers of the step before, which its copies may still read
+        # latest device OPT and STORE_OPT; pinned buffers of the step before, which its copies may still read
         self.slot_use: dict[tuple[str, int], tuple[int, torch.cuda.Event]] = {}
         self.store_opt_done: dict[int, tuple[int, torch.cuda.Event]] = {}
+        self.kept_done: dict[int, tuple[int, torch.cuda.Event]] = {}  # layer -> its device update's OPT
         self.host_keep: list[torch.Tensor] = []
 
     # ---- step ---------------------------------------------------------------------------------------------
@@ -145,6 +146,8 @@ class StreamExecutor(Executor):
             if prev is not None:
                 self._wait(prev)
         if op.stream is Stream.CPU:
+            if op.kind is OpKind.OPT:  # the host master changes: a copy kept on the device would be stale
+                self.kept.pop(op.layer, None)
             events = [self.events[d] for d in gpu_deps]
             deps = [self.futures[d] for d in cpu_deps]
 
@@ -183,6 +186,8 @@ class StreamExecutor(Executor):
                     self.slot_use[(SLOT_POOL[role], idx)] = (self.steps_issued, end)
             if op.kind is OpKind.STORE_OPT:
                 self.store_opt_done[op.layer] = (self.steps_issued, end)
+            if op.kind is OpKind.OPT:  # on the device: the kept weights are ready when it ends
+                self.kept_done[op.layer] = (self.steps_issued, end)
 
     def _wait_for_earlier_steps(self, op: Op, stream: torch.cuda.Stream) -> None:
         """What the schedule of one step cannot say: a slot this op writes may still be read by an earlier step's
@@ -193,7 +198,9 @@ class StreamExecutor(Executor):
             if role in writes and last is not None and last[0] < self.steps_issued:
                 stream.wait_event(last[1])
         if op.kind in (OpKind.LOAD_W, OpKind.LOAD_OPT):
-            done = self.store_opt_done.get(self.graph.owner(op.layer))
+            o = self.graph.owner(op.layer)
+            from_device = op.kind is OpKind.LOAD_W and self.kept_weights(o) is not None
+            done = (self.kept_done if from_device else self.store_opt_done).get(o)
             if done is not None and done[0] < self.steps_issued:
                 stream.wait_event(done[1])
 
@@ -245,6 +252,7 @@ class StreamExecutor(Executor):
             if on_device:  # issued by this thread on the compute stream, after its LOAD_OPT
                 coef = self.optimizer.clip_factor(self._grad_norm(st, True)) if clip else None
                 self.optimizer.step_layer_on(l, self._opt_block(op), lr=self.step_lr, coef=coef)
+                self._keep(l, self._opt_block(op)[0])
                 return
             if clip:  # a worker task: the optimizer is at this step (begin_step ran before it)
                 self.optimizer.set_grad_norm(self._grad_norm(st, False))

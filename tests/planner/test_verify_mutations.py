@@ -132,13 +132,16 @@ def test_device_updates_build_and_verify_in_both_modes():
         assert all(op.stream.value == "cpu" for op in s.ops if op.kind is OpKind.OPT and op.layer not in (1, 3))
 
 
-def test_loading_weights_before_the_device_update_is_back_is_caught():
+def test_loading_weights_before_the_device_update_is_done_is_caught():
+    """The next step loads a device-updated layer from the new weights its OPT left on the device: the load
+    waits for that OPT (not for the STORE_OPT that copies them to the host)."""
     s = _gpu_schedule()
     load = _find(s, OpKind.LOAD_W, step=1, layer=1)
-    store = _find(s, OpKind.STORE_OPT, step=0, layer=1)
-    assert store.id in load.deps
-    err = _broken(_replace(s, load, deps=tuple(d for d in load.deps if d != store.id)), "load-after-opt")
-    assert "STORE_OPT" in str(err)
+    opt = _find(s, OpKind.OPT, step=0, layer=1)
+    assert opt.stream is Stream.COMPUTE and opt.id in load.deps
+    assert _find(s, OpKind.STORE_OPT, step=0, layer=1).id not in load.deps
+    err = _broken(_replace(s, load, deps=tuple(d for d in load.deps if d != opt.id)), "load-after-opt")
+    assert "OPT s0 L1 @compute" in str(err)
 
 
 def test_reusing_an_optimizer_slot_too_early_is_caught():

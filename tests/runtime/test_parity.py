@@ -287,3 +287,24 @@ def test_meta_model_with_safetensors_checkpoint_matches(tmp_path):
     sm = compile_cpu(meta, checkpoint=tmp_path, optim=OPT, n_mb=3)
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+
+
+def test_weights_kept_after_a_device_update_serve_the_next_load_until_the_host_copy_changes():
+    """A device update leaves the layer's new weights on the device and the next step loads them from there; new
+    weights loaded into the store from outside make those copies stale, and the next step reads the host."""
+    opt = dataclasses.replace(OPT, fused=True)
+    data = batches()
+    sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every=2)
+    dev = set(sm.schedule_for(6, 12).config.gpu_opt)
+    sm.train_step(*data[0])
+    assert dev and set(sm.executor.kept) == dev
+    for layer in dev:  # fp32 compute on the CPU: the kept copy is the updated master itself
+        assert torch.equal(sm.executor.kept_weights(layer), sm.store.master(layer))
+    new = {n: t.clone() * 0.5 for n, t in sm.state_dict().items()}
+    sm.store.load_state(new)
+    assert all(sm.executor.kept_weights(layer) is None for layer in dev)
+    ref = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2)
+    ref.store.load_state(new)
+    # a step's loss is computed from the weights it loads: the halved ones, not the kept copies
+    assert sm.train_step(*data[1]).loss == ref.train_step(*data[1]).loss
+    assert set(sm.executor.kept) == dev  # and this step's device updates keep theirs again

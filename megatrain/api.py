@@ -29,7 +29,7 @@ class PlanOptions:
     # every layer's weights still there from the forward and each layer is loaded once per step
     grad_slots: int = 2
     host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
-    gpu_opt_every: int | str = 0  # every k-th layer (of those that share no weights) is updated on the GPU;
+    gpu_opt_every: int | str = 0  # every k-th layer (of those owning weights) is updated on the GPU;
     # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search)
     wire: str = "fp32"  # weights on the wire: "fp32" (the master, cast on the device) or "bf16" (a host shadow
     # the optimizer keeps current: half the bytes per load, a host cast per update, 2 more bytes per param of RAM)

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
     p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")
     p.add_argument("--gpu-opt-every", default="0", metavar="K|auto",
-                   help="update every K-th layer (of those sharing no weights) on the GPU: its master weights and "
+                   help="update every K-th layer (of those owning weights) on the GPU: its master weights and "
                         "moments go to the device and back; 0 (default): all on the host; auto: search every 4th, "
                         "3rd and 2nd layer, each with and without the first")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")

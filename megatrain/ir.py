@@ -273,14 +273,17 @@ class Schedule:
         )
 
 
-def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int) -> tuple[dict[str, tuple], dict[str, tuple]]:
+def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
+                  shared: Callable[[int], bool] = lambda layer: False) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(reads, writes): slot role -> the content an op expects to find / leaves behind.
 
     Contents: ``("W", step, owner layer)`` weights; ``("A", step, layer, mb)`` the checkpoint at a layer's input;
     ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs;
     ``("S", step, layer)`` a layer's master weights and moments in an optimizer slot, ``("SG", step, layer)`` the
     same with the step's gradient, ``("U", step, layer)`` after its device update.
-    ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied).
+    ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied); ``shared(layer)``: another layer
+    reads this owner's weights (a tied head), whose gradient part reaches the optimizer slot first, as
+    ``("SG", step, owner, "part")``; the owner's own part completes it.
     """
     st, l, j = op.step, op.layer, op.mb
     w = ("W", st, owner(l))
@@ -306,7 +309,11 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int) -> tuple[dict[
     if k is OpKind.LOAD_ACT:
         return {}, {"a": ("A", st, l, j)}
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # into the optimizer slot its LOAD_OPT filled
-        return {"g": ("G", st, l, n_mb), "o": ("S", st, l)}, {"o": ("SG", st, l)}
+        o = owner(l)
+        if o != l:  # a tied layer's part: first into the slot
+            return {"g": ("G", st, l, n_mb), "o": ("S", st, o)}, {"o": ("SG", st, o, "part")}
+        before = ("SG", st, o, "part") if shared(o) else ("S", st, o)
+        return {"g": ("G", st, l, n_mb), "o": before}, {"o": ("SG", st, o)}
     if k is OpKind.STORE_G:
         return {"g": ("G", st, l, n_mb)}, {}
     if k is OpKind.LOAD_OPT:

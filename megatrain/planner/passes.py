@@ -137,7 +137,7 @@ def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
     on_gpu = set(cfg.gpu_opt)
     for op in s.ops:
         if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == last:
-            stream = C if op.layer in on_gpu else D2H
+            stream = C if graph.owner(op.layer) in on_gpu else D2H
             after[op.id].append(Op(ids(), OpKind.STORE_G, stream, op.step, op.layer, deps=(op.id,)))
     n = sum(len(v) for v in after.values())
     return s.with_ops(_insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores")
@@ -167,10 +167,11 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         elif op.kind is OpKind.FWD:  # above the head: its LOAD_OPT goes after the step's last forward
             first_bwd[(op.step, len(graph))] = op
     on_gpu = set(cfg.gpu_opt)
-    bad = sorted(l for l in on_gpu if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l))
+    bad = sorted(l for l in on_gpu
+                 if not 0 <= l < len(graph) or graph[l].tie is not None or len(graph.tied_to(l)) > 1)
     if bad:
-        raise ValueError(f"gpu_opt layers {bad}: only layers that own weights no other layer shares can be updated "
-                         f"on the device")
+        raise ValueError(f"gpu_opt layers {bad}: only layers that own their weights, shared with at most one other "
+                         f"layer (a tied head), can be updated on the device")
     pos = {op.id: i for i, op in enumerate(s.ops)}
     prev_store_opt: dict[int, Op] = {}  # layer -> its STORE_OPT of the step before (the host block it rewrites)
     loaded: dict[int, int] = {}  # id of a STORE_G into an optimizer slot -> the LOAD_OPT that fills the slot
@@ -178,8 +179,10 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         for l in sorted(on_gpu):
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
-            after[first_bwd[(st, l + 1)].id].append(load)
-            loaded[stores[(st, l)][-1].id] = load.id
+            top = max([l, *graph.tied_to(l)])  # the first of its layers the backward reaches
+            after[first_bwd[(st, top + 1)].id].append(load)
+            for store in stores[(st, l)]:  # the tied layer's part too
+                loaded[store.id] = load.id
         owners = [l for l in range(len(graph)) if graph[l].tie is None]
         ends = [op for (step, _), op in last_store.items() if step == st]
         last = max(ends, key=lambda op: pos[op.id])
@@ -200,12 +203,15 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     return s.with_ops(_insert_after(ops, after), f"add_optimizer: OPT {mode}{where}")
 
 
-def _opt_uses(op: Op) -> list[tuple[str, tuple, bool]]:
-    if op.kind is OpKind.LOAD_OPT:
-        return [("o", (op.step, op.layer), True)]
-    if op.kind is OpKind.STORE_OPT or (op.kind in (OpKind.OPT, OpKind.STORE_G) and op.stream is C):
-        return [("o", (op.step, op.layer), False)]
-    return []
+def _opt_uses(graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
+    def uses(op: Op) -> list[tuple[str, tuple, bool]]:
+        if op.kind is OpKind.LOAD_OPT:
+            return [("o", (op.step, op.layer), True)]
+        if op.kind is OpKind.STORE_OPT or (op.kind in (OpKind.OPT, OpKind.STORE_G) and op.stream is C):
+            return [("o", (op.step, graph.owner(op.layer)), False)]  # a tied head's gradient: its owner's slot
+        return []
+
+    return uses
 
 
 def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
@@ -213,7 +219,7 @@ def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     backward to its STORE_OPT)."""
     if not s.config.gpu_opt:
         return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
-    ops, n = _allocate(list(s.ops), _opt_uses)
+    ops, n = _allocate(list(s.ops), _opt_uses(graph))
     return s.with_ops(ops, f"assign_opt_slots: {n} optimizer slots")
 
 

@@ -81,7 +81,7 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
                n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
-    k-th layer that shares no weights is updated on the device (0: none, the default until measured on the
+    k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
     GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
@@ -110,10 +110,11 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
 
 
 def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, ...]]:
-    """Sets of layers to update on the device: every ``every``-th layer that shares no weights (0: none), or for
+    """Sets of layers to update on the device: every ``every``-th layer that owns its weights (a tied head goes with
+    its owner) (0: none), or for
     None the candidates a search tries — none, every 4th, 3rd, 2nd, each also with the first such layer (with
     clipping the next step's forward waits on that one's update first)."""
-    eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
+    eligible = [l for l in range(len(graph)) if graph[l].tie is None and len(graph.tied_to(l)) <= 1]
     if every is not None:
         return [tuple(eligible[every - 1::every]) if every else ()]
     sets = {()}

@@ -86,9 +86,9 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT) and not on_gpu:
             raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt)")
         if op.kind is OpKind.STORE_G and (graph.owner(op.layer) in cfg.gpu_opt) != (op.stream is Stream.COMPUTE):
-            want = "into its optimizer slot (compute)" if on_gpu else "to the host (d2h)"
+            want = "into its optimizer slot (compute)" if graph.owner(op.layer) in cfg.gpu_opt else "to the host (d2h)"
             raise ScheduleError("stream", op, f"layer {op.layer}'s gradient goes {want}, not on {op.stream.value}")
-        reads, writes = slot_contents(op, graph.owner, cfg.n_mb)
+        reads, writes = slot_contents(op, graph.owner, cfg.n_mb, lambda layer: bool(graph.tied_to(layer)))
         want = sorted(set(reads) | set(writes))
         have = sorted(r for r, _ in op.slots)
         if want != have:
@@ -150,7 +150,7 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     writers: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (pool, slot) -> writers in program order
     tags: dict[int, tuple[dict, dict]] = {}
     for op in s.ops:
-        tags[op.id] = slot_contents(op, graph.owner, n_mb)
+        tags[op.id] = slot_contents(op, graph.owner, n_mb, lambda layer: bool(graph.tied_to(layer)))
         for role, idx in op.slots:
             if role in tags[op.id][1]:
                 writers[(SLOT_POOL[role], idx)].append(op)

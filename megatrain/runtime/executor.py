@@ -135,7 +135,8 @@ class Executor:
         cached = self._slot_plans.get(id(schedule))
         if cached is not None and cached[0] is schedule:
             return cached[1], cached[2]
-        tags = [slot_contents(op, self.graph.owner, schedule.config.n_mb) for op in schedule.ops]
+        shared = lambda layer: bool(self.graph.tied_to(layer))  # noqa: E731
+        tags = [slot_contents(op, self.graph.owner, schedule.config.n_mb, shared) for op in schedule.ops]
         accesses: dict[tuple[str, int], list[tuple[int, bool, tuple]]] = {}
         for op in schedule.ops:
             reads, writes = tags[op.id]
@@ -212,9 +213,12 @@ class Executor:
             self.act[op.slot("a")] = self.host_act.pop((l, op.mb)).to(self.device)
         elif k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # into the optimizer slot of a device update
             src = self.g[op.slot("g")][: self.graph.weight_params(l)]
-            self._opt_block(op)[3].copy_(src)
             # and to the host row too: this executor's clipping takes the global norm over the host gradients
-            self.store.grad(l).copy_(src)
+            for dst in (self._opt_block(op)[3], self.store.grad(self.graph.owner(l))):
+                if self._first_part(l):
+                    dst.copy_(src)
+                else:  # the owner's part of a tied gradient: added to the tied layer's
+                    dst.add_(src)
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             dst = self.store.grad(o)
@@ -259,9 +263,14 @@ class Executor:
         """What LOAD_W sends: the bf16 shadow (plans with a bf16 wire) or the fp32 master (cast on the device)."""
         return self.store.shadow(owner) if self.wire == 2 else self.store.master(owner)
 
+    def _first_part(self, layer: int) -> bool:
+        """Whether a STORE_G into an optimizer slot writes (the first or only part) rather than adds: the owner's
+        own part comes last, after a tied layer's."""
+        return self.graph.owner(layer) != layer or not self.graph.tied_to(layer)
+
     def _opt_block(self, op: Op) -> torch.Tensor:
         """The (4, n) block of an optimizer slot, contiguous like the host block (copies need no staging)."""
-        n = self.graph[op.layer].params
+        n = self.graph[self.graph.owner(op.layer)].params
         return self.o[op.slot("o")][: len(ROWS) * n].view(len(ROWS), n)
 
     def _loss(self, op: Op) -> None:

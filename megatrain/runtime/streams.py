@@ -222,9 +222,13 @@ class StreamExecutor(Executor):
             self.act[op.slot("a")] = t
         elif k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # a device update's gradient: stays on the GPU
             src = self.g[op.slot("g")][: self.graph.weight_params(l)]
-            if self.optimizer.cfg.max_grad_norm is not None:
-                st.grad_norms.append(torch.linalg.vector_norm(src))
-            self._opt_block(op)[3].copy_(src)
+            row = self._opt_block(op)[3]
+            if self._first_part(l):
+                row.copy_(src)
+            else:  # the owner's part of a tied gradient, added to the tied layer's
+                row.add_(src)
+            if self.optimizer.cfg.max_grad_norm is not None and self.graph.owner(l) == l:  # complete: its norm
+                st.grad_norms.append(torch.linalg.vector_norm(row))
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             src = self.g[op.slot("g")][: self.store.grad(o).numel()]

@@ -180,7 +180,28 @@ def test_a_device_update_of_a_layer_not_in_gpu_opt_is_caught():
     _broken(Schedule(s.ops, dataclasses.replace(s.config, gpu_opt=(1,)), s.provenance), "kind")
 
 
-def test_gpu_opt_refuses_shared_weights():
+def test_gpu_opt_takes_owners_only():
     g = tiny_graph(num_hidden_layers=2, tie_word_embeddings=True)
-    with pytest.raises(ValueError, match=r"gpu_opt layers \[0\]"):
-        build_schedule(g, config(g, gpu_opt=(0,)))
+    head = len(g) - 1
+    with pytest.raises(ValueError, match=rf"gpu_opt layers \[{head}\]: only layers that own their weights"):
+        build_schedule(g, config(g, gpu_opt=(head,)))
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_a_tied_embedding_updated_on_the_device_collects_both_gradient_parts(clip):
+    """The tied head's gradient part reaches the owner's optimizer slot first (copied), the embedding's own part
+    last (added); the slot is loaded before the first part and the update waits for the last."""
+    g = tiny_graph(num_hidden_layers=3, tie_word_embeddings=True)
+    head = len(g) - 1
+    s = build_schedule(g, config(g, n_steps=2, n_mb=2, gpu_opt=(0, 2), clip=clip))
+    verify(s, g)
+    for st in range(2):
+        parts = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st and g.owner(op.layer) == 0]
+        assert [op.layer for op in parts] == [head, 0] and all(op.stream is Stream.COMPUTE for op in parts)
+        load = _find(s, OpKind.LOAD_OPT, step=st, layer=0)
+        assert {op.slot("o") for op in parts} == {load.slot("o")} and load.id < parts[0].id
+        assert _find(s, OpKind.OPT, step=st, layer=0).id > parts[1].id
+    first = next(op for op in s.ops if op.kind is OpKind.STORE_G and op.layer == head)
+    with pytest.raises(ScheduleError) as e:
+        verify(_replace(s, first, stream=Stream.D2H), g)
+    assert e.value.rule == "stream" and "into its optimizer slot" in str(e.value)

@@ -172,6 +172,26 @@ def test_device_updates_equal_host_updates_for_any_plan(every, n_mb, slots, offl
     assert all(torch.equal(host[n], t) for n, t in dev.items())
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_tied_embedding_updated_on_the_device_equals_host_updates(clip):
+    """Tied embedding and head, every layer updated on the device (the embedding too: the head's gradient part
+    goes into its optimizer slot first, the embedding's own is added): the same parameters and losses as
+    every update on the host, bit for bit."""
+    opt = dataclasses.replace(OPT, fused=True, max_grad_norm=clip)
+    data = batches()
+    runs = []
+    for k in (0, 1):
+        sm = compile_cpu(hf_model("llama", tie_word_embeddings=True), optim=opt, n_mb=2, gpu_opt_every=k)
+        assert sm.captured.tied_names
+        gpu_opt = sm.schedule_for(6, 12).config.gpu_opt
+        assert (0 in gpu_opt) == bool(k)
+        losses = [sm.train_step(*b).loss for b in data]
+        runs.append((losses, {n: t.clone() for n, t in sm.state_dict().items()}))
+    (host_losses, host), (dev_losses, dev) = runs
+    assert dev_losses == host_losses and dev_losses[0] != dev_losses[-1]
+    assert all(torch.equal(host[n], t) for n, t in dev.items())
+
+
 def test_auto_device_updates_take_the_fastest_simulated_set():
     from megatrain.planner.search import device_update_sets
     from megatrain.planner.simulate import simulate

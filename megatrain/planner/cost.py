@@ -46,6 +46,25 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
     }
 
 
+def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
+    """Bytes of each slot of each pool the schedule uses, by slot index. A weight, gradient or optimizer slot is
+    as large as the largest layer the schedule puts in it (an embedding's slot need not size every other one);
+    activation slots are all the largest checkpoint."""
+    cfg = schedule.config
+    uniform = slot_nbytes(graph, cfg)
+    per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES}
+    out: dict[str, list[int]] = {p: [] for p in POOLS}
+    for op in schedule.ops:
+        for role, idx in op.slots:
+            pool = SLOT_POOL[role]
+            sizes = out[pool]
+            if len(sizes) <= idx:
+                sizes.extend([0] * (idx + 1 - len(sizes)))
+            n = uniform["a"] if pool == "a" else graph.weight_params(op.layer) * per_param[pool]
+            sizes[idx] = max(sizes[idx], n)
+    return out
+
+
 def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     """Transient device bytes a compute op allocates beyond the slots it names."""
     lay = graph[op.layer]
@@ -128,14 +147,17 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    slot_nbytes: dict[str, int]  # one slot of each pool
-    slot_count: dict[str, int]  # slots of each pool the schedule uses
+    slot_sizes: dict[str, list[int]]  # bytes of each slot of each pool, by index
     workspace_nbytes: int  # the largest compute op's transient bytes
     kept_nbytes: int = 0  # new weights of the device-updated layers, kept for the next step's loads
 
     @property
+    def slot_count(self) -> dict[str, int]:
+        return {p: len(self.slot_sizes[p]) for p in POOLS}
+
+    @property
     def pool_nbytes(self) -> dict[str, int]:
-        return {p: self.slot_nbytes[p] * self.slot_count[p] for p in POOLS}
+        return {p: sum(self.slot_sizes[p]) for p in POOLS}
 
     @property
     def total_nbytes(self) -> int:
@@ -144,14 +166,9 @@ class DeviceMemory:
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     """Device bytes the runtime allocates for ``schedule``: its slot pools plus the largest working set."""
-    count = {p: 0 for p in POOLS}
-    for op in schedule.ops:
-        for role, idx in op.slots:
-            pool = SLOT_POOL[role]
-            count[pool] = max(count[pool], idx + 1)
     work = max((workspace_nbytes(graph, schedule.config, op) for op in schedule.ops), default=0)
     kept = sum(graph[l].params for l in schedule.config.gpu_opt) * COMPUTE_BYTES
-    return DeviceMemory(slot_nbytes(graph, schedule.config), count, work, kept)
+    return DeviceMemory(slot_sizes(graph, schedule), work, kept)
 
 
 def host_memory(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:

@@ -42,12 +42,14 @@ def _gib(x: float) -> str:
 
 
 def _min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
-    """What any schedule with ``cfg`` needs at least: its weight and grad slots, one mb's activations in and out,
-    and the largest working set."""
+    """What any schedule with ``cfg`` needs at least: a weight and a gradient slot for the largest layer, the
+    other slots for the smallest, one mb's activations in and out, and the largest working set."""
     size = slot_nbytes(graph, cfg)
+    smallest = min(graph.weight_params(i) for i in range(len(graph)))
     work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
                for l in range(len(graph)) for k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS))
-    return cfg.weight_slots * size["w"] + cfg.grad_slots * size["g"] + 2 * size["a"] + work
+    others = (cfg.weight_slots - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
+    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work
 
 
 def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, budget: int) -> None:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream
-from megatrain.planner.cost import device_memory, duration_s, host_memory, slot_nbytes, transfer_nbytes, workspace_nbytes
+from megatrain.planner.cost import device_memory, duration_s, host_memory, slot_sizes, transfer_nbytes, workspace_nbytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -190,7 +190,7 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
     """Device bytes in use over time: each slot from the start of the op that fills it to the end of the last op
     that reads that content, plus each compute op's working set while it runs."""
     cfg = schedule.config
-    size = slot_nbytes(graph, cfg)
+    size = slot_sizes(graph, schedule)
     events: list[tuple[float, int]] = []
     holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
     starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.LOAD_OPT: ("o",)}
@@ -202,15 +202,15 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
             key = (SLOT_POOL[role], idx)
             if role in fills:
                 if key in holder:
-                    events += [(holder[key][0], size[key[0]]), (holder[key][1], -size[key[0]])]
+                    events += [(holder[key][0], size[key[0]][key[1]]), (holder[key][1], -size[key[0]][key[1]])]
                 holder[key] = (start[op.id], end[op.id])
             elif key in holder:
                 holder[key] = (holder[key][0], max(holder[key][1], end[op.id]))
         w = workspace_nbytes(graph, cfg, op)
         if w:
             events += [(start[op.id], w), (end[op.id], -w)]
-    for (pool, _), (a, b) in holder.items():
-        events += [(a, size[pool]), (b, -size[pool])]
+    for (pool, idx), (a, b) in holder.items():
+        events += [(a, size[pool][idx]), (b, -size[pool][idx])]
     events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
     curve, cur = [(0.0, 0)], 0
     for t, d in events:

@@ -194,7 +194,7 @@ def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = No
     cfg = schedule.config
     mem = device_memory(graph, schedule)
     if mem.total_nbytes > cfg.budget_bytes:
-        parts = ", ".join(f"{p}: {mem.slot_count[p]} x {fmt_bytes(mem.slot_nbytes[p])}" for p in POOLS)
+        parts = ", ".join(f"{p}: {mem.slot_count[p]} slots, {fmt_bytes(mem.pool_nbytes[p])}" for p in POOLS)
         raise ScheduleError("memory", None, f"needs {fmt_bytes(mem.total_nbytes)} on the device ({parts}, working "
                             f"set {fmt_bytes(mem.workspace_nbytes)}), budget is {fmt_bytes(cfg.budget_bytes)}")
     if spec is not None and cfg.budget_bytes > spec.gpu_bytes:

@@ -53,7 +53,7 @@ class Executor:
         self.device, self.dtype = torch.device(device), compute_dtype
         self.runner = LayerRunner(captured, self.device)
         self.head_loss = head_loss  # HeadLossSpec: the head runs as the fused linear + cross-entropy kernel
-        self.slot_numel = max(self.graph.weight_params(i) for i in range(len(self.graph)))
+        self.slot_numel = max(self.graph.weight_params(i) for i in range(len(self.graph)))  # the largest layer
         self.w: list[torch.Tensor] = []
         self.g: list[torch.Tensor] = []
         self.o: list[torch.Tensor] = []  # optimizer slots: (4, n) fp32 blocks for the device updates
@@ -62,20 +62,41 @@ class Executor:
         self.kept: dict[int, tuple[torch.Tensor, int]] = {}
         self.kept_buf: dict[int, torch.Tensor] = {}
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
+        self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
 
     def _pools(self, schedule: Schedule) -> None:
-        cfg = schedule.config
-        while len(self.w) < cfg.weight_slots:
-            self.w.append(torch.empty(self.slot_numel, dtype=self.dtype, device=self.device))
-        while len(self.g) < cfg.grad_slots:
-            self.g.append(torch.empty(self.slot_numel, dtype=torch.float32, device=self.device))
-        n_o = max((i + 1 for op in schedule.ops for r, i in op.slots if r == "o"), default=0)
-        o_numel = max((self.graph[l].params for l in cfg.gpu_opt), default=0)
-        if self.o and (len(self.o) < n_o or self.o[0].numel() < len(ROWS) * o_numel):
-            self._quiesce()  # nothing may still use the old slots
-            self.o = []  # a schedule with more or larger device updates: reallocate
-        while len(self.o) < n_o:
-            self.o.append(torch.empty(len(ROWS) * o_numel, dtype=torch.float32, device=self.device))
+        """Allocate the weight, gradient and optimizer slots the schedule uses, each as large as the largest layer
+        the schedule puts in it; a slot that a later schedule needs larger is replaced once nothing uses it."""
+        sizes = self._slot_numels(schedule)
+        for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32)):
+            slots: list[torch.Tensor] = getattr(self, pool)
+            for k, n in enumerate(sizes[pool]):
+                if k < len(slots) and slots[k].numel() >= n:
+                    continue
+                if k < len(slots):
+                    self._quiesce()  # nothing may still use the old buffer
+                    slots[k] = torch.empty(n, dtype=dtype, device=self.device)
+                else:
+                    slots.append(torch.empty(n, dtype=dtype, device=self.device))
+
+    def _slot_numels(self, schedule: Schedule) -> dict[str, list[int]]:
+        """Elements of each weight (compute dtype), gradient (fp32) and optimizer (fp32, ROWS rows) slot."""
+        cached = self._numels.get(id(schedule))
+        if cached is not None and cached[0] is schedule:
+            return cached[1]
+        out: dict[str, list[int]] = {"w": [], "g": [], "o": []}
+        for op in schedule.ops:
+            for role, idx in op.slots:
+                pool = SLOT_POOL[role]
+                if pool not in out:
+                    continue
+                n = self.graph.weight_params(op.layer) * (len(ROWS) if pool == "o" else 1)
+                sizes = out[pool]
+                if len(sizes) <= idx:
+                    sizes.extend([0] * (idx + 1 - len(sizes)))
+                sizes[idx] = max(sizes[idx], n)
+        self._numels[id(schedule)] = (schedule, out)
+        return out
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int) -> StepOutput:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step."""

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from megatrain.ir import Op, OpKind, Schedule, Stream
+from megatrain.planner.cost import device_memory
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.verify import ScheduleError, verify
 
@@ -64,11 +65,11 @@ def test_exceeding_the_memory_budget_is_caught():
     s = _schedule()
     err = _broken(Schedule(s.ops, dataclasses.replace(s.config, budget_bytes=100_000), s.provenance), "memory")
     assert "budget is 97.66 KiB" in str(err)
-    # one activation written to a slot far beyond the others grows the pool past the budget
-    fwd = _find(s, OpKind.FWD, step=0, layer=1, mb=0)
-    slots = tuple((r, 1_000_000 if r == "y" else i) for r, i in fwd.slots)
-    err = _broken(_replace(s, fwd, slots=slots), "memory")
-    assert "a: 1000001 x" in str(err)
+    # the budget is exact: one byte less than the schedule's slots and working set is refused, naming the pools
+    need = device_memory(G, s).total_nbytes
+    err = _broken(Schedule(s.ops, dataclasses.replace(s.config, budget_bytes=need - 1), s.provenance), "memory")
+    assert "w: 2 slots" in str(err) and "working set" in str(err)
+    verify(Schedule(s.ops, dataclasses.replace(s.config, budget_bytes=need), s.provenance), G)
 
 
 def test_optimizing_a_layer_twice_is_caught():

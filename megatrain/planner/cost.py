@@ -46,13 +46,10 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
     }
 
 
-def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
-    """Bytes of each slot of each pool the schedule uses, by slot index. A weight, gradient or optimizer slot is
-    as large as the largest layer the schedule puts in it (an embedding's slot need not size every other one);
-    activation slots are all the largest checkpoint."""
-    cfg = schedule.config
-    uniform = slot_nbytes(graph, cfg)
-    per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES}
+def slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
+    """Parameters each weight, gradient and optimizer slot holds at most, by slot index: the largest layer the
+    schedule puts in it (an embedding's slot need not size every other one). For activation slots (``a``), the
+    number of slots, each 0 here."""
     out: dict[str, list[int]] = {p: [] for p in POOLS}
     for op in schedule.ops:
         for role, idx in op.slots:
@@ -60,9 +57,19 @@ def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
             sizes = out[pool]
             if len(sizes) <= idx:
                 sizes.extend([0] * (idx + 1 - len(sizes)))
-            n = uniform["a"] if pool == "a" else graph.weight_params(op.layer) * per_param[pool]
-            sizes[idx] = max(sizes[idx], n)
+            if pool != "a":
+                sizes[idx] = max(sizes[idx], graph.weight_params(op.layer))
     return out
+
+
+def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
+    """Bytes of each slot of each pool the schedule uses, by slot index (:func:`slot_params` at each pool's bytes
+    per parameter); activation slots are all the largest checkpoint."""
+    cfg = schedule.config
+    per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES}
+    checkpoint = slot_nbytes(graph, cfg)["a"]
+    return {p: [checkpoint if p == "a" else n * per_param[p] for n in sizes]
+            for p, sizes in slot_params(graph, schedule).items()}
 
 
 def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, format_table, slot_contents
 from megatrain.planner.capture import Captured
+from megatrain.planner.cost import slot_params
 from megatrain.runtime.optim import HostAdamW
 from megatrain.runtime.store import ROWS, HostStore
 from megatrain.runtime.templates import LayerRunner
@@ -84,17 +85,8 @@ class Executor:
         cached = self._numels.get(id(schedule))
         if cached is not None and cached[0] is schedule:
             return cached[1]
-        out: dict[str, list[int]] = {"w": [], "g": [], "o": []}
-        for op in schedule.ops:
-            for role, idx in op.slots:
-                pool = SLOT_POOL[role]
-                if pool not in out:
-                    continue
-                n = self.graph.weight_params(op.layer) * (len(ROWS) if pool == "o" else 1)
-                sizes = out[pool]
-                if len(sizes) <= idx:
-                    sizes.extend([0] * (idx + 1 - len(sizes)))
-                sizes[idx] = max(sizes[idx], n)
+        params = slot_params(self.graph, schedule)
+        out = {"w": params["w"], "g": params["g"], "o": [n * len(ROWS) for n in params["o"]]}
         self._numels[id(schedule)] = (schedule, out)
         return out
 

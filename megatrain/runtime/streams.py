@@ -61,6 +61,8 @@ class StreamExecutor(Executor):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
         self.tied_sum: dict[int, torch.Tensor] = {}  # owner -> device buffer summing a tied gradient's parts
+        # owner -> how many gradient parts a step stores for it (its own and each tied layer's), where more than one
+        self.tied = {o: 1 + len(self.graph.tied_to(o)) for o in range(len(self.graph)) if self.graph.tied_to(o)}
         self._timing: list = []
         self.steps_issued = 0
         # across steps (sync_between_steps False): (step, event) of each slot's last use and of each layer's
@@ -77,12 +79,8 @@ class StreamExecutor(Executor):
         self.futures: dict[int, Future] = {}
         self.prev_host_keep = self.host_keep  # the step before may still be copying from these (no device sync)
         self.host_keep: list[torch.Tensor] = []  # pinned host buffers in flight, kept alive for the step
-        stores: dict[int, int] = {}
-        for op in schedule.ops:
-            if op.kind is OpKind.STORE_G:
-                stores[self.graph.owner(op.layer)] = stores.get(self.graph.owner(op.layer), 0) + 1
         # what this step's optimizer ops share; worker tasks hold their own step's (the next step may be issuing)
-        self.st = _StepState(tied={o: n for o, n in stores.items() if n > 1})
+        self.st = _StepState(tied=self.tied)
         self._timing = []
         self.host_issue_s: dict[str, float] = {}  # this step's host time issuing ops, by kind (waits included)
         self.host_wait_s = 0.0  # of which: waiting for optimizer tasks

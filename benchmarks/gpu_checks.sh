@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU machine's checks and measurements, results under $1 (default gpu-results/). $2 picks a part:
-#   tests   the GPU-marked tests (streaming executor, device updates, bf16 wire, 100M parity, kernels in bf16)
-#           and the RoPE rows of the kernel benchmark;
+#   tests   the GPU-marked tests (streaming executor, device updates, bf16 wire, 100M parity, kernels in bf16);
+#   kernels the RoPE rows of the kernel benchmark;
 #   1.5b    Qwen2.5-1.5B at 16,384 tokens, one model, several plans: every update on the host vs device updates
-#           (auto / every untied layer), 3 weight slots vs one per layer, clipping on and off, 4 vs 2 micro-batches;
-#           with traces;
+#           (auto / every untied layer), 3 weight slots vs one per layer, clipping on and off, 4 vs 1 micro-batches,
+#           steps separated by a device sync or ordered by events; with traces;
 #   7b      Qwen2.5-7B at 32,768 tokens likewise (fewer variants: the model takes a minute to build);
 #   profile torch.profiler over one 1.5B step: host time by operator;
-#   all     the three in turn (over ten minutes).
+#   all     all of them in turn (over ten minutes).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
 #   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out all
 set -uo pipefail
@@ -24,21 +24,22 @@ stage() {  # stage NAME SECONDS CMD...
 }
 if [[ $part == tests || $part == all ]]; then
     stage tests 150 python3 -m pytest -q tests/gpu tests/kernels
+fi
+if [[ $part == kernels || $part == all ]]; then
     stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"
 fi
 if [[ $part == 1.5b || $part == all ]]; then
-    stage tp-1.5b 330 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 --steps 3 \
-        --variant slots=all --variant gpu_opt=auto --variant gpu_opt=auto,slots=all --variant gpu_opt=1,slots=all \
-        --variant gpu_opt=auto,slots=all,mb=2 --variant gpu_opt=auto,slots=all,mb=1 --variant clip=0 \
-        --variant clip=0,slots=all --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
-    # no device-wide sync between steps: the next forward runs under the device updates' STORE_OPT tail
-    stage tp-1.5b-nosync 150 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots all \
-        --gpu-opt-every auto --steps 3 --no-step-sync --variant mb=1 --variant gpu_opt=1 \
-        --trace "$out/trace-1.5b-nosync" --json "$out/tp-1.5b-nosync.json"
+    # a slot per layer, updates on the GPU for the planner's set (auto) / every untied layer (1) / none (0); steps
+    # separated by a device-wide sync or ordered by events only (step_sync=0: the next forward runs under the
+    # device updates' STORE_OPT tail); 4 and 1 micro-batches; clipping on and off
+    stage tp-1.5b 300 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots all \
+        --gpu-opt-every auto --steps 3 --variant step_sync=0 --variant mb=1 --variant mb=1,step_sync=0 \
+        --variant gpu_opt=1 --variant gpu_opt=1,step_sync=0 --variant gpu_opt=0 --variant clip=0,step_sync=0 \
+        --variant slots=3 --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
 fi
 if [[ $part == 7b || $part == all ]]; then
-    stage tp-7b 420 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \
-        --gpu-opt-every auto --variant clip=0 --variant gpu_opt=0 \
+    stage tp-7b 330 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \
+        --gpu-opt-every auto --variant step_sync=0 --variant clip=0 --variant clip=0,step_sync=0 \
         --trace "$out/trace-7b" --json "$out/tp-7b.json"
 fi
 if [[ $part == profile || $part == all ]]; then

@@ -47,7 +47,8 @@ def main():
     ap.add_argument("--trace", help="path prefix for the measured + simulated trace and PNG")
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
-                         "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots); repeatable; "
+                         "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync); "
+                         "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
@@ -68,13 +69,18 @@ def main():
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
-    if args.no_step_sync and hasattr(sm.executor, "sync_between_steps"):
-        sm.executor.sync_between_steps = False
+    step_sync = not args.no_step_sync
     n = sm.graph.n_params
     results, failed = [], []
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
+        if hasattr(sm.executor, "sync_between_steps"):
+            if hasattr(sm.executor, "drain"):
+                sm.executor.drain()  # the previous variant's steps finish before the ordering changes
+            sm.executor.sync_between_steps = variant.pop("step_sync", step_sync)
+        else:
+            variant.pop("step_sync", None)
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
         overrides = {**base, **variant}
         for threads in args.cpu_threads:
@@ -103,7 +109,8 @@ def slots_arg(value: str) -> int | str:
 
 
 VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
-                "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v)))}
+                "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
+                "step_sync": ("step_sync", lambda v: bool(int(v)))}
 
 
 def parse_variant(text: str) -> dict:
@@ -195,7 +202,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         res["host_wait_s"] = sm.executor.host_wait_s
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
-               f"-s{c.weight_slots}")
+               f"-s{c.weight_slots}{'' if res['sync_between_steps'] is not False else '-nosync'}")
         measured = sm.executor.timeline()
         one = simulate(sched, sm.graph, spec)
         write_trace([one, measured], f"{args.trace}-{tag}.trace.json")

@@ -6,6 +6,7 @@
 #           (auto / every untied layer), 3 weight slots vs one per layer, clipping on and off, 4 vs 1 micro-batches,
 #           steps separated by a device sync or ordered by events; with traces;
 #   7b      Qwen2.5-7B at 32,768 tokens likewise (fewer variants: the model takes a minute to build);
+#   syncs   where a steady step makes the host wait for the device (Qwen2.5-0.5B);
 #   profile torch.profiler over one 1.5B step: host time by operator;
 #   all     all of them in turn (over ten minutes).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
@@ -29,18 +30,20 @@ if [[ $part == kernels || $part == all ]]; then
     stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"
 fi
 if [[ $part == 1.5b || $part == all ]]; then
-    # a slot per layer, updates on the GPU for the planner's set (auto) / every untied layer (1) / none (0); steps
-    # separated by a device-wide sync or ordered by events only (step_sync=0: the next forward runs under the
-    # device updates' STORE_OPT tail); 4 and 1 micro-batches; clipping on and off
-    stage tp-1.5b 300 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots all \
-        --gpu-opt-every auto --steps 3 --variant step_sync=0 --variant mb=1 --variant mb=1,step_sync=0 \
-        --variant gpu_opt=1 --variant gpu_opt=1,step_sync=0 --variant gpu_opt=0 --variant clip=0,step_sync=0 \
-        --variant slots=3 --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
+    # a slot per layer, the planner's set of device updates (auto) / every other layer (2) / none (0); steps ordered
+    # by events only (the next forward runs under the device updates' STORE_OPT tail) or separated by a device-wide
+    # sync (step_sync=1); 1 and 4 micro-batches; clipping on and off
+    stage tp-1.5b 300 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 1 --slots all \
+        --gpu-opt-every auto --steps 4 --no-step-sync --variant step_sync=1 --variant gpu_opt=2 --variant mb=4 \
+        --variant mb=4,step_sync=1 --variant clip=0 --variant mb=4,clip=0 --variant gpu_opt=0 \
+        --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
 fi
 if [[ $part == 7b || $part == all ]]; then
-    stage tp-7b 330 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \
-        --gpu-opt-every auto --variant step_sync=0 --variant clip=0 --variant clip=0,step_sync=0 \
-        --trace "$out/trace-7b" --json "$out/tp-7b.json"
+    stage tp-7b 200 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \
+        --gpu-opt-every auto --no-step-sync --variant clip=0 --trace "$out/trace-7b" --json "$out/tp-7b.json"
+fi
+if [[ $part == syncs || $part == all ]]; then
+    stage syncs 100 python3 benchmarks/find_syncs.py --preset qwen2.5-0.5b --batch 4
 fi
 if [[ $part == profile || $part == all ]]; then
     stage profile-1.5b 120 python3 benchmarks/profile_step.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 \

@@ -200,6 +200,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     if hasattr(sm.executor, "host_issue_s"):  # the last step's host thread: issuing ops, and waiting within that
         res["host_issue_s"] = dict(sm.executor.host_issue_s)
         res["host_wait_s"] = sm.executor.host_wait_s
+        res["host_loss_wait_s"] = sm.executor.host_loss_wait_s
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
                f"-s{c.weight_slots}{'' if res['sync_between_steps'] is not False else '-nosync'}")
@@ -218,7 +219,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     if "host_issue_s" in res:
         issue = res["host_issue_s"]
         print(f"host thread, last step: {sum(issue.values()):.3f} s issuing ops (of which {res['host_wait_s']:.3f} s "
-              f"waiting for the optimizer worker): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(issue.items())))
+              f"waiting for the optimizer worker): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(issue.items()))
+              + f"; then {res['host_loss_wait_s']:.3f} s waiting for the losses")
     print(f"{args.preset} {res['executor']} clip={c.clip} threads={res['cpu_threads']} gpu_opt={list(c.gpu_opt)}: "
           f"{tokens} tokens/step, {step_s:.3f} s/step, "
           f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops_6nt']:.0f} TFLOPS(6NT); bound {b.step_s:.3f} s "

@@ -68,7 +68,7 @@ def _plan(args) -> int:
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
         f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "
-        + ", ".join(f"{r} {v / cfg.n_steps:.3f}" for r, v in b.busy_s.items())
+        + ", ".join(f"{r} {v:.3f}" for r, v in b.per_step_busy_s.items())
         + f"); critical path {b.critical_path_s:.3f} s for {cfg.n_steps} steps",
         f"efficiency bound / predicted = {b.step_s / steady:.2f}",
         f"device     peak {tl.peak_nbytes / GiB:.2f} GiB in use, {mem.total_nbytes / GiB:.2f} GiB reserved "

@@ -34,7 +34,7 @@ FORMAT_VERSION = 1
 
 
 class OpKind(str, enum.Enum):
-    LOAD_W = "LOAD_W"  # h2d: host weights of a layer -> weight slot
+    LOAD_W = "LOAD_W"  # h2d: host weights of a layer -> weight slot (compute: the copy a device update left)
     FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept
     LOSS = "LOSS"  # compute: forward + backward of the head+loss layer for one mb
     BWD = "BWD"  # compute: recompute forward from the checkpoint, back-propagate, accumulate grads
@@ -58,7 +58,7 @@ STREAM_ORDER = (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU)
 
 # Which stream each kind may run on.
 KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
-    OpKind.LOAD_W: (Stream.H2D,),
+    OpKind.LOAD_W: (Stream.H2D, Stream.COMPUTE),
     OpKind.FWD: (Stream.COMPUTE,),
     OpKind.LOSS: (Stream.COMPUTE,),
     OpKind.BWD: (Stream.COMPUTE,),

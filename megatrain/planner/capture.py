@@ -72,6 +72,9 @@ class Captured:
     tied_names: dict[str, str]  # extra model names that alias another parameter (tied weights)
     hidden_size: int
     vocab_size: int
+    # the embedding layer reads attention_mask only through HF's mask builders, which treat None as "no padding":
+    # a batch without padding can pass None and skip their check of the mask's values (a device-to-host sync)
+    mask_optional: bool = False
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -89,6 +92,11 @@ def _leaf_function(fn):
         dyn = {k: v for k, v in kwargs.items() if k not in const}
 
         def bound(*a, **k):
+            if "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:
+                # the runtime passes no mask only for a micro-batch without padding (see Captured.mask_optional),
+                # whose positions run 0..T-1 in every row: HF's mask builders would read them back from the device
+                # to look for packed sequences, and they use them for nothing else
+                k = {**k, "position_ids": None}
             return fn(*a, **const, **k)
 
         bound.__name__ = bound.__qualname__ = fn.__name__
@@ -309,6 +317,7 @@ def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
     segs: list[tuple[str, str, nn.Module, Any]] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     emb_graph = _subgraph(order, set(prologue) - set(placeholders), placeholders, [h0, *sides])
+    mask_optional = _only_mask_builders_read(emb_graph, "attention_mask")
     segs.append(("embed", "embedding", torch.fx.GraphModule(meta_root, emb_graph), None))
     templates: dict[str, nn.Module] = {}
     for i, c in enumerate(calls):
@@ -324,7 +333,9 @@ def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
             head_nodes, norm_nodes = epilogue, []
     g = _subgraph(order, set(head_nodes), [head_in if norm_nodes else h_last], [logits])
     segs.append(("head", "head", torch.fx.GraphModule(meta_root, g), None))
-    return _assemble(model, blocks_name, segs, [n.name for n in sides], tuple_out, act_dtype_bytes)
+    captured = _assemble(model, blocks_name, segs, [n.name for n in sides], tuple_out, act_dtype_bytes)
+    captured.mask_optional = mask_optional
+    return captured
 
 
 def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], tuple_out: bool,
@@ -389,6 +400,16 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     for seg in segments:
         seg.tuple_out = tuple_out and seg.kind == "block"
     return Captured(graph, segments, side_names, names, tied_names, hidden, vocab)
+
+
+def _only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:
+    """Whether the placeholder ``name`` is read only by HF mask builders recorded as leaf calls (see
+    :func:`_leaf_function`)."""
+    ph = next((n for n in graph.nodes if n.op == "placeholder" and n.name == name), None)
+    if ph is None:
+        return False
+    return all(u.op == "call_function" and getattr(u.target, "__module__", None) == __name__
+               and u.target.__name__.startswith("create_") and u.target.__name__.endswith("mask") for u in ph.users)
 
 
 def _numel(shape) -> int:

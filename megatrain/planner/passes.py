@@ -158,6 +158,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     stores = defaultdict(list)  # (step, owner) -> STORE_G ops
     last_store: dict[tuple[int, Stream], Op] = {}  # (step, stream) -> the step's last store on that stream
     first_bwd = {}  # (step, layer) -> the layer's first backward op (BWD or LOSS of micro-batch 0)
+    first_fwd = {}  # (step, layer) -> the layer's first forward op
     for op in s.ops:
         if op.kind is OpKind.STORE_G:
             stores[(op.step, graph.owner(op.layer))].append(op)
@@ -166,6 +167,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
             first_bwd[(op.step, op.layer)] = op
         elif op.kind is OpKind.FWD:  # above the head: its LOAD_OPT goes after the step's last forward
             first_bwd[(op.step, len(graph))] = op
+            first_fwd.setdefault((op.step, op.layer), op)
     on_gpu = set(cfg.gpu_opt)
     bad = sorted(l for l in on_gpu
                  if not 0 <= l < len(graph) or graph[l].tie is not None or len(graph.tied_to(l)) > 1)
@@ -175,12 +177,19 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     pos = {op.id: i for i, op in enumerate(s.ops)}
     prev_store_opt: dict[int, Op] = {}  # layer -> its STORE_OPT of the step before (the host block it rewrites)
     loaded: dict[int, int] = {}  # id of a STORE_G into an optimizer slot -> the LOAD_OPT that fills the slot
+    top = {l: max([l, *graph.tied_to(l)]) for l in on_gpu}  # the first of its layers the backward reaches
+    # with clipping every device update's slot is in use until after the backward anyway, so from the second step
+    # on its state loads as early as the wire allows: in the order the backward needs it, once the forward has
+    # issued its last load of a host-updated layer's weights (the other layers' weights stay on the device)
+    host_read = [l for l in range(len(graph)) if graph.owner(l) not in on_gpu]
+    early = max(max(host_read, default=0) - PREFETCH_LAYERS, 0)
     for st in range(cfg.n_steps):
-        for l in sorted(on_gpu):
+        for l in sorted(on_gpu, key=lambda l: -top[l]):
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
-            top = max([l, *graph.tied_to(l)])  # the first of its layers the backward reaches
-            after[first_bwd[(st, top + 1)].id].append(load)
+            # (the first step loads every layer's weights over the wire: its state waits for the backward)
+            anchor = first_fwd[(st, early)] if cfg.clip and st > 0 else first_bwd[(st, top[l] + 1)]
+            after[anchor.id].append(load)
             for store in stores[(st, l)]:  # the tied layer's part too
                 loaded[store.id] = load.id
         owners = [l for l in range(len(graph)) if graph[l].tie is None]
@@ -188,6 +197,11 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         last = max(ends, key=lambda op: pos[op.id])
         if not cfg.clip:  # in the order their gradients are complete
             owners.sort(key=lambda l: pos[stores[(st, l)][-1].id])
+        else:  # host updates in layer order (the next forward's); device updates, whose new weights stay on the
+            # device, in the order the next backward loads their state back (tied head first, then top down)
+            top = {l: max([l, *graph.tied_to(l)]) for l in on_gpu}
+            owners = ([l for l in owners if l not in on_gpu]
+                      + sorted((l for l in owners if l in on_gpu), key=lambda l: -top[l]))
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]
             deps = tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])
@@ -280,7 +294,10 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
             if i - ahead >= step_start[op.step]:
                 anchors.append(computes[i - ahead])
             anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else None
-            load = Op(ids(), OpKind.LOAD_W, H2D, op.step, op.layer, slots=(("w", k),),
+            # weights a device update of the step before left on the device: a device copy, on the compute stream
+            # (in the h2d queue it would wait behind optimizer-state loads that wait for the wire)
+            kept = op.step > 0 and c[1] in cfg.gpu_opt
+            load = Op(ids(), OpKind.LOAD_W, C if kept else H2D, op.step, op.layer, slots=(("w", k),),
                       deps=tuple(war) + ((opt.id,) if opt is not None else ()))
             after[anchor.id if anchor is not None else None].append(load)
             prev_load_anchor = anchor

@@ -115,12 +115,12 @@ def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, 
     """Sets of layers to update on the device: every ``every``-th layer that owns its weights (a tied head goes with
     its owner) (0: none), or for
     None the candidates a search tries — none, every 4th, 3rd, 2nd, each also with the first such layer (with
-    clipping the next step's forward waits on that one's update first)."""
+    clipping the next step's forward waits on that one's update first), and all of them."""
     eligible = [l for l in range(len(graph)) if graph[l].tie is None and len(graph.tied_to(l)) <= 1]
     if every is not None:
         return [tuple(eligible[every - 1::every]) if every else ()]
     sets = {()}
-    for k in (4, 3, 2):
+    for k in (4, 3, 2, 1):
         each = tuple(eligible[k - 1::k])
         sets |= {each, tuple(sorted({*each, *eligible[:1]}))}
     return sorted(sets)
@@ -128,7 +128,7 @@ def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, 
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
          clip: bool = True, n_steps: int = 3, **fixed) -> Plan:
-    """The fastest schedule (by simulated time over ``n_steps`` steps) among :func:`candidates` that verifies and
+    """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps) among :func:`candidates` that verifies and
     fits the device budget and the host. Raises :class:`PlanError` before building anything when nothing can fit."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
     _check_request(graph, spec, tokens, seq_len, budget)
@@ -151,7 +151,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             continue
         tl = simulate(s, graph, spec)
         tried.append((cfg, f"{tl.step_s:.4f} s/step"))
-        key = (tl.makespan_s, tl.reserved_nbytes, cfg.n_mb, cfg.weight_slots)
+        key = (round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb, cfg.weight_slots)
         if best is None or key < best[0]:
             best = (key, s, tl)
     if best is None:

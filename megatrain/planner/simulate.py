@@ -51,9 +51,13 @@ class Timeline:
 
     @property
     def steady_step_s(self) -> float:
-        """Seconds between the ends of the last two steps (the steady state); the makespan for one step."""
+        """Seconds per step in the steady state: between the ends of the first and the second-to-last step (the
+        last step's tail runs with no next step sharing the streams, so it can end early); for two steps the
+        seconds between their ends, for one the makespan."""
         ends = self.step_end_s()
-        return ends[-1] - ends[-2] if len(ends) >= 2 else ends[-1]
+        if len(ends) >= 3:
+            return (ends[-2] - ends[0]) / (len(ends) - 2)
+        return ends[-1] - ends[-2] if len(ends) == 2 else ends[-1]
 
     @property
     def peak_nbytes(self) -> int:
@@ -93,15 +97,25 @@ class Bound:
     busy_s: dict[str, float]
     critical_path_s: float
     n_steps: int
+    last_step_busy_s: dict[str, float] | None = None  # the last step's ops alone: a steady step's work
+
+    @property
+    def per_step_busy_s(self) -> dict[str, float]:
+        """Each resource's seconds in one steady step: the last step's ops (the first step of a schedule can do
+        more, e.g. load weights that later steps find on the device), or the average for a one-step schedule."""
+        if self.last_step_busy_s is not None and self.n_steps > 1:
+            return self.last_step_busy_s
+        return {r: v / self.n_steps for r, v in self.busy_s.items()}
 
     @property
     def limiter(self) -> str:
-        return max(self.busy_s, key=lambda r: self.busy_s[r])
+        busy = self.per_step_busy_s
+        return max(busy, key=lambda r: busy[r])
 
     @property
     def step_s(self) -> float:
-        """Roofline per step: the busiest resource's seconds per step."""
-        return max(self.busy_s.values()) / self.n_steps
+        """Roofline per step: the busiest resource's seconds in a steady step."""
+        return max(self.per_step_busy_s.values())
 
     @property
     def makespan_s(self) -> float:
@@ -111,20 +125,26 @@ class Bound:
 def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
     cfg = schedule.config
     busy = dict.fromkeys(RESOURCES, 0.0)
-    nbytes = 0
+    last = dict.fromkeys(RESOURCES, 0.0)
+    nbytes = last_nbytes = 0
     finish: list[float] = []
     last_on: dict[Stream, int] = {}
     for op in schedule.ops:
         d = duration_s(graph, cfg, spec, op)
         busy[op.stream.value] += d
-        nbytes += transfer_nbytes(graph, cfg, op)
+        b = transfer_nbytes(graph, cfg, op)
+        nbytes += b
+        if op.step == cfg.n_steps - 1:
+            last[op.stream.value] += d
+            last_nbytes += b
         preds = [finish[x] for x in op.deps]
         if op.stream in last_on:
             preds.append(finish[last_on[op.stream]])
         finish.append(max(preds, default=0.0) + d)
         last_on[op.stream] = op.id
     busy["pcie"] = nbytes / spec.duplex_bytes_per_s
-    return Bound(busy, max(finish, default=0.0), cfg.n_steps)
+    last["pcie"] = last_nbytes / spec.duplex_bytes_per_s
+    return Bound(busy, max(finish, default=0.0), cfg.n_steps, last)
 
 
 def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timeline:

@@ -106,8 +106,13 @@ class Executor:
         self.side: dict[int, dict] = {}
         self.stored: set[int] = set()
         self.loss_sums: list[torch.Tensor | float] = [0.0] * len(mbs)  # tensors until the step ends (no syncs)
-        self.mbs = [MicroBatch(*(t.to(self.device) for t in (mb.input_ids, mb.attention_mask, mb.next_labels)))
+        # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional):
+        # decided here, on the host copy, so the embedding layer does not read the mask back from the device
+        optional = self.runner.captured.mask_optional
+        dense = [optional and bool(mb.attention_mask.all()) for mb in mbs]
+        self.mbs = [MicroBatch(*(self._to_device(t) for t in (mb.input_ids, mb.attention_mask, mb.next_labels)))
                     for mb in mbs]
+        self.masks = [None if d else mb.attention_mask for d, mb in zip(dense, self.mbs)]
         self.denom = denom
         lr = self._begin_step()
         for op in schedule.ops:
@@ -139,7 +144,7 @@ class Executor:
             except Exception as e:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
         self._end_step()
-        sums = [float(t) for t in self.loss_sums]
+        sums = self._loss_values()
         return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
 
     def _slot_plan(self, schedule: Schedule):
@@ -168,6 +173,17 @@ class Executor:
 
     def _begin_step(self) -> float:
         return self.optimizer.begin_step()
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """An input tensor on the compute device; from pinned memory on a GPU, so the host does not wait for the
+        copy (a copy from pageable memory does)."""
+        if self.device.type != "cuda" or t.device.type != "cpu":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _loss_values(self) -> list[float]:
+        """Each micro-batch's loss sum, as floats (waits for the losses)."""
+        return [float(t) for t in self.loss_sums]
 
     def _end_step(self) -> None:
         self.optimizer.end_step()
@@ -211,7 +227,7 @@ class Executor:
                 if l == 0:
                     mb = self.mbs[op.mb]
                     h, self.side[op.mb] = self.runner.run(0, self._weights(op),
-                                                          (mb.input_ids, mb.attention_mask))
+                                                          (mb.input_ids, self.masks[op.mb]))
                 else:
                     h = self.runner.run(l, self._weights(op), self.act[op.slot("x")], self.side[op.mb])
             self.act[op.slot("y")] = h
@@ -328,7 +344,7 @@ class Executor:
         with torch.enable_grad():
             if op.layer == 0:
                 mb = self.mbs[op.mb]
-                h, _ = self.runner.run(0, flat, (mb.input_ids, mb.attention_mask), grad_views=views)
+                h, _ = self.runner.run(0, flat, (mb.input_ids, self.masks[op.mb]), grad_views=views)
                 dws = torch.autograd.grad(h, [v for *_, v in views], dy, allow_unused=True)
             else:
                 x = self.act[op.slot("x")].detach().requires_grad_()

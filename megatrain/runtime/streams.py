@@ -71,6 +71,8 @@ class StreamExecutor(Executor):
         self.store_opt_done: dict[int, tuple[int, torch.cuda.Event]] = {}
         self.kept_done: dict[int, tuple[int, torch.cuda.Event]] = {}  # layer -> its device update's OPT
         self.host_keep: list[torch.Tensor] = []
+        self.loss_host: torch.Tensor | None = None  # pinned: the step's loss sums, copied right after its last LOSS
+        self.loss_copied: torch.cuda.Event | None = None
 
     # ---- step ---------------------------------------------------------------------------------------------
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True) -> StepOutput:
@@ -84,6 +86,7 @@ class StreamExecutor(Executor):
         self._timing = []
         self.host_issue_s: dict[str, float] = {}  # this step's host time issuing ops, by kind (waits included)
         self.host_wait_s = 0.0  # of which: waiting for optimizer tasks
+        self.host_loss_wait_s = 0.0  # after issuing: waiting for the losses
         if self.sync_between_steps:
             torch.cuda.synchronize(self.device)
         self.t0_event = torch.cuda.Event(enable_timing=True)
@@ -117,6 +120,28 @@ class StreamExecutor(Executor):
     def _end_step(self) -> None:
         self.worker.submit(self.optimizer.end_step)
         self.steps_issued += 1
+
+    def _copy_losses(self) -> None:
+        """Right after the step's last LOSS: its loss sums to pinned host memory, on the compute stream. Reading
+        them at the step's end then waits for this copy alone; a read issued there would queue behind the step's
+        optimizer-state stores on the device-to-host copy engine."""
+        n = len(self.loss_sums)
+        if self.loss_host is None or self.loss_host.numel() != n:
+            self.loss_host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        sums = torch.stack([t.float().reshape(()) if isinstance(t, torch.Tensor)
+                            else torch.tensor(float(t), device=self.device) for t in self.loss_sums])
+        self.loss_host.copy_(sums, non_blocking=True)
+        self.loss_copied = torch.cuda.Event()
+        self.loss_copied.record()
+
+    def _loss_values(self) -> list[float]:
+        if self.loss_copied is None:
+            return super()._loss_values()
+        t = time.perf_counter()
+        self.loss_copied.synchronize()
+        self.host_loss_wait_s = time.perf_counter() - t
+        self.loss_copied = None
+        return self.loss_host.tolist()
 
     # ---- issuing ------------------------------------------------------------------------------------------
     def _issue(self, op: Op) -> None:
@@ -176,6 +201,8 @@ class StreamExecutor(Executor):
             start.record(stream)
             self._execute(op)
             end.record(stream)
+            if op.kind is OpKind.LOSS and op.mb == len(self.loss_sums) - 1:
+                self._copy_losses()
         self.events[op.id] = end
         self._timing.append((op, (start, end)))
         if not self.sync_between_steps:

@@ -134,14 +134,17 @@ def test_device_updates_build_and_verify_in_both_modes():
 
 
 def test_loading_weights_before_the_device_update_is_done_is_caught():
-    """The next step loads a device-updated layer from the new weights its OPT left on the device: the load
-    waits for that OPT (not for the STORE_OPT that copies them to the host)."""
+    """The next step loads a device-updated layer from the new weights its OPT left on the device: a device copy on
+    the compute stream, after that OPT in stream order (not after the STORE_OPT that copies them to the host);
+    the same load over the h2d stream without a dependency on the OPT is caught."""
     s = _gpu_schedule()
     load = _find(s, OpKind.LOAD_W, step=1, layer=1)
     opt = _find(s, OpKind.OPT, step=0, layer=1)
-    assert opt.stream is Stream.COMPUTE and opt.id in load.deps
+    assert opt.stream is Stream.COMPUTE and load.stream is Stream.COMPUTE and opt.id < load.id
     assert _find(s, OpKind.STORE_OPT, step=0, layer=1).id not in load.deps
-    err = _broken(_replace(s, load, deps=tuple(d for d in load.deps if d != opt.id)), "load-after-opt")
+    assert _find(s, OpKind.LOAD_W, step=1, layer=2).stream is Stream.H2D  # a host-updated layer: over the wire
+    moved = _replace(s, load, stream=Stream.H2D, deps=tuple(d for d in load.deps if d != opt.id))
+    err = _broken(moved, "load-after-opt")
     assert "OPT s0 L1 @compute" in str(err)
 
 
@@ -158,7 +161,10 @@ def test_reusing_an_optimizer_slot_too_early_is_caught():
 
 def test_a_device_update_before_every_gradient_is_stored_is_caught():
     s = _gpu_schedule(clip=True)  # clipping: the update needs the global norm, so every gradient of the step
-    opt = _find(s, OpKind.OPT, step=0, layer=1)  # the first device update (the later ones follow it in stream order)
+    # the first device update in program order (the later ones follow it in stream order): with clipping, the
+    # device updates go in the order the next backward loads their state back, top layer first
+    opt = next(op for op in s.ops if op.kind is OpKind.OPT and op.step == 0 and op.stream is Stream.COMPUTE)
+    assert opt.layer == 3
     _broken(_replace(s, opt, deps=()), "store-before-opt")
 
 

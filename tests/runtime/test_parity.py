@@ -95,6 +95,29 @@ def test_hf_family_matches_plain_pytorch(family):
         assert torch.equal(p, q), n
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_micro_batch_without_padding_passes_no_mask(family):
+    """HF's mask builders read a mask's values to decide whether sdpa can run plain causal (a device-to-host sync
+    in every forward on the GPU); a micro-batch without padding passes None instead, which they treat alike. The
+    padded micro-batches of `batches()` still pass theirs (their results are compared in the test above)."""
+    sm = compile_cpu(hf_model(family), optim=OPT, n_mb=3, weight_slots=2)
+    runner = sm.executor.runner
+    assert runner.captured.mask_optional
+    seen = []
+    run = runner.run
+
+    def spy(i, flat, x, *a, **k):
+        if i == 0:
+            seen.append(None if x[1] is None else int((x[1] == 0).sum()))
+        return run(i, flat, x, *a, **k)
+
+    runner.run = spy
+    ids, mask, labels = batches(n_steps=1)[0]  # rows 1 and 4 padded: micro-batches 0 and 2
+    sm.train_step(ids, mask, labels)
+    assert seen and set(seen) == {None, 3, 6}
+    assert all(v is None for j, v in enumerate(seen) if j % 3 == 1)  # forward and backward of micro-batch 1
+
+
 def test_plain_decoder_module_matches_plain_pytorch():
     torch.manual_seed(0)
     model = TinyGPT(tied=False)

@@ -17,6 +17,8 @@ import warnings
 
 import torch
 
+from megatrain.api import gpu_opt_every
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -25,24 +27,15 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--mb", type=int, default=1)
     ap.add_argument("--slots", default="all")
-    ap.add_argument("--gpu-opt-every", default="auto")
+    ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default="auto")
     ap.add_argument("--no-clip", action="store_true")
     ap.add_argument("--step-sync", action="store_true", help="keep the device-wide sync between steps")
     ap.add_argument("--steps", type=int, default=2, help="steps watched, after two unwatched ones")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+    from benchmarks.streamed import build
 
-    import megatrain
-    from benchmarks.peers.common import hf_config
-    from megatrain.api import gpu_opt_every
-
-    cfg = hf_config(args.preset, args.seq)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else 1.0)
-    sm = megatrain.compile(model, init_seed=0, device="cuda", optim=optim, n_mb=args.mb,
-                           weight_slots=args.slots if args.slots == "all" else int(args.slots),
-                           gpu_opt_every=gpu_opt_every(args.gpu_opt_every))
+    sm, cfg = build(args.preset, args.seq, n_mb=args.mb, slots=args.slots, gpu_opt_every=args.gpu_opt_every,
+                    clip=not args.no_clip)
     sm.overlap_steps = True
     sm.executor.sync_between_steps = args.step_sync
     gen = torch.Generator().manual_seed(0)

@@ -34,13 +34,13 @@ if [[ $part == 1.5b || $part == all ]]; then
     # by events only (the next forward runs under the device updates' STORE_OPT tail) or separated by a device-wide
     # sync (step_sync=1); 1 and 4 micro-batches; clipping on and off
     stage tp-1.5b 300 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 1 --slots all \
-        --gpu-opt-every auto --steps 4 --no-step-sync --variant step_sync=1 --variant gpu_opt=2 --variant mb=4 \
+        --gpu-opt-every auto --steps 4 --variant step_sync=1 --variant gpu_opt=2 --variant mb=4 \
         --variant mb=4,step_sync=1 --variant clip=0 --variant mb=4,clip=0 --variant gpu_opt=0 \
         --trace "$out/trace-1.5b" --json "$out/tp-1.5b.json"
 fi
 if [[ $part == 7b || $part == all ]]; then
     stage tp-7b 200 python3 benchmarks/throughput.py --preset qwen2.5-7b --batch 32 --mb 4 --slots all --steps 3 \
-        --gpu-opt-every auto --no-step-sync --variant clip=0 --trace "$out/trace-7b" --json "$out/tp-7b.json"
+        --gpu-opt-every auto --variant clip=0 --trace "$out/trace-7b" --json "$out/tp-7b.json"
 fi
 if [[ $part == syncs || $part == all ]]; then
     stage syncs 100 python3 benchmarks/find_syncs.py --preset qwen2.5-0.5b --batch 4

@@ -29,18 +29,11 @@ def main():
     ap.add_argument("--trace", help="write the profiler's Chrome trace here")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoModelForCausalLM
 
-    import megatrain
-    from benchmarks.peers.common import hf_config
+    from benchmarks.streamed import build
 
-    cfg = hf_config(args.preset, args.seq)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else 1.0)
-    sm = megatrain.compile(model, init_seed=0, device="cuda", optim=optim, n_mb=args.mb,
-                           weight_slots=args.slots if args.slots == "all" else int(args.slots),
-                           gpu_opt_every=args.gpu_opt_every)
+    sm, cfg = build(args.preset, args.seq, n_mb=args.mb, slots=args.slots, gpu_opt_every=args.gpu_opt_every,
+                    clip=not args.no_clip)
     gen = torch.Generator().manual_seed(0)
     batch = lambda: torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)  # noqa: E731
     for _ in range(args.warmup):

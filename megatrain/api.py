@@ -190,6 +190,10 @@ class StreamedModel:
 
     # ---- weights ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current master weights by parameter name (views into the host store). With ``overlap_steps`` the
+        last step's updates may still be running: they finish first."""
+        if hasattr(self.executor, "drain"):
+            self.executor.drain()
         return self.store.state_dict()
 
     @torch.no_grad()

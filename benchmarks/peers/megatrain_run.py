@@ -17,8 +17,8 @@ def main():
     ap.add_argument("--device", default=None, help="default: cuda when present")
     ap.add_argument("--cpu-threads", type=int, default=None, help="host threads for AdamW (default: torch's)")
     ap.add_argument("--slots", default="3", help="weight slots, or all (one per layer)")
-    ap.add_argument("--no-step-sync", action="store_true",
-                    help="order steps by events only, no device-wide sync between steps")
+    ap.add_argument("--step-sync", action="store_true",
+                    help="a device-wide sync between steps (default: steps ordered by events only)")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
                     help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
     ap.add_argument("--json")
@@ -39,10 +39,10 @@ def main():
         res.notes = (f"kernels: {sorted(sm.kernels)}; executor: {type(sm.executor).__name__}; AdamW threads: "
                      f"{args.cpu_threads or torch.get_num_threads()}; layers updated on the GPU: every "
                      f"{args.gpu_opt_every or 'none'}; weight slots: {args.slots}; "
-                     f"device sync between steps: {not args.no_step_sync}")
+                     f"device sync between steps: {args.step_sync}")
         sm.overlap_steps = sm.device.type == "cuda"  # a step's optimizer tail overlaps the next step's start
-        if args.no_step_sync and hasattr(sm.executor, "sync_between_steps"):
-            sm.executor.sync_between_steps = False
+        if hasattr(sm.executor, "sync_between_steps"):
+            sm.executor.sync_between_steps = args.step_sync
         return (lambda ids, nxt, denom: sm.train_step(ids).loss), getattr(sm.executor, "drain", lambda: None)
 
     run_peer(res, args, cfg, t0, setup)

@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--cpu-threads", type=int, default=None, help="megatrain's host AdamW threads")
     ap.add_argument("--gpu-opt-every", default="0", help="megatrain: update every k-th layer on the GPU, or auto")
     ap.add_argument("--slots", default="3", help="megatrain: weight slots, or all (one per layer)")
-    ap.add_argument("--no-step-sync", action="store_true", help="megatrain: no device-wide sync between steps")
+    ap.add_argument("--step-sync", action="store_true", help="megatrain: a device-wide sync between steps")
     ap.add_argument("--out", default="peer-results")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -83,7 +83,7 @@ def main():
             cmd += (["--meta"] if args.meta else []) + (["--cpu-threads", str(args.cpu_threads)]
                                                          if args.cpu_threads else [])
             cmd += ["--gpu-opt-every", str(args.gpu_opt_every), "--slots", str(args.slots)]
-            cmd += ["--no-step-sync"] if args.no_step_sync else []
+            cmd += ["--step-sync"] if args.step_sync else []
         print("$", " ".join(cmd), flush=True)
         code, text, why = run_watched(cmd, args.timeout, int(args.reserve_gib * GIB))
         if why or code != 0 or not os.path.exists(path):

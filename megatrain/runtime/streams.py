@@ -5,9 +5,9 @@ record an event; a dependency on a GPU op is a ``wait_event`` on the issuing str
 GPU. ``cpu`` ops (AdamW on a layer's host block) go to one worker thread, which first waits for the events of the
 GPU ops they depend on; a GPU op that depends on a ``cpu`` op (the next step's weight load) makes the host wait for
 that worker task before issuing it. Across ``run`` calls, a layer's first load of a step waits for the layer's
-optimizer task of the previous step, so steps overlap without a barrier. Between steps the device is synchronized
-(``sync_between_steps``), or, with that off, only the ops that rewrite a slot or load a layer's host copy wait, on
-the GPU, for the earlier step's ops they conflict with.
+optimizer task of the previous step, so steps overlap without a barrier: only the ops that rewrite a slot or load a
+layer's host copy wait, on the GPU, for the earlier step's ops they conflict with (or, with ``sync_between_steps``,
+the whole device is synchronized before a step).
 
 Every op is timed with CUDA events (GPU) or the host clock (cpu ops); :meth:`StreamExecutor.timeline` returns the
 last step as a measured :class:`~megatrain.planner.simulate.Timeline`, comparable with the simulation.
@@ -47,9 +47,9 @@ class StreamExecutor(Executor):
     # Between steps: True waits for the whole device (the previous step's last transfers included) before issuing
     # the next step. False orders only what needs it, on the GPU: an op that writes a slot waits for the previous
     # step's last use of that slot, and a load of a layer updated on the device waits for the STORE_OPT that wrote
-    # its host copy; the next step's forward then runs under the previous step's STORE_OPT tail. Not yet measured
-    # on the GPU: True until it is.
-    sync_between_steps = True
+    # its host copy; the next step's forward then runs under the previous step's STORE_OPT tail (measured on the
+    # H200 with the planner's ordering of device updates: faster, bit-identical results; docs/benchmarks.md).
+    sync_between_steps = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

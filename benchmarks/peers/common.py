@@ -161,9 +161,9 @@ class StepTimer:
 def run_peer(res: Result, args, cfg, t0: float, setup: Callable[[], Callable | tuple[Callable, Callable]]) -> None:
     """``setup()`` builds the system and returns ``step(ids, next_labels, denom) -> loss``, or ``(step, drain)``
     for a system whose step may return before its optimizer work ends (``drain()`` waits for it). Each step of the
-    shared batches is timed; the step time reported is the wall time of the steps after the first, up to the end of
-    the last one's optimizer, divided by their number. Running out of GPU or host memory (setup included) is
-    recorded as the result."""
+    shared batches is timed; the step time reported is the wall time of the steps after the first (which is
+    finished, optimizer included, before they start), up to the end of the last one's optimizer, divided by their
+    number. Running out of GPU or host memory (setup included) is recorded as the result."""
     cuda = torch.cuda.is_available()
     try:
         made = setup()
@@ -179,7 +179,7 @@ def run_peer(res: Result, args, cfg, t0: float, setup: Callable[[], Callable | t
                 t_timed = time.perf_counter()
             with StepTimer() as t:
                 loss = step(ids, nxt, denom)
-                if i == len(data) - 1:
+                if i in (0, len(data) - 1):  # the warm-up step's optimizer tail is not timed; the last one's is
                     drain()
             res.step_times_s.append(t.t)
             res.losses.append(loss)

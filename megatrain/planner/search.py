@@ -128,8 +128,9 @@ def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, 
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
          clip: bool = True, n_steps: int = 3, **fixed) -> Plan:
-    """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps) among :func:`candidates` that verifies and
-    fits the device budget and the host. Raises :class:`PlanError` before building anything when nothing can fit."""
+    """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps) among
+    :func:`candidates` that verifies and fits the device budget and the host. Raises :class:`PlanError` before
+    building anything when nothing can fit."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
     _check_request(graph, spec, tokens, seq_len, budget)
     tried: list[tuple[ScheduleConfig, str]] = []

@@ -85,10 +85,16 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     return 0
 
 
+def weights_kept(cfg: ScheduleConfig, step: int, owner: int) -> bool:
+    """Whether step ``step`` finds ``owner``'s weights on the device, left there by its device update of the step
+    before (the first step of a run has no such copy and loads from the host)."""
+    return step > 0 and owner in cfg.gpu_opt
+
+
 def loads_from_device(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> bool:
-    """A LOAD_W of weights its layer's device update of the step before left on the device: a device copy, no
-    PCIe bytes (the first step of a run has no such copy and loads from the host)."""
-    return op.kind is OpKind.LOAD_W and op.step > 0 and graph.owner(op.layer) in cfg.gpu_opt
+    """A LOAD_W of weights a device update kept on the device (:func:`weights_kept`): a device copy, no PCIe
+    bytes."""
+    return op.kind is OpKind.LOAD_W and weights_kept(cfg, op.step, graph.owner(op.layer))
 
 
 def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:

@@ -12,6 +12,7 @@ from collections import defaultdict, deque
 from typing import Callable, Iterable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
+from megatrain.planner.cost import weights_kept
 from megatrain.planner.graph import LayerGraph
 
 C, H2D, D2H, CPU = Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU
@@ -151,7 +152,8 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     step's forward can start on the first layers while the rest update. Otherwise: as soon as the layer's gradients
     (its own and a tied layer's) are stored, overlapping the backward. A device update's LOAD_OPT (master weights
     and moments, which the step's gradients do not change) goes after the first backward op of the layer above, so
-    it loads while the backward works its way down and the gradient can go straight into the optimizer slot.
+    it loads while the backward works its way down and the gradient can go straight into the optimizer slot; with
+    clipping, from the second step on, earlier (see below).
     """
     cfg = s.config
     ids, after = _Ids(s.ops), defaultdict(list)
@@ -199,7 +201,6 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
             owners.sort(key=lambda l: pos[stores[(st, l)][-1].id])
         else:  # host updates in layer order (the next forward's); device updates, whose new weights stay on the
             # device, in the order the next backward loads their state back (tied head first, then top down)
-            top = {l: max([l, *graph.tied_to(l)]) for l in on_gpu}
             owners = ([l for l in owners if l not in on_gpu]
                       + sorted((l for l in owners if l in on_gpu), key=lambda l: -top[l]))
         for l in owners:
@@ -229,8 +230,7 @@ def _opt_uses(graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]
 
 
 def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT during the
-    backward to its STORE_OPT)."""
+    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT to its STORE_OPT)."""
     if not s.config.gpu_opt:
         return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
     ops, n = _allocate(list(s.ops), _opt_uses(graph))
@@ -296,8 +296,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
             anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else None
             # weights a device update of the step before left on the device: a device copy, on the compute stream
             # (in the h2d queue it would wait behind optimizer-state loads that wait for the wire)
-            kept = op.step > 0 and c[1] in cfg.gpu_opt
-            load = Op(ids(), OpKind.LOAD_W, C if kept else H2D, op.step, op.layer, slots=(("w", k),),
+            load = Op(ids(), OpKind.LOAD_W, C if weights_kept(cfg, op.step, c[1]) else H2D, op.step, op.layer, slots=(("w", k),),
                       deps=tuple(war) + ((opt.id,) if opt is not None else ()))
             after[anchor.id if anchor is not None else None].append(load)
             prev_load_anchor = anchor

@@ -244,10 +244,7 @@ class Executor:
             src = self.g[op.slot("g")][: self.graph.weight_params(l)]
             # and to the host row too: this executor's clipping takes the global norm over the host gradients
             for dst in (self._opt_block(op)[3], self.store.grad(self.graph.owner(l))):
-                if self._first_part(l):
-                    dst.copy_(src)
-                else:  # the owner's part of a tied gradient: added to the tied layer's
-                    dst.add_(src)
+                self._put_part(dst, src, l)
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             dst = self.store.grad(o)
@@ -292,10 +289,13 @@ class Executor:
         """What LOAD_W sends: the bf16 shadow (plans with a bf16 wire) or the fp32 master (cast on the device)."""
         return self.store.shadow(owner) if self.wire == 2 else self.store.master(owner)
 
-    def _first_part(self, layer: int) -> bool:
-        """Whether a STORE_G into an optimizer slot writes (the first or only part) rather than adds: the owner's
-        own part comes last, after a tied layer's."""
-        return self.graph.owner(layer) != layer or not self.graph.tied_to(layer)
+    def _put_part(self, dst: torch.Tensor, src: torch.Tensor, layer: int) -> None:
+        """A STORE_G into an optimizer slot: the first or only part of the gradient is written, the owner's own
+        part of a tied gradient (which comes last, after the tied layer's) added."""
+        if self.graph.owner(layer) != layer or not self.graph.tied_to(layer):
+            dst.copy_(src)
+        else:
+            dst.add_(src)
 
     def _opt_block(self, op: Op) -> torch.Tensor:
         """The (4, n) block of an optimizer slot, contiguous like the host block (copies need no staging)."""

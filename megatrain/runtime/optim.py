@@ -90,8 +90,7 @@ class HostAdamW:
     def _clip_coefficient(self) -> float:
         if self._coef is None and self._norm_override is not None:
             self.last_grad_norm = self._norm_override
-            self._coef = 1.0 if self.cfg.max_grad_norm is None else min(
-                1.0, self.cfg.max_grad_norm / (self._norm_override + 1e-6))
+            self._coef = self.clip_factor(self._norm_override)
         if self._coef is None:
             # per parameter, in the model's order, as torch.nn.utils.clip_grad_norm_ groups it
             norms = torch.stack([torch.linalg.vector_norm(g, 2) for g in self.grad_views])

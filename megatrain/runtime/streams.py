@@ -32,10 +32,8 @@ BUFFER_POOLS = ("w", "g", "o")  # pools of buffers allocated once and rewritten 
 
 @dataclass
 class _StepState:
-    """Per step: the owners whose gradient arrives in several parts (tied weights) and how many, the
-    per-gradient norms taken on the GPU before each store, the global norm once known, and the tied parts summed
-    so far."""
-    tied: dict[int, int]
+    """Per step: the per-gradient norms taken on the GPU before each store, the global norm once known, and the
+    parts of each tied gradient summed so far."""
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     norm: float | None = None
     tied_parts: dict[int, int] = field(default_factory=dict)
@@ -82,7 +80,7 @@ class StreamExecutor(Executor):
         self.prev_host_keep = self.host_keep  # the step before may still be copying from these (no device sync)
         self.host_keep: list[torch.Tensor] = []  # pinned host buffers in flight, kept alive for the step
         # what this step's optimizer ops share; worker tasks hold their own step's (the next step may be issuing)
-        self.st = _StepState(tied=self.tied)
+        self.st = _StepState()
         self._timing = []
         self.host_issue_s: dict[str, float] = {}  # this step's host time issuing ops, by kind (waits included)
         self.host_wait_s = 0.0  # of which: waiting for optimizer tasks
@@ -128,8 +126,7 @@ class StreamExecutor(Executor):
         n = len(self.loss_sums)
         if self.loss_host is None or self.loss_host.numel() != n:
             self.loss_host = torch.empty(n, dtype=torch.float32, pin_memory=True)
-        sums = torch.stack([t.float().reshape(()) if isinstance(t, torch.Tensor)
-                            else torch.tensor(float(t), device=self.device) for t in self.loss_sums])
+        sums = torch.stack([t.float().reshape(()) for t in self.loss_sums])  # every LOSS has run: all tensors
         self.loss_host.copy_(sums, non_blocking=True)
         self.loss_copied = torch.cuda.Event()
         self.loss_copied.record()
@@ -248,17 +245,14 @@ class StreamExecutor(Executor):
         elif k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # a device update's gradient: stays on the GPU
             src = self.g[op.slot("g")][: self.graph.weight_params(l)]
             row = self._opt_block(op)[3]
-            if self._first_part(l):
-                row.copy_(src)
-            else:  # the owner's part of a tied gradient, added to the tied layer's
-                row.add_(src)
+            self._put_part(row, src, l)
             if self.optimizer.cfg.max_grad_norm is not None and self.graph.owner(l) == l:  # complete: its norm
                 st.grad_norms.append(torch.linalg.vector_norm(row))
         elif k is OpKind.STORE_G:
             o = self.graph.owner(l)
             src = self.g[op.slot("g")][: self.store.grad(o).numel()]
             clip = self.optimizer.cfg.max_grad_norm is not None
-            if o in st.tied:  # tied weights: the parts are summed on the GPU, the sum goes to the host once
+            if o in self.tied:  # tied weights: the parts are summed on the GPU, the sum goes to the host once
                 buf = self.tied_sum.get(o)
                 if buf is None:
                     buf = self.tied_sum[o] = torch.empty(src.numel(), dtype=torch.float32, device=self.device)
@@ -268,7 +262,7 @@ class StreamExecutor(Executor):
                     return
                 buf.add_(src)
                 st.tied_parts[o] += 1
-                if st.tied_parts[o] < st.tied[o]:
+                if st.tied_parts[o] < self.tied[o]:
                     return
                 src = buf
             if clip:

@@ -1,18 +1,65 @@
-"""Where the host thread's time goes in one streamed training step: torch.profiler over one step after warm-up.
+"""Where the host thread's time goes in streamed training steps: torch.profiler over steps after warm-up.
 
-    PYTHONPATH=. python3 benchmarks/profile_step.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3
+    PYTHONPATH=. python3 benchmarks/profile_step.py --preset qwen2.5-1.5b --batch 16 --mb 1 --slots all \
+        --gpu-opt-every auto --steps 2
 
-Prints the operators with the most host (self CPU) time and the GPU kernels with the most device time, and writes
-the profiler's Chrome trace with --trace.
+Each op the executor issues is a profiler range named after it (``OPT L12 mb0``), so the slowest ops to issue and
+the CUDA runtime calls that made them slow show up by name. Steps overlap as in training (a step's device updates
+run on under the next step's start) unless --step-sync. Prints the operators with the most host (self CPU) time,
+the GPU kernels with the most device time and the ops that took longest to issue, and writes the profiler's Chrome
+trace with --trace.
 """
 
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 
 import torch
 
 from megatrain.api import gpu_opt_every
+
+
+@contextmanager
+def op_ranges(executor):
+    """Every op ``executor`` issues wrapped in a profiler range named after it (benchmark instrumentation)."""
+    from torch.profiler import record_function
+
+    issue = executor._issue
+
+    def labelled(op):
+        with record_function(f"{op.kind.value} L{op.layer} mb{op.mb}"):
+            issue(op)
+
+    executor._issue = labelled
+    try:
+        yield
+    finally:
+        del executor._issue
+
+
+def slow_issues(prof, rows: int, min_ms: float = 1.0) -> list[str]:
+    """The op ranges that took longest on the host, each with its slowest CUDA runtime calls."""
+    from torch.autograd import DeviceType
+
+    from megatrain.ir import OpKind
+
+    kinds = tuple(k.value + " " for k in OpKind)
+    # the host side of each range (the profiler also shows each range on the GPU, from its first kernel to its last)
+    ranges = [e for e in prof.events() if e.name.startswith(kinds) and e.device_type == DeviceType.CPU]
+    ranges.sort(key=lambda e: -e.time_range.elapsed_us())
+    out = []
+    for e in ranges[:rows]:
+        calls = []
+        stack = list(e.cpu_children)
+        while stack:
+            c = stack.pop()
+            if c.name.startswith("cuda") and c.time_range.elapsed_us() >= min_ms * 1e3:
+                calls.append(f"{c.name} {c.time_range.elapsed_us() / 1e3:.1f} ms")
+            stack.extend(c.cpu_children)
+        out.append(f"{e.time_range.elapsed_us() / 1e3:8.2f} ms  {e.name}" + (f"  [{', '.join(calls)}]" if calls
+                                                                              else ""))
+    return out
 
 
 def main():
@@ -24,7 +71,9 @@ def main():
     ap.add_argument("--slots", default="3")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0)
     ap.add_argument("--no-clip", action="store_true")
+    ap.add_argument("--step-sync", action="store_true", help="a device-wide sync between steps")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2, help="steps profiled (consecutive, overlapping)")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--trace", help="write the profiler's Chrome trace here")
     args = ap.parse_args()
@@ -34,13 +83,24 @@ def main():
 
     sm, cfg = build(args.preset, args.seq, n_mb=args.mb, slots=args.slots, gpu_opt_every=args.gpu_opt_every,
                     clip=not args.no_clip)
+    streaming = hasattr(sm.executor, "drain")
+    sm.overlap_steps = streaming
+    if streaming:
+        sm.executor.sync_between_steps = args.step_sync
     gen = torch.Generator().manual_seed(0)
     batch = lambda: torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)  # noqa: E731
     for _ in range(args.warmup):
         sm.train_step(batch())
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        sm.train_step(batch())
-        if hasattr(sm.executor, "drain"):
+    if streaming:
+        sm.executor.drain()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, op_ranges(sm.executor):
+        for _ in range(args.steps):
+            st = sm.train_step(batch())
+            print(f"step: {st.seconds:.3f} s on the host, loss {st.loss:.4f}")
+            if streaming:
+                print("  host issue s by kind: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in sorted(sm.executor.host_issue_s.items(), key=lambda kv: -kv[1])))
+        if streaming:
             sm.executor.drain()
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
@@ -48,6 +108,8 @@ def main():
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows))
     except (KeyError, AttributeError, RuntimeError):  # older torch names it after CUDA
         print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    print("ops slowest to issue (host), with CUDA runtime calls of 1 ms or more:")
+    print("\n".join(slow_issues(prof, args.rows)))
     if args.trace:
         prof.export_chrome_trace(args.trace)
 

@@ -93,15 +93,23 @@ class StreamedModel:
             self.executor = StreamExecutor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         else:
             self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
-        self._schedules: dict[tuple, Schedule] = {}
+        self._schedules: dict[tuple, tuple[Schedule, Schedule]] = {}  # plan key -> (first step, the steps after)
         self.step = 0
         # streams: let a step's optimizer tasks run on while the next step starts (each layer's next load waits for
         # its own update); train_step then returns before the step's weights are all updated
         self.overlap_steps = False
 
     # ---- planning -----------------------------------------------------------------------------------------
-    def schedule_for(self, batch_size: int, seq_len: int, **overrides) -> Schedule:
-        """The verified schedule for a step of ``batch_size`` sequences of ``seq_len`` tokens (cached)."""
+    def schedule_for(self, batch_size: int, seq_len: int, *, continues: bool = False, **overrides) -> Schedule:
+        """The verified schedule for a step of ``batch_size`` sequences of ``seq_len`` tokens (cached).
+        ``continues``: the schedule of a step that follows one of the same plan (see ``ScheduleConfig.continues``;
+        the same as the first step's when no layer is updated on the device)."""
+        first, cont = self._plans(batch_size, seq_len, overrides)
+        return cont if continues else first
+
+    def _plans(self, batch_size: int, seq_len: int, overrides: dict) -> tuple[Schedule, Schedule]:
+        """(schedule of a run's first step, schedule of the steps after it), both checked against the device
+        budget when first asked for."""
         opts = replace(self.plan_options, **overrides)
         if opts.wire == "bf16" and self.compute_dtype != torch.bfloat16:
             raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is "
@@ -119,14 +127,17 @@ class StreamedModel:
                 wire_bytes_per_param=2 if opts.wire == "bf16" else 4, host_checkpoints=opts.host_checkpoints,
                 clip=clip, budget_bytes=self.hardware.budget_bytes)
             cfg = replace(cfg, gpu_opt=self._device_updates(cfg, opts.gpu_opt_every))
-            s = build_schedule(graph, cfg)
-            mem = device_memory(graph, s)
-            if mem.total_nbytes > cfg.budget_bytes:
-                raise ValueError(f"the schedule needs {fmt_bytes(mem.total_nbytes)} of device memory, the budget "
-                                 f"({self.hardware.name}) is {fmt_bytes(cfg.budget_bytes)}: use more micro-batches "
-                                 f"or fewer weight slots")
-            verify(s, graph)
-            self._schedules[key] = s
+            plans = []
+            for c in ([cfg, replace(cfg, continues=True)] if cfg.gpu_opt else [cfg]):
+                s = build_schedule(graph, c)
+                mem = device_memory(graph, s)
+                if mem.total_nbytes > cfg.budget_bytes:
+                    raise ValueError(f"the schedule needs {fmt_bytes(mem.total_nbytes)} of device memory, the budget "
+                                     f"({self.hardware.name}) is {fmt_bytes(cfg.budget_bytes)}: use more "
+                                     f"micro-batches or fewer weight slots")
+                verify(s, graph)
+                plans.append(s)
+            self._schedules[key] = (plans[0], plans[-1])
         return self._schedules[key]
 
     def _device_updates(self, cfg: ScheduleConfig, every: int | str) -> tuple[int, ...]:
@@ -170,7 +181,10 @@ class StreamedModel:
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
             raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX}")
         B, T = input_ids.shape
-        schedule = self.schedule_for(B, T, **plan_overrides)
+        first, cont = self._plans(B, T, plan_overrides)
+        # a step after one that left every device-updated layer's new weights on the device runs the continuing
+        # schedule (those weights are not loaded again; with clipping their state loads from the forward on)
+        schedule = cont if self.executor.keeps(cont.config.gpu_opt) else first
         nxt = torch.full_like(labels, IGNORE_INDEX)
         nxt[:, :-1] = labels[:, 1:]
         denom = int((nxt != IGNORE_INDEX).sum())
@@ -207,7 +221,8 @@ class StreamedModel:
         """Bytes by kind: host store rows; with a batch shape, the device slots and working set of its schedule."""
         out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
         if batch_size and seq_len:
-            mem = device_memory(self.graph, self.schedule_for(batch_size, seq_len))
+            mem = max((device_memory(self.graph, s) for s in self._plans(batch_size, seq_len, {})),
+                      key=lambda m: m.total_nbytes)
             out.update({f"device.{p}_slots": v for p, v in mem.pool_nbytes.items()})
             out["device.working_set"] = mem.workspace_nbytes
         return out

@@ -182,6 +182,10 @@ class ScheduleConfig:
     clip: bool = True  # exact global-norm clipping: every OPT waits for all of the step's gradients
     budget_bytes: int = 0  # device bytes the plan may use (slots + largest working set)
     gpu_opt: tuple[int, ...] = ()  # layers updated on the device (LOAD_OPT, OPT on compute, STORE_OPT)
+    # the schedule's first step follows a step of the same plan, as every step of a run but the first does: the
+    # device-updated layers' new weights are still on the device (no load over the wire), and with clipping their
+    # state loads from the forward on
+    continues: bool = False
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -189,6 +193,8 @@ class ScheduleConfig:
             d["gpu_opt"] = list(self.gpu_opt)
         else:
             del d["gpu_opt"]  # the key appears only when used: older schedules read back the same
+        if not self.continues:
+            del d["continues"]
         return d
 
     @classmethod

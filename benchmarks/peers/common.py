@@ -142,28 +142,20 @@ class Result:
         return d
 
 
-class StepTimer:
-    def __init__(self):
-        self.t = 0.0
-
-    def __enter__(self):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.t = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.t = time.perf_counter() - self.t
+def device_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def run_peer(res: Result, args, cfg, t0: float, setup: Callable[[], Callable | tuple[Callable, Callable]]) -> None:
     """``setup()`` builds the system and returns ``step(ids, next_labels, denom) -> loss``, or ``(step, drain)``
     for a system whose step may return before its optimizer work ends (``drain()`` waits for it). Each step of the
-    shared batches is timed; the step time reported is the wall time of the steps after the first (which is
-    finished, optimizer included, before they start), up to the end of the last one's optimizer, divided by their
-    number. Running out of GPU or host memory (setup included) is recorded as the result."""
+    shared batches is timed on the host, from the return of the step before to its own return (a system may let
+    its device work run on past that; no device sync is added between timed steps, as it would cut the overlap
+    a system builds between steps). The step time reported is the wall time of the steps after the first (which
+    is finished, optimizer and device work included, before they start), up to the end of the last one's device
+    and optimizer work, divided by their number. Running out of GPU or host memory (setup included) is recorded as
+    the result."""
     cuda = torch.cuda.is_available()
     try:
         made = setup()
@@ -177,13 +169,14 @@ def run_peer(res: Result, args, cfg, t0: float, setup: Callable[[], Callable | t
             nxt, denom = next_labels(ids)
             if i == 1:
                 t_timed = time.perf_counter()
-            with StepTimer() as t:
-                loss = step(ids, nxt, denom)
-                if i in (0, len(data) - 1):  # the warm-up step's optimizer tail is not timed; the last one's is
-                    drain()
-            res.step_times_s.append(t.t)
+            t = time.perf_counter()
+            loss = step(ids, nxt, denom)
+            if i in (0, len(data) - 1):  # the warm-up step's tail is not timed; the last one's is
+                drain()
+                device_sync()
+            res.step_times_s.append(time.perf_counter() - t)
             res.losses.append(loss)
-            print(f"{res.system} step {i}: loss {loss:.4f}, {t.t:.3f} s", flush=True)
+            print(f"{res.system} step {i}: loss {loss:.4f}, {res.step_times_s[-1]:.3f} s", flush=True)
         if t_timed is not None:
             res.timed_s = (time.perf_counter() - t_timed) / (len(data) - 1)
     except torch.OutOfMemoryError as e:

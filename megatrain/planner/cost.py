@@ -88,7 +88,7 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
 def weights_kept(cfg: ScheduleConfig, step: int, owner: int) -> bool:
     """Whether step ``step`` finds ``owner``'s weights on the device, left there by its device update of the step
     before (the first step of a run has no such copy and loads from the host)."""
-    return step > 0 and owner in cfg.gpu_opt
+    return (step > 0 or cfg.continues) and owner in cfg.gpu_opt
 
 
 def loads_from_device(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> bool:

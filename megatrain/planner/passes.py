@@ -153,7 +153,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     (its own and a tied layer's) are stored, overlapping the backward. A device update's LOAD_OPT (master weights
     and moments, which the step's gradients do not change) goes after the first backward op of the layer above, so
     it loads while the backward works its way down and the gradient can go straight into the optimizer slot; with
-    clipping, from the second step on, earlier (see below).
+    clipping, from the second step of a run on, earlier (see below).
     """
     cfg = s.config
     ids, after = _Ids(s.ops), defaultdict(list)
@@ -190,7 +190,8 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
             # (the first step loads every layer's weights over the wire: its state waits for the backward)
-            anchor = first_fwd[(st, early)] if cfg.clip and st > 0 else first_bwd[(st, top[l] + 1)]
+            early_load = cfg.clip and (st > 0 or cfg.continues)
+            anchor = first_fwd[(st, early)] if early_load else first_bwd[(st, top[l] + 1)]
             after[anchor.id].append(load)
             for store in stores[(st, l)]:  # the tied layer's part too
                 loaded[store.id] = load.id

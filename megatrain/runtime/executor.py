@@ -278,6 +278,11 @@ class Executor:
             return None
         return kept[0]
 
+    def keeps(self, owners) -> bool:
+        """Whether every one of ``owners`` (at least one) has its weights kept on the device (``kept_weights``)."""
+        owners = tuple(owners)
+        return bool(owners) and all(self.kept_weights(o) is not None for o in owners)
+
     def _keep(self, layer: int, master: torch.Tensor) -> None:
         buf = self.kept_buf.get(layer)
         if buf is None:

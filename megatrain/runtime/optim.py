@@ -102,17 +102,26 @@ class HostAdamW:
                 self._coef = float(torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0))
         return self._coef
 
-    def clip_factor(self, total_norm: float) -> float:
+    def clip_factor(self, total_norm: float | torch.Tensor) -> float | torch.Tensor:
         """The factor a gradient of global norm ``total_norm`` is scaled by: max_norm / (norm + 1e-6), at most 1
-        (as torch.nn.utils.clip_grad_norm_); 1 without clipping."""
+        (as torch.nn.utils.clip_grad_norm_); 1 without clipping. For a tensor norm, a float64 tensor on its
+        device (no host sync), equal to what the float computes."""
         if self.cfg.max_grad_norm is None:
             return 1.0
+        if isinstance(total_norm, torch.Tensor):
+            return (self.cfg.max_grad_norm / (total_norm.double() + 1e-6)).clamp(max=1.0)
         return min(1.0, self.cfg.max_grad_norm / (float(total_norm) + 1e-6))
 
-    def _clip(self, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float | None = None) -> bool:
-        """Apply the step's clip factor (or ``coef``, given by the caller) to ``grad`` (or to the fused kernel's
-        grad_scale); True if grad_scale set."""
+    def _clip(self, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float | torch.Tensor | None = None) -> bool:
+        """Apply the step's clip factor (or ``coef``, given by the caller: a float, or a device tensor from
+        :meth:`clip_factor`) to ``grad`` (or to the fused kernel's grad_scale); True if grad_scale set."""
         if self.cfg.max_grad_norm is None:
+            return False
+        if isinstance(coef, torch.Tensor):  # the same arithmetic as for a float, on the device
+            if self.cfg.fused:
+                opt.grad_scale = (1.0 / coef).float()
+                return True
+            grad.mul_(coef.float())
             return False
         given = coef is not None
         if not given:
@@ -147,12 +156,13 @@ class HostAdamW:
         self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float | None = None,
-                      coef: float | None = None) -> None:
+                      coef: float | torch.Tensor | None = None) -> None:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
         same hyper-parameters, step count and clip factor as :meth:`step_layer`; the caller copies master and
         moments (and the bf16 shadow, if any) back to the store.
 
-        ``lr`` and ``coef`` (the step's clip factor, see :meth:`clip_factor`) default to the current step's as
+        ``lr`` and ``coef`` (the step's clip factor, see :meth:`clip_factor`; a device tensor spares the host a
+        wait for the gradient norm) default to the current step's as
         :meth:`begin_step` and the gradient norm set them; a caller issuing device updates while the host still
         works on the previous step's passes them (the layer's own step count is this layer's alone)."""
         master, exp_avg, exp_avg_sq, grad = block

@@ -15,7 +15,6 @@ last step as a measured :class:`~megatrain.planner.simulate.Timeline`, comparabl
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,12 +31,19 @@ BUFFER_POOLS = ("w", "g", "o")  # pools of buffers allocated once and rewritten 
 
 @dataclass
 class _StepState:
-    """Per step: the per-gradient norms taken on the GPU before each store, the global norm once known, and the
-    parts of each tied gradient summed so far."""
+    """Per step: the per-gradient norms taken on the GPU before each store; with clipping, the global norm (on the
+    device, and its copy in pinned memory with the event that marks the copy done) and the clip factor made from
+    it on the device; the parts of each tied gradient summed so far."""
     grad_norms: list[torch.Tensor] = field(default_factory=list)
-    norm: float | None = None
+    coef: torch.Tensor | None = None
+    norm_host: torch.Tensor | None = None
+    norm_copied: torch.cuda.Event | None = None
     tied_parts: dict[int, int] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def norm(self) -> float:
+        """The global gradient norm (waits for its copy to the host)."""
+        self.norm_copied.synchronize()
+        return float(self.norm_host)
 
 
 class StreamExecutor(Executor):
@@ -94,8 +100,8 @@ class StreamExecutor(Executor):
             out = super().run(schedule, mbs, denom)  # issues everything; reading the losses waits for compute
         if wait_optimizer:
             self.drain()
-            out = StepOutput(out.loss, out.mb_loss_sums, self.optimizer.last_grad_norm, out.lr)
-        return out
+        norm = self.st.norm() if self.st.norm_copied is not None else None
+        return StepOutput(out.loss, out.mb_loss_sums, norm, out.lr)
 
     def drain(self) -> None:
         """Wait for every queued optimizer task and every stream."""
@@ -120,16 +126,21 @@ class StreamExecutor(Executor):
         self.steps_issued += 1
 
     def _copy_losses(self) -> None:
-        """Right after the step's last LOSS: its loss sums to pinned host memory, on the compute stream. Reading
-        them at the step's end then waits for this copy alone; a read issued there would queue behind the step's
-        optimizer-state stores on the device-to-host copy engine."""
+        """Right after the step's last LOSS: its loss sums to pinned host memory, on the ``d2h`` stream, so reading
+        them at the step's end waits for this copy alone. A device-to-host copy queues behind the copies issued
+        before it on the copy engine (the step before's optimizer-state stores, up to a third of a step on the
+        H200); on the compute stream it would hold the backward back until they end."""
         n = len(self.loss_sums)
         if self.loss_host is None or self.loss_host.numel() != n:
             self.loss_host = torch.empty(n, dtype=torch.float32, pin_memory=True)
         sums = torch.stack([t.float().reshape(()) for t in self.loss_sums])  # every LOSS has run: all tensors
-        self.loss_host.copy_(sums, non_blocking=True)
-        self.loss_copied = torch.cuda.Event()
-        self.loss_copied.record()
+        d2h = self.streams[Stream.D2H]
+        d2h.wait_stream(torch.cuda.current_stream())
+        sums.record_stream(d2h)
+        with torch.cuda.stream(d2h):
+            self.loss_host.copy_(sums, non_blocking=True)
+            self.loss_copied = torch.cuda.Event()
+            self.loss_copied.record()
 
     def _loss_values(self) -> list[float]:
         if self.loss_copied is None:
@@ -165,6 +176,8 @@ class StreamExecutor(Executor):
             prev = self.last_opt.get(self.graph.owner(op.layer))
             if prev is not None:
                 self._wait(prev)
+        if op.kind is OpKind.OPT and self.optimizer.cfg.max_grad_norm is not None and self.st.coef is None:
+            self._global_norm(gpu_deps)
         if op.stream is Stream.CPU:
             if op.kind is OpKind.OPT:  # the host master changes: a copy kept on the device would be stale
                 self.kept.pop(op.layer, None)
@@ -270,31 +283,39 @@ class StreamExecutor(Executor):
             self.store.grad(o).copy_(src, non_blocking=True)
             self.stored.add(o)
         elif k is OpKind.OPT:
-            on_device = op.stream is Stream.COMPUTE
             clip = self.optimizer.cfg.max_grad_norm is not None
-            if on_device:  # issued by this thread on the compute stream, after its LOAD_OPT
-                coef = self.optimizer.clip_factor(self._grad_norm(st, True)) if clip else None
-                self.optimizer.step_layer_on(l, self._opt_block(op), lr=self.step_lr, coef=coef)
+            if op.stream is Stream.COMPUTE:  # issued by this thread on the compute stream, after its LOAD_OPT
+                self.optimizer.step_layer_on(l, self._opt_block(op), lr=self.step_lr, coef=st.coef if clip else None)
                 self._keep(l, self._opt_block(op)[0])
                 return
             if clip:  # a worker task: the optimizer is at this step (begin_step ran before it)
-                self.optimizer.set_grad_norm(self._grad_norm(st, False))
+                self.optimizer.set_grad_norm(st.norm())
             self.optimizer.step_layer(l)
         else:
             super()._execute(op)
 
-    def _grad_norm(self, st: "_StepState", from_host_thread: bool) -> float:
-        """The step's global gradient norm, computed once by whichever thread first needs it (clipping: every
-        store is issued by then). When this thread computes it, the worker is told too, in its queue after this
-        step's begin_step, so host updates issued later in the step find it set."""
-        with st.lock:
-            if st.norm is None:
-                if from_host_thread:  # a worker task waited for the stores' events; the host thread has not
-                    self.streams[Stream.D2H].synchronize()
-                st.norm = float(torch.linalg.vector_norm(torch.stack(st.grad_norms))) if st.grad_norms else 0.0
-                if from_host_thread:
-                    self.worker.submit(self.optimizer.set_grad_norm, st.norm)
-            return st.norm
+    def _global_norm(self, store_deps: list[int]) -> None:
+        """At the step's first OPT (clipping: every gradient is stored by then; ``store_deps``, the ops it waits
+        for, end the stores on each stream): the global norm from the per-gradient norms and the clip factor, on
+        the compute stream, and the norm's copy to pinned memory, on the ``d2h`` stream. The host thread does not
+        wait: device updates read the factor on the device, host updates and the step's result wait for the
+        copy."""
+        st, compute, d2h = self.st, self.streams[Stream.COMPUTE], self.streams[Stream.D2H]
+        for d in store_deps:
+            compute.wait_event(self.events[d])
+        with torch.cuda.stream(compute):
+            for n in st.grad_norms:  # made on the stream of their store
+                n.record_stream(compute)
+            total = (torch.linalg.vector_norm(torch.stack(st.grad_norms)) if st.grad_norms
+                     else torch.zeros((), device=self.device))
+            st.coef = self.optimizer.clip_factor(total)
+        st.norm_host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        d2h.wait_stream(compute)
+        total.record_stream(d2h)
+        with torch.cuda.stream(d2h):
+            st.norm_host.copy_(total, non_blocking=True)
+            st.norm_copied = torch.cuda.Event()
+            st.norm_copied.record()
 
     # ---- measurement --------------------------------------------------------------------------------------
     def timeline(self):

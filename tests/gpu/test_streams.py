@@ -98,8 +98,10 @@ def test_steps_ordered_by_events_match_a_device_sync_between_steps(gpu_opt_every
                                weight_slots="all", gpu_opt_every=gpu_opt_every)
         sm.overlap_steps = True
         sm.executor.sync_between_steps = sync
-        losses = [sm.train_step(*[t.cuda() for t in b]).loss for b in data]
+        stats = [sm.train_step(*[t.cuda() for t in b]) for b in data]
         sm.executor.drain()
-        runs.append((losses, {n: t.clone() for n, t in sm.state_dict().items()}))
+        runs.append(([s.loss for s in stats], {n: t.clone() for n, t in sm.state_dict().items()},
+                     [s.grad_norm for s in stats]))
     assert runs[0][0] == runs[1][0] and runs[0][0][0] != runs[0][0][-1]
     assert all(torch.equal(runs[0][1][n], t) for n, t in runs[1][1].items())
+    assert runs[0][2] == runs[1][2] and all(n > 0 for n in runs[0][2])  # each step's own norm, though overlapped

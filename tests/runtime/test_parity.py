@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import megatrain
+from megatrain.ir import OpKind, Stream
 from megatrain.planner.passes import build_schedule
 
 from .models import FAMILIES, VOCAB, TinyGPT, compile_cpu, hf_model
@@ -175,6 +176,30 @@ def test_updates_on_the_device_match_too(clip):
     for b in data:
         sm2.train_step(*b)
     assert all(torch.equal(host[n], t) for n, t in sm2.state_dict().items())
+
+
+def test_steps_after_the_first_run_the_continuing_schedule():
+    """A step that follows a device update of every device-updated layer runs the continuing schedule (their kept
+    weights copied on the device, no load over the wire); new weights from outside send the next step back to the
+    first step's schedule."""
+    data = batches()
+    sm = compile_cpu(hf_model("llama"), optim=OPT, n_mb=2, gpu_opt_every=2)
+    first, cont = sm.schedule_for(6, 12), sm.schedule_for(6, 12, continues=True)
+    assert not first.config.continues and cont.config.continues and cont.config.gpu_opt == (1, 3, 5)
+
+    def load_streams(s):
+        return {op.layer: op.stream for op in s.ops if op.kind is OpKind.LOAD_W and op.layer in s.config.gpu_opt}
+
+    assert set(load_streams(first).values()) == {Stream.H2D} and set(load_streams(cont).values()) == {Stream.COMPUTE}
+    ran = []
+    run = sm.executor.run
+    sm.executor.run = lambda s, *a, **k: ran.append(s) or run(s, *a, **k)
+    for b in data:
+        sm.train_step(*b)
+    assert ran == [first, cont, cont]
+    sm.store.load_state({n: t.clone() for n, t in sm.state_dict().items()})
+    sm.train_step(*data[0])
+    assert ran[-1] is first
 
 
 @pytest.mark.parametrize("every,n_mb,slots,offload,clip", [(1, 3, 1, 0, 1.0), (3, 1, 2, 3, None), (2, 6, 4, 1, 1.0),

@@ -69,7 +69,8 @@ def test_executor_refuses_a_slot_overwritten_too_early():
     ops = list(s.ops)
     ops[load.id] = dataclasses.replace(load, slots=(("w", held),))
     bad = Schedule(tuple(ops), s.config, s.provenance)
-    sm._schedules[(4, 8, sm.plan_options, True)] = bad  # the cache key: shape, plan options, clipping
+    # the cache key: shape, plan options, clipping; the first step's schedule and the one of the steps after it
+    sm._schedules[(4, 8, sm.plan_options, True)] = (bad, bad)
     with pytest.raises(ExecutionError) as e:
         sm.train_step(torch.randint(0, 97, (4, 8)))
     msg = str(e.value)

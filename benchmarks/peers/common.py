@@ -42,7 +42,10 @@ def hf_config(preset: str, seq: int):
         return AutoConfig.for_model(model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                     max_position_embeddings=max(seq, 128))
-    return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(4096, seq), **PRESETS[preset])
+    # the embedding and the head are separate matrices (1.78B parameters at 1.5B, as the benchmarks count it);
+    # a model filled in place on the host would have them separate anyway (to_empty gives each its own tensor)
+    shape = {**PRESETS[preset], "tie_word_embeddings": False}
+    return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(4096, seq), **shape)
 
 
 def build_model(cfg, seed: int = 0, meta: bool = False):

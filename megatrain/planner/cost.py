@@ -85,6 +85,20 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     return 0
 
 
+def defers_head_store(graph: LayerGraph, cfg: ScheduleConfig) -> bool:
+    """Whether the head's gradient waits in its gradient slot until the end of the backward (its STORE_G goes in
+    right before the embedding's): with clipping, when the head's weights are updated on the device. The state
+    loads then run in the order blocks first, the two largest layers (head, embedding) last, and so do the state
+    stores of the step before: the next step's first load waits for the store of a block, not of the head (the
+    store and load chains run a block apart, not a head apart). The held slot is one more gradient slot."""
+    return cfg.clip and graph.owner(len(graph) - 1) in cfg.gpu_opt
+
+
+def grad_slot_count(graph: LayerGraph, cfg: ScheduleConfig) -> int:
+    """Gradient slots a schedule may use: ``grad_slots``, plus the head's while its store is deferred."""
+    return cfg.grad_slots + defers_head_store(graph, cfg)
+
+
 def weights_kept(cfg: ScheduleConfig, step: int, owner: int) -> bool:
     """Whether step ``step`` finds ``owner``'s weights on the device, left there by its device update of the step
     before (the first step of a run has no such copy and loads from the host)."""

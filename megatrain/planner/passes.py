@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 from typing import Callable, Iterable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
-from megatrain.planner.cost import weights_kept
+from megatrain.planner.cost import defers_head_store, grad_slot_count, weights_kept
 from megatrain.planner.graph import LayerGraph
 
 C, H2D, D2H, CPU = Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU
@@ -131,17 +131,27 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
 
 def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
     """STORE_G of each layer right after its last micro-batch's backward (a tied head stores into its owner): to
-    the host (d2h), or, for a layer updated on the device, into its optimizer slot (a copy on the compute stream)."""
+    the host (d2h), or, for a layer updated on the device, into its optimizer slot (a copy on the compute stream).
+    The head's goes in right before the embedding's when ``cost.defers_head_store``."""
     cfg = s.config
     ids, after = _Ids(s.ops), defaultdict(list)
-    last = cfg.n_mb - 1
+    last, head = cfg.n_mb - 1, len(graph) - 1
     on_gpu = set(cfg.gpu_opt)
+    defer = defers_head_store(graph, cfg)
+    held = {}  # step -> the head's deferred store
     for op in s.ops:
         if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == last:
             stream = C if graph.owner(op.layer) in on_gpu else D2H
-            after[op.id].append(Op(ids(), OpKind.STORE_G, stream, op.step, op.layer, deps=(op.id,)))
+            store = Op(ids(), OpKind.STORE_G, stream, op.step, op.layer, deps=(op.id,))
+            if defer and op.layer == head:
+                held[op.step] = store
+                continue
+            if op.layer == 0 and op.step in held:
+                after[op.id].append(held.pop(op.step))
+            after[op.id].append(store)
     n = sum(len(v) for v in after.values())
-    return s.with_ops(_insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores")
+    where = "; the head's after the embedding's backward" if defer else ""
+    return s.with_ops(_insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores{where}")
 
 
 def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
@@ -179,19 +189,25 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     pos = {op.id: i for i, op in enumerate(s.ops)}
     prev_store_opt: dict[int, Op] = {}  # layer -> its STORE_OPT of the step before (the host block it rewrites)
     loaded: dict[int, int] = {}  # id of a STORE_G into an optimizer slot -> the LOAD_OPT that fills the slot
-    top = {l: max([l, *graph.tied_to(l)]) for l in on_gpu}  # the first of its layers the backward reaches
+    # the layer whose backward a device update's first gradient store follows (the layer above it: the first of
+    # its layers the backward reaches, unless the head's store waits for the end of the backward); the backward
+    # needs the states in this order (at a tie, the head's first)
+    top = {l: max([l, *graph.tied_to(l)]) for l in on_gpu}
+    head_owner = graph.owner(len(graph) - 1) if defers_head_store(graph, cfg) else None
+    need = {l: 0 if l == head_owner else top[l] for l in on_gpu}
+    backward_order = sorted(on_gpu, key=lambda l: (-need[l], -top[l]))
     # with clipping every device update's slot is in use until after the backward anyway, so from the second step
     # on its state loads as early as the wire allows: in the order the backward needs it, once the forward has
     # issued its last load of a host-updated layer's weights (the other layers' weights stay on the device)
     host_read = [l for l in range(len(graph)) if graph.owner(l) not in on_gpu]
     early = max(max(host_read, default=0) - PREFETCH_LAYERS, 0)
     for st in range(cfg.n_steps):
-        for l in sorted(on_gpu, key=lambda l: -top[l]):
+        for l in backward_order:
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
             # (the first step loads every layer's weights over the wire: its state waits for the backward)
             early_load = cfg.clip and (st > 0 or cfg.continues)
-            anchor = first_fwd[(st, early)] if early_load else first_bwd[(st, top[l] + 1)]
+            anchor = first_fwd[(st, early)] if early_load else first_bwd[(st, need[l] + 1)]
             after[anchor.id].append(load)
             for store in stores[(st, l)]:  # the tied layer's part too
                 loaded[store.id] = load.id
@@ -202,8 +218,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
             owners.sort(key=lambda l: pos[stores[(st, l)][-1].id])
         else:  # host updates in layer order (the next forward's); device updates, whose new weights stay on the
             # device, in the order the next backward loads their state back (tied head first, then top down)
-            owners = ([l for l in owners if l not in on_gpu]
-                      + sorted((l for l in owners if l in on_gpu), key=lambda l: -top[l]))
+            owners = [l for l in owners if l not in on_gpu] + backward_order
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]
             deps = tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])
@@ -399,8 +414,9 @@ def assign_activation_slots(s: Schedule, graph: LayerGraph) -> Schedule:
 
 
 def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    ops, n = _allocate(list(s.ops), _grad_uses, pool=s.config.grad_slots, limit=s.config.grad_slots)
-    return s.with_ops(ops, f"assign_grad_slots: {n} of {s.config.grad_slots} gradient slots")
+    k = grad_slot_count(graph, s.config)
+    ops, n = _allocate(list(s.ops), _grad_uses, pool=k, limit=k)
+    return s.with_ops(ops, f"assign_grad_slots: {n} of {k} gradient slots")
 
 
 PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_opt_slots,

@@ -11,7 +11,7 @@ import bisect
 from collections import defaultdict
 
 from megatrain.ir import KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, slot_contents
-from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, host_memory
+from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -94,7 +94,7 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         if want != have:
             raise ScheduleError("slots", op, f"{op.kind.value} needs slot roles {want}, has {have}")
         for role, idx in op.slots:
-            limit = {"w": cfg.weight_slots, "g": cfg.grad_slots}.get(SLOT_POOL[role])
+            limit = {"w": cfg.weight_slots, "g": grad_slot_count(graph, cfg)}.get(SLOT_POOL[role])
             if idx < 0 or (limit is not None and idx >= limit):
                 raise ScheduleError("slots", op, f"{role}{idx} is outside the {limit} configured slots")
 

@@ -212,3 +212,25 @@ def test_a_tied_embedding_updated_on_the_device_collects_both_gradient_parts(cli
     with pytest.raises(ScheduleError) as e:
         verify(_replace(s, first, stream=Stream.D2H), g)
     assert e.value.rule == "stream" and "into its optimizer slot" in str(e.value)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_with_clipping_a_head_updated_on_the_device_stores_its_gradient_last(tied):
+    """The head's gradient waits in its slot (one more gradient slot) until the embedding's backward, so the
+    device updates load their states blocks first, top down, and the two largest last; the step before stores
+    them in that order. Without clipping the head stores right after its LOSS."""
+    g = tiny_graph(num_hidden_layers=3, tie_word_embeddings=tied)
+    head = len(g) - 1
+    owners = tuple(l for l in range(len(g)) if g[l].tie is None)
+    order = list(range(head - 1, 0, -1)) + ([0] if tied else [head, 0])
+    s = build_schedule(g, config(g, n_steps=2, n_mb=2, gpu_opt=owners, clip=True))
+    verify(s, g)
+    for st in range(2):
+        of = lambda kind: [op.layer for op in s.ops if op.kind is kind and op.step == st]  # noqa: E731
+        assert of(OpKind.STORE_G)[-2:] == [head, 0]
+        assert of(OpKind.LOAD_OPT) == order and of(OpKind.STORE_OPT) == order
+    assert max(op.slot("g") for op in s.ops if op.kind is OpKind.STORE_G) == s.config.grad_slots
+    plain = build_schedule(g, config(g, n_steps=2, n_mb=2, gpu_opt=owners, clip=False))
+    verify(plain, g)
+    stores = [op for op in plain.ops if op.kind is OpKind.STORE_G and op.step == 0]
+    assert stores[0].layer == head and max(op.slot("g") for op in plain.ops if op.kind is OpKind.STORE_G) < 2

@@ -17,6 +17,8 @@ HOST_BYTES_PER_PARAM = 4 + 4 + 4 + 4  # fp32 master, exp_avg, exp_avg_sq, gradie
 OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the gradient slot on the device)
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
+OPT_STATE_ROWS = 3  # LOAD_OPT and STORE_OPT copy master, exp_avg and exp_avg_sq one row at a time: a layer's load
+# of the next step may start once the first row is stored
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
 COMPUTE_BYTES = 2  # bf16 weights on the device; a device-updated layer keeps its new weights so, for the next step
 POOLS = ("w", "g", "a", "o")

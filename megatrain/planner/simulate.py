@@ -2,7 +2,9 @@
 
 Streams run their ops in program order; an op starts when its stream is free and its dependencies are done.
 Compute and cpu ops take the cost model's seconds. Transfers are fluid: alone, a direction moves at its own rate;
-when both directions run, each is slowed so that together they stay within the duplex rate.
+when both directions run, each is slowed so that together they stay within the duplex rate. A device update's
+state moves a row at a time (``cost.OPT_STATE_ROWS``): its LOAD_OPT may start once the STORE_OPT it waits for has
+stored the first row, and ends no earlier than that store.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import json
 from dataclasses import dataclass, field
 
 from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream
-from megatrain.planner.cost import device_memory, duration_s, host_memory, slot_sizes, transfer_nbytes, workspace_nbytes
+from megatrain.planner.cost import (OPT_STATE_ROWS, device_memory, duration_s, host_memory, slot_sizes, transfer_nbytes,
+                                    workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -128,7 +131,9 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
     last = dict.fromkeys(RESOURCES, 0.0)
     nbytes = last_nbytes = 0
     finish: list[float] = []
+    begin: list[float] = []
     last_on: dict[Stream, int] = {}
+    row = 1.0 / OPT_STATE_ROWS
     for op in schedule.ops:
         d = duration_s(graph, cfg, spec, op)
         busy[op.stream.value] += d
@@ -137,10 +142,13 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         if op.step == cfg.n_steps - 1:
             last[op.stream.value] += d
             last_nbytes += b
-        preds = [finish[x] for x in op.deps]
+        rows = [x for x in op.deps if op.kind is OpKind.LOAD_OPT and schedule.ops[x].kind is OpKind.STORE_OPT]
+        # a state load may start after the first row of the store it waits for (see simulate)
+        preds = [begin[x] + row * (finish[x] - begin[x]) if x in rows else finish[x] for x in op.deps]
         if op.stream in last_on:
             preds.append(finish[last_on[op.stream]])
-        finish.append(max(preds, default=0.0) + d)
+        begin.append(max(preds, default=0.0))
+        finish.append(max([begin[-1] + d] + [finish[x] for x in rows]))
         last_on[op.stream] = op.id
     busy["pcie"] = nbytes / spec.duplex_bytes_per_s
     last["pcie"] = last_nbytes / spec.duplex_bytes_per_s
@@ -157,8 +165,15 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
     end: list[float | None] = [None] * n
     active: dict[Stream, list] = {}  # stream -> [op, remaining, total]; units: bytes for transfers, seconds else
     alone = {Stream.H2D: spec.h2d_bytes_per_s, Stream.D2H: spec.d2h_bytes_per_s}
+    row = 1.0 / OPT_STATE_ROWS
     t = 0.0
     finished = 0
+
+    def started_rows(load: Op, d: int) -> bool:  # a LOAD_OPT's dependency on a store whose first row is done
+        a = active.get(Stream.D2H)
+        return (load.kind is OpKind.LOAD_OPT and ops[d].kind is OpKind.STORE_OPT and a is not None
+                and a[0].id == d and a[1] <= (1 - row) * a[2] * (1 + 1e-9))
+
     while finished < n:
         progress = True
         while progress:
@@ -167,7 +182,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
                 if s in active or head[s] >= len(queues[s]):
                     continue
                 op = queues[s][head[s]]
-                if any(end[d] is None for d in op.deps):
+                if any(end[d] is None and not started_rows(op, d) for d in op.deps):
                     continue
                 head[s] += 1
                 start[op.id] = t
@@ -182,18 +197,31 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
             if finished < n:
                 raise AssertionError("simulation stalled with ops left (dependencies point forward?)")
             break
+        waiting = {s for s, a in active.items() if a[1] <= 1e-12 * a[2]}  # a load done before its store
         rate = {s: 1.0 for s in active}
-        both = Stream.H2D in active and Stream.D2H in active
+        both = Stream.H2D in active and Stream.D2H in active and not waiting
         scale = min(1.0, spec.duplex_bytes_per_s / (alone[Stream.H2D] + alone[Stream.D2H])) if both else 1.0
         for s in alone:
             if s in active:
                 rate[s] = alone[s] * scale
-        dt = min(a[1] / rate[s] for s, a in active.items())
+        # next event: an op ends, or a state store finishes its first row (a load may be waiting for it); a load
+        # done before its store waits for the store's end
+        dt = min([a[1] / rate[s] for s, a in active.items() if s not in waiting]
+                 + [(a[1] - (1 - row) * a[2]) / rate[s] for s, a in active.items()
+                    if a[0].kind is OpKind.STORE_OPT and a[1] > (1 - row) * a[2] * (1 + 1e-9)])
         t += dt
         for s in list(active):
             a = active[s]
-            a[1] -= rate[s] * dt
-            if a[1] <= 1e-12 * a[2]:  # done, up to rounding
+            if s not in waiting:
+                a[1] -= rate[s] * dt
+            if a[1] <= 1e-12 * a[2] and all(end[d] is not None or d == a[0].id for d in a[0].deps
+                                             if ops[d].kind is OpKind.STORE_OPT and a[0].kind is OpKind.LOAD_OPT):
+                end[a[0].id] = t
+                finished += 1
+                del active[s]
+        for s in list(active):  # a load that waited for its store, which ended just now
+            a = active[s]
+            if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps):
                 end[a[0].id] = t
                 finished += 1
                 del active[s]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, format_table, slot_contents
 from megatrain.planner.capture import Captured
-from megatrain.planner.cost import slot_params
+from megatrain.planner.cost import OPT_STATE_ROWS, slot_params
 from megatrain.runtime.optim import HostAdamW
 from megatrain.runtime.store import ROWS, HostStore
 from megatrain.runtime.templates import LayerRunner
@@ -260,16 +260,33 @@ class Executor:
         elif k is OpKind.OPT:
             self.kept.pop(l, None)  # the host master changes: a kept copy would be stale
             self.optimizer.step_layer(l)
-        elif k is OpKind.LOAD_OPT:  # master and moments; the gradient row is filled by the layer's STORE_G
-            self._opt_block(op)[:3].copy_(self.store.block(l)[:3], non_blocking=self.non_blocking)
-        elif k is OpKind.STORE_OPT:  # master and moments back; the gradient row stays as stored
-            block = self._opt_block(op)
-            self.store.block(l)[:3].copy_(block[:3], non_blocking=self.non_blocking)
-            if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where
-                # the update ran, to nearest even as the host would
-                self.store.shadow(l).copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
+        elif k is OpKind.LOAD_OPT:
+            self._load_opt(op)
+        elif k is OpKind.STORE_OPT:
+            self._store_opt(op)
         else:
             raise AssertionError(k)
+
+    def _load_opt(self, op: Op, before_row=None) -> None:
+        """Master weights and moments into the optimizer slot, a row at a time (``before_row(r)`` runs before row
+        r is copied); the gradient row is filled by the layer's STORE_G."""
+        block, host = self._opt_block(op), self.store.block(op.layer)
+        for r in range(OPT_STATE_ROWS):
+            if before_row is not None:
+                before_row(r)
+            block[r].copy_(host[r], non_blocking=self.non_blocking)
+
+    def _store_opt(self, op: Op, after_row=None) -> None:
+        """Updated master weights and moments back to the host block, a row at a time (``after_row(r)`` runs after
+        row r's copy is issued); the gradient row stays as stored."""
+        block, host = self._opt_block(op), self.store.block(op.layer)
+        for r in range(OPT_STATE_ROWS):
+            host[r].copy_(block[r], non_blocking=self.non_blocking)
+            if after_row is not None:
+                after_row(r)
+        if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where the
+            # update ran, to nearest even as the host would
+            self.store.shadow(op.layer).copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
 
     def kept_weights(self, owner: int) -> torch.Tensor | None:
         """The layer's weights as its last device update left them, if the host master is still those."""

@@ -67,8 +67,22 @@ class Executor:
 
     def _pools(self, schedule: Schedule) -> None:
         """Allocate the weight, gradient and optimizer slots the schedule uses, each as large as the largest layer
-        the schedule puts in it; a slot that a later schedule needs larger is replaced once nothing uses it."""
+        the schedule puts in it; a slot that a later schedule needs larger is replaced once nothing uses it. Slots
+        beyond what the schedule uses, and weights kept for layers it does not update on the device, are freed
+        first (once nothing uses them): another plan's buffers would otherwise stay allocated next to this one's
+        (measured: a 7B plan for 32K tokens left too little device memory for the 131K-token plan after it)."""
         sizes = self._slot_numels(schedule)
+        extra = [p for p in ("w", "g", "o") if len(getattr(self, p)) > len(sizes[p])]
+        stale = [l for l in self.kept_buf if l not in schedule.config.gpu_opt]
+        if extra or stale:
+            self._quiesce()
+            for p in extra:
+                del getattr(self, p)[len(sizes[p]):]
+            for l in stale:
+                del self.kept_buf[l]
+                self.kept.pop(l, None)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32)):
             slots: list[torch.Tensor] = getattr(self, pool)
             for k, n in enumerate(sizes[pool]):

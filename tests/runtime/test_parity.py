@@ -202,6 +202,23 @@ def test_steps_after_the_first_run_the_continuing_schedule():
     assert ran[-1] is first
 
 
+def test_a_new_plan_frees_the_buffers_of_the_one_before():
+    """Switching to a plan with fewer slots and other device updates frees the earlier plan's extra slots and kept
+    weights, and training goes on as it would have: the same result as host-only updates throughout."""
+    data = batches()
+    sm = compile_cpu(hf_model("llama"), optim=OPT, n_mb=2, weight_slots="all", gpu_opt_every=1)
+    host = compile_cpu(hf_model("llama"), optim=OPT, n_mb=2)
+    sm.train_step(*data[0])
+    ex = sm.executor
+    assert len(ex.w) == len(sm.graph) and len(ex.o) > 1 and len(ex.kept_buf) > 1
+    sm.train_step(*data[1], weight_slots=2, gpu_opt_every=2)
+    gpu_opt = sm.schedule_for(6, 12, weight_slots=2, gpu_opt_every=2).config.gpu_opt
+    assert len(ex.w) == 2 and set(ex.kept_buf) <= set(gpu_opt) and len(ex.o) <= len(gpu_opt)
+    for b in data[:2]:
+        host.train_step(*b)
+    assert all(torch.equal(t, host.state_dict()[n]) for n, t in sm.state_dict().items())
+
+
 @pytest.mark.parametrize("every,n_mb,slots,offload,clip", [(1, 3, 1, 0, 1.0), (3, 1, 2, 3, None), (2, 6, 4, 1, 1.0),
                                                           (2, 2, "all", 0, 1.0)])
 def test_device_updates_equal_host_updates_for_any_plan(every, n_mb, slots, offload, clip):

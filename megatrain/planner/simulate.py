@@ -125,6 +125,12 @@ class Bound:
         return max(max(self.busy_s.values()), self.critical_path_s)
 
 
+def same_state(load: Op, dep: Op) -> bool:
+    """A LOAD_OPT's dependency on the STORE_OPT of the same layer's state (the step before's), which it may follow
+    a row behind (``cost.OPT_STATE_ROWS``)."""
+    return load.kind is OpKind.LOAD_OPT and dep.kind is OpKind.STORE_OPT and dep.layer == load.layer
+
+
 def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
     cfg = schedule.config
     busy = dict.fromkeys(RESOURCES, 0.0)
@@ -142,7 +148,7 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         if op.step == cfg.n_steps - 1:
             last[op.stream.value] += d
             last_nbytes += b
-        rows = [x for x in op.deps if op.kind is OpKind.LOAD_OPT and schedule.ops[x].kind is OpKind.STORE_OPT]
+        rows = [x for x in op.deps if same_state(op, schedule.ops[x])]
         # a state load may start after the first row of the store it waits for (see simulate)
         preds = [begin[x] + row * (finish[x] - begin[x]) if x in rows else finish[x] for x in op.deps]
         if op.stream in last_on:
@@ -169,10 +175,11 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
     t = 0.0
     finished = 0
 
-    def started_rows(load: Op, d: int) -> bool:  # a LOAD_OPT's dependency on a store whose first row is done
+    def started_rows(load: Op, d: int) -> bool:  # a LOAD_OPT's dependency on its own layer's store of the step
+        # before, whose first row is done (a store of another layer that reads the slot must end first)
         a = active.get(Stream.D2H)
-        return (load.kind is OpKind.LOAD_OPT and ops[d].kind is OpKind.STORE_OPT and a is not None
-                and a[0].id == d and a[1] <= (1 - row) * a[2] * (1 + 1e-9))
+        return (same_state(load, ops[d]) and a is not None and a[0].id == d
+                and a[1] <= (1 - row) * a[2] * (1 + 1e-9))
 
     while finished < n:
         progress = True
@@ -214,8 +221,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
             a = active[s]
             if s not in waiting:
                 a[1] -= rate[s] * dt
-            if a[1] <= 1e-12 * a[2] and all(end[d] is not None or d == a[0].id for d in a[0].deps
-                                             if ops[d].kind is OpKind.STORE_OPT and a[0].kind is OpKind.LOAD_OPT):
+            if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps if same_state(a[0], ops[d])):
                 end[a[0].id] = t
                 finished += 1
                 del active[s]
@@ -249,8 +255,10 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
         for role, idx in op.slots:
             key = (SLOT_POOL[role], idx)
             if role in fills:
-                if key in holder:
-                    events += [(holder[key][0], size[key[0]][key[1]]), (holder[key][1], -size[key[0]][key[1]])]
+                if key in holder:  # the old content's last read may overlap the refill (a state load a row
+                    # behind its store): one buffer, counted once
+                    a, b = holder[key][0], min(holder[key][1], start[op.id])
+                    events += [(a, size[key[0]][key[1]]), (b, -size[key[0]][key[1]])]
                 holder[key] = (start[op.id], end[op.id])
             elif key in holder:
                 holder[key] = (holder[key][0], max(holder[key][1], end[op.id]))

@@ -246,10 +246,14 @@ def _opt_uses(graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]
 
 
 def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT to its STORE_OPT)."""
+    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT to its STORE_OPT), and
+    at least two where there are two updates, so a state load never waits for the store of the update before it
+    (in program order that store frees the only slot just before the next load: with one slot the updates of a
+    step without clipping ran one after another, 0.026 s per pair of layers measured on the H200, where a step of
+    a longer schedule, which finds the slots of the step before, alternates two)."""
     if not s.config.gpu_opt:
         return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
-    ops, n = _allocate(list(s.ops), _opt_uses(graph))
+    ops, n = _allocate(list(s.ops), _opt_uses(graph), pool=min(2, len(s.config.gpu_opt)))
     return s.with_ops(ops, f"assign_opt_slots: {n} optimizer slots")
 
 

@@ -234,3 +234,16 @@ def test_with_clipping_a_head_updated_on_the_device_stores_its_gradient_last(tie
     verify(plain, g)
     stores = [op for op in plain.ops if op.kind is OpKind.STORE_G and op.step == 0]
     assert stores[0].layer == head and max(op.slot("g") for op in plain.ops if op.kind is OpKind.STORE_G) < 2
+
+
+def test_without_clipping_state_loads_alternate_two_optimizer_slots():
+    """Each update is stored before the next one's state loads, in program order; with one slot each load would
+    wait for the store before it. Two slots: a load waits only for the store of the update two before."""
+    g = tiny_graph(num_hidden_layers=4)
+    owners = tuple(l for l in range(1, len(g) - 1))
+    s = build_schedule(g, config(g, n_steps=1, n_mb=2, gpu_opt=owners, clip=False))
+    verify(s, g)
+    loads = [op for op in s.ops if op.kind is OpKind.LOAD_OPT]
+    assert [op.slot("o") for op in loads] == [k % 2 for k in range(len(loads))] and len(loads) >= 3
+    stores = {op.layer: op.id for op in s.ops if op.kind is OpKind.STORE_OPT}
+    assert stores[loads[0].layer] not in loads[1].deps and stores[loads[0].layer] in loads[2].deps

@@ -205,11 +205,16 @@ class StreamedModel:
         return StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0)
 
     # ---- weights ------------------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait until every step's work is done (with ``overlap_steps``, the last step's updates run on after
+        ``train_step`` returns)."""
+        if hasattr(self.executor, "drain"):
+            self.executor.drain()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current master weights by parameter name (views into the host store). With ``overlap_steps`` the
         last step's updates may still be running: they finish first."""
-        if hasattr(self.executor, "drain"):
-            self.executor.drain()
+        self.wait()
         return self.store.state_dict()
 
     @torch.no_grad()

@@ -149,6 +149,7 @@ def run(cfg: TrainConfig) -> dict:
         bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
     bar.close()
     log.close()
+    sm.wait()  # the last step's updates, which may run on after its train_step returned
     wall = time.perf_counter() - t_start
     _save_weights(sm, model_cfg, out)
     first, last = history[0]["loss"], sum(h["loss"] for h in history[-5:]) / min(5, len(history))

@@ -60,7 +60,7 @@ def main():
     for _ in range(args.steps):
         step()
     torch.cuda.set_sync_debug_mode("default")
-    sm.executor.drain()
+    sm.wait()
     print(f"{sum(sites.values())} synchronizing calls in {args.steps} steps, {len(sites)} call sites:")
     for site, n in sites.most_common():
         print(f"{n / args.steps:6.1f} per step\n    {site}")

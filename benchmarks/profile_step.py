@@ -91,8 +91,7 @@ def main():
     batch = lambda: torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)  # noqa: E731
     for _ in range(args.warmup):
         sm.train_step(batch())
-    if streaming:
-        sm.executor.drain()
+    sm.wait()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, op_ranges(sm.executor):
         for _ in range(args.steps):
             st = sm.train_step(batch())
@@ -100,8 +99,7 @@ def main():
             if streaming:
                 print("  host issue s by kind: " + ", ".join(
                     f"{k} {v:.3f}" for k, v in sorted(sm.executor.host_issue_s.items(), key=lambda kv: -kv[1])))
-        if streaming:
-            sm.executor.drain()
+        sm.wait()
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     try:

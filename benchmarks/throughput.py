@@ -82,8 +82,7 @@ def main():
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         if hasattr(sm.executor, "sync_between_steps"):
-            if hasattr(sm.executor, "drain"):
-                sm.executor.drain()  # the previous variant's steps finish before the ordering changes
+            sm.wait()  # the previous variant's steps finish before the ordering changes
             sm.executor.sync_between_steps = variant.pop("step_sync", step_sync)
         else:
             variant.pop("step_sync", None)
@@ -97,8 +96,7 @@ def main():
                 except Exception as e:  # report it and go on with the next variant; the exit status says so
                     traceback.print_exc()
                     failed.append({"batch": batch, "clip": clip, **overrides, "error": f"{type(e).__name__}: {e}"})
-                    if hasattr(sm.executor, "drain"):
-                        sm.executor.drain()
+                    sm.wait()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results + failed if len(results) + len(failed) > 1 else (results + failed)[0], f, indent=1)
@@ -167,8 +165,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     t_timed = None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            if hasattr(sm.executor, "drain"):
-                sm.executor.drain()  # the warm-up steps' optimizer tail is not timed
+            sm.wait()  # the warm-up steps' optimizer tail is not timed
             t_timed = time.perf_counter()
         ids = torch.randint(0, cfg.vocab_size, (batch, args.seq), generator=gen)
         t = time.perf_counter()
@@ -177,8 +174,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         losses.append(st.loss)
         # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
         done.append(worker.submit(time.perf_counter) if worker is not None else time.perf_counter())
-    if hasattr(sm.executor, "drain"):
-        sm.executor.drain()  # the last step's optimizer tail counts
+    sm.wait()  # the last step's optimizer tail counts
     step_s = (time.perf_counter() - t_timed) / args.steps  # mean over the timed steps, optimizer included
     ends = [d.result() if worker is not None else d for d in done]
     per_step = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup else []

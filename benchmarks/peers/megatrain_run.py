@@ -43,7 +43,7 @@ def main():
         sm.overlap_steps = sm.device.type == "cuda"  # a step's optimizer tail overlaps the next step's start
         if hasattr(sm.executor, "sync_between_steps"):
             sm.executor.sync_between_steps = args.step_sync
-        return (lambda ids, nxt, denom: sm.train_step(ids).loss), getattr(sm.executor, "drain", lambda: None)
+        return (lambda ids, nxt, denom: sm.train_step(ids).loss), sm.wait
 
     run_peer(res, args, cfg, t0, setup)
 

@@ -202,11 +202,11 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     host_read = [l for l in range(len(graph)) if graph.owner(l) not in on_gpu]
     early = max(max(host_read, default=0) - PREFETCH_LAYERS, 0)
     for st in range(cfg.n_steps):
+        # (the first step loads every layer's weights over the wire: its state waits for the backward)
+        early_load = cfg.clip and (st > 0 or cfg.continues)
         for l in backward_order:
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
-            # (the first step loads every layer's weights over the wire: its state waits for the backward)
-            early_load = cfg.clip and (st > 0 or cfg.continues)
             anchor = first_fwd[(st, early)] if early_load else first_bwd[(st, need[l] + 1)]
             after[anchor.id].append(load)
             for store in stores[(st, l)]:  # the tied layer's part too
@@ -217,7 +217,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         if not cfg.clip:  # in the order their gradients are complete
             owners.sort(key=lambda l: pos[stores[(st, l)][-1].id])
         else:  # host updates in layer order (the next forward's); device updates, whose new weights stay on the
-            # device, in the order the next backward loads their state back (tied head first, then top down)
+            # device, in the order the next backward loads their state back (backward_order)
             owners = [l for l in owners if l not in on_gpu] + backward_order
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]

@@ -151,13 +151,19 @@ class StreamExecutor(Executor):
         if self.loss_host is None or self.loss_host.numel() != n:
             self.loss_host = torch.empty(n, dtype=torch.float32, pin_memory=True)
         sums = torch.stack([t.float().reshape(()) for t in self.loss_sums])  # every LOSS has run: all tensors
+        self.loss_copied = self._to_pinned(sums, self.loss_host, torch.cuda.current_stream())
+
+    def _to_pinned(self, src: torch.Tensor, dst: torch.Tensor, made_on: torch.cuda.Stream) -> torch.cuda.Event:
+        """Copy ``src`` (made on ``made_on``) into pinned ``dst`` on the ``d2h`` stream; the event marks the copy
+        done."""
         d2h = self.streams[Stream.D2H]
-        d2h.wait_stream(torch.cuda.current_stream())
-        sums.record_stream(d2h)
+        d2h.wait_stream(made_on)
+        src.record_stream(d2h)
         with torch.cuda.stream(d2h):
-            self.loss_host.copy_(sums, non_blocking=True)
-            self.loss_copied = torch.cuda.Event()
-            self.loss_copied.record()
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return done
 
     def _loss_values(self) -> list[float]:
         if self.loss_copied is None:
@@ -341,7 +347,7 @@ class StreamExecutor(Executor):
         the compute stream, and the norm's copy to pinned memory, on the ``d2h`` stream. The host thread does not
         wait: device updates read the factor on the device, host updates and the step's result wait for the
         copy."""
-        st, compute, d2h = self.st, self.streams[Stream.COMPUTE], self.streams[Stream.D2H]
+        st, compute = self.st, self.streams[Stream.COMPUTE]
         for d in store_deps:
             compute.wait_event(self.events[d])
         with torch.cuda.stream(compute):
@@ -351,12 +357,7 @@ class StreamExecutor(Executor):
                      else torch.zeros((), device=self.device))
             st.coef = self.optimizer.clip_factor(total)
         st.norm_host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        d2h.wait_stream(compute)
-        total.record_stream(d2h)
-        with torch.cuda.stream(d2h):
-            st.norm_host.copy_(total, non_blocking=True)
-            st.norm_copied = torch.cuda.Event()
-            st.norm_copied.record()
+        st.norm_copied = self._to_pinned(total, st.norm_host, compute)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def timeline(self):

@@ -24,7 +24,7 @@ stage() {  # stage NAME SECONDS CMD...
     echo "== $name: exit $? ($(tail -n 1 "$out/$name.log"))"
 }
 if [[ $part == tests || $part == all ]]; then
-    stage tests 150 python3 -m pytest -q tests/gpu tests/kernels
+    stage tests 240 python3 -m pytest -q -s tests/gpu tests/kernels
 fi
 if [[ $part == kernels || $part == all ]]; then
     stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from megatrain.api import gpu_opt_every
+from megatrain.api import gpu_opt_every, saved_acts
 
 
 def main():
@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
                     help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
     ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="weights on the wire")
+    ap.add_argument("--saved-acts", type=saved_acts, default="auto",
+                    help="layers that keep their activations, no recompute (auto: as many as fit; 0: none)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-clip", action="store_true")
@@ -53,7 +55,8 @@ def main():
     ap.add_argument("--trace", help="path prefix for the measured + simulated trace and PNG")
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
-                         "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync); "
+                         "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
+                         "saved); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -71,14 +74,15 @@ def main():
                            streams=not args.sync and args.device != "cpu",
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
-                           wire=args.wire)
+                           wire=args.wire, saved_acts=args.saved_acts)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
     step_sync = args.step_sync
     n = sm.graph.n_params
     results, failed = [], []
-    base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots}
+    base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
+            "saved_acts": args.saved_acts}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         if hasattr(sm.executor, "sync_between_steps"):
@@ -114,7 +118,7 @@ def slots_arg(value: str) -> int | str:
 
 VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
                 "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
-                "step_sync": ("step_sync", lambda v: bool(int(v)))}
+                "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts)}
 
 
 def parse_variant(text: str) -> dict:
@@ -131,6 +135,7 @@ def parse_variant(text: str) -> dict:
 
 def print_table(results: list[dict]) -> None:
     cols = [("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"), ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
+            ("saved", "saved_acts", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
             ("tok/s med", "tokens_per_s_median", "{:,.0f}"),
@@ -139,7 +144,7 @@ def print_table(results: list[dict]) -> None:
             ("bound/meas", "efficiency_bound_over_measured", "{:.2f}"),
             ("bound/med", "efficiency_bound_over_median", "{:.2f}"), ("GPU GiB", "gpu_peak_gib", "{:.1f}"),
             ("host GiB", "host_rss_gib", "{:.1f}")]
-    rows = [[fmt.format(len(r[key]) if key == "gpu_opt" else r[key]) for _, key, fmt in cols] for r in results]
+    rows = [[fmt.format(len(r[key]) if key in ("gpu_opt", "saved_acts") else r[key]) for _, key, fmt in cols] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _, _) in enumerate(cols)]
     print(f"\n{results[0]['preset']} ({results[0]['params'] / 1e9:.2f}B params), {results[0]['executor']}; "
           f"gpu_opt = layers updated on the GPU")
@@ -182,17 +187,19 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     sched = sm.schedule_for(batch, args.seq, **overrides)
     spec = HW["h200"]
     c = sched.config
-    three = build_schedule(sm.graph, ScheduleConfig.from_dict({**c.to_dict(), "n_steps": 3}))
+    graph = sm.planning_graph(args.seq)  # with the saved bytes per token measured on this device
+    three = build_schedule(graph, ScheduleConfig.from_dict({**c.to_dict(), "n_steps": 3}))
     from megatrain.planner.cost import compute_flops
 
-    hw_flops = sum(compute_flops(sm.graph, c, op) for op in sched.ops)  # recompute included
-    sim = simulate(three, sm.graph, spec)
-    b = bound(three, sm.graph, spec)
+    hw_flops = sum(compute_flops(graph, c, op) for op in sched.ops)  # recompute included
+    sim = simulate(three, graph, spec)
+    b = bound(three, graph, spec)
     res = {
         "preset": args.preset, "params": n, "executor": "program order" if args.sync else "streams",
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
-        "wire_bytes_per_param": c.wire_bytes_per_param,
+        "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),
+        "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
@@ -210,9 +217,10 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         res["host_loss_wait_s"] = sm.executor.host_loss_wait_s
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
-               f"-s{c.weight_slots}{'' if res['sync_between_steps'] is not False else '-nosync'}")
+               f"-s{c.weight_slots}-saved{len(c.saved_acts)}"
+               f"{'' if res['sync_between_steps'] is not False else '-nosync'}")
         measured = sm.executor.timeline()
-        one = simulate(sched, sm.graph, spec)
+        one = simulate(sched, graph, spec)
         write_trace([one, measured], f"{args.trace}-{tag}.trace.json")
         with open(f"{args.trace}-{tag}.timeline.json", "w") as f:
             f.write(measured.to_json())

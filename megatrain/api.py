@@ -33,6 +33,9 @@ class PlanOptions:
     # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search)
     wire: str = "fp32"  # weights on the wire: "fp32" (the master, cast on the device) or "bf16" (a host shadow
     # the optimizer keeps current: half the bytes per load, a host cast per update, 2 more bytes per param of RAM)
+    saved_acts: int | str = "auto"  # layers whose forward keeps its activations on the device so that their
+    # backward does not recompute it: a count (the last ones), or "auto": as many as the device memory the plan
+    # leaves free holds (see megatrain.planner.search.saved_act_layers)
 
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
@@ -44,16 +47,29 @@ class PlanOptions:
         if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"gpu_opt_every must be an integer >= 0 (0: every update on the host) or 'auto', "
                              f"got {k!r}")
+        a = self.saved_acts
+        if a != "auto" and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
+            raise ValueError(f"saved_acts must be an integer >= 0 (0: every backward recomputes) or 'auto', "
+                             f"got {a!r}")
 
 
-def gpu_opt_every(value: str | int) -> int | str:
-    """Parse a ``gpu_opt_every`` option from text: an integer or 'auto' (its range is checked where it is used)."""
+def _int_or_auto(value: str | int, name: str) -> int | str:
     if value == "auto":
         return value
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"gpu_opt_every must be an integer >= 0 or 'auto', got {value!r}") from None
+        raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}") from None
+
+
+def gpu_opt_every(value: str | int) -> int | str:
+    """Parse a ``gpu_opt_every`` option from text: an integer or 'auto' (its range is checked where it is used)."""
+    return _int_or_auto(value, "gpu_opt_every")
+
+
+def saved_acts(value: str | int) -> int | str:
+    """Parse a ``saved_acts`` option from text: an integer or 'auto' (its range is checked where it is used)."""
+    return _int_or_auto(value, "saved_acts")
 
 
 @dataclass
@@ -94,6 +110,7 @@ class StreamedModel:
         else:
             self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         self._schedules: dict[tuple, tuple[Schedule, Schedule]] = {}  # plan key -> (first step, the steps after)
+        self._graphs: dict[int, object] = {}  # sequence length -> the planner's layer graph (_planning_graph)
         self.step = 0
         # streams: let a step's optimizer work run on while the next step starts (each layer's next load waits for
         # its own update); train_step then returns before the step's weights are all updated (its loss and gradient
@@ -121,14 +138,14 @@ class StreamedModel:
         if key not in self._schedules:
             if batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
-            graph = self.graph
+            graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
             cfg = ScheduleConfig(
                 n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
                 seq_len=seq_len, grad_slots=opts.grad_slots,
                 weight_slots=len(graph) if opts.weight_slots == "all" else opts.weight_slots,
                 wire_bytes_per_param=2 if opts.wire == "bf16" else 4, host_checkpoints=opts.host_checkpoints,
                 clip=clip, budget_bytes=self.hardware.budget_bytes)
-            cfg = replace(cfg, gpu_opt=self._device_updates(cfg, opts.gpu_opt_every))
+            cfg = self._decide(graph, cfg, opts)
             plans = []
             for c in ([cfg, replace(cfg, continues=True)] if cfg.gpu_opt else [cfg]):
                 s = build_schedule(graph, c)
@@ -142,25 +159,52 @@ class StreamedModel:
             self._schedules[key] = (plans[0], plans[-1])
         return self._schedules[key]
 
-    def _device_updates(self, cfg: ScheduleConfig, every: int | str) -> tuple[int, ...]:
-        """The layers updated on the device: every k-th eligible one, or for "auto" the candidate set (as the plan
-        search tries them) whose simulated three-step schedule is fastest within the device budget."""
-        from megatrain.planner.search import device_update_sets
+    def planning_graph(self, seq_len: int):
+        """The layer graph the planner gets for sequences of ``seq_len`` tokens: the captured one, with each
+        layer's saved bytes per token (what a layer in ``saved_acts`` keeps on the device) measured at ``seq_len``
+        on this device with these templates (once per template; attention that stores its probabilities saves
+        more per token at longer sequences)."""
+        if seq_len not in self._graphs:
+            from megatrain.planner.graph import LayerGraph
+
+            measured: dict[str, int] = {}
+            layers = []
+            for i, lay in enumerate(self.graph.layers):
+                if lay.saved_bytes_per_token and lay.template not in measured:
+                    measured[lay.template] = self.executor.measure_saved_bytes(i, seq_len)
+                layers.append(replace(lay, saved_bytes_per_token=measured[lay.template])
+                              if lay.saved_bytes_per_token else lay)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._graphs[seq_len] = LayerGraph(layers, name=self.graph.name)
+        return self._graphs[seq_len]
+
+    def _decide(self, graph, cfg: ScheduleConfig, opts: PlanOptions) -> ScheduleConfig:
+        """``cfg`` with the layers updated on the device and the layers that keep their activations: every k-th
+        eligible layer updated on the device, or for "auto" the candidate set (as the plan search tries them)
+        whose simulated three-step schedule, with the saved activations the option asks for, is fastest within
+        the device budget."""
+        from megatrain.planner.search import PlanError, device_update_sets, saved_act_layers
         from megatrain.planner.simulate import simulate
 
-        sets = device_update_sets(self.graph, None if every == "auto" else every)
-        if len(sets) == 1:
-            return sets[0]
+        every = opts.gpu_opt_every
+        sets = device_update_sets(graph, None if every == "auto" else every)
+        try:
+            with_sets = [replace(c, saved_acts=saved_act_layers(graph, c, opts.saved_acts))
+                         for c in (replace(cfg, gpu_opt=g) for g in sets)]
+        except PlanError as e:
+            raise ValueError(str(e)) from None
+        if len(with_sets) == 1:
+            return with_sets[0]
         best = None
-        for gpu_opt in sets:
-            three = replace(cfg, n_steps=3, gpu_opt=gpu_opt)
-            s = build_schedule(self.graph, three)
-            if device_memory(self.graph, s).total_nbytes > cfg.budget_bytes:
+        for c in with_sets:
+            s = build_schedule(graph, replace(c, n_steps=3))
+            if device_memory(graph, s).total_nbytes > cfg.budget_bytes:
                 continue
-            t = simulate(s, self.graph, self.hardware).steady_step_s
+            t = simulate(s, graph, self.hardware).steady_step_s
             if best is None or t < best[0]:
-                best = (t, gpu_opt)
-        return best[1] if best is not None else ()
+                best = (t, c)
+        return best[1] if best is not None else with_sets[0]
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -228,10 +272,13 @@ class StreamedModel:
         """Bytes by kind: host store rows; with a batch shape, the device slots and working set of its schedule."""
         out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
         if batch_size and seq_len:
-            mem = max((device_memory(self.graph, s) for s in self._plans(batch_size, seq_len, {})),
-                      key=lambda m: m.total_nbytes)
+            plans = self._plans(batch_size, seq_len, {})
+            graph = self.planning_graph(seq_len)
+            mem = max((device_memory(graph, s) for s in plans), key=lambda m: m.total_nbytes)
             out.update({f"device.{p}_slots": v for p, v in mem.pool_nbytes.items()})
             out["device.working_set"] = mem.workspace_nbytes
+            out["device.kept_weights"] = mem.kept_nbytes
+            out["device.saved_activations"] = mem.saved_nbytes
         return out
 
 

@@ -35,7 +35,8 @@ def _plan(args) -> int:
         fixed = dict(n_mb=args.mb, weight_slots=args.slots,
                      wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
                      host_checkpoints=args.host_checkpoints,
-                     gpu_opt_every=None if args.gpu_opt_every == "auto" else _every(args.gpu_opt_every))
+                     gpu_opt_every=None if args.gpu_opt_every == "auto" else _every(args.gpu_opt_every),
+                     saved_acts=_saved(args.saved_acts))
         budget = int(args.budget_gib * GiB) if args.budget_gib else None
         p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
                  n_steps=args.steps, **fixed)
@@ -64,7 +65,9 @@ def _plan(args) -> int:
         f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
         f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host; optimizer "
         f"{'after the step (exact global-norm clipping)' if cfg.clip else 'during backward (no clipping)'}"
-        + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else ""),
+        + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else "")
+        + (f"; {len(cfg.saved_acts)} layers keep their activations for the backward (no recompute)"
+           if cfg.saved_acts else "; every backward recomputes its forward"),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
         f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "
@@ -76,6 +79,7 @@ def _plan(args) -> int:
         f"activations {mem.pool_nbytes['a'] / GiB:.2f}, "
         + (f"optimizer {mem.pool_nbytes['o'] / GiB:.2f}, " if mem.pool_nbytes['o'] else "")
         + (f"updated weights kept {mem.kept_nbytes / GiB:.2f}, " if mem.kept_nbytes else "")
+        + (f"saved activations {mem.saved_nbytes / GiB:.2f}, " if mem.saved_nbytes else "")
         + f"working set {mem.workspace_nbytes / GiB:.2f})",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
@@ -149,6 +153,15 @@ def _every(value: str):
 _every.__name__ = "gpu_opt_every"  # argparse names the option's type in its error message
 
 
+def _saved(value: str):
+    from megatrain.api import saved_acts
+
+    return saved_acts(value)
+
+
+_saved.__name__ = "saved_acts"
+
+
 def _slots(value: str):
     if value == "all":
         return value
@@ -178,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("gpu_opt_every", _every, "update every k-th layer on the GPU, not the host (0: none; "
                                                      "auto: the planner's choice)"),
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
+                           ("saved_acts", _saved, "layers (the last ones) whose backward reuses the forward's "
+                                                  "activations instead of recomputing them (auto: as many as fit)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
@@ -202,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="update every K-th layer (of those owning weights) on the GPU: its master weights and "
                         "moments go to the device and back; 0 (default): all on the host; auto: search every 4th, "
                         "3rd and 2nd layer, each with and without the first")
+    p.add_argument("--saved-acts", default="auto", metavar="N|auto",
+                   help="layers (the last N blocks) whose forward keeps its activations on the GPU so that their "
+                        "backward does not recompute it; auto (default): as many as the memory the plan leaves "
+                        "free holds")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")

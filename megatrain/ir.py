@@ -35,9 +35,11 @@ FORMAT_VERSION = 1
 
 class OpKind(str, enum.Enum):
     LOAD_W = "LOAD_W"  # h2d: host weights of a layer -> weight slot (compute: the copy a device update left)
-    FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept
+    FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept (a layer in saved_acts keeps its saved
+    # activations, without the weights, for its BWD)
     LOSS = "LOSS"  # compute: forward + backward of the head+loss layer for one mb
-    BWD = "BWD"  # compute: recompute forward from the checkpoint, back-propagate, accumulate grads
+    BWD = "BWD"  # compute: recompute forward from the checkpoint (not for a layer in saved_acts), back-propagate,
+    # accumulate grads
     SAVE_ACT = "SAVE_ACT"  # d2h: checkpoint -> host
     LOAD_ACT = "LOAD_ACT"  # h2d: host checkpoint -> activation slot
     STORE_G = "STORE_G"  # d2h: gradient slot -> host gradient of the layer that owns the weights; compute (a layer
@@ -186,13 +188,19 @@ class ScheduleConfig:
     # device-updated layers' new weights are still on the device (no load over the wire), and with clipping their
     # state loads from the forward on
     continues: bool = False
+    # layers whose forward keeps, on the device, every activation its backward needs (autograd's saved tensors,
+    # weights excepted): their BWD back-propagates through them instead of recomputing the forward from the
+    # checkpoint. Device memory for it: Layer.saved_bytes_per_token per token of every micro-batch, from the
+    # layer's FWD to its BWD
+    saved_acts: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        if self.gpu_opt:
-            d["gpu_opt"] = list(self.gpu_opt)
-        else:
-            del d["gpu_opt"]  # the key appears only when used: older schedules read back the same
+        for key in ("gpu_opt", "saved_acts"):  # the keys appear only when used: older schedules read back the same
+            if getattr(self, key):
+                d[key] = list(getattr(self, key))
+            else:
+                del d[key]
         if not self.continues:
             del d["continues"]
         return d
@@ -204,8 +212,9 @@ class ScheduleConfig:
         if unknown:
             raise IRError(f"unknown schedule config keys: {sorted(unknown)}")
         d = dict(d)
-        if "gpu_opt" in d:
-            d["gpu_opt"] = tuple(int(x) for x in d["gpu_opt"])
+        for key in ("gpu_opt", "saved_acts"):
+            if key in d:
+                d[key] = tuple(int(x) for x in d[key])
         return cls(**d)
 
 

@@ -34,6 +34,8 @@ class TrainConfig:
     host_checkpoints: int = 0  # layers whose checkpoints wait on the host
     gpu_opt_every: int | str = 0  # every k-th layer updated on the GPU (0: all on the host; "auto": the planner's)
     wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
+    saved_acts: int | str = "auto"  # layers whose backward reuses the forward's activations, no recompute (a
+    # count, the last ones; "auto": as many as the device memory holds)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     seed: int = 0
     device: str | None = None  # default: cuda when present, else cpu
@@ -46,7 +48,8 @@ class TrainConfig:
         from megatrain.api import PlanOptions
 
         # the plan options' own checks
-        PlanOptions(weight_slots=self.slots, gpu_opt_every=self.gpu_opt_every, wire=self.wire)
+        PlanOptions(weight_slots=self.slots, gpu_opt_every=self.gpu_opt_every, wire=self.wire,
+                    saved_acts=self.saved_acts)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:
@@ -121,7 +124,8 @@ def run(cfg: TrainConfig) -> dict:
                                   warmup_steps=cfg.warmup, total_steps=cfg.steps, min_lr=cfg.lr / 10)
     sm = megatrain.compile(model, checkpoint=weights, init_seed=None if weights else cfg.seed, optim=optim,
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
-                           host_checkpoints=cfg.host_checkpoints, gpu_opt_every=cfg.gpu_opt_every, wire=cfg.wire)
+                           host_checkpoints=cfg.host_checkpoints, gpu_opt_every=cfg.gpu_opt_every, wire=cfg.wire,
+                           saved_acts=cfg.saved_acts)
     schedule = sm.schedule_for(cfg.batch, cfg.seq)
     out.mkdir(parents=True, exist_ok=True)
     (out / "schedule.txt").write_text(schedule.to_text())

@@ -7,7 +7,7 @@ import torch
 from common import CLIP, LR, Result, base_parser, build_model, hf_config, run_peer
 
 import megatrain
-from megatrain.api import gpu_opt_every
+from megatrain.api import gpu_opt_every, saved_acts
 
 
 def main():
@@ -21,6 +21,8 @@ def main():
                     help="a device-wide sync between steps (default: steps ordered by events only)")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
                     help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
+    ap.add_argument("--saved-acts", type=saved_acts, default="auto",
+                    help="layers that keep their activations for the backward (auto: as many as fit; 0: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = hf_config(args.preset, args.seq)
@@ -33,13 +35,13 @@ def main():
         nonlocal model
         optim = megatrain.OptimConfig(lr=LR, max_grad_norm=CLIP, threads=args.cpu_threads)
         sm = megatrain.compile(model, init_seed=0 if args.meta else None, device=args.device, optim=optim,
-                               n_mb=args.mb, gpu_opt_every=args.gpu_opt_every,
+                               n_mb=args.mb, gpu_opt_every=args.gpu_opt_every, saved_acts=args.saved_acts,
                                weight_slots=args.slots if args.slots == "all" else int(args.slots))
         model = None  # the weights live in the host store now; the model's own copy is freed
         res.notes = (f"kernels: {sorted(sm.kernels)}; executor: {type(sm.executor).__name__}; AdamW threads: "
                      f"{args.cpu_threads or torch.get_num_threads()}; layers updated on the GPU: every "
                      f"{args.gpu_opt_every or 'none'}; weight slots: {args.slots}; "
-                     f"device sync between steps: {args.step_sync}")
+                     f"device sync between steps: {args.step_sync}; saved activations: {args.saved_acts}")
         sm.overlap_steps = sm.device.type == "cuda"  # a step's optimizer tail overlaps the next step's start
         if hasattr(sm.executor, "sync_between_steps"):
             sm.executor.sync_between_steps = args.step_sync

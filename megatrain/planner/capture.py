@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from megatrain.planner.graph import Layer, LayerGraph
+from megatrain.planner.graph import Layer, LayerGraph, block_saved_bytes
 
 
 class CaptureError(ValueError):
@@ -379,7 +379,9 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     head_w = max((r for r in segments[-1].params if len(r.shape) == 2), key=lambda r: r.shape[0], default=None)
     vocab = int(getattr(cfg, "vocab_size", 0) or (head_w.shape[0] if head_w else 0))
     heads = getattr(cfg, "num_attention_heads", None)
-    q_dim = heads * (getattr(cfg, "head_dim", None) or hidden // heads) if heads else hidden
+    head_dim = (getattr(cfg, "head_dim", None) or hidden // heads) if heads else hidden
+    q_dim = heads * head_dim if heads else hidden
+    kv_dim = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim if heads else hidden
     inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
     a = act_dtype_bytes
     for seg in segments:
@@ -391,6 +393,8 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             act_bytes_per_token=0 if seg.kind == "head" else hidden * a,
             work_bytes_per_token=(6 * hidden + 3 * inter) * a if seg.kind == "block" else 2 * hidden * a,
             logit_bytes_per_token=4 * vocab if seg.kind == "head" else 0,
+            saved_bytes_per_token=block_saved_bytes(hidden, q_dim, kv_dim, inter, heads or 1, a)
+            if seg.kind == "block" else 0,
         ))
     names = {canon: (o, off, tuple(model.get_parameter(canon).shape)) for canon, (o, off) in owner_of.items()}
     missing = [n for n in canonical.values() if n not in owner_of]

@@ -74,14 +74,25 @@ def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
             for p, sizes in slot_params(graph, schedule).items()}
 
 
+def saved_nbytes(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int:
+    """Device bytes one micro-batch's forward of ``layer`` keeps for its backward when the layer is in
+    ``saved_acts`` (0 otherwise)."""
+    return graph[layer].saved_bytes_per_token * cfg.mb_tokens if layer in cfg.saved_acts else 0
+
+
+def recomputes(cfg: ScheduleConfig, op: Op) -> bool:
+    """Whether a BWD recomputes its layer's forward (every layer not in ``saved_acts``)."""
+    return op.kind is OpKind.BWD and op.layer not in cfg.saved_acts
+
+
 def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     """Transient device bytes a compute op allocates beyond the slots it names."""
     lay = graph[op.layer]
     t = cfg.mb_tokens
     if op.kind is OpKind.FWD:
         return lay.work_bytes_per_token * t
-    if op.kind is OpKind.BWD:  # recomputed activations and their gradients
-        return 2 * lay.work_bytes_per_token * t
+    if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients
+        return (2 if recomputes(cfg, op) else 1) * lay.work_bytes_per_token * t
     if op.kind is OpKind.LOSS:  # one chunk of fp32 logits and their gradient
         return lay.work_bytes_per_token * t + 2 * min(t, LOSS_CHUNK_TOKENS) * lay.logit_bytes_per_token
     return 0
@@ -128,10 +139,17 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     return 0
 
 
+def _passes(cfg: ScheduleConfig, op: Op) -> float:
+    """A compute op's work in forward passes: forward 1; recompute + backward 3 (backward alone 2, for a layer in
+    ``saved_acts``); loss = forward + backward 3."""
+    if op.kind is OpKind.BWD:
+        return 3.0 if recomputes(cfg, op) else 2.0
+    return {OpKind.FWD: 1.0, OpKind.LOSS: 3.0}.get(op.kind, 0.0)
+
+
 def compute_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
-    """FLOPs of a compute op: forward; recompute + backward (3x); loss = forward + backward (3x)."""
-    fwd = graph[op.layer].flops_per_token(cfg.seq_len) * cfg.mb_tokens
-    return {OpKind.FWD: 1.0, OpKind.BWD: 3.0, OpKind.LOSS: 3.0}.get(op.kind, 0.0) * fwd
+    """FLOPs of a compute op (see :func:`_passes`)."""
+    return _passes(cfg, op) * graph[op.layer].flops_per_token(cfg.seq_len) * cfg.mb_tokens
 
 
 def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
@@ -141,7 +159,7 @@ def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> fl
     if op.kind is OpKind.LOSS:
         per_token += lay.logit_bytes_per_token  # logits written, read for the softmax, gradient written
         return 3.0 * per_token * cfg.mb_tokens
-    return {OpKind.FWD: 1.0, OpKind.BWD: 3.0}.get(op.kind, 0.0) * per_token * cfg.mb_tokens
+    return _passes(cfg, op) * per_token * cfg.mb_tokens
 
 
 def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, layer: int) -> float:
@@ -179,6 +197,7 @@ class DeviceMemory:
     slot_sizes: dict[str, list[int]]  # bytes of each slot of each pool, by index
     workspace_nbytes: int  # the largest compute op's transient bytes
     kept_nbytes: int = 0  # new weights of the device-updated layers, kept for the next step's loads
+    saved_nbytes: int = 0  # activations the layers in saved_acts keep for backward, all at once at the turn
 
     @property
     def slot_count(self) -> dict[str, int]:
@@ -190,14 +209,18 @@ class DeviceMemory:
 
     @property
     def total_nbytes(self) -> int:
-        return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes
+        return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes
 
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
-    """Device bytes the runtime allocates for ``schedule``: its slot pools plus the largest working set."""
-    work = max((workspace_nbytes(graph, schedule.config, op) for op in schedule.ops), default=0)
-    kept = sum(graph[l].params for l in schedule.config.gpu_opt) * COMPUTE_BYTES
-    return DeviceMemory(slot_sizes(graph, schedule), work, kept)
+    """Device bytes the runtime allocates for ``schedule``: its slot pools, the largest working set, the weights
+    device updates keep, and the saved activations (every layer's forward ends before the first backward: all of
+    them exist at once)."""
+    cfg = schedule.config
+    work = max((workspace_nbytes(graph, cfg, op) for op in schedule.ops), default=0)
+    kept = sum(graph[l].params for l in cfg.gpu_opt) * COMPUTE_BYTES
+    saved = sum(saved_nbytes(graph, cfg, l) for l in cfg.saved_acts) * cfg.n_mb
+    return DeviceMemory(slot_sizes(graph, schedule), work, kept, saved)
 
 
 def host_memory(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:

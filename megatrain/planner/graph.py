@@ -26,6 +26,10 @@ class Layer:
     act_bytes_per_token: int = 0  # bytes per token of this layer's output (the next layer's checkpoint)
     work_bytes_per_token: int = 0  # bytes per token of activations the forward builds for backward
     logit_bytes_per_token: int = 0  # head only: bytes of one token's fp32 logits row
+    # bytes per token of what the forward saves for backward (activations only; the weights it saves are views of
+    # the weight slot, found again there by the BWD): what a layer in ScheduleConfig.saved_acts keeps on the
+    # device from its FWD to its BWD. 0: the layer's backward always recomputes
+    saved_bytes_per_token: int = 0
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token at ``seq_len`` (causal attention: keys average seq_len / 2)."""
@@ -90,6 +94,15 @@ def chain(specs: list[dict], name: str = "model") -> LayerGraph:
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
+def block_saved_bytes(hidden: int, q_dim: int, kv_dim: int, inter: int, heads: int, act_dtype_bytes: int) -> int:
+    """Bytes per token a Llama/Qwen2-style decoder block (RMSNorm, GQA attention, SwiGLU MLP) saves for its
+    backward: the block input and the second norm's input (the norms recompute nothing but need them), both norm
+    outputs (the inputs of the q/k/v and gate/up projections), q and k after rotary, v, the attention output and
+    the o-projection's input, gate, up and their product (the down projection's input), in the compute dtype;
+    plus each norm's fp32 reciprocal RMS and the attention's fp32 log-sum-exp per head."""
+    return (4 * hidden + 3 * q_dim + 2 * kv_dim + 3 * inter) * act_dtype_bytes + 2 * 4 + 4 * heads
+
+
 def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None) -> LayerGraph:
     """A LayerGraph for an HF-style decoder-only config (Llama / Qwen2 / Mistral layout: RMSNorm, GQA, SwiGLU MLP).
 
@@ -134,6 +147,7 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
             # QK^T and AV: 2 matmuls x 2 FLOP per multiply-add x (seq/2 keys on average) x q_dim
             attn_flops_per_token_per_seq=2.0 * q_dim,
             act_bytes_per_token=H * a, work_bytes_per_token=block_work,
+            saved_bytes_per_token=block_saved_bytes(H, q_dim, kv_dim, inter, heads, a),
         ))
     layers.append(Layer(name="norm", kind="norm", template="norm", params=H, act_bytes_per_token=H * a,
                         work_bytes_per_token=2 * H * a))

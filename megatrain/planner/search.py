@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
-from megatrain.planner.cost import HOST_BYTES_PER_PARAM, host_memory, slot_nbytes, workspace_nbytes
+from megatrain.planner.cost import HOST_BYTES_PER_PARAM, device_memory, host_memory, slot_nbytes, workspace_nbytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
@@ -16,6 +16,9 @@ from megatrain.planner.verify import verify
 GiB = 1 << 30
 MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
 MB_CHOICES = 4  # micro-batch sizes tried (the largest ones that fit the token limit)
+# Share of the device memory a plan leaves free that saved activations may fill ("auto"): the rest stays for the
+# caching allocator's rounding and fragmentation, which the byte counts of the cost model do not see
+SAVED_FILL = 0.9
 
 
 class PlanError(ValueError):
@@ -129,11 +132,35 @@ def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, 
     return sorted(sets)
 
 
+def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) -> tuple[int, ...]:
+    """The layers whose forward keeps its activations for the backward (``ScheduleConfig.saved_acts``): the last
+    ``choice`` layers that can, or for "auto" as many as fit in :data:`SAVED_FILL` of the device memory the plan
+    without them leaves free. From the last layer back: its activations live the shortest (its backward comes
+    first), and every layer saved is one recompute less, whichever it is."""
+    able = [l for l in range(1, len(graph) - 1) if graph[l].saved_bytes_per_token > 0]
+    if choice != "auto":
+        if not isinstance(choice, int) or isinstance(choice, bool) or not 0 <= choice <= len(able):
+            raise PlanError(f"saved_acts must be 'auto' or a count of layers from 0 to {len(able)} (the layers "
+                            f"whose activations can be kept), got {choice!r}")
+        return tuple(able[len(able) - choice:]) if choice else ()
+    base = replace(cfg, saved_acts=())
+    spare = (cfg.budget_bytes - device_memory(graph, build_schedule(graph, base)).total_nbytes) * SAVED_FILL
+    out = []
+    for l in reversed(able):
+        need = graph[l].saved_bytes_per_token * cfg.mb_tokens * cfg.n_mb
+        if need > spare:
+            break
+        spare -= need
+        out.append(l)
+    return tuple(sorted(out))
+
+
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
-         clip: bool = True, n_steps: int = 3, **fixed) -> Plan:
+         clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps) among
-    :func:`candidates` that verifies and fits the device budget and the host. Raises :class:`PlanError` before
-    building anything when nothing can fit."""
+    :func:`candidates` that verifies and fits the device budget and the host, each with the saved activations
+    ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises :class:`PlanError` before building anything when
+    nothing can fit."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
     _check_request(graph, spec, tokens, seq_len, budget)
     tried: list[tuple[ScheduleConfig, str]] = []
@@ -147,6 +174,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         if need > budget:
             tried.append((cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}"))
             continue
+        cfg = replace(cfg, saved_acts=saved_act_layers(graph, cfg, saved_acts))
         s = build_schedule(graph, cfg)
         try:
             verify(s, graph, spec)

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field
 
 from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream
-from megatrain.planner.cost import (OPT_STATE_ROWS, device_memory, duration_s, host_memory, slot_sizes, transfer_nbytes,
-                                    workspace_nbytes)
+from megatrain.planner.cost import (OPT_STATE_ROWS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
+                                    transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -242,7 +242,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
 
 def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end: list[float]) -> list[tuple[float, int]]:
     """Device bytes in use over time: each slot from the start of the op that fills it to the end of the last op
-    that reads that content, plus each compute op's working set while it runs."""
+    that reads that content, plus each compute op's working set while it runs, plus saved activations (see
+    ``ScheduleConfig.saved_acts``) from their forward to their backward."""
     cfg = schedule.config
     size = slot_sizes(graph, schedule)
     events: list[tuple[float, int]] = []
@@ -265,6 +266,11 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
         w = workspace_nbytes(graph, cfg, op)
         if w:
             events += [(start[op.id], w), (end[op.id], -w)]
+        saved = saved_nbytes(graph, cfg, op.layer)  # kept from the layer's forward to the end of its backward
+        if saved and op.kind is OpKind.FWD:
+            events.append((start[op.id], saved))
+        elif saved and op.kind is OpKind.BWD:
+            events.append((end[op.id], -saved))
     for (pool, idx), (a, b) in holder.items():
         events += [(a, size[pool][idx]), (b, -size[pool][idx])]
     events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant

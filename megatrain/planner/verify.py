@@ -58,6 +58,11 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
     L = len(graph)
     if cfg.n_layers != L:
         raise ScheduleError("graph", None, f"schedule is for {cfg.n_layers} layers, the graph has {L}")
+    cannot = [l for l in cfg.saved_acts if not (0 < l < L - 1 and graph[l].saved_bytes_per_token > 0)]
+    if cannot or len(set(cfg.saved_acts)) != len(cfg.saved_acts):
+        raise ScheduleError("saved", None, f"saved_acts {list(cfg.saved_acts)}: each layer at most once, and only "
+                                           f"layers between the first and the head whose saved bytes are known "
+                                           f"(not {cannot})")
     for i, op in enumerate(s.ops):
         if op.id != i:
             raise ScheduleError("ids", op, f"op at position {i} has id {op.id}")
@@ -196,7 +201,8 @@ def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = No
     if mem.total_nbytes > cfg.budget_bytes:
         parts = ", ".join(f"{p}: {mem.slot_count[p]} slots, {fmt_bytes(mem.pool_nbytes[p])}" for p in POOLS)
         raise ScheduleError("memory", None, f"needs {fmt_bytes(mem.total_nbytes)} on the device ({parts}, working "
-                            f"set {fmt_bytes(mem.workspace_nbytes)}), budget is {fmt_bytes(cfg.budget_bytes)}")
+                            f"set {fmt_bytes(mem.workspace_nbytes)}, kept weights {fmt_bytes(mem.kept_nbytes)}, saved "
+                            f"activations {fmt_bytes(mem.saved_nbytes)}), budget is {fmt_bytes(cfg.budget_bytes)}")
     if spec is not None and cfg.budget_bytes > spec.gpu_bytes:
         raise ScheduleError("memory", None, f"budget {fmt_bytes(cfg.budget_bytes)} exceeds the {spec.name}'s "
                             f"{fmt_bytes(spec.gpu_bytes)}")

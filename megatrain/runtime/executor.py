@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, format_table, slot_contents
 from megatrain.planner.capture import Captured
@@ -64,6 +65,8 @@ class Executor:
         self.kept_buf: dict[int, torch.Tensor] = {}
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
         self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
+        self.saved_layers: frozenset[int] = frozenset()  # the running schedule's saved_acts
+        self._bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
 
     def _pools(self, schedule: Schedule) -> None:
         """Allocate the weight, gradient and optimizer slots the schedule uses, each as large as the largest layer
@@ -118,6 +121,8 @@ class Executor:
         self.act: dict[int, torch.Tensor] = {}
         self.host_act: dict[tuple[int, int], torch.Tensor] = {}
         self.side: dict[int, dict] = {}
+        self.saved_layers = frozenset(cfg.saved_acts)
+        self.saved: dict[tuple[int, int], tuple] = {}  # (layer, mb) -> (output, input, weight views): see _forward_saved
         self.stored: set[int] = set()
         self.loss_sums: list[torch.Tensor | float] = [0.0] * len(mbs)  # tensors until the step ends (no syncs)
         # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional):
@@ -236,6 +241,8 @@ class Executor:
             kept = self.kept_weights(o)
             src = kept if kept is not None else self._wire(o)
             self.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=self.non_blocking)
+        elif k is OpKind.FWD and l in self.saved_layers:
+            self._forward_saved(op)
         elif k is OpKind.FWD:
             with torch.no_grad():
                 if l == 0:
@@ -373,7 +380,65 @@ class Executor:
         self.loss_sums[op.mb] = loss * self.denom
         self.act[op.slot("x")] = dh.view_as(x)
 
+    def _forward_saved(self, op: Op) -> None:
+        """The forward of a layer in ``saved_acts``: with autograd on, keeping what its backward needs. The
+        weights it saves are views of this weight slot, which other layers overwrite before the backward: they
+        are saved as their place in the layer's weights and found again in the slot the BWD reads
+        (:class:`_WeightRef`); activations stay as they are (on the device, until the BWD)."""
+        flat = self._weights(op)
+        x = self.act[op.slot("x")].detach().requires_grad_()
+        views: list = []
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_WeightRef.packer(flat), self._unpack):
+            out = self.runner.run(op.layer, flat, x, self.side[op.mb], grad_views=views)
+        self.saved[(op.layer, op.mb)] = (out, x, views)
+        self.act[op.slot("y")] = out.detach()
+
+    def measure_saved_bytes(self, layer: int, seq_len: int) -> int:
+        """Bytes per token that ``layer``'s forward saves for its backward on this device with these templates
+        (kernels or not, whatever attention the model uses), for one sequence of ``seq_len`` tokens: activations
+        only, not the weights (views of the slot), the layer's input (its checkpoint, counted apart) or the side
+        inputs every layer shares. Runs the embedding and the layer once on random tokens, with weights copied
+        from the host store into temporary buffers."""
+        vocab = self.captured.vocab_size
+        ids = torch.randint(0, vocab, (1, seq_len), device=self.device)
+        mask = None if self.runner.captured.mask_optional else torch.ones_like(ids)
+        first = self.store.master(self.graph.owner(0)).to(self.device, self.dtype)
+        with torch.no_grad():
+            h, side = self.runner.run(0, first, (ids, mask))
+        del first
+        flat = self.store.master(self.graph.owner(layer)).to(self.device, self.dtype)
+        x = h.detach().requires_grad_()
+        skip = {flat.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
+        skip |= {v.untyped_storage().data_ptr() for v in tree_leaves(side)
+                 if isinstance(v, torch.Tensor)}
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in skip:
+                kept[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.runner.run(layer, flat, x, side, grad_views=[])
+        del out
+        return -(-sum(kept.values()) // seq_len)
+
+    def _unpack(self, packed):
+        return packed.view_of(self._bwd_weights) if isinstance(packed, _WeightRef) else packed
+
     def _backward(self, op: Op) -> None:
+        if op.layer in self.saved_layers:
+            out, x, views = self.saved.pop((op.layer, op.mb))
+            self._bwd_weights = self._weights(op)
+            try:
+                dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], self.act[op.slot("dy")],
+                                               allow_unused=True)
+            finally:
+                self._bwd_weights = None
+            self.act[op.slot("x")] = dx
+            self._accumulate(op, views, dws)
+            return
         flat = self._weights(op)
         dy = self.act[op.slot("dy")]
         views: list = []
@@ -390,3 +455,28 @@ class Executor:
         self._accumulate(op, views, dws)
         if op.layer == 0:
             self.side.pop(op.mb, None)
+
+
+class _WeightRef:
+    """A weight tensor autograd saved in a forward (see :meth:`Executor._forward_saved`): where it lies in the
+    layer's flat weights (element offset, shape, strides), to be viewed again in whichever slot holds them later."""
+
+    __slots__ = ("offset", "shape", "stride")
+
+    def __init__(self, offset: int, shape: tuple, stride: tuple):
+        self.offset, self.shape, self.stride = offset, shape, stride
+
+    @staticmethod
+    def packer(flat: torch.Tensor):
+        """A pack hook: tensors on ``flat``'s storage become references into it, others are kept as they are."""
+        ptr, base = flat.untyped_storage().data_ptr(), flat.storage_offset()
+
+        def pack(t: torch.Tensor):
+            if t.device == flat.device and t.untyped_storage().data_ptr() == ptr:
+                return _WeightRef(t.storage_offset() - base, tuple(t.shape), t.stride())
+            return t
+
+        return pack
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided(self.shape, self.stride, flat.storage_offset() + self.offset)

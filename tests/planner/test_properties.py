@@ -30,7 +30,8 @@ def graphs(draw, max_layers=64):
                             matmul_flops_per_token=draw(st.floats(0, 1e8)),
                             attn_flops_per_token_per_seq=draw(st.floats(0, 1e4)),
                             act_bytes_per_token=draw(st.integers(2, 8192)),
-                            work_bytes_per_token=draw(st.integers(0, 65536))))
+                            work_bytes_per_token=draw(st.integers(0, 65536)),
+                            saved_bytes_per_token=draw(st.integers(0, 131072)) if kind == "block" else 0))
     layers.append(Layer(name="head", kind="head", template="head", params=0 if tied else draw(size),
                         tie=0 if tied else None, matmul_flops_per_token=draw(st.floats(0, 1e8)),
                         work_bytes_per_token=draw(st.integers(0, 8192)),
@@ -43,12 +44,14 @@ def configs(draw, graph):
     seq = draw(st.sampled_from([16, 128, 1024]))
     eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
     gpu_opt = tuple(sorted(draw(st.sets(st.sampled_from(eligible)) if eligible else st.just(set()))))
+    savable = [l for l in range(1, len(graph) - 1) if graph[l].saved_bytes_per_token]
     return ScheduleConfig(
         n_layers=len(graph), n_steps=draw(st.integers(1, 2)), n_mb=draw(st.integers(1, 5)),
         mb_tokens=seq * draw(st.integers(1, 4)), seq_len=seq, weight_slots=draw(st.integers(1, 4)),
         grad_slots=draw(st.integers(1, 3)), wire_bytes_per_param=draw(st.sampled_from([2, 4])),
         host_checkpoints=draw(st.integers(0, len(graph) - 2)), clip=draw(st.booleans()),
         budget_bytes=draw(st.integers(64 * MiB, 4096 * MiB)), gpu_opt=gpu_opt,
+        saved_acts=tuple(sorted(draw(st.sets(st.sampled_from(savable))) if savable else ())),
     )
 
 

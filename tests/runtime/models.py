@@ -76,7 +76,10 @@ class TinyGPT(nn.Module):
 
 
 def compile_cpu(model, **kw):
-    """megatrain.compile on the CPU in fp32 (also on a machine with a GPU): the parity tests' setting."""
+    """megatrain.compile on the CPU in fp32 (also on a machine with a GPU): the parity tests' setting. Every
+    backward recomputes its forward unless ``saved_acts`` says otherwise (tests/runtime/test_saved_acts.py covers
+    the layers that keep their activations)."""
     import megatrain
 
+    kw.setdefault("saved_acts", 0)
     return megatrain.compile(model, device="cpu", **kw)

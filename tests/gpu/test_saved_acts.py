@@ -39,33 +39,41 @@ def test_saved_activations_train_as_recomputing_does(plan):
     assert all(torch.equal(sd[n], ref_sd[n]) for n in sd)
 
 
-def test_saved_bytes_measured_are_what_the_device_holds_and_near_the_formula():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_saved_bytes_measured_are_what_the_device_holds_and_near_the_formula(attn):
     """A Qwen2.5-3B-wide block (two of them) with the kernels: the bytes each saved forward leaves allocated equal
-    the measurement the planner uses; the formula `megatrain plan` uses without a model is within 15% of it."""
+    the measurement the planner uses. With fused attention the formula `megatrain plan` uses without a model is
+    within 15% of it (measured on the H200: 87,625 B/token, formula 95,816); eager attention keeps its
+    probabilities too (193,032 B/token at 1,024 tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..runtime.models import hf_config
+
     H, inter, heads, kv = 2048, 11008, 16, 2
-    model = hf_model("qwen2", hidden_size=H, intermediate_size=inter, num_attention_heads=heads,
-                     num_key_value_heads=kv, num_hidden_layers=2, max_position_embeddings=2048,
-                     attn_implementation="sdpa")
+    cfg = hf_config("qwen2", hidden_size=H, intermediate_size=inter, num_attention_heads=heads,
+                    num_key_value_heads=kv, num_hidden_layers=2, max_position_embeddings=2048)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     sm = megatrain.compile(model, device="cuda", saved_acts=2, n_mb=1)
     B, T = 4, 1024
-    graph = sm.planning_graph(T)
-    per_token = graph[1].saved_bytes_per_token
+    per_token = sm.planning_graph(T)[1].saved_bytes_per_token
     formula = block_saved_bytes(H, H, kv * H // heads, inter, heads, 2)
     ex = sm.executor
     deltas = []
     fwd = ex._forward_saved
 
     def measured_forward(op):
-        torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         fwd(op)
         deltas.append(torch.cuda.memory_allocated() - before - ex.act[op.slot("y")].untyped_storage().nbytes())
 
     ex._forward_saved = measured_forward
     sm.train_step(torch.randint(0, 97, (B, T), device="cuda"))
-    print(f"saved bytes per token: measured {per_token}, formula {formula}; allocated per saved forward "
+    print(f"{attn}: saved bytes per token: measured {per_token}, formula {formula}; allocated per saved forward "
           f"{[d / (B * T) for d in deltas]}")
     assert len(deltas) == 2
     for d in deltas:
         assert d == pytest.approx(per_token * B * T, rel=0.02)
-    assert formula == pytest.approx(per_token, rel=0.15)
+    if attn == "sdpa":
+        assert formula == pytest.approx(per_token, rel=0.15)
+    else:
+        assert per_token > 0.8 * formula + 4 * heads * T  # and the fp32 probabilities at least

@@ -11,7 +11,7 @@ import json
 from dataclasses import replace
 
 from megatrain.ir import ScheduleConfig
-from megatrain.planner.graph import PRESETS, from_config, preset
+from megatrain.planner.graph import PRESETS, LayerGraph, from_config, preset
 from megatrain.planner.hardware import hardware
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.simulate import bound, simulate
@@ -29,13 +29,17 @@ def rows(paths: list[str]) -> list[dict]:
 
 def graph_of(r: dict):
     """The planner's graph of the run's model: the preset's shape, its head separate from the embedding where the
-    run's parameter count says so (the benchmarks' models since 46bbcfd)."""
+    run's parameter count says so (the benchmarks' models since 46bbcfd), with the saved bytes per token the run
+    measured (runs since saved activations record it)."""
     graph = preset(r["preset"])
     if graph.n_params != r["params"]:
         shape = {**PRESETS[r["preset"]], "tie_word_embeddings": False}
         graph = from_config(shape, name=r["preset"])
         if graph.n_params != r["params"]:
             raise ValueError(f"{r['source']}: {r['params']:,} parameters match neither form of {r['preset']}")
+    if r.get("saved_bytes_per_token"):
+        graph = LayerGraph([replace(lay, saved_bytes_per_token=r["saved_bytes_per_token"])
+                            if lay.saved_bytes_per_token else lay for lay in graph.layers], name=graph.name)
     return graph
 
 
@@ -45,7 +49,8 @@ def predict(r: dict, spec) -> tuple[float, float, str]:
     cfg = ScheduleConfig(n_layers=len(graph), n_steps=3, n_mb=r["n_mb"], mb_tokens=r["tokens_per_step"] // r["n_mb"],
                          seq_len=seq, weight_slots=r["weight_slots"], grad_slots=2,
                          wire_bytes_per_param=r["wire_bytes_per_param"], host_checkpoints=r["host_checkpoints"],
-                         clip=r["clip"], budget_bytes=spec.budget_bytes, gpu_opt=tuple(r["gpu_opt"]))
+                         clip=r["clip"], budget_bytes=spec.budget_bytes, gpu_opt=tuple(r["gpu_opt"]),
+                         saved_acts=tuple(r.get("saved_acts", ())))
     s = build_schedule(graph, cfg)
     b = bound(s, graph, spec)
     return simulate(s, graph, spec).steady_step_s, b.step_s, b.limiter

@@ -136,12 +136,14 @@ def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
     """The layers whose forward keeps its activations for the backward (``ScheduleConfig.saved_acts``): the last
     ``choice`` layers that can, or for "auto" as many as fit in :data:`SAVED_FILL` of the device memory the plan
     without them leaves free. From the last layer back: its activations live the shortest (its backward comes
-    first), and every layer saved is one recompute less, whichever it is."""
-    able = [l for l in range(1, len(graph) - 1) if graph[l].saved_bytes_per_token > 0]
+    first), and every layer saved is one recompute less, whichever it is. A layer whose checkpoint goes to the
+    host cannot: what it saves holds its input on the device anyway."""
+    able = [l for l in range(cfg.host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token > 0]
     if choice != "auto":
         if not isinstance(choice, int) or isinstance(choice, bool) or not 0 <= choice <= len(able):
             raise PlanError(f"saved_acts must be 'auto' or a count of layers from 0 to {len(able)} (the layers "
-                            f"whose activations can be kept), got {choice!r}")
+                            f"whose activations can be kept, with {cfg.host_checkpoints} checkpoints on the host), "
+                            f"got {choice!r}")
         return tuple(able[len(able) - choice:]) if choice else ()
     base = replace(cfg, saved_acts=())
     spare = (cfg.budget_bytes - device_memory(graph, build_schedule(graph, base)).total_nbytes) * SAVED_FILL

@@ -58,11 +58,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
     L = len(graph)
     if cfg.n_layers != L:
         raise ScheduleError("graph", None, f"schedule is for {cfg.n_layers} layers, the graph has {L}")
-    cannot = [l for l in cfg.saved_acts if not (0 < l < L - 1 and graph[l].saved_bytes_per_token > 0)]
+    cannot = [l for l in cfg.saved_acts if not (cfg.host_checkpoints < l < L - 1 and graph[l].saved_bytes_per_token)]
     if cannot or len(set(cfg.saved_acts)) != len(cfg.saved_acts):
         raise ScheduleError("saved", None, f"saved_acts {list(cfg.saved_acts)}: each layer at most once, and only "
                                            f"layers between the first and the head whose saved bytes are known "
-                                           f"(not {cannot})")
+                                           f"and whose checkpoint stays on the device (layers above "
+                                           f"{cfg.host_checkpoints}; not {cannot})")
     for i, op in enumerate(s.ops):
         if op.id != i:
             raise ScheduleError("ids", op, f"op at position {i} has id {op.id}")

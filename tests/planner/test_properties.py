@@ -44,12 +44,13 @@ def configs(draw, graph):
     seq = draw(st.sampled_from([16, 128, 1024]))
     eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
     gpu_opt = tuple(sorted(draw(st.sets(st.sampled_from(eligible)) if eligible else st.just(set()))))
-    savable = [l for l in range(1, len(graph) - 1) if graph[l].saved_bytes_per_token]
+    host_checkpoints = draw(st.integers(0, len(graph) - 2))
+    savable = [l for l in range(host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token]
     return ScheduleConfig(
         n_layers=len(graph), n_steps=draw(st.integers(1, 2)), n_mb=draw(st.integers(1, 5)),
         mb_tokens=seq * draw(st.integers(1, 4)), seq_len=seq, weight_slots=draw(st.integers(1, 4)),
         grad_slots=draw(st.integers(1, 3)), wire_bytes_per_param=draw(st.sampled_from([2, 4])),
-        host_checkpoints=draw(st.integers(0, len(graph) - 2)), clip=draw(st.booleans()),
+        host_checkpoints=host_checkpoints, clip=draw(st.booleans()),
         budget_bytes=draw(st.integers(64 * MiB, 4096 * MiB)), gpu_opt=gpu_opt,
         saved_acts=tuple(sorted(draw(st.sets(st.sampled_from(savable))) if savable else ())),
     )

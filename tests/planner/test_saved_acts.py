@@ -1,0 +1,73 @@
+"""Planning saved activations: what they cost in device memory, what they save in compute, which layers qualify."""
+
+import dataclasses
+
+import pytest
+
+from megatrain.ir import OpKind, ScheduleConfig
+from megatrain.planner.cost import compute_flops, device_memory
+from megatrain.planner.graph import PRESETS, from_config, preset
+from megatrain.planner.hardware import PRESETS as HW
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.search import SAVED_FILL, PlanError, saved_act_layers
+from megatrain.planner.simulate import bound, simulate
+from megatrain.planner.verify import ScheduleError, verify
+
+SPEC = HW["h200"]
+G3 = from_config({**PRESETS["qwen2.5-3b"], "tie_word_embeddings": False}, name="qwen2.5-3b")
+
+
+def config(graph, **kw):
+    base = dict(n_layers=len(graph), n_mb=4, mb_tokens=16384, seq_len=1024, weight_slots=len(graph),
+                clip=True, budget_bytes=SPEC.budget_bytes, gpu_opt=tuple(range(20)))
+    return ScheduleConfig(**{**base, **kw})
+
+
+def test_the_formula_is_what_the_h200_measured():
+    """benchmarks/saved_tensors.py on the H200 with the Triton kernels: 70,201 / 87,625 / 151,673 bytes per
+    token (the measurement rounds up)."""
+    got = [preset(p)[1].saved_bytes_per_token for p in ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")]
+    assert got == [70200, 87624, 151672]
+
+
+def test_auto_fills_the_free_memory_from_the_last_block_back():
+    cfg = config(G3)
+    saved = saved_act_layers(G3, cfg, "auto")
+    blocks = [l for l in range(len(G3)) if G3[l].kind == "block"]
+    assert saved == tuple(blocks[-len(saved):]) and 8 <= len(saved) < len(blocks)
+    free = cfg.budget_bytes - device_memory(G3, build_schedule(G3, cfg)).total_nbytes
+    per_layer = G3[blocks[-1]].saved_bytes_per_token * cfg.mb_tokens * cfg.n_mb
+    assert len(saved) * per_layer <= SAVED_FILL * free < (len(saved) + 1) * per_layer
+    s = build_schedule(G3, dataclasses.replace(cfg, saved_acts=saved))
+    mem = device_memory(G3, s)
+    assert mem.saved_nbytes == len(saved) * per_layer and mem.total_nbytes <= cfg.budget_bytes
+    verify(s, G3, SPEC)
+    assert simulate(s, G3, SPEC).peak_nbytes <= mem.total_nbytes
+
+
+def test_a_saved_layer_costs_a_backward_without_the_recompute():
+    cfg = config(G3, n_steps=1)
+    plain = build_schedule(G3, cfg)
+    saved = build_schedule(G3, dataclasses.replace(cfg, saved_acts=(30, 31)))
+    fwd = {(op.layer, op.mb): compute_flops(G3, cfg, op) for op in plain.ops if op.kind is OpKind.FWD}
+    for s, layers in ((plain, ()), (saved, (30, 31))):
+        for op in s.ops:
+            if op.kind is OpKind.BWD:
+                want = (2 if op.layer in layers else 3) * fwd[(op.layer, op.mb)]
+                assert compute_flops(G3, s.config, op) == pytest.approx(want)
+    # the compute-bound 3B step: each saved block takes one block forward per micro-batch off the bound
+    one_block = sum(v for (l, _), v in fwd.items() if l == 30) / SPEC.matmul_flops_per_s
+    assert bound(plain, G3, SPEC).step_s - bound(saved, G3, SPEC).step_s == pytest.approx(2 * one_block, rel=1e-6)
+
+
+def test_layers_that_cannot_keep_their_activations_are_refused():
+    cfg = config(G3, n_steps=1, host_checkpoints=4)
+    assert saved_act_layers(G3, cfg, 32) == tuple(range(5, 37))  # blocks 5..36 of 1..36
+    with pytest.raises(PlanError, match="from 0 to 32.*4 checkpoints on the host"):
+        saved_act_layers(G3, cfg, 33)
+    for bad in ((0,), (38,), (37,), (3,), (30, 30)):  # embedding, head, final norm, a checkpoint on the host, twice
+        with pytest.raises(ScheduleError, match="schedule rule 'saved'"):
+            verify(build_schedule(G3, dataclasses.replace(cfg, saved_acts=bad)), G3)
+    over = build_schedule(G3, dataclasses.replace(cfg, saved_acts=tuple(range(5, 37))))
+    with pytest.raises(ScheduleError, match="schedule rule 'memory'.*saved activations"):
+        verify(over, G3)

@@ -303,6 +303,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware or
                                                                             ("h200" if dev.type == "cuda" else "cpu"))
+    if dev.type == "cuda":
+        _check_device_memory(dev, spec)
     try:
         opts = PlanOptions(**plan)
     except TypeError as e:
@@ -329,3 +331,17 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         raise ValueError("streams=True needs a CUDA device")
     return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels,
                          use_streams)
+
+
+def _check_device_memory(dev: torch.device, spec: HardwareSpec) -> None:
+    """Refuse a hardware spec whose plan budget is more than the device has for this process (free memory plus
+    what this process's caching allocator already holds): plans fill the budget (saved activations take what the
+    rest leaves), so they would run out of memory mid-step."""
+    free, total = torch.cuda.mem_get_info(dev)
+    have = free + torch.cuda.memory_reserved(dev)
+    if spec.budget_bytes > have:
+        raise ValueError(
+            f"hardware spec {spec.name!r} plans for {fmt_bytes(spec.budget_bytes)} of device memory, but "
+            f"{torch.cuda.get_device_name(dev)} ({dev}) has {fmt_bytes(have)} available of {fmt_bytes(total)}: pass "
+            f"hardware= the spec of this card (a preset such as 'h100', or a JSON file), or a spec with less "
+            f"gpu_bytes (dataclasses.replace(megatrain.planner.hardware.PRESETS['{spec.name}'], gpu_bytes=...))")

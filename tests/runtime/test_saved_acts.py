@@ -100,3 +100,19 @@ def test_measured_saved_bytes_are_what_autograd_keeps_for_the_models_own_layer(i
     assert (got[16] > got[8]) == (impl == "eager")
     plan_graph = sm.planning_graph(16)
     assert plan_graph[1].saved_bytes_per_token == got[16] and sm.graph[1].saved_bytes_per_token > 0
+
+
+def test_a_budget_larger_than_the_device_is_refused(monkeypatch):
+    """Plans fill the budget (saved activations take what the rest leaves): a spec for a larger card than the one
+    present is refused at compile, before anything is allocated, naming both sizes."""
+    from megatrain import api
+    from megatrain.planner.hardware import PRESETS
+
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (70 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 2 * GiB)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "an 80 GiB card")
+    with pytest.raises(ValueError, match=r"'h200' plans for 135.00 GiB.*an 80 GiB card \(cuda:0\) has 72.00 GiB "
+                                         r"available of 80.00 GiB"):
+        api._check_device_memory(torch.device("cuda:0"), PRESETS["h200"])
+    api._check_device_memory(torch.device("cuda:0"), dataclasses.replace(PRESETS["h200"], gpu_bytes=76 * GiB))

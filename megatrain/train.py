@@ -129,14 +129,17 @@ def run(cfg: TrainConfig) -> dict:
     schedule = sm.schedule_for(cfg.batch, cfg.seq)
     out.mkdir(parents=True, exist_ok=True)
     (out / "schedule.txt").write_text(schedule.to_text())
-    plot([simulate(schedule, sm.graph, sm.hardware)], out / "schedule.png",
+    c = schedule.config
+    graph = sm.planning_graph(cfg.seq) if c.saved_acts else sm.graph  # saved bytes as measured on this device
+    plot([simulate(schedule, graph, sm.hardware)], out / "schedule.png",
          title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
          budget_nbytes=schedule.config.budget_bytes)
     tok.save(str(out / "tokenizer.json"))
     n_params = sm.graph.n_params
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
           f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
-          f"{cfg.seq} tokens, {cfg.mb} micro-batches; writing {out}/", flush=True)
+          f"{cfg.seq} tokens, {cfg.mb} micro-batches; plan: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers "
+          f"updated on the device, {len(c.saved_acts)} keeping their activations; writing {out}/", flush=True)
     from tqdm import tqdm
 
     log = (out / "metrics.jsonl").open("w")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, fields, replace
@@ -20,6 +21,10 @@ from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepO
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.optim import HostAdamW, OptimConfig
 from megatrain.runtime.store import HostStore
+
+
+# Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)
+SAVED_PROBE_TOKENS = (256, 512)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,13 +176,26 @@ class StreamedModel:
             layers = []
             for i, lay in enumerate(self.graph.layers):
                 if lay.saved_bytes_per_token and lay.template not in measured:
-                    measured[lay.template] = self.executor.measure_saved_bytes(i, seq_len)
+                    measured[lay.template] = self._saved_per_token(i, seq_len)
                 layers.append(replace(lay, saved_bytes_per_token=measured[lay.template])
                               if lay.saved_bytes_per_token else lay)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._graphs[seq_len] = LayerGraph(layers, name=self.graph.name)
         return self._graphs[seq_len]
+
+    def _saved_per_token(self, layer: int, seq_len: int) -> int:
+        """Bytes per token ``layer`` saves for sequences of ``seq_len`` tokens. Up to :data:`SAVED_PROBE_TOKENS`
+        tokens measured as they are; beyond, from two measurements at the probe lengths: what a layer saves grows
+        linearly with the tokens (activations) plus quadratically (attention that stores its probabilities), so
+        two lengths determine it, and the probe does not need a long sequence's memory (the plan in use may hold
+        most of the device)."""
+        t1, t2 = SAVED_PROBE_TOKENS
+        if seq_len <= t2:
+            return -(-self.executor.measure_saved_bytes(layer, seq_len) // seq_len)
+        m1, m2 = (self.executor.measure_saved_bytes(layer, t) / t for t in (t1, t2))  # per token: a + b * t
+        b = max((m2 - m1) / (t2 - t1), 0.0)
+        return math.ceil(m1 + b * (seq_len - t1))
 
     def _decide(self, graph, cfg: ScheduleConfig, opts: PlanOptions) -> ScheduleConfig:
         """``cfg`` with the layers updated on the device and the layers that keep their activations: every k-th

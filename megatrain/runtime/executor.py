@@ -394,11 +394,11 @@ class Executor:
         self.act[op.slot("y")] = out.detach()
 
     def measure_saved_bytes(self, layer: int, seq_len: int) -> int:
-        """Bytes per token that ``layer``'s forward saves for its backward on this device with these templates
-        (kernels or not, whatever attention the model uses), for one sequence of ``seq_len`` tokens: activations
-        only, not the weights (views of the slot), the layer's input (its checkpoint, counted apart) or the side
-        inputs every layer shares. Runs the embedding and the layer once on random tokens, with weights copied
-        from the host store into temporary buffers."""
+        """Bytes that ``layer``'s forward saves for its backward on this device with these templates (kernels or
+        not, whatever attention the model uses), for one sequence of ``seq_len`` tokens: activations only, not
+        the weights (views of the slot), the layer's input (its checkpoint, counted apart) or the side inputs
+        every layer shares. Runs the embedding and the layer once on random tokens, with weights copied from the
+        host store into temporary buffers."""
         vocab = self.captured.vocab_size
         ids = torch.randint(0, vocab, (1, seq_len), device=self.device)
         mask = None if self.runner.captured.mask_optional else torch.ones_like(ids)
@@ -422,7 +422,7 @@ class Executor:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.runner.run(layer, flat, x, side, grad_views=[])
         del out
-        return -(-sum(kept.values()) // seq_len)
+        return sum(kept.values())
 
     def _unpack(self, packed):
         return packed.view_of(self._bwd_weights) if isinstance(packed, _WeightRef) else packed

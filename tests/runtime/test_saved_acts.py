@@ -79,7 +79,7 @@ def test_measured_saved_bytes_are_what_autograd_keeps_for_the_models_own_layer(i
     model = hf_model("llama")
     model.config._attn_implementation = impl
     sm = compile_cpu(copy.deepcopy(model), saved_acts="auto")
-    got = {T: sm.executor.measure_saved_bytes(1, T) for T in (8, 16)}
+    got = {T: -(-sm.executor.measure_saved_bytes(1, T) // T) for T in (8, 16)}
     ref = {}
     for T in (8, 16):
         x = model.model.embed_tokens(torch.randint(0, 97, (1, T))).detach().requires_grad_()
@@ -116,3 +116,23 @@ def test_a_budget_larger_than_the_device_is_refused(monkeypatch):
                                          r"available of 80.00 GiB"):
         api._check_device_memory(torch.device("cuda:0"), PRESETS["h200"])
     api._check_device_memory(torch.device("cuda:0"), dataclasses.replace(PRESETS["h200"], gpu_bytes=76 * GiB))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_saved_bytes_of_long_sequences_come_from_two_short_probes(impl, monkeypatch):
+    """Beyond the probe lengths the planner's bytes per token are extrapolated from two short measurements; they
+    equal a direct measurement at the long length (linear activations, quadratic eager probabilities)."""
+    from megatrain import api
+
+    model = hf_model("llama", max_position_embeddings=256)
+    model.config._attn_implementation = impl
+    sm = compile_cpu(model, saved_acts="auto")
+    monkeypatch.setattr(api, "SAVED_PROBE_TOKENS", (16, 32))
+    probed = sm.planning_graph(96)[1].saved_bytes_per_token
+    direct = -(-sm.executor.measure_saved_bytes(1, 96) // 96)
+    assert probed == direct
+    calls = []
+    measure = sm.executor.measure_saved_bytes
+    sm.executor.measure_saved_bytes = lambda layer, t: calls.append(t) or measure(layer, t)
+    sm.planning_graph(128)
+    assert calls == [16, 32]  # no 128-token forward

@@ -187,7 +187,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     sched = sm.schedule_for(batch, args.seq, **overrides)
     spec = HW["h200"]
     c = sched.config
-    graph = sm.planning_graph(args.seq)  # with the saved bytes per token measured on this device
+    graph = sm.graph_for(sched)  # with the saved bytes per token measured on this device
     three = build_schedule(graph, ScheduleConfig.from_dict({**c.to_dict(), "n_steps": 3}))
     from megatrain.planner.cost import compute_flops
 

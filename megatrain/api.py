@@ -14,6 +14,7 @@ from torch import nn
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.planner.capture import Captured, capture
 from megatrain.planner.cost import device_memory, fmt_bytes
+from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.verify import verify
@@ -115,7 +116,7 @@ class StreamedModel:
         else:
             self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         self._schedules: dict[tuple, tuple[Schedule, Schedule]] = {}  # plan key -> (first step, the steps after)
-        self._graphs: dict[int, object] = {}  # sequence length -> the planner's layer graph (_planning_graph)
+        self._graphs: dict[int, LayerGraph] = {}  # sequence length -> the planner's layer graph (planning_graph)
         self.step = 0
         # streams: let a step's optimizer work run on while the next step starts (each layer's next load waits for
         # its own update); train_step then returns before the step's weights are all updated (its loss and gradient
@@ -170,8 +171,6 @@ class StreamedModel:
         on this device with these templates (once per template; attention that stores its probabilities saves
         more per token at longer sequences)."""
         if seq_len not in self._graphs:
-            from megatrain.planner.graph import LayerGraph
-
             measured: dict[str, int] = {}
             layers = []
             for i, lay in enumerate(self.graph.layers):
@@ -183,6 +182,11 @@ class StreamedModel:
                 torch.cuda.empty_cache()
             self._graphs[seq_len] = LayerGraph(layers, name=self.graph.name)
         return self._graphs[seq_len]
+
+    def graph_for(self, schedule: Schedule) -> LayerGraph:
+        """The layer graph ``schedule`` was planned with (the measured saved bytes matter only where it saves
+        activations)."""
+        return self.planning_graph(schedule.config.seq_len) if schedule.config.saved_acts else self.graph
 
     def _saved_per_token(self, layer: int, seq_len: int) -> int:
         """Bytes per token ``layer`` saves for sequences of ``seq_len`` tokens. Up to :data:`SAVED_PROBE_TOKENS`
@@ -202,16 +206,13 @@ class StreamedModel:
         eligible layer updated on the device, or for "auto" the candidate set (as the plan search tries them)
         whose simulated three-step schedule, with the saved activations the option asks for, is fastest within
         the device budget."""
-        from megatrain.planner.search import PlanError, device_update_sets, saved_act_layers
+        from megatrain.planner.search import device_update_sets, saved_act_layers
         from megatrain.planner.simulate import simulate
 
         every = opts.gpu_opt_every
         sets = device_update_sets(graph, None if every == "auto" else every)
-        try:
-            with_sets = [replace(c, saved_acts=saved_act_layers(graph, c, opts.saved_acts))
-                         for c in (replace(cfg, gpu_opt=g) for g in sets)]
-        except PlanError as e:
-            raise ValueError(str(e)) from None
+        with_sets = [replace(c, saved_acts=saved_act_layers(graph, c, opts.saved_acts))  # PlanError: a ValueError
+                     for c in (replace(cfg, gpu_opt=g) for g in sets)]
         if len(with_sets) == 1:
             return with_sets[0]
         best = None
@@ -290,9 +291,8 @@ class StreamedModel:
         """Bytes by kind: host store rows; with a batch shape, the device slots and working set of its schedule."""
         out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
         if batch_size and seq_len:
-            plans = self._plans(batch_size, seq_len, {})
-            graph = self.planning_graph(seq_len)
-            mem = max((device_memory(graph, s) for s in plans), key=lambda m: m.total_nbytes)
+            mem = max((device_memory(self.graph_for(s), s) for s in self._plans(batch_size, seq_len, {})),
+                      key=lambda m: m.total_nbytes)
             out.update({f"device.{p}_slots": v for p, v in mem.pool_nbytes.items()})
             out["device.working_set"] = mem.workspace_nbytes
             out["device.kept_weights"] = mem.kept_nbytes

@@ -130,8 +130,7 @@ def run(cfg: TrainConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "schedule.txt").write_text(schedule.to_text())
     c = schedule.config
-    graph = sm.planning_graph(cfg.seq) if c.saved_acts else sm.graph  # saved bytes as measured on this device
-    plot([simulate(schedule, graph, sm.hardware)], out / "schedule.png",
+    plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
          title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
          budget_nbytes=schedule.config.budget_bytes)
     tok.save(str(out / "tokenizer.json"))

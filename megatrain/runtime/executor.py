@@ -401,7 +401,7 @@ class Executor:
         host store into temporary buffers."""
         vocab = self.captured.vocab_size
         ids = torch.randint(0, vocab, (1, seq_len), device=self.device)
-        mask = None if self.runner.captured.mask_optional else torch.ones_like(ids)
+        mask = None if self.captured.mask_optional else torch.ones_like(ids)
         first = self.store.master(self.graph.owner(0)).to(self.device, self.dtype)
         with torch.no_grad():
             h, side = self.runner.run(0, first, (ids, mask))

@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--preset", default="qwen2.5-1.5b", help="a planner preset, or tiny (CPU smoke runs)")
     ap.add_argument("--batch", type=int, nargs="+", default=[16], help="sequences per step; several: one run each")
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder blocks (default: the preset's); fewer blocks of the same width measure what one "
+                         "block costs")
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--slots", type=slots_arg, default=2, help="weight slots, or all (one per layer)")
     ap.add_argument("--host-checkpoints", type=int, default=0)
@@ -65,7 +68,9 @@ def main():
     import megatrain
     from benchmarks.peers.common import hf_config
 
-    cfg = hf_config(args.preset, args.seq)
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit(f"--layers {args.layers}: need at least one decoder block")
+    cfg = hf_config(args.preset, args.seq, layers=args.layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     t0 = time.perf_counter()
@@ -195,7 +200,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     sim = simulate(three, graph, spec)
     b = bound(three, graph, spec)
     res = {
-        "preset": args.preset, "params": n, "executor": "program order" if args.sync else "streams",
+        "preset": args.preset, "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),

@@ -32,19 +32,23 @@ def base_parser(doc: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
-def hf_config(preset: str, seq: int):
+def hf_config(preset: str, seq: int, layers: int | None = None):
+    """The preset's HF config; ``layers``: that many decoder blocks instead of the preset's."""
     from transformers import AutoConfig
 
     from megatrain.planner.graph import PRESETS
 
     kind = "llama" if preset.startswith("llama") else "qwen2"
     if preset == "tiny":  # for smoke runs on a CPU machine
-        return AutoConfig.for_model(model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        return AutoConfig.for_model(model_type="qwen2", hidden_size=64, intermediate_size=160,
+                                    num_hidden_layers=layers or 2,
                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                     max_position_embeddings=max(seq, 128))
     # the embedding and the head are separate matrices (1.78B parameters at 1.5B, as the benchmarks count it);
     # a model filled in place on the host would have them separate anyway (to_empty gives each its own tensor)
     shape = {**PRESETS[preset], "tie_word_embeddings": False}
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
     return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(4096, seq), **shape)
 
 

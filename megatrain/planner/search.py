@@ -167,7 +167,10 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     _check_request(graph, spec, tokens, seq_len, budget)
     tried: list[tuple[ScheduleConfig, str]] = []
     best = None
-    for cfg in candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed):
+    configs = candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed)
+    if saved_acts != "auto" and configs:  # a count no plan can keep, even with every checkpoint on the device
+        saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)
+    for cfg in configs:
         host = sum(host_memory(graph, cfg).values())
         if host > spec.host_bytes:
             tried.append((cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}"))
@@ -176,7 +179,11 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         if need > budget:
             tried.append((cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}"))
             continue
-        cfg = replace(cfg, saved_acts=saved_act_layers(graph, cfg, saved_acts))
+        try:  # a count of saved layers that this candidate's offloaded checkpoints leave too few layers for
+            cfg = replace(cfg, saved_acts=saved_act_layers(graph, cfg, saved_acts))
+        except PlanError as e:
+            tried.append((cfg, str(e)))
+            continue
         s = build_schedule(graph, cfg)
         try:
             verify(s, graph, spec)

@@ -9,7 +9,7 @@ from megatrain.planner.cost import compute_flops, device_memory
 from megatrain.planner.graph import PRESETS, from_config, preset
 from megatrain.planner.hardware import PRESETS as HW
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import SAVED_FILL, PlanError, saved_act_layers
+from megatrain.planner.search import SAVED_FILL, PlanError, plan, saved_act_layers
 from megatrain.planner.simulate import bound, simulate
 from megatrain.planner.verify import ScheduleError, verify
 
@@ -71,3 +71,14 @@ def test_layers_that_cannot_keep_their_activations_are_refused():
     over = build_schedule(G3, dataclasses.replace(cfg, saved_acts=tuple(range(5, 37))))
     with pytest.raises(ScheduleError, match="schedule rule 'memory'.*saved activations"):
         verify(over, G3)
+
+
+def test_a_fixed_count_is_planned_with_the_candidates_that_can_keep_it():
+    """The search also tries every checkpoint on the host; a fixed count of saved layers rules those candidates
+    out instead of failing the plan, and a count no candidate can keep is refused once."""
+    g = from_config({**PRESETS["qwen2.5-3b"], "tie_word_embeddings": False, "num_hidden_layers": 8}, name="3b-8")
+    p = plan(g, SPEC, 65536, 1024, n_mb=4, weight_slots="all", saved_acts=8)
+    assert p.schedule.config.saved_acts == tuple(range(1, 9)) and p.schedule.config.host_checkpoints == 0
+    assert any("checkpoints on the host" in why for _, why in p.tried)
+    with pytest.raises(PlanError, match="from 0 to 8"):
+        plan(g, SPEC, 65536, 1024, n_mb=4, saved_acts=9)

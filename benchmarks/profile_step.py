@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatrain.api import gpu_opt_every
+from megatrain.api import gpu_opt_every, saved_acts
 
 
 @contextmanager
@@ -62,6 +62,19 @@ def slow_issues(prof, rows: int, min_ms: float = 1.0) -> list[str]:
     return out
 
 
+def kernel_table(prof) -> list[str]:
+    """Every GPU kernel the profiled steps ran (copies included), by total device time: ms, calls, name."""
+    from torch.autograd import DeviceType
+
+    total, calls = {}, {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+            calls[e.name] = calls.get(e.name, 0) + 1
+    rows = sorted(total, key=lambda k: -total[k])
+    return [f"{total[k]:10.3f} ms {calls[k]:6d}  {k[:140]}" for k in rows]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-1.5b", help="a planner preset, or tiny")
@@ -70,19 +83,23 @@ def main():
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--slots", default="3")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0)
+    ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the preset's)")
+    ap.add_argument("--saved-acts", type=saved_acts, default="auto")
     ap.add_argument("--no-clip", action="store_true")
     ap.add_argument("--step-sync", action="store_true", help="a device-wide sync between steps")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2, help="steps profiled (consecutive, overlapping)")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--trace", help="write the profiler's Chrome trace here")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also list every GPU kernel (not the operators above them): device ms, calls, name")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.streamed import build
 
     sm, cfg = build(args.preset, args.seq, n_mb=args.mb, slots=args.slots, gpu_opt_every=args.gpu_opt_every,
-                    clip=not args.no_clip)
+                    clip=not args.no_clip, layers=args.layers, saved_acts=args.saved_acts)
     streaming = hasattr(sm.executor, "drain")
     sm.overlap_steps = streaming
     if streaming:
@@ -106,6 +123,8 @@ def main():
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows))
     except (KeyError, AttributeError, RuntimeError):  # older torch names it after CUDA
         print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    if args.kernels:
+        print("\n".join(kernel_table(prof)))
     print("ops slowest to issue (host), with CUDA runtime calls of 1 ms or more:")
     print("\n".join(slow_issues(prof, args.rows)))
     if args.trace:

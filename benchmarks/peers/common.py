@@ -21,13 +21,19 @@ LR = 1e-4
 CLIP = 1.0
 
 
-def base_parser(doc: str | None = None) -> argparse.ArgumentParser:
-    """The options every peer script and the driver take."""
+def base_parser(doc: str | None = None, several_mb: bool = False) -> argparse.ArgumentParser:
+    """The options every peer script and the driver take; the driver (``several_mb``) takes several micro-batch
+    counts."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--preset", required=True, help="a planner preset (qwen2.5-1.5b, ...) or tiny")
     ap.add_argument("--tokens", type=int, required=True, help="tokens per optimizer step")
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--mb", type=int, default=4, help="micro-batches per step")
+    if several_mb:
+        ap.add_argument("--mb", type=int, nargs="+", default=[4],
+                        help="micro-batches per step; several: every system runs with each, and the summary "
+                             "compares each system at its fastest")
+    else:
+        ap.add_argument("--mb", type=int, default=4, help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=4, help="steps; the first is a warm-up")
     return ap
 

@@ -9,7 +9,7 @@ from megatrain.planner.cost import device_memory, host_memory
 from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import PlanError, plan
+from megatrain.planner.search import PlanError, device_update_sets, plan
 from megatrain.planner.simulate import bound, simulate
 from megatrain.planner.verify import verify
 
@@ -110,6 +110,46 @@ def test_plan_fits_or_refuses_clearly(data, n_seqs, budget_mib):
     assert sum(host_memory(graph, p.schedule.config).values()) <= SPEC.host_bytes
     again = plan(graph, SPEC, n_seqs * seq, seq, budget_bytes=budget_mib * MiB, n_steps=1)
     assert again.schedule.to_text() == p.schedule.to_text()
+
+
+@given(st.data(), st.integers(1, 8))
+def test_fixed_decisions_are_kept_or_refused_clearly(data, n_seqs):
+    """Any mix of decisions the user pins (micro-batches, weight slots, wire, checkpoints on the host, device
+    updates, saved layers, clipping): the plan keeps every one of them, or the request is refused with a PlanError
+    (never another exception, never a plan that quietly changed a pinned decision)."""
+    graph = data.draw(graphs(max_layers=12))
+    n = len(graph)
+    fixed = {k: v for k, v in {
+        "n_mb": data.draw(st.sampled_from([None, 1, 2, 3])),
+        "weight_slots": data.draw(st.sampled_from([None, 2, 3, "all"])),
+        "wire_bytes": data.draw(st.sampled_from([None, 2, 4])),
+        "host_checkpoints": data.draw(st.one_of(st.none(), st.integers(0, n - 2))),
+    }.items() if v is not None}
+    every = data.draw(st.sampled_from([0, 1, 2, None]))
+    saved = data.draw(st.one_of(st.just("auto"), st.integers(0, n)))
+    clip = data.draw(st.booleans())
+    seq = 128
+    try:
+        p = plan(graph, SPEC, n_seqs * seq, seq, n_steps=1, clip=clip, saved_acts=saved, gpu_opt_every=every,
+                 **fixed)
+    except PlanError as e:
+        able = sum(1 for l in range(1, n - 1) if graph[l].saved_bytes_per_token > 0)
+        if saved != "auto" and saved <= able and "host_checkpoints" not in fixed:
+            # a count the candidates with every checkpoint on the device can keep is not refused for the count
+            assert "saved_acts must be" not in str(e), str(e)
+        assert str(e)
+        return
+    c = p.schedule.config
+    verify(p.schedule, graph, SPEC)
+    assert c.clip == clip
+    assert c.n_mb == fixed.get("n_mb", c.n_mb)
+    assert c.weight_slots == {"all": n}.get(fixed.get("weight_slots"), fixed.get("weight_slots", c.weight_slots))
+    assert c.wire_bytes_per_param == fixed.get("wire_bytes", c.wire_bytes_per_param)
+    assert c.host_checkpoints == fixed.get("host_checkpoints", c.host_checkpoints)
+    if saved != "auto":
+        assert len(c.saved_acts) == saved
+    if every:
+        assert c.gpu_opt == device_update_sets(graph, every)[0]
 
 
 def test_tiny_budget_is_refused_before_anything_is_built():

@@ -23,8 +23,7 @@ def main():
     from benchmarks.peers.common import hf_config
     from megatrain.planner.graph import preset
 
-    cfg = hf_config(args.preset, args.seq)
-    cfg.num_hidden_layers = 2
+    cfg = hf_config(args.preset, args.seq, layers=2)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     sm = megatrain.compile(model, device=dev, kernels=not args.no_kernels and dev == "cuda", saved_acts=2)

@@ -49,14 +49,10 @@ class PlanOptions:
         w = self.weight_slots
         if w != "all" and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
-        k = self.gpu_opt_every
-        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-            raise ValueError(f"gpu_opt_every must be an integer >= 0 (0: every update on the host) or 'auto', "
-                             f"got {k!r}")
-        a = self.saved_acts
-        if a != "auto" and (not isinstance(a, int) or isinstance(a, bool) or a < 0):
-            raise ValueError(f"saved_acts must be an integer >= 0 (0: every backward recomputes) or 'auto', "
-                             f"got {a!r}")
+        for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes")):
+            v = getattr(self, name)
+            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
 
 
 def _int_or_auto(value: str | int, name: str) -> int | str:

@@ -44,6 +44,8 @@ def hf_config(preset: str, seq: int, layers: int | None = None):
 
     from megatrain.planner.graph import PRESETS
 
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers={layers}: a model needs at least one decoder block")
     kind = "llama" if preset.startswith("llama") else "qwen2"
     if preset == "tiny":  # for smoke runs on a CPU machine
         return AutoConfig.for_model(model_type="qwen2", hidden_size=64, intermediate_size=160,

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from megatrain.api import gpu_opt_every, saved_acts
+from megatrain.api import gpu_opt_every, resident_opt, saved_acts
 
 
 def main():
@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="weights on the wire")
     ap.add_argument("--saved-acts", type=saved_acts, default="auto",
                     help="layers that keep their activations, no recompute (auto: as many as fit; 0: none)")
+    ap.add_argument("--resident-opt", type=resident_opt, default="auto",
+                    help="GPU-updated layers whose state stays on the GPU between steps (auto: the planner's)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-clip", action="store_true")
@@ -59,7 +61,7 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved); "
+                         "saved, resident); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -77,7 +79,7 @@ def main():
                            streams=not args.sync and args.device != "cpu",
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
-                           wire=args.wire, saved_acts=args.saved_acts)
+                           wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
@@ -85,7 +87,7 @@ def main():
     n = sm.graph.n_params
     results, failed = [], []
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
-            "saved_acts": args.saved_acts}
+            "saved_acts": args.saved_acts, "resident_opt": args.resident_opt}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         if hasattr(sm.executor, "sync_between_steps"):
@@ -121,7 +123,8 @@ def slots_arg(value: str) -> int | str:
 
 VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
                 "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
-                "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts)}
+                "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
+                "resident": ("resident_opt", resident_opt)}
 
 
 def parse_variant(text: str) -> dict:
@@ -138,7 +141,7 @@ def parse_variant(text: str) -> dict:
 
 def print_table(results: list[dict]) -> None:
     cols = [("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"), ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
-            ("saved", "saved_acts", "{}"),
+            ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
             ("tok/s med", "tokens_per_s_median", "{:,.0f}"),
@@ -147,10 +150,10 @@ def print_table(results: list[dict]) -> None:
             ("bound/meas", "efficiency_bound_over_measured", "{:.2f}"),
             ("bound/med", "efficiency_bound_over_median", "{:.2f}"), ("GPU GiB", "gpu_peak_gib", "{:.1f}"),
             ("host GiB", "host_rss_gib", "{:.1f}")]
-    rows = [[fmt.format(len(r[key]) if key in ("gpu_opt", "saved_acts") else r[key]) for _, key, fmt in cols] for r in results]
+    rows = [[fmt.format(len(r[key]) if key in ("gpu_opt", "saved_acts", "resident_opt") else r[key]) for _, key, fmt in cols] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _, _) in enumerate(cols)]
     print(f"\n{results[0]['preset']} ({results[0]['params'] / 1e9:.2f}B params), {results[0]['executor']}; "
-          f"gpu_opt = layers updated on the GPU")
+          f"gpu_opt = layers updated on the GPU, resident = of them, those whose state stays there")
     print("  ".join(h.rjust(w) for (h, _, _), w in zip(cols, widths)))
     for row in rows:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
@@ -202,6 +205,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),
+        "resident_opt": list(c.resident_opt),
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,

@@ -42,6 +42,9 @@ class PlanOptions:
     saved_acts: int | str = "auto"  # layers whose forward keeps its activations on the device so that their
     # backward does not recompute it: a count (the last ones), or "auto": as many as the device memory the plan
     # leaves free holds (see megatrain.planner.search.saved_act_layers)
+    resident_opt: int | str = "auto"  # of the layers updated on the GPU, how many (the first ones) keep their
+    # master weights and moments there between steps instead of sending them to the host and back every step
+    # (state_dict() writes them back); "auto": the simulation's choice (see megatrain.planner.search.resident_sets)
 
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
@@ -49,7 +52,8 @@ class PlanOptions:
         w = self.weight_slots
         if w != "all" and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
-        for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes")):
+        for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes"),
+                           ("resident_opt", "every device update's state goes back to the host each step")):
             v = getattr(self, name)
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
@@ -72,6 +76,11 @@ def gpu_opt_every(value: str | int) -> int | str:
 def saved_acts(value: str | int) -> int | str:
     """Parse a ``saved_acts`` option from text: an integer or 'auto' (its range is checked where it is used)."""
     return _int_or_auto(value, "saved_acts")
+
+
+def resident_opt(value: str | int) -> int | str:
+    """Parse a ``resident_opt`` option from text: an integer or 'auto' (its range is checked where it is used)."""
+    return _int_or_auto(value, "resident_opt")
 
 
 @dataclass
@@ -202,13 +211,14 @@ class StreamedModel:
         eligible layer updated on the device, or for "auto" the candidate set (as the plan search tries them)
         whose simulated three-step schedule, with the saved activations the option asks for, is fastest within
         the device budget."""
-        from megatrain.planner.search import device_update_sets, saved_act_layers
+        from megatrain.planner.search import device_update_sets, resident_sets, saved_act_layers
         from megatrain.planner.simulate import simulate
 
         every = opts.gpu_opt_every
-        sets = device_update_sets(graph, None if every == "auto" else every)
+        sets = [(g, r) for g in device_update_sets(graph, None if every == "auto" else every)
+                for r in resident_sets(g, opts.resident_opt, cfg.clip)]
         with_sets = [replace(c, saved_acts=saved_act_layers(graph, c, opts.saved_acts))  # PlanError: a ValueError
-                     for c in (replace(cfg, gpu_opt=g) for g in sets)]
+                     for c in (replace(cfg, gpu_opt=g, resident_opt=r) for g, r in sets)]
         if len(with_sets) == 1:
             return with_sets[0]
         best = None
@@ -243,9 +253,10 @@ class StreamedModel:
             raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX}")
         B, T = input_ids.shape
         first, cont = self._plans(B, T, plan_overrides)
-        # a step after one that left every device-updated layer's new weights on the device runs the continuing
-        # schedule (those weights are not loaded again; with clipping their state loads from the forward on)
-        schedule = cont if self.executor.keeps(cont.config.gpu_opt) else first
+        # a step after one that left every device-updated layer's new weights (and resident states) on the device
+        # runs the continuing schedule (those weights are not loaded again; with clipping the other states load
+        # from the forward on)
+        schedule = cont if self.executor.can_continue(cont) else first
         nxt = torch.full_like(labels, IGNORE_INDEX)
         nxt[:, :-1] = labels[:, 1:]
         denom = int((nxt != IGNORE_INDEX).sum())
@@ -272,8 +283,10 @@ class StreamedModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current master weights by parameter name (views into the host store). With ``overlap_steps`` the
-        last step's updates may still be running: they finish first."""
+        last step's updates may still be running: they finish first; states kept on the device (``resident_opt``)
+        are written back to the store first."""
         self.wait()
+        self.executor.sync_resident()
         return self.store.state_dict()
 
     @torch.no_grad()

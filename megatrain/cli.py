@@ -36,7 +36,8 @@ def _plan(args) -> int:
                      wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
                      host_checkpoints=args.host_checkpoints,
                      gpu_opt_every=None if args.gpu_opt_every == "auto" else _every(args.gpu_opt_every),
-                     saved_acts=_saved(args.saved_acts))
+                     saved_acts=_saved(args.saved_acts),
+                     resident_opt=None if args.resident_opt == "auto" else _resident(args.resident_opt))
         budget = int(args.budget_gib * GiB) if args.budget_gib else None
         p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
                  n_steps=args.steps, **fixed)
@@ -66,6 +67,8 @@ def _plan(args) -> int:
         f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host; optimizer "
         f"{'after the step (exact global-norm clipping)' if cfg.clip else 'during backward (no clipping)'}"
         + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else "")
+        + (f" ({'all' if len(cfg.resident_opt) == len(cfg.gpu_opt) else len(cfg.resident_opt)} keeping their "
+           f"state there)" if cfg.resident_opt else "")
         + (f"; {len(cfg.saved_acts)} layers keep their activations for the backward (no recompute)"
            if cfg.saved_acts else "; every backward recomputes its forward"),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
@@ -162,6 +165,15 @@ def _saved(value: str):
 _saved.__name__ = "saved_acts"
 
 
+def _resident(value: str):
+    from megatrain.api import resident_opt
+
+    return resident_opt(value)
+
+
+_resident.__name__ = "resident_opt"
+
+
 def _slots(value: str):
     if value == "all":
         return value
@@ -193,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
                            ("saved_acts", _saved, "layers (the last ones) whose backward reuses the forward's "
                                                   "activations instead of recomputing them (auto: as many as fit)"),
+                           ("resident_opt", _resident, "GPU-updated layers (the first ones) whose master weights "
+                                                       "and moments stay on the GPU between steps (auto: the "
+                                                       "planner's choice)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
@@ -221,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="layers (the last N blocks) whose forward keeps its activations on the GPU so that their "
                         "backward does not recompute it; auto (default): as many as the memory the plan leaves "
                         "free holds")
+    p.add_argument("--resident-opt", default="auto", metavar="N|auto",
+                   help="of the layers updated on the GPU, how many (the first ones) keep their master weights and "
+                        "moments there between steps (no trip over the bus); auto (default): none, half or all, "
+                        "whichever the simulation finds fastest")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")

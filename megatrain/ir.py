@@ -168,6 +168,9 @@ class Op:
             raise IRError(f"not an op: {d!r} ({e})") from None
 
 
+TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt")  # ScheduleConfig's layer sets
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """The planner's decisions for one schedule; everything the runtime needs besides the layer graph."""
@@ -193,10 +196,15 @@ class ScheduleConfig:
     # checkpoint. Device memory for it: Layer.saved_bytes_per_token per token of every micro-batch, from the
     # layer's FWD to its BWD
     saved_acts: tuple[int, ...] = ()
+    # device-updated layers (a subset of gpu_opt) whose master weights and moments stay in an optimizer slot of
+    # their own between steps: loaded by a run's first step, never stored by a schedule (no state crosses the bus
+    # in a continuing step); the runtime writes them back to the host store when the store is read or another
+    # plan runs
+    resident_opt: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for key in ("gpu_opt", "saved_acts"):  # the keys appear only when used: older schedules read back the same
+        for key in TUPLE_KEYS:  # the keys appear only when used: older schedules read back the same
             if getattr(self, key):
                 d[key] = list(getattr(self, key))
             else:
@@ -212,7 +220,7 @@ class ScheduleConfig:
         if unknown:
             raise IRError(f"unknown schedule config keys: {sorted(unknown)}")
         d = dict(d)
-        for key in ("gpu_opt", "saved_acts"):
+        for key in TUPLE_KEYS:
             if key in d:
                 d[key] = tuple(int(x) for x in d[key])
         return cls(**d)
@@ -289,7 +297,8 @@ class Schedule:
 
 
 def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
-                  shared: Callable[[int], bool] = lambda layer: False) -> tuple[dict[str, tuple], dict[str, tuple]]:
+                  shared: Callable[[int], bool] = lambda layer: False,
+                  resident: Callable[[int], bool] = lambda layer: False) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(reads, writes): slot role -> the content an op expects to find / leaves behind.
 
     Contents: ``("W", step, owner layer)`` weights; ``("A", step, layer, mb)`` the checkpoint at a layer's input;
@@ -298,7 +307,9 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
     same with the step's gradient, ``("U", step, layer)`` after its device update.
     ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied); ``shared(layer)``: another layer
     reads this owner's weights (a tied head), whose gradient part reaches the optimizer slot first, as
-    ``("SG", step, owner, "part")``; the owner's own part completes it.
+    ``("SG", step, owner, "part")``; the owner's own part completes it. ``resident(layer)``: the layer's state stays
+    in its slot between steps (``ScheduleConfig.resident_opt``): what a step finds there, loaded or left by the
+    step before, is ``("U", step - 1, layer)``.
     """
     st, l, j = op.step, op.layer, op.mb
     w = ("W", st, owner(l))
@@ -325,19 +336,41 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
         return {}, {"a": ("A", st, l, j)}
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # into the optimizer slot its LOAD_OPT filled
         o = owner(l)
+        state = ("U", st - 1, o) if resident(o) else ("S", st, o)
         if o != l:  # a tied layer's part: first into the slot
-            return {"g": ("G", st, l, n_mb), "o": ("S", st, o)}, {"o": ("SG", st, o, "part")}
-        before = ("SG", st, o, "part") if shared(o) else ("S", st, o)
+            return {"g": ("G", st, l, n_mb), "o": state}, {"o": ("SG", st, o, "part")}
+        before = ("SG", st, o, "part") if shared(o) else state
         return {"g": ("G", st, l, n_mb), "o": before}, {"o": ("SG", st, o)}
     if k is OpKind.STORE_G:
         return {"g": ("G", st, l, n_mb)}, {}
     if k is OpKind.LOAD_OPT:
-        return {}, {"o": ("S", st, l)}
+        return {}, {"o": ("U", st - 1, l) if resident(l) else ("S", st, l)}
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return {"o": ("SG", st, l)}, {"o": ("U", st, l)}
     if k is OpKind.STORE_OPT:
         return {"o": ("U", st, l)}, {}
     return {}, {}
+
+
+def resident_slots(schedule: Schedule, owner: Callable[[int], int]) -> dict[int, int]:
+    """Each layer of ``resident_opt`` -> the optimizer slot its ops use (its state's home between steps)."""
+    resident = set(schedule.config.resident_opt)
+    out: dict[int, int] = {}
+    for op in schedule.ops:
+        o = owner(op.layer)
+        if o in resident and o not in out:
+            for role, idx in op.slots:
+                if role == "o":
+                    out[o] = idx
+    return out
+
+
+def initial_contents(schedule: Schedule, owner: Callable[[int], int]) -> dict[tuple[str, int], tuple]:
+    """What a schedule expects in its slots before its first op: for a continuing schedule, the state of each
+    resident layer in its slot, as the step before left it."""
+    if not schedule.config.continues:
+        return {}
+    return {("o", k): ("U", -1, l) for l, k in resident_slots(schedule, owner).items()}
 
 
 def format_table(schedule: Schedule, start_s: list[float] | None = None, end_s: list[float] | None = None,

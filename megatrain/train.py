@@ -36,6 +36,8 @@ class TrainConfig:
     wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
     saved_acts: int | str = "auto"  # layers whose backward reuses the forward's activations, no recompute (a
     # count, the last ones; "auto": as many as the device memory holds)
+    resident_opt: int | str = "auto"  # GPU-updated layers whose state stays on the GPU between steps ("auto": the
+    # planner's)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     seed: int = 0
     device: str | None = None  # default: cuda when present, else cpu
@@ -49,7 +51,7 @@ class TrainConfig:
 
         # the plan options' own checks
         PlanOptions(weight_slots=self.slots, gpu_opt_every=self.gpu_opt_every, wire=self.wire,
-                    saved_acts=self.saved_acts)
+                    saved_acts=self.saved_acts, resident_opt=self.resident_opt)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:
@@ -125,7 +127,7 @@ def run(cfg: TrainConfig) -> dict:
     sm = megatrain.compile(model, checkpoint=weights, init_seed=None if weights else cfg.seed, optim=optim,
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
                            host_checkpoints=cfg.host_checkpoints, gpu_opt_every=cfg.gpu_opt_every, wire=cfg.wire,
-                           saved_acts=cfg.saved_acts)
+                           saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
     schedule = sm.schedule_for(cfg.batch, cfg.seq)
     out.mkdir(parents=True, exist_ok=True)
     (out / "schedule.txt").write_text(schedule.to_text())
@@ -138,7 +140,7 @@ def run(cfg: TrainConfig) -> dict:
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
           f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
           f"{cfg.seq} tokens, {cfg.mb} micro-batches; plan: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers "
-          f"updated on the device, {len(c.saved_acts)} keeping their activations; writing {out}/", flush=True)
+          f"updated on the device ({len(c.resident_opt)} keeping their state there), {len(c.saved_acts)} keeping their activations; writing {out}/", flush=True)
     from tqdm import tqdm
 
     log = (out / "metrics.jsonl").open("w")

@@ -74,6 +74,8 @@ def main():
     ap.add_argument("--slots", default="3", help="megatrain: weight slots, or all (one per layer)")
     ap.add_argument("--saved-acts", default="auto", help="megatrain: layers that keep their activations for the "
                                                          "backward (auto: as many as fit; 0: every one recomputes)")
+    ap.add_argument("--resident-opt", default="auto", help="megatrain: GPU-updated layers whose state stays on the "
+                                                           "GPU between steps (auto: the planner's)")
     ap.add_argument("--step-sync", action="store_true", help="megatrain: a device-wide sync between steps")
     ap.add_argument("--out", default="peer-results")
     args = ap.parse_args()
@@ -117,7 +119,7 @@ def run_system(args, name: str, mb: int) -> dict:
         cmd += (["--meta"] if args.meta else []) + (["--cpu-threads", str(args.cpu_threads)]
                                                      if args.cpu_threads else [])
         cmd += ["--gpu-opt-every", str(args.gpu_opt_every), "--slots", str(args.slots), "--saved-acts",
-                str(args.saved_acts)]
+                str(args.saved_acts), "--resident-opt", str(args.resident_opt)]
         cmd += ["--step-sync"] if args.step_sync else []
     print("$", " ".join(cmd), flush=True)
     code, text, why = run_watched(cmd, args.timeout, int(args.reserve_gib * GIB))

@@ -156,7 +156,8 @@ def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
 
 def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     """One update per owning layer per step: OPT on the cpu stream, or, for the layers in ``gpu_opt``, LOAD_OPT
-    (h2d) -> OPT (compute) -> STORE_OPT (d2h).
+    (h2d) -> OPT (compute) -> STORE_OPT (d2h); for the layers in ``resident_opt``, LOAD_OPT in a run's first step
+    only, and no STORE_OPT.
 
     clip: after the step's last STORE_G (the global norm needs every gradient), in layer order 0..L-1 so the next
     step's forward can start on the first layers while the rest update. Otherwise: as soon as the layer's gradients
@@ -186,6 +187,10 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     if bad:
         raise ValueError(f"gpu_opt layers {bad}: only layers that own their weights, shared with at most one other "
                          f"layer (a tied head), can be updated on the device")
+    resident = set(cfg.resident_opt)
+    if not resident <= on_gpu:
+        raise ValueError(f"resident_opt layers {sorted(resident - on_gpu)} are not updated on the device (gpu_opt "
+                         f"{list(cfg.gpu_opt)}): only a device update's state can stay on the device")
     pos = {op.id: i for i, op in enumerate(s.ops)}
     prev_store_opt: dict[int, Op] = {}  # layer -> its STORE_OPT of the step before (the host block it rewrites)
     loaded: dict[int, int] = {}  # id of a STORE_G into an optimizer slot -> the LOAD_OPT that fills the slot
@@ -205,6 +210,8 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         # (the first step loads every layer's weights over the wire: its state waits for the backward)
         early_load = cfg.clip and (st > 0 or cfg.continues)
         for l in backward_order:
+            if l in resident and (st > 0 or cfg.continues):  # its state is still in its slot
+                continue
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
             anchor = first_fwd[(st, early)] if early_load else first_bwd[(st, need[l] + 1)]
@@ -226,21 +233,31 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
                 after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=deps))
                 continue
             opt = Op(ids(), OpKind.OPT, C, st, l, deps=deps)
-            prev_store_opt[l] = Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))
-            after[anchor.id] += [opt, prev_store_opt[l]]
+            after[anchor.id].append(opt)
+            if l not in resident:
+                prev_store_opt[l] = Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))
+                after[anchor.id].append(prev_store_opt[l])
     mode = "after the step's last gradient, layer order (exact clipping)" if cfg.clip else "as gradients arrive"
     where = f"; on the device: layers {list(cfg.gpu_opt)}" if cfg.gpu_opt else ""
+    if resident:
+        where += f", the state of {list(cfg.resident_opt)} staying there"
     ops = [_add_deps(op, (loaded[op.id],)) if op.id in loaded else op for op in s.ops]
     return s.with_ops(_insert_after(ops, after), f"add_optimizer: OPT {mode}{where}")
 
 
-def _opt_uses(graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
+def _opt_owner(graph: LayerGraph, op: Op) -> int | None:
+    """The layer whose optimizer slot ``op`` uses (a tied head's gradient goes to its owner's), or None."""
+    if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT) or (op.kind in (OpKind.OPT, OpKind.STORE_G) and op.stream is C):
+        return graph.owner(op.layer)
+    return None
+
+
+def _opt_uses(graph: LayerGraph, resident: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
     def uses(op: Op) -> list[tuple[str, tuple, bool]]:
-        if op.kind is OpKind.LOAD_OPT:
-            return [("o", (op.step, op.layer), True)]
-        if op.kind is OpKind.STORE_OPT or (op.kind in (OpKind.OPT, OpKind.STORE_G) and op.stream is C):
-            return [("o", (op.step, graph.owner(op.layer)), False)]  # a tied head's gradient: its owner's slot
-        return []
+        o = _opt_owner(graph, op)
+        if o is None or o in resident:
+            return []
+        return [("o", (op.step, o), op.kind is OpKind.LOAD_OPT)]
 
     return uses
 
@@ -251,10 +268,23 @@ def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     (in program order that store frees the only slot just before the next load: with one slot the updates of a
     step without clipping ran one after another, 0.026 s per pair of layers measured on the H200, where a step of
     a longer schedule, which finds the slots of the step before, alternates two)."""
-    if not s.config.gpu_opt:
+    cfg = s.config
+    if not cfg.gpu_opt:
         return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
-    ops, n = _allocate(list(s.ops), _opt_uses(graph), pool=min(2, len(s.config.gpu_opt)))
-    return s.with_ops(ops, f"assign_opt_slots: {n} optimizer slots")
+    # a resident layer's state has slot i (its place in resident_opt) for good; the others share the slots after
+    own = {l: i for i, l in enumerate(cfg.resident_opt)}
+    moving = len(cfg.gpu_opt) - len(own)
+    ops, n = _allocate(list(s.ops), _opt_uses(graph, set(own)), pool=min(2, moving))
+    out = []
+    for op in ops:
+        o = _opt_owner(graph, op)
+        if o in own:
+            op = _replace(op, slots=op.slots + (("o", own[o]),))
+        elif o is not None:
+            op = _replace(op, slots=tuple((r, k + len(own)) if r == "o" else (r, k) for r, k in op.slots))
+        out.append(op)
+    kept = f", {len(own)} of them holding a resident state" if own else ""
+    return s.with_ops(out, f"assign_opt_slots: {n + len(own)} optimizer slots{kept}")
 
 
 PREFETCH_LAYERS = 2  # how many layers ahead of its first reader a weight load may be issued

@@ -84,10 +84,12 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
 
 def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
                n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
-               host_checkpoints: int | None = None, gpu_opt_every: int | None = 0) -> list[ScheduleConfig]:
+               host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
+               resident_opt: int | None = None) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
-    GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer)."""
+    GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer). ``resident_opt``: how many
+    of the device updates keep their state on the device (see :func:`resident_sets`; None: search)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -105,13 +107,28 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
         raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
     if gpu_opt_every is not None and gpu_opt_every < 0:
         raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
-    device_sets = device_update_sets(graph, gpu_opt_every)
+    device_sets = [(g, r) for g in device_update_sets(graph, gpu_opt_every)
+                   for r in resident_sets(g, "auto" if resident_opt is None else resident_opt, clip)]
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
                        weight_slots=k, grad_slots=2, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
-                       budget_bytes=budget, gpu_opt=g)
-        for m, k, w, h, g in itertools.product(mbs, slots, wires, offload, device_sets)
+                       budget_bytes=budget, gpu_opt=g, resident_opt=r)
+        for m, k, w, h, (g, r) in itertools.product(mbs, slots, wires, offload, device_sets)
     ]
+
+
+def resident_sets(gpu_opt: tuple[int, ...], choice: int | str, clip: bool) -> list[tuple[int, ...]]:
+    """Sets of device-updated layers whose master weights and moments stay on the device between steps
+    (``ScheduleConfig.resident_opt``): the first ``choice`` of ``gpu_opt`` (all of them where there are fewer), or
+    for "auto" all of them with clipping, else none, the first half and all. Each saves the layer's state its trip
+    over the bus both ways every step; with clipping that costs no device memory (every device update holds a
+    slot of its own from the forward, where its state loads, to the end of the step anyway: the simulated peak is
+    the same), without, a slot per resident layer where two would be shared."""
+    if choice == "auto":
+        return [gpu_opt] if clip else sorted({(), gpu_opt[: len(gpu_opt) // 2], gpu_opt})
+    if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
+        raise PlanError(f"resident_opt must be a count >= 0 of device-updated layers or 'auto', got {choice!r}")
+    return [gpu_opt[:choice]]
 
 
 def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, ...]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream
+from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, resident_slots
 from megatrain.planner.cost import (OPT_STATE_ROWS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
                                     transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
@@ -249,12 +249,18 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
     events: list[tuple[float, int]] = []
     holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
     starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.LOAD_OPT: ("o",)}
+    # a resident state's slot is in use from before the schedule to after it
+    homes = {("o", k) for k in resident_slots(schedule, graph.owner).values()}
+    for key in homes:
+        events += [(0.0, size["o"][key[1]]), (max(end, default=0.0), -size["o"][key[1]])]
     for op in schedule.ops:
         fills = set(starters.get(op.kind, ()))
         if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == 0:
             fills.add("g")
         for role, idx in op.slots:
             key = (SLOT_POOL[role], idx)
+            if key in homes:
+                continue
             if role in fills:
                 if key in holder:  # the old content's last read may overlap the refill (a state load a row
                     # behind its store): one buffer, counted once

@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from megatrain.ir import KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, slot_contents
+from megatrain.ir import (KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, initial_contents,
+                          resident_slots, slot_contents)
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -64,6 +65,13 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
                                            f"layers between the first and the head whose saved bytes are known "
                                            f"and whose checkpoint stays on the device (layers above "
                                            f"{cfg.host_checkpoints}; not {cannot})")
+    resident = cfg.resident_opt
+    if len(set(resident)) != len(resident) or not set(resident) <= set(cfg.gpu_opt):
+        raise ScheduleError("resident", None, f"resident_opt {list(resident)}: each layer at most once, and only "
+                                              f"layers updated on the device (gpu_opt {list(cfg.gpu_opt)})")
+    homes = resident_slots(s, graph.owner)
+    if len(set(homes.values())) != len(homes):
+        raise ScheduleError("resident", None, f"resident layers share optimizer slots: {homes}")
     for i, op in enumerate(s.ops):
         if op.id != i:
             raise ScheduleError("ids", op, f"op at position {i} has id {op.id}")
@@ -91,10 +99,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, f"layer {op.layer} is updated {where}, not on {op.stream.value}")
         if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT) and not on_gpu:
             raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt)")
+        if op.kind is OpKind.STORE_OPT and op.layer in resident:
+            raise ScheduleError("kind", op, f"layer {op.layer}'s state stays on the device (resident_opt)")
         if op.kind is OpKind.STORE_G and (graph.owner(op.layer) in cfg.gpu_opt) != (op.stream is Stream.COMPUTE):
             want = "into its optimizer slot (compute)" if graph.owner(op.layer) in cfg.gpu_opt else "to the host (d2h)"
             raise ScheduleError("stream", op, f"layer {op.layer}'s gradient goes {want}, not on {op.stream.value}")
-        reads, writes = slot_contents(op, graph.owner, cfg.n_mb, lambda layer: bool(graph.tied_to(layer)))
+        reads, writes = _contents(s, graph, op)
         want = sorted(set(reads) | set(writes))
         have = sorted(r for r, _ in op.slots)
         if want != have:
@@ -131,9 +141,14 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
             if graph[l].tie is None and (OpKind.OPT, st, l, None) not in seen:
                 raise ScheduleError("complete", None, f"step {st} never optimizes layer {l}")
             if l in cfg.gpu_opt:
-                for k in (OpKind.LOAD_OPT, OpKind.STORE_OPT):
-                    if (k, st, l, None) not in seen:
-                        raise ScheduleError("complete", None, f"step {st} has no {k.value} of layer {l}")
+                stays = l in cfg.resident_opt
+                for k, want in ((OpKind.LOAD_OPT, not stays or (st == 0 and not cfg.continues)),
+                                (OpKind.STORE_OPT, not stays)):
+                    if ((k, st, l, None) in seen) != want:
+                        why = (f"layer {l}'s state stays on the device: it loads in a run's first step only and is "
+                               f"never stored" if stays else f"layer {l} is updated on the device")
+                        raise ScheduleError("complete", seen.get((k, st, l, None)),
+                                            f"step {st} {'has no' if want else 'has a'} {k.value} of layer {l} ({why})")
         stores = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st]
         readers = (op for op in s.ops if op.step == st and op.kind is OpKind.OPT)
         for opt in readers:
@@ -151,12 +166,18 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                                     f"loads weights before '{opt}' of the previous step updated them")
 
 
+def _contents(s: Schedule, graph: LayerGraph, op: Op) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    resident = set(s.config.resident_opt)
+    return slot_contents(op, graph.owner, s.config.n_mb, lambda layer: bool(graph.tied_to(layer)),
+                         resident.__contains__)
+
+
 def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
-    n_mb = s.config.n_mb
     writers: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (pool, slot) -> writers in program order
     tags: dict[int, tuple[dict, dict]] = {}
+    initial = initial_contents(s, graph.owner)
     for op in s.ops:
-        tags[op.id] = slot_contents(op, graph.owner, n_mb, lambda layer: bool(graph.tied_to(layer)))
+        tags[op.id] = _contents(s, graph, op)
         for role, idx in op.slots:
             if role in tags[op.id][1]:
                 writers[(SLOT_POOL[role], idx)].append(op)
@@ -165,7 +186,7 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
         for role, idx in op.slots:
             if role in tags[op.id][1]:
                 written_tag[(op.id, SLOT_POOL[role], idx)] = tags[op.id][1][role]
-    writer_ids = {key: [w.id for w in ws] for key, ws in writers.items()}
+    writer_ids = defaultdict(list, {key: [w.id for w in ws] for key, ws in writers.items()})
     for ws in writers.values():
         for a, b in zip(ws, ws[1:]):
             if a.id != b.id and not hb(a.id, b.id):
@@ -178,14 +199,18 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
             key = (SLOT_POOL[role], idx)
             ws = writers[key]
             at = bisect.bisect_left(writer_ids[key], op.id)  # writers before `op`: ws[:at]
-            if at == 0:
-                raise ScheduleError("slot-content", op, f"reads {role}{idx}, which nothing loaded before it")
-            w = ws[at - 1]
-            got = written_tag[(w.id, *key)]
-            if got != reads[role]:
-                raise ScheduleError("slot-content", op,
-                                    f"reads {role}{idx} expecting {reads[role]}, but its latest load is {got} by '{w}'")
-            if not hb(w.id, op.id):
+            if at == 0:  # what the slot holds before the schedule: a resident state, in a continuing schedule
+                if initial.get(key) != reads[role]:
+                    have = f"it starts with {initial[key]}" if key in initial else "nothing loaded it before"
+                    raise ScheduleError("slot-content", op, f"reads {role}{idx} expecting {reads[role]}: {have}")
+                w = None
+            else:
+                w = ws[at - 1]
+                got = written_tag[(w.id, *key)]
+                if got != reads[role]:
+                    raise ScheduleError("slot-content", op, f"reads {role}{idx} expecting {reads[role]}, but its "
+                                                            f"latest load is {got} by '{w}'")
+            if w is not None and not hb(w.id, op.id):
                 raise ScheduleError("slot-ready", op, f"reads {role}{idx} before '{w}' is sure to have filled it")
             at = bisect.bisect_right(writer_ids[key], op.id)
             nxt = ws[at] if at < len(ws) else None

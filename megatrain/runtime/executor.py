@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, format_table, slot_contents
+from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, Stream, format_table, initial_contents, resident_slots,
+                          slot_contents)
 from megatrain.planner.capture import Captured
 from megatrain.planner.cost import OPT_STATE_ROWS, slot_params
 from megatrain.runtime.optim import HostAdamW
@@ -63,6 +64,10 @@ class Executor:
         # copies them on the device instead of loading the host master: owner -> (buffer, store generation)
         self.kept: dict[int, tuple[torch.Tensor, int]] = {}
         self.kept_buf: dict[int, torch.Tensor] = {}
+        # layers whose state stays on the device (ScheduleConfig.resident_opt): owner -> (optimizer slot, store
+        # generation); the slot holds the layer's current master weights and moments, the host block an older copy
+        self.resident: dict[int, tuple[int, int]] = {}
+        store.before_load.append(self._release_resident)  # new masters from outside: the moments stay current
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
         self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
         self.saved_layers: frozenset[int] = frozenset()  # the running schedule's saved_acts
@@ -112,12 +117,13 @@ class Executor:
         cfg = schedule.config
         if cfg.n_steps != 1 or cfg.n_mb != len(mbs):
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
+        self._settle_resident(schedule)
         self._pools(schedule)
         self.wire = cfg.wire_bytes_per_param
         tags, accesses = self._slot_plan(schedule)
         self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
         position = {key: 0 for key in accesses}
-        self.contents: dict[tuple[str, int], tuple] = {}
+        self.contents: dict[tuple[str, int], tuple] = initial_contents(schedule, self.graph.owner)
         self.act: dict[int, torch.Tensor] = {}
         self.host_act: dict[tuple[int, int], torch.Tensor] = {}
         self.side: dict[int, dict] = {}
@@ -163,8 +169,54 @@ class Executor:
             except Exception as e:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
         self._end_step()
+        for layer, k in resident_slots(schedule, self.graph.owner).items():
+            self.resident[layer] = (k, self.store.generation)
         sums = self._loss_values()
         return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
+
+    # ---- resident optimizer state ----------------------------------------------------------------------------
+    def can_continue(self, schedule: Schedule) -> bool:
+        """Whether the continuing ``schedule`` can run now: every device-updated layer's new weights are kept here
+        and every resident layer's state is in the slot the schedule expects it in, from the current store."""
+        cfg = schedule.config
+        homes = resident_slots(schedule, self.graph.owner)
+        return (self.keeps(cfg.gpu_opt)
+                and all(self.resident.get(l) == (k, self.store.generation) for l, k in homes.items()))
+
+    def _settle_resident(self, schedule: Schedule) -> None:
+        """Before a step: a continuing schedule finds its resident states where it expects them (else an error,
+        before anything runs); every other resident state goes back to the host store, which the step may read
+        (a state that a new load of the store made stale is dropped)."""
+        keep = resident_slots(schedule, self.graph.owner) if schedule.config.continues else {}
+        missing = [l for l, k in keep.items() if self.resident.get(l) != (k, self.store.generation)]
+        if missing:
+            raise ValueError(f"the continuing schedule expects the state of layers {missing} on the device, which "
+                             f"this executor does not hold (run the plan's first-step schedule first)")
+        leave = {l: v for l, v in self.resident.items() if keep.get(l) != v[0]}
+        if leave:
+            self._write_back(leave)
+            for l in leave:
+                del self.resident[l]
+
+    def sync_resident(self) -> None:
+        """Write every resident state back to the host store, which then holds the current master weights and
+        moments (they stay on the device too: the next step continues from there)."""
+        self._write_back(self.resident)
+
+    def _release_resident(self) -> None:
+        """Write every resident state back and keep none (the store's masters are about to change)."""
+        self.sync_resident()
+        self.resident.clear()
+
+    def _write_back(self, states: dict[int, tuple[int, int]]) -> None:
+        states = {l: k for l, (k, gen) in states.items() if gen == self.store.generation}
+        if not states:
+            return
+        self._quiesce()  # the last updates are done
+        for l, k in states.items():
+            n = self.graph[l].params
+            self._store_state(l, self.o[k][: len(ROWS) * n].view(len(ROWS), n))
+        self._quiesce()  # and the copies
 
     def _slot_plan(self, schedule: Schedule):
         """Per op its slot contents (reads, writes), and every access of every slot in program order: (op id,
@@ -173,7 +225,8 @@ class Executor:
         if cached is not None and cached[0] is schedule:
             return cached[1], cached[2]
         shared = lambda layer: bool(self.graph.tied_to(layer))  # noqa: E731
-        tags = [slot_contents(op, self.graph.owner, schedule.config.n_mb, shared) for op in schedule.ops]
+        resident = set(schedule.config.resident_opt).__contains__
+        tags = [slot_contents(op, self.graph.owner, schedule.config.n_mb, shared, resident) for op in schedule.ops]
         accesses: dict[tuple[str, int], list[tuple[int, bool, tuple]]] = {}
         for op in schedule.ops:
             reads, writes = tags[op.id]
@@ -300,14 +353,17 @@ class Executor:
     def _store_opt(self, op: Op, after_row=None) -> None:
         """Updated master weights and moments back to the host block, a row at a time (``after_row(r)`` runs after
         row r's copy is issued); the gradient row stays as stored."""
-        block, host = self._opt_block(op), self.store.block(op.layer)
+        self._store_state(op.layer, self._opt_block(op), after_row)
+
+    def _store_state(self, layer: int, block: torch.Tensor, after_row=None) -> None:
+        host = self.store.block(layer)
         for r in range(OPT_STATE_ROWS):
             host[r].copy_(block[r], non_blocking=self.non_blocking)
             if after_row is not None:
                 after_row(r)
         if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where the
             # update ran, to nearest even as the host would
-            self.store.shadow(op.layer).copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
+            self.store.shadow(layer).copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
 
     def kept_weights(self, owner: int) -> torch.Tensor | None:
         """The layer's weights as its last device update left them, if the host master is still those."""

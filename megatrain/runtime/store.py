@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import weakref
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -49,6 +50,9 @@ class HostStore:
                 self.blocks.append(None)
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
         self.generation = 0  # counts loads of new weights from outside (copies made of the masters go stale)
+        # called before new weights come in from outside: whoever holds a newer copy of any row (an executor
+        # keeping states on the device) writes it back first, so the moments survive as they do in the store
+        self.before_load: list[Callable[[], None]] = []
 
     def row(self, layer: int, what: str) -> torch.Tensor:
         return self.block(layer)[ROWS.index(what)]
@@ -97,6 +101,8 @@ class HostStore:
 
     def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> None:
         """Copy tensors named as in the model's state_dict into the master weights."""
+        for hook in self.before_load:
+            hook()
         names = self.captured.model_param_names
         for name, t in tensors.items():
             canon = self.captured.tied_names.get(name, name)
@@ -113,6 +119,8 @@ class HostStore:
         self.generation += 1
 
     def load_from_module(self, model: nn.Module) -> None:
+        for hook in self.before_load:
+            hook()
         for name, p in model.named_parameters():
             if p.is_meta:
                 raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to compile")

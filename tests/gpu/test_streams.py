@@ -105,3 +105,28 @@ def test_steps_ordered_by_events_match_a_device_sync_between_steps(gpu_opt_every
     assert runs[0][0] == runs[1][0] and runs[0][0][0] != runs[0][0][-1]
     assert all(torch.equal(runs[0][1][n], t) for n, t in runs[1][1].items())
     assert runs[0][2] == runs[1][2] and all(n > 0 for n in runs[0][2])  # each step's own norm, though overlapped
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_states_kept_on_the_device_equal_states_sent_back(clip):
+    """resident_opt: every device update's master weights and moments stay on the GPU between steps, the same
+    kernels on the same numbers as sending them to the host and back each step: identical losses and weights,
+    read mid-run (written back while they stay on the GPU) and at the end, with the steps overlapping."""
+    model = small("qwen2")
+    data = batches(n_steps=4)
+    runs = []
+    for resident in (0, 99):  # none; all of them
+        opt = megatrain.OptimConfig(lr=1e-3, max_grad_norm=clip)
+        sm = megatrain.compile(copy.deepcopy(model), device="cuda", streams=True, optim=opt, n_mb=2,
+                               weight_slots="all", gpu_opt_every=1, resident_opt=resident)
+        sm.overlap_steps = True
+        losses = [sm.train_step(*[t.cuda() for t in b]).loss for b in data[:2]]
+        mid = {n: t.clone() for n, t in sm.state_dict().items()}
+        losses += [sm.train_step(*[t.cuda() for t in b]).loss for b in data[2:]]
+        cont = sm.schedule_for(6, 12, continues=True)
+        runs.append((losses, mid, {n: t.clone() for n, t in sm.state_dict().items()}, cont))
+    assert not runs[0][3].config.resident_opt and runs[1][3].config.resident_opt == runs[1][3].config.gpu_opt
+    assert not any(op.kind.value in ("LOAD_OPT", "STORE_OPT") for op in runs[1][3].ops)
+    assert runs[0][0] == runs[1][0] and runs[0][0][0] != runs[0][0][-1]
+    for i in (1, 2):
+        assert all(torch.equal(runs[0][i][n], t) for n, t in runs[1][i].items())

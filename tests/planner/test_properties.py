@@ -44,6 +44,7 @@ def configs(draw, graph):
     seq = draw(st.sampled_from([16, 128, 1024]))
     eligible = [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l)]
     gpu_opt = tuple(sorted(draw(st.sets(st.sampled_from(eligible)) if eligible else st.just(set()))))
+    resident = tuple(sorted(draw(st.sets(st.sampled_from(gpu_opt))) if gpu_opt else ()))
     host_checkpoints = draw(st.integers(0, len(graph) - 2))
     savable = [l for l in range(host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token]
     return ScheduleConfig(
@@ -53,6 +54,7 @@ def configs(draw, graph):
         host_checkpoints=host_checkpoints, clip=draw(st.booleans()),
         budget_bytes=draw(st.integers(64 * MiB, 4096 * MiB)), gpu_opt=gpu_opt,
         saved_acts=tuple(sorted(draw(st.sets(st.sampled_from(savable))) if savable else ())),
+        resident_opt=tuple(draw(st.permutations(resident))), continues=draw(st.booleans()),
     )
 
 
@@ -126,12 +128,13 @@ def test_fixed_decisions_are_kept_or_refused_clearly(data, n_seqs):
         "host_checkpoints": data.draw(st.one_of(st.none(), st.integers(0, n - 2))),
     }.items() if v is not None}
     every = data.draw(st.sampled_from([0, 1, 2, None]))
+    resident = data.draw(st.sampled_from([None, 0, 1, 3]))
     saved = data.draw(st.one_of(st.just("auto"), st.integers(0, n)))
     clip = data.draw(st.booleans())
     seq = 128
     try:
         p = plan(graph, SPEC, n_seqs * seq, seq, n_steps=1, clip=clip, saved_acts=saved, gpu_opt_every=every,
-                 **fixed)
+                 resident_opt=resident, **fixed)
     except PlanError as e:
         able = sum(1 for l in range(1, n - 1) if graph[l].saved_bytes_per_token > 0)
         if saved != "auto" and saved <= able and "host_checkpoints" not in fixed:
@@ -150,6 +153,10 @@ def test_fixed_decisions_are_kept_or_refused_clearly(data, n_seqs):
         assert len(c.saved_acts) == saved
     if every:
         assert c.gpu_opt == device_update_sets(graph, every)[0]
+    if resident is not None:
+        assert c.resident_opt == c.gpu_opt[:resident]
+    elif clip:  # with clipping keeping a state costs no device memory: "auto" keeps them all
+        assert c.resident_opt == c.gpu_opt
 
 
 def test_tiny_budget_is_refused_before_anything_is_built():

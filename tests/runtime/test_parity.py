@@ -266,9 +266,10 @@ def test_auto_device_updates_take_the_fastest_simulated_set():
     sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every="auto")
     chosen = sm.schedule_for(6, 12).config
     times = {}
-    for gpu_opt in device_update_sets(sm.graph, None):
-        s = build_schedule(sm.graph, dataclasses.replace(chosen, n_steps=3, gpu_opt=gpu_opt))
+    for gpu_opt in device_update_sets(sm.graph, None):  # with clipping each keeps its state on the device
+        s = build_schedule(sm.graph, dataclasses.replace(chosen, n_steps=3, gpu_opt=gpu_opt, resident_opt=gpu_opt))
         times[gpu_opt] = simulate(s, sm.graph, sm.hardware).steady_step_s
+    assert chosen.resident_opt == chosen.gpu_opt
     assert times[chosen.gpu_opt] == min(times.values()) and len(times) > 1
     losses = [sm.train_step(*b).loss for b in data]
     host = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2)
@@ -376,10 +377,12 @@ def test_meta_model_with_safetensors_checkpoint_matches(tmp_path):
 
 def test_weights_kept_after_a_device_update_serve_the_next_load_until_the_host_copy_changes():
     """A device update leaves the layer's new weights on the device and the next step loads them from there; new
-    weights loaded into the store from outside make those copies stale, and the next step reads the host."""
+    weights loaded into the store from outside make those copies stale, and the next step reads the host. (States
+    sent back to the host every step, so that the host master can be compared; see test_resident.py for states
+    kept on the device.)"""
     opt = dataclasses.replace(OPT, fused=True)
     data = batches()
-    sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every=2)
+    sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every=2, resident_opt=0)
     dev = set(sm.schedule_for(6, 12).config.gpu_opt)
     sm.train_step(*data[0])
     assert dev and set(sm.executor.kept) == dev

@@ -1,0 +1,115 @@
+"""Optimizer state kept on the device between steps (``resident_opt``), CPU, fp32.
+
+The same updates as every state crossing to the host each step, bit for bit; the host store is stale while the
+state is resident and current after ``state_dict()``; a plan that does not keep a state gets the current one from
+the host; new weights loaded from outside win over a resident state.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatrain.ir import OpKind
+from megatrain.runtime.store import ROWS
+
+from .models import compile_cpu, hf_model
+from .test_parity import OPT, batches
+
+
+def _train(data, **plan):
+    opt = dataclasses.replace(OPT, fused=True, max_grad_norm=plan.pop("clip", OPT.max_grad_norm))
+    sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, **plan)
+    losses = [sm.train_step(*b).loss for b in data]
+    return sm, losses
+
+
+def _slot_state(sm, layer):
+    k, _ = sm.executor.resident[layer]
+    n = sm.graph[layer].params
+    return sm.executor.o[k][: len(ROWS) * n].view(len(ROWS), n)
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_resident_states_equal_states_sent_back_every_step(clip):
+    data = batches(n_steps=4)
+    host, host_losses = _train(data, clip=clip, gpu_opt_every=2, resident_opt=0)
+    sm, losses = _train(data, clip=clip, gpu_opt_every=2, resident_opt=2)
+    first, cont = sm.schedule_for(6, 12), sm.schedule_for(6, 12, continues=True)
+    kept = cont.config.resident_opt
+    assert kept == cont.config.gpu_opt[:2] == (1, 3) and host.schedule_for(6, 12).config.resident_opt == ()
+    # the first step loads every device update's state; after it, the kept ones never cross the bus
+    assert {op.layer for op in first.ops if op.kind is OpKind.LOAD_OPT} == set(first.config.gpu_opt)
+    assert {op.layer for op in cont.ops if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT)} \
+        == set(cont.config.gpu_opt) - set(kept)
+    # while resident, the host block holds an older state than the device slot
+    for layer in kept:
+        for r in range(3):
+            assert not torch.equal(sm.store.block(layer)[r], _slot_state(sm, layer)[r])
+    assert losses == host_losses
+    sd = sm.state_dict()  # writes the resident states back
+    assert all(torch.equal(host.state_dict()[n], t) for n, t in sd.items())
+    for layer in kept:
+        for r, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            assert torch.equal(sm.store.block(layer)[r], host.store.block(layer)[r]), name
+
+
+def test_reading_the_weights_mid_run_and_switching_plans_lose_nothing():
+    """state_dict() between steps (the states stay resident: the next step continues), then a plan that keeps
+    other states and one that keeps none: the host copy each of them reads is current, and the run ends with the
+    parameters and losses of a run that keeps nothing."""
+    data = batches(n_steps=5)
+    host, host_losses = _train(data, gpu_opt_every=1, resident_opt=0)
+    opt = dataclasses.replace(OPT, fused=True)
+    sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every=1, resident_opt="auto")
+    ran = []
+    run = sm.executor.run
+    sm.executor.run = lambda s, *a, **k: ran.append(s) or run(s, *a, **k)
+    losses = [sm.train_step(*data[0]).loss]
+    mid = {n: t.clone() for n, t in sm.state_dict().items()}
+    losses.append(sm.train_step(*data[1]).loss)
+    assert ran[1].config.continues and ran[1].config.resident_opt  # reading the weights did not end residency
+    losses.append(sm.train_step(*data[2], gpu_opt_every=2).loss)  # other layers, other slots: a first step
+    assert not ran[2].config.continues and ran[2].config.resident_opt != ran[1].config.resident_opt
+    losses.append(sm.train_step(*data[3], resident_opt=0).loss)  # nothing kept: every state from the host
+    losses.append(sm.train_step(*data[4]).loss)  # and back to the first plan
+    assert not sm.executor.resident or ran[-1].config.resident_opt
+    assert losses == host_losses
+    ref = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2)
+    ref.train_step(*data[0])
+    assert all(torch.equal(ref.state_dict()[n], t) for n, t in mid.items())
+    assert all(torch.equal(host.state_dict()[n], t) for n, t in sm.state_dict().items())
+
+
+def test_weights_loaded_from_outside_replace_the_masters_of_a_resident_state():
+    """New weights put into the store replace the masters, as they do when every state is on the host: the
+    resident moments are written back first and kept, the resident masters are not written over the new ones, and
+    training goes on exactly as a run that keeps nothing."""
+    data = batches(n_steps=3)
+    sm, _ = _train(data[:1], gpu_opt_every=1)
+    host, _ = _train(data[:1], gpu_opt_every=1, resident_opt=0)
+    assert sm.executor.resident and not host.executor.resident
+    new = {n: t.clone() * 0.5 for n, t in host.state_dict().items()}
+    for m in (sm, host):
+        m.store.load_state(new)
+    assert not sm.executor.resident
+    assert all(torch.equal(new[n], t) for n, t in sm.state_dict().items())  # nothing written over them
+    for layer in sm.schedule_for(6, 12).config.gpu_opt:  # the moments of the step before survive
+        assert torch.equal(sm.store.block(layer)[1:3], host.store.block(layer)[1:3])
+        assert sm.store.block(layer)[1].abs().sum() > 0
+    assert [sm.train_step(*b).loss for b in data[1:]] == [host.train_step(*b).loss for b in data[1:]]
+    assert all(torch.equal(host.state_dict()[n], t) for n, t in sm.state_dict().items())
+
+
+def test_a_continuing_schedule_without_its_states_is_refused():
+    sm = compile_cpu(hf_model("qwen2"), optim=dataclasses.replace(OPT, fused=True), n_mb=2, gpu_opt_every=1)
+    cont = sm.schedule_for(6, 12, continues=True)
+    assert cont.config.resident_opt
+    ids, mask, labels = batches(n_steps=1)[0]
+    from megatrain.runtime.executor import MicroBatch
+
+    nxt = torch.full_like(labels, -100)
+    nxt[:, :-1] = labels[:, 1:]
+    mbs = [MicroBatch(ids[i * 3:(i + 1) * 3], mask[i * 3:(i + 1) * 3], nxt[i * 3:(i + 1) * 3]) for i in range(2)]
+    with pytest.raises(ValueError, match=r"expects the state of layers \[.*\] on the device"):
+        sm.executor.run(cont, mbs, int((nxt != -100).sum()))

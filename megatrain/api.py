@@ -57,6 +57,9 @@ class PlanOptions:
             v = getattr(self, name)
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
+        if self.gpu_opt_every == 0 and self.resident_opt not in (0, "auto"):
+            raise ValueError(f"resident_opt={self.resident_opt} keeps the state of layers updated on the GPU there, "
+                             f"but gpu_opt_every=0 updates every layer on the host: set gpu_opt_every too")
 
 
 def _int_or_auto(value: str | int, name: str) -> int | str:

@@ -107,6 +107,9 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
         raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
     if gpu_opt_every is not None and gpu_opt_every < 0:
         raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
+    if gpu_opt_every == 0 and resident_opt:
+        raise PlanError(f"resident_opt={resident_opt} keeps the state of layers updated on the GPU there, but "
+                        f"gpu_opt_every=0 updates every layer on the host: set gpu_opt_every too")
     device_sets = [(g, r) for g in device_update_sets(graph, gpu_opt_every)
                    for r in resident_sets(g, "auto" if resident_opt is None else resident_opt, clip)]
     return [

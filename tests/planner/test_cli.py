@@ -67,6 +67,8 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     (["--tokens", "1000"], "multiple of the sequence length"),
     (["--preset", "gpt-5"], "unknown model preset"),
     (["--mb", "5"], "cannot split 32 sequences evenly"),
+    (["--resident-opt", "3"], "resident_opt=3 keeps the state of layers updated on the GPU there, but gpu_opt_every=0"),
+    (["--gpu-opt-every", "2", "--resident-opt", "-2"], "resident_opt must be a count >= 0"),
 ])
 def test_plan_cli_refuses_with_one_clear_message(tmp_path, capsys, argv, msg):
     assert main(["plan", *argv, "--out", str(tmp_path / "x")]) == 2

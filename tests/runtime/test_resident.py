@@ -113,3 +113,11 @@ def test_a_continuing_schedule_without_its_states_is_refused():
     mbs = [MicroBatch(ids[i * 3:(i + 1) * 3], mask[i * 3:(i + 1) * 3], nxt[i * 3:(i + 1) * 3]) for i in range(2)]
     with pytest.raises(ValueError, match=r"expects the state of layers \[.*\] on the device"):
         sm.executor.run(cont, mbs, int((nxt != -100).sum()))
+
+
+def test_keeping_states_without_device_updates_is_refused():
+    with pytest.raises(ValueError, match=r"resident_opt=2 keeps the state.*gpu_opt_every=0 updates every layer on "
+                                         r"the host"):
+        compile_cpu(hf_model("qwen2"), resident_opt=2)
+    with pytest.raises(ValueError, match="resident_opt must be an integer >= 0"):
+        compile_cpu(hf_model("qwen2"), gpu_opt_every=1, resident_opt=-1)

@@ -36,7 +36,8 @@ class PlanOptions:
     grad_slots: int = 2
     host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
     gpu_opt_every: int | str = 0  # every k-th layer (of those owning weights) is updated on the GPU;
-    # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search)
+    # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search).
+    # compile() makes it "auto" on a CUDA device unless it is given
     wire: str = "fp32"  # weights on the wire: "fp32" (the master, cast on the device) or "bf16" (a host shadow
     # the optimizer keeps current: half the bytes per load, a host cast per update, 2 more bytes per param of RAM)
     saved_acts: int | str = "auto"  # layers whose forward keeps its activations on the device so that their
@@ -325,7 +326,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     the Triton kernels into the templates (RMSNorm, SwiGLU, RoPE) and runs the loss as the fused linear +
     cross-entropy; ``StreamedModel.kernels`` lists what they replaced. On the CPU they need Triton's interpreter.
     ``streams`` (default: on with CUDA) issues the schedule on separate CUDA streams with a host optimizer thread
-    (:mod:`megatrain.runtime.streams`); off, every op runs in program order.
+    (:mod:`megatrain.runtime.streams`); off, every op runs in program order. ``plan``: :class:`PlanOptions`; with
+    CUDA ``gpu_opt_every`` defaults to "auto" (the planner picks the layers updated on the GPU), on the CPU to 0.
     """
     from megatrain.planner.hardware import hardware as hardware_spec
 
@@ -335,6 +337,9 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
                                                                             ("h200" if dev.type == "cuda" else "cpu"))
     if dev.type == "cuda":
         _check_device_memory(dev, spec)
+    if "gpu_opt_every" not in plan:  # on the H200 faster at every size measured (docs/benchmarks.md); on the CPU
+        # a "device" update is a host update by another path
+        plan["gpu_opt_every"] = "auto" if dev.type == "cuda" else 0
     try:
         opts = PlanOptions(**plan)
     except TypeError as e:

@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                            ("slots", _slots, "weight slots (2; all: one per layer)"),
                            ("host_checkpoints", int, "layers whose checkpoints wait on the host (0)"),
                            ("gpu_opt_every", _every, "update every k-th layer on the GPU, not the host (0: none; "
-                                                     "auto: the planner's choice)"),
+                                                     "auto: the planner's choice; default auto on a GPU, 0 on "
+                                                     "the CPU)"),
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
                            ("saved_acts", _saved, "layers (the last ones) whose backward reuses the forward's "
                                                   "activations instead of recomputing them (auto: as many as fit)"),

@@ -32,7 +32,8 @@ class TrainConfig:
     mb: int = 2  # micro-batches per step
     slots: int | str = 2  # weight slots; "all": one per layer
     host_checkpoints: int = 0  # layers whose checkpoints wait on the host
-    gpu_opt_every: int | str = 0  # every k-th layer updated on the GPU (0: all on the host; "auto": the planner's)
+    gpu_opt_every: int | str | None = None  # every k-th layer updated on the GPU (0: all on the host; "auto": the
+    # planner's; None: compile()'s default, "auto" on a GPU and 0 on the CPU)
     wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
     saved_acts: int | str = "auto"  # layers whose backward reuses the forward's activations, no recompute (a
     # count, the last ones; "auto": as many as the device memory holds)
@@ -50,8 +51,9 @@ class TrainConfig:
         from megatrain.api import PlanOptions
 
         # the plan options' own checks
-        PlanOptions(weight_slots=self.slots, gpu_opt_every=self.gpu_opt_every, wire=self.wire,
-                    saved_acts=self.saved_acts, resident_opt=self.resident_opt)
+        every = "auto" if self.gpu_opt_every is None else self.gpu_opt_every
+        PlanOptions(weight_slots=self.slots, gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts,
+                    resident_opt=self.resident_opt)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:
@@ -126,7 +128,8 @@ def run(cfg: TrainConfig) -> dict:
                                   warmup_steps=cfg.warmup, total_steps=cfg.steps, min_lr=cfg.lr / 10)
     sm = megatrain.compile(model, checkpoint=weights, init_seed=None if weights else cfg.seed, optim=optim,
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
-                           host_checkpoints=cfg.host_checkpoints, gpu_opt_every=cfg.gpu_opt_every, wire=cfg.wire,
+                           host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
+                           **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
     schedule = sm.schedule_for(cfg.batch, cfg.seq)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ def small(family, **kw):
                     **kw)
 
 
-@pytest.mark.parametrize("plan", [dict(n_mb=3, weight_slots=2, host_checkpoints=1),
+@pytest.mark.parametrize("plan", [dict(n_mb=3, weight_slots=2, host_checkpoints=1, gpu_opt_every=0),
                                   dict(n_mb=2, weight_slots="all", gpu_opt_every=2)])
 def test_saved_activations_train_as_recomputing_does(plan):
     """The backward of a saved layer runs the same kernels on the same activations as after a recompute:

@@ -247,3 +247,33 @@ def test_without_clipping_state_loads_alternate_two_optimizer_slots():
     assert [op.slot("o") for op in loads] == [k % 2 for k in range(len(loads))] and len(loads) >= 3
     stores = {op.layer: op.id for op in s.ops if op.kind is OpKind.STORE_OPT}
     assert stores[loads[0].layer] not in loads[1].deps and stores[loads[0].layer] in loads[2].deps
+
+
+def test_a_resident_state_overwritten_or_missing_is_caught():
+    """Layers 1 and 3 keep their optimizer state on the device between steps (resident_opt)."""
+    s = _schedule(gpu_opt=(1, 2, 3), resident_opt=(1, 3))
+    cont = build_schedule(G, config(G, n_steps=2, n_mb=3, gpu_opt=(1, 2, 3), resident_opt=(1, 3), continues=True))
+    verify(cont, G)
+    # a continuing schedule expects layer 1's state in its own slot: layer 3's first gradient store goes into it
+    home = _find(cont, OpKind.STORE_G, step=0, layer=1).slot("o")
+    store3 = _find(cont, OpKind.STORE_G, step=0, layer=3)
+    err = _broken(_replace(cont, store3, slots=tuple((r, home if r == "o" else k) for r, k in store3.slots)),
+                  "resident")
+    assert "share optimizer slots" in str(err)
+    # another layer's state loaded into that slot (layer 2's, which goes to the host and back each step), and
+    # everything layer 2 does with it there: layer 1's store then finds layer 2's state
+    ops = [dataclasses.replace(op, slots=tuple((r, home if r == "o" else k) for r, k in op.slots))
+           if op.layer == 2 and any(r == "o" for r, _ in op.slots) else op for op in cont.ops]
+    err = _broken(Schedule(tuple(ops), cont.config, cont.provenance), "slot-content")
+    assert "expecting ('U', 0, 1)" in str(err) or "expecting ('U', -1, 1)" in str(err), str(err)
+    # the state load of the run's first step is dropped: the step's store finds nothing in the slot
+    load = _find(s, OpKind.LOAD_OPT, step=0, layer=3)
+    _broken(renumber(s, [op for op in s.ops if op is not load]), "complete")
+    # a resident state stored back to the host in a step (a STORE_OPT that the plan does not have)
+    opt = _find(s, OpKind.OPT, step=1, layer=3)
+    extra = Op(len(s.ops), OpKind.STORE_OPT, Stream.D2H, 1, 3, slots=(("o", opt.slot("o")),), deps=(opt.id,))
+    _broken(Schedule(s.ops + (extra,), s.config, s.provenance), "kind")
+    # a continuing schedule read as a first step: layer 1's store finds a slot nothing loaded
+    first = Schedule(cont.ops, dataclasses.replace(cont.config, continues=False), cont.provenance)
+    err = _broken(first, "complete")
+    assert "has no LOAD_OPT" in str(err)

@@ -17,6 +17,7 @@ from megatrain.planner.cost import device_memory, fmt_bytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
+from megatrain.planner.search import check_resident
 from megatrain.planner.verify import verify
 from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepOutput
 from megatrain.runtime.init import init_seeded
@@ -58,9 +59,7 @@ class PlanOptions:
             v = getattr(self, name)
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
-        if self.gpu_opt_every == 0 and self.resident_opt not in (0, "auto"):
-            raise ValueError(f"resident_opt={self.resident_opt} keeps the state of layers updated on the GPU there, "
-                             f"but gpu_opt_every=0 updates every layer on the host: set gpu_opt_every too")
+        check_resident(self.gpu_opt_every, self.resident_opt)  # a PlanError, which is a ValueError
 
 
 def _int_or_auto(value: str | int, name: str) -> int | str:

@@ -147,31 +147,19 @@ def _viz(args) -> int:
     return 0
 
 
-def _every(value: str):
-    from megatrain.api import gpu_opt_every
+def _count_or_auto(name: str):
+    """The argparse type of the integer-or-'auto' option ``name``: megatrain.api's parser of that name (imported
+    when used)."""
+    def parse(value: str):
+        from megatrain import api
 
-    return gpu_opt_every(value)
+        return getattr(api, name)(value)
 
-
-_every.__name__ = "gpu_opt_every"  # argparse names the option's type in its error message
-
-
-def _saved(value: str):
-    from megatrain.api import saved_acts
-
-    return saved_acts(value)
+    parse.__name__ = name  # argparse names the option's type in its error message
+    return parse
 
 
-_saved.__name__ = "saved_acts"
-
-
-def _resident(value: str):
-    from megatrain.api import resident_opt
-
-    return resident_opt(value)
-
-
-_resident.__name__ = "resident_opt"
+_every, _saved, _resident = (_count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt"))
 
 
 def _slots(value: str):
@@ -239,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                         "free holds")
     p.add_argument("--resident-opt", default="auto", metavar="N|auto",
                    help="of the layers updated on the GPU, how many (the first ones) keep their master weights and "
-                        "moments there between steps (no trip over the bus); auto (default): none, half or all, "
-                        "whichever the simulation finds fastest")
+                        "moments there between steps (no trip over the bus); auto (default): all of them with "
+                        "clipping (no device memory more), without it none, half or all, whichever the simulation "
+                        "finds fastest")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")

@@ -365,12 +365,12 @@ def resident_slots(schedule: Schedule, owner: Callable[[int], int]) -> dict[int,
     return out
 
 
-def initial_contents(schedule: Schedule, owner: Callable[[int], int]) -> dict[tuple[str, int], tuple]:
+def initial_contents(schedule: Schedule, homes: dict[int, int]) -> dict[tuple[str, int], tuple]:
     """What a schedule expects in its slots before its first op: for a continuing schedule, the state of each
-    resident layer in its slot, as the step before left it."""
+    resident layer in its slot (``homes``: :func:`resident_slots`), as the step before left it."""
     if not schedule.config.continues:
         return {}
-    return {("o", k): ("U", -1, l) for l, k in resident_slots(schedule, owner).items()}
+    return {("o", k): ("U", -1, l) for l, k in homes.items()}
 
 
 def format_table(schedule: Schedule, start_s: list[float] | None = None, end_s: list[float] | None = None,

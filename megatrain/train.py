@@ -143,7 +143,8 @@ def run(cfg: TrainConfig) -> dict:
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
           f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
           f"{cfg.seq} tokens, {cfg.mb} micro-batches; plan: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers "
-          f"updated on the device ({len(c.resident_opt)} keeping their state there), {len(c.saved_acts)} keeping their activations; writing {out}/", flush=True)
+          f"updated on the device ({len(c.resident_opt)} keeping their state there), {len(c.saved_acts)} keeping "
+          f"their activations; writing {out}/", flush=True)
     from tqdm import tqdm
 
     log = (out / "metrics.jsonl").open("w")

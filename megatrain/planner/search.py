@@ -107,9 +107,7 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
         raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
     if gpu_opt_every is not None and gpu_opt_every < 0:
         raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
-    if gpu_opt_every == 0 and resident_opt:
-        raise PlanError(f"resident_opt={resident_opt} keeps the state of layers updated on the GPU there, but "
-                        f"gpu_opt_every=0 updates every layer on the host: set gpu_opt_every too")
+    check_resident(gpu_opt_every, resident_opt)
     device_sets = [(g, r) for g in device_update_sets(graph, gpu_opt_every)
                    for r in resident_sets(g, "auto" if resident_opt is None else resident_opt, clip)]
     return [
@@ -118,6 +116,13 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
                        budget_bytes=budget, gpu_opt=g, resident_opt=r)
         for m, k, w, h, (g, r) in itertools.product(mbs, slots, wires, offload, device_sets)
     ]
+
+
+def check_resident(gpu_opt_every: int | str | None, resident_opt: int | str | None) -> None:
+    """Refuse a count of kept states where no layer is updated on the device (None or "auto": search)."""
+    if gpu_opt_every == 0 and resident_opt not in (None, "auto", 0):
+        raise PlanError(f"resident_opt={resident_opt} keeps the state of layers updated on the GPU there, but "
+                        f"gpu_opt_every=0 updates every layer on the host: set gpu_opt_every too")
 
 
 def resident_sets(gpu_opt: tuple[int, ...], choice: int | str, clip: bool) -> list[tuple[int, ...]]:

@@ -175,7 +175,7 @@ def _contents(s: Schedule, graph: LayerGraph, op: Op) -> tuple[dict[str, tuple],
 def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     writers: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (pool, slot) -> writers in program order
     tags: dict[int, tuple[dict, dict]] = {}
-    initial = initial_contents(s, graph.owner)
+    initial = initial_contents(s, resident_slots(s, graph.owner))
     for op in s.ops:
         tags[op.id] = _contents(s, graph, op)
         for role, idx in op.slots:

@@ -70,6 +70,7 @@ class Executor:
         store.before_load.append(self._release_resident)  # new masters from outside: the moments stay current
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
         self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
+        self._homes: dict[int, tuple] = {}  # id(schedule) -> (schedule, its resident layers' optimizer slots)
         self.saved_layers: frozenset[int] = frozenset()  # the running schedule's saved_acts
         self._bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
 
@@ -123,7 +124,7 @@ class Executor:
         tags, accesses = self._slot_plan(schedule)
         self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
         position = {key: 0 for key in accesses}
-        self.contents: dict[tuple[str, int], tuple] = initial_contents(schedule, self.graph.owner)
+        self.contents: dict[tuple[str, int], tuple] = initial_contents(schedule, self._resident_slots(schedule))
         self.act: dict[int, torch.Tensor] = {}
         self.host_act: dict[tuple[int, int], torch.Tensor] = {}
         self.side: dict[int, dict] = {}
@@ -169,7 +170,7 @@ class Executor:
             except Exception as e:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
         self._end_step()
-        for layer, k in resident_slots(schedule, self.graph.owner).items():
+        for layer, k in self._resident_slots(schedule).items():
             self.resident[layer] = (k, self.store.generation)
         sums = self._loss_values()
         return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
@@ -178,16 +179,21 @@ class Executor:
     def can_continue(self, schedule: Schedule) -> bool:
         """Whether the continuing ``schedule`` can run now: every device-updated layer's new weights are kept here
         and every resident layer's state is in the slot the schedule expects it in, from the current store."""
-        cfg = schedule.config
-        homes = resident_slots(schedule, self.graph.owner)
-        return (self.keeps(cfg.gpu_opt)
-                and all(self.resident.get(l) == (k, self.store.generation) for l, k in homes.items()))
+        return (self.keeps(schedule.config.gpu_opt) and all(self.resident.get(l) == (k, self.store.generation)
+                                                            for l, k in self._resident_slots(schedule).items()))
+
+    def _resident_slots(self, schedule: Schedule) -> dict[int, int]:
+        """:func:`~megatrain.ir.resident_slots` of ``schedule``, computed once per schedule."""
+        cached = self._homes.get(id(schedule))
+        if cached is None or cached[0] is not schedule:
+            cached = self._homes[id(schedule)] = (schedule, resident_slots(schedule, self.graph.owner))
+        return cached[1]
 
     def _settle_resident(self, schedule: Schedule) -> None:
         """Before a step: a continuing schedule finds its resident states where it expects them (else an error,
         before anything runs); every other resident state goes back to the host store, which the step may read
         (a state that a new load of the store made stale is dropped)."""
-        keep = resident_slots(schedule, self.graph.owner) if schedule.config.continues else {}
+        keep = self._resident_slots(schedule) if schedule.config.continues else {}
         missing = [l for l, k in keep.items() if self.resident.get(l) != (k, self.store.generation)]
         if missing:
             raise ValueError(f"the continuing schedule expects the state of layers {missing} on the device, which "

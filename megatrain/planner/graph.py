@@ -98,11 +98,13 @@ def block_saved_bytes(hidden: int, q_dim: int, kv_dim: int, inter: int, heads: i
     """Bytes per token a Llama/Qwen2-style decoder block (RMSNorm, GQA attention with a fused kernel, SwiGLU MLP)
     saves for its backward, besides its input (the checkpoint, counted apart): both norm outputs (the inputs of the
     q/k/v and gate/up projections) and the second norm's input, q and k after rotary, v, the attention output
-    (which is also the o-projection's input), gate, up and their product (the down projection's input), in the
-    compute dtype; plus each norm's fp32 reciprocal RMS and the attention's fp32 log-sum-exp per head. Measured
-    with the Triton kernels on the H200 (benchmarks/saved_tensors.py): 70,201, 87,625 and 151,673 bytes for the
-    Qwen2.5-1.5B, 3B and 7B shapes, one more than this formula (the measurement rounds up)."""
-    return (3 * hidden + 2 * q_dim + 2 * kv_dim + 3 * inter) * act_dtype_bytes + 2 * 4 + 4 * heads
+    (which is also the o-projection's input), gate and up, in the compute dtype; plus each norm's fp32 reciprocal
+    RMS and the attention's fp32 log-sum-exp per head. The product of gate and up (the down projection's input) is
+    not kept: the kernel MLP computes it again in the backward (``kernel_rewrite.keep_less``). Measured with the
+    Triton kernels on the H200 (benchmarks/saved_tensors.py), one byte more than this formula (the measurement
+    rounds up): 52,281, 65,609 and 113,785 bytes for the Qwen2.5-1.5B, 3B and 7B shapes (70,201, 87,625 and
+    151,673 while the product was kept)."""
+    return (3 * hidden + 2 * q_dim + 2 * kv_dim + 2 * inter) * act_dtype_bytes + 2 * 4 + 4 * heads
 
 
 def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None) -> LayerGraph:

@@ -17,6 +17,8 @@ from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, Stream, format_table,
                           slot_contents)
 from megatrain.planner.capture import Captured
 from megatrain.planner.cost import OPT_STATE_ROWS, slot_params
+from megatrain.runtime.grad_sink import GradSink, sink_to
+from megatrain.runtime.kernel_rewrite import keep_less
 from megatrain.runtime.optim import HostAdamW
 from megatrain.runtime.store import ROWS, HostStore
 from megatrain.runtime.templates import LayerRunner
@@ -273,24 +275,22 @@ class Executor:
     def _weights(self, op: Op) -> torch.Tensor:
         return self.w[op.slot("w")][: self.graph.weight_params(op.layer)]
 
-    def _accumulate(self, op: Op, views: list, grads) -> None:
-        """Add each parameter's gradient (compute dtype) into its span of the fp32 gradient slot; the first
-        micro-batch writes instead of adding."""
+    def _grad_sink(self, op: Op) -> GradSink:
+        """Where the backward of ``op`` puts its parameter gradients: the fp32 gradient slot, which the first
+        micro-batch writes instead of adding to (cleared first where the layer's parameters do not tile it)."""
         g = self.g[op.slot("g")]
         first = op.mb == 0
         numel = self.graph.weight_params(op.layer)
         if first and not self.runner.tiles(op.layer, numel):  # gaps, shared or unused spans: clear, then add
             g[:numel].zero_()
             first = False
+        return GradSink(g, accumulate=not first)
+
+    @staticmethod
+    def _accumulate(sink: GradSink, views: list, grads) -> None:
+        """The gradients autograd returned (compute dtype) into the sink's slot, next to those its linears wrote."""
         for (off, n, _), dw in zip(views, grads):
-            dst = g[off: off + n]
-            if dw is None:  # a parameter this layer's output does not depend on
-                if first:
-                    dst.zero_()
-            elif first:
-                dst.copy_(dw.reshape(-1))
-            else:
-                dst.add_(dw.reshape(-1))
+            sink.put(off, n, dw)
 
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
@@ -417,10 +417,11 @@ class Executor:
             labels = self.mbs[op.mb].next_labels
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum")
-            dx, *dws = torch.autograd.grad(loss_sum / self.denom, [x, *(v for *_, v in views)],
-                                           allow_unused=True)
+            with sink_to(self._grad_sink(op)) as sink:
+                dx, *dws = torch.autograd.grad(loss_sum / self.denom, [x, *(v for *_, v in views)],
+                                               allow_unused=True)
         self.loss_sums[op.mb] = loss_sum.detach()
-        self._accumulate(op, views, dws)
+        self._accumulate(sink, views, dws)
         self.act[op.slot("x")] = dx
 
     def _fused_loss(self, op: Op) -> None:
@@ -450,7 +451,8 @@ class Executor:
         flat = self._weights(op)
         x = self.act[op.slot("x")].detach().requires_grad_()
         views: list = []
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_WeightRef.packer(flat), self._unpack):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_WeightRef.packer(flat), self._unpack), \
+                keep_less():
             out = self.runner.run(op.layer, flat, x, self.side[op.mb], grad_views=views)
         self.saved[(op.layer, op.mb)] = (out, x, views)
         self.act[op.slot("y")] = out.detach()
@@ -481,7 +483,7 @@ class Executor:
                 kept[ptr] = t.untyped_storage().nbytes()
             return t
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keep_less():
             out = self.runner.run(layer, flat, x, side, grad_views=[])
         del out
         return sum(kept.values())
@@ -490,16 +492,18 @@ class Executor:
         return packed.view_of(self._bwd_weights) if isinstance(packed, _WeightRef) else packed
 
     def _backward(self, op: Op) -> None:
+        sink = self._grad_sink(op)
         if op.layer in self.saved_layers:
             out, x, views = self.saved.pop((op.layer, op.mb))
             self._bwd_weights = self._weights(op)
             try:
-                dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], self.act[op.slot("dy")],
-                                               allow_unused=True)
+                with sink_to(sink):
+                    dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], self.act[op.slot("dy")],
+                                                   allow_unused=True)
             finally:
                 self._bwd_weights = None
             self.act[op.slot("x")] = dx
-            self._accumulate(op, views, dws)
+            self._accumulate(sink, views, dws)
             return
         flat = self._weights(op)
         dy = self.act[op.slot("dy")]
@@ -508,13 +512,15 @@ class Executor:
             if op.layer == 0:
                 mb = self.mbs[op.mb]
                 h, _ = self.runner.run(0, flat, (mb.input_ids, self.masks[op.mb]), grad_views=views)
-                dws = torch.autograd.grad(h, [v for *_, v in views], dy, allow_unused=True)
+                with sink_to(sink):
+                    dws = torch.autograd.grad(h, [v for *_, v in views], dy, allow_unused=True)
             else:
                 x = self.act[op.slot("x")].detach().requires_grad_()
                 out = self.runner.run(op.layer, flat, x, self.side[op.mb], grad_views=views)
-                dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], dy, allow_unused=True)
+                with sink_to(sink):
+                    dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], dy, allow_unused=True)
                 self.act[op.slot("x")] = dx
-        self._accumulate(op, views, dws)
+        self._accumulate(sink, views, dws)
         if op.layer == 0:
             self.side.pop(op.mb, None)
 

@@ -13,14 +13,17 @@ same, so binding is unaffected. What is rewritten:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatrain.planner.capture import Captured
+from megatrain.runtime.grad_sink import param_grads
 
 
 class KernelRMSNorm(nn.Module):
@@ -34,6 +37,44 @@ class KernelRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.offset)
 
 
+_keep_less = [False]
+
+
+@contextlib.contextmanager
+def keep_less():
+    """While a forward runs whose saved tensors wait for a later backward (a saved layer's), a kernel MLP keeps
+    gate and up for it but not their product, the down projection's input: the backward computes that again
+    (one elementwise pass) and the layer keeps ``intermediate_size`` x 2 bytes per token less."""
+    before = _keep_less[0]
+    _keep_less[0] = True
+    try:
+        yield
+    finally:
+        _keep_less[0] = before
+
+
+class _SwiGLUDownFunction(torch.autograd.Function):
+    """``linear(silu(gate) * up, weight, bias)``, saving gate, up and the weight (see :func:`keep_less`)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, offsets):
+        from megatrain.kernels.swiglu import swiglu_forward
+
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up, weight)
+        ctx.offsets, ctx.has_bias = offsets, bias is not None
+        return F.linear(swiglu_forward(gate, up), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megatrain.kernels.swiglu import swiglu_backward, swiglu_forward
+
+        gate, up, weight = ctx.saved_tensors
+        dw, db = param_grads(ctx, dy, swiglu_forward(gate, up), 2, ctx.offsets, ctx.has_bias)
+        dg, du = swiglu_backward(dy @ weight, gate, up)
+        return dg, du, dw, db, None
+
+
 class KernelSwiGLUMLP(nn.Module):
     def __init__(self, mlp: nn.Module):
         super().__init__()
@@ -42,7 +83,10 @@ class KernelSwiGLUMLP(nn.Module):
     def forward(self, x):
         from megatrain.kernels import swiglu
 
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up, down = self.gate_proj(x), self.up_proj(x), self.down_proj
+        if _keep_less[0] and torch.is_grad_enabled() and down.weight.requires_grad:
+            return _SwiGLUDownFunction.apply(gate, up, down.weight, down.bias, getattr(down, "offsets", None))
+        return down(swiglu(gate, up))
 
 
 def _rms_norm_replacement(mod: nn.Module) -> nn.Module | None:

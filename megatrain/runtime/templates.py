@@ -9,6 +9,8 @@ from torch import nn
 from torch.fx.node import Node, map_aggregate
 
 from megatrain.planner.capture import Captured, Segment
+from megatrain.runtime import grad_sink
+from megatrain.runtime.grad_sink import SinkLinear
 
 
 def bind(seg: Segment, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -59,6 +61,13 @@ class _Binding:
             for d in ref.shape:
                 n *= d
             self.entries.append((mod, attr, ref.offset, n, tuple(ref.shape)))
+        # the template's linears send their weight gradients to the executor's sink (grad_sink.py): where their
+        # weight and bias lie in the layer's weights, set while bound for a backward
+        where = {(id(mod), attr): off for mod, attr, off, _, _ in self.entries}
+        self.sinks = [(mod, (where[(id(mod), "weight")], where.get((id(mod), "bias"))))
+                      for mod in {id(m): m for m, *_ in self.entries}.values()
+                      if isinstance(mod, SinkLinear) and (id(mod), "weight") in where
+                      and (mod.bias is None or (id(mod), "bias") in where)]
         spans = sorted((off, n) for _, _, off, n, _ in self.entries)
         # the parameters follow each other from offset 0 without gaps or overlaps, up to ``end``
         self.contiguous = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])) and (not spans or
@@ -72,7 +81,10 @@ class _Binding:
         slot, instead of autograd building each parameter's gradient as a zero-filled block-sized tensor and
         summing them (one block-sized write and add per parameter)."""
         saved = []
+        sinks = self.sinks if grad_views is not None else ()
         try:
+            for mod, offsets in sinks:
+                mod.offsets = offsets
             for mod, attr, off, n, shape in self.entries:
                 saved.append((mod, attr, mod._parameters[attr]))
                 view = flat[off: off + n].view(shape)
@@ -84,6 +96,8 @@ class _Binding:
         finally:
             for mod, attr, original in saved:
                 mod._parameters[attr] = original
+            for mod, _ in sinks:
+                mod.offsets = None
 
 
 class LayerRunner:
@@ -91,6 +105,8 @@ class LayerRunner:
 
     def __init__(self, captured: Captured, device: torch.device):
         self.captured = captured
+        for seg in captured.segments:
+            grad_sink.install(seg.template)
         self.bindings = [_Binding(seg) for seg in captured.segments]
         seen = set()
         for seg in captured.segments:

@@ -1,5 +1,6 @@
 """The kernels inside the templates (CPU: Triton's interpreter) give the same step as plain templates."""
 
+import contextlib
 import copy
 
 import pytest
@@ -64,3 +65,67 @@ def test_rope_reads_half_of_cos_and_sin_only_where_the_rotary_module_repeats_the
         assert not rotary_halves_equal(captured)
     finally:
         type(rotary).forward = original
+
+
+def _saved_bytes(fn, skip):
+    """Bytes of the distinct tensors autograd saves in ``fn()`` (those on the storages in ``skip`` left out)."""
+    kept = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_saved_forward_of_the_kernel_mlp_keeps_gate_and_up_but_not_their_product(bias):
+    """Under keep_less (a saved layer's forward) the kernel MLP gives the same output and gradients as the kernel
+    MLP without it, and keeps T x intermediate elements less for its backward."""
+    from torch import nn
+
+    from megatrain.runtime.kernel_rewrite import KernelSwiGLUMLP, _swiglu_replacement, keep_less
+
+    torch.manual_seed(0)
+    H, inter, T = 16, 40, 12
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = nn.Linear(H, inter, bias=False), nn.Linear(H, inter, bias=False)
+    mlp.down_proj, mlp.act_fn = nn.Linear(inter, H, bias=bias), nn.SiLU()
+    kern = _swiglu_replacement(mlp)
+    assert isinstance(kern, KernelSwiGLUMLP)
+    x = torch.randn(2, T, H, requires_grad=True)
+    dy = torch.randn(2, T, H)
+    params = list(kern.parameters())
+    skip = {t.untyped_storage().data_ptr() for t in [x, *params]}
+    results = []
+    for lean in (False, True):
+        with torch.enable_grad(), (keep_less() if lean else contextlib.nullcontext()):
+            out, nbytes = _saved_bytes(lambda: kern(x), skip)
+        results.append((out, torch.autograd.grad(out, [x, *params], dy), nbytes))
+    (out0, g0, n0), (out1, g1, n1) = results
+    torch.testing.assert_close(out1, out0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b)
+    assert n0 - n1 == 2 * T * inter * 4  # the product: batch of two, fp32 here
+
+
+def test_saved_layers_with_kernels_train_as_recomputing_layers_do():
+    """Kernels on (the MLP's product recomputed in a saved layer's backward, the down projection's weight
+    gradient through the sink): every block saved gives the step of every block recomputed."""
+    model = hf_model("qwen2")
+    data = batches(n_steps=2)
+    runs = []
+    for saved in (0, 3):
+        sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, kernels=True, saved_acts=saved)
+        stats = [sm.train_step(*b) for b in data]
+        assert sm.schedule_for(6, 12).config.saved_acts == ((1, 2, 3) if saved else ())
+        runs.append((stats, sm.state_dict()))
+    (s0, w0), (s1, w1) = runs
+    for a, b in zip(s0, s1):
+        assert b.loss == pytest.approx(a.loss, rel=1e-6) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+    for name in w0:
+        torch.testing.assert_close(w1[name], w0[name], rtol=1e-5, atol=1e-6)

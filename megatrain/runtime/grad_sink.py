@@ -1,0 +1,146 @@
+"""Weight gradients written by their GEMM straight into the layer's fp32 gradient slot.
+
+Left to autograd, a linear layer's weight gradient ``dy^T x`` is a new tensor in the compute dtype, which the
+executor then converts and adds into the fp32 gradient slot: per micro-batch a parameter-sized bf16 write, a read
+of it and an fp32 read-modify-write, with each micro-batch's gradient rounded to bf16 before the sum. In the
+templates' linears (:class:`SinkLinear`) the backward instead computes it as one GEMM whose output is the slot
+itself (fp32 output; beta 0 for the first write, 1 to add), and the bias gradient as an fp32 sum added there.
+Autograd then returns no gradient for those parameters; the executor's :class:`GradSink` knows which spans were
+written and treats the rest as before.
+
+The sink in effect is a process-wide setting (:func:`sink_to`): the executor sets it around each ``autograd.grad``
+it calls. Autograd may run a CUDA backward on its own device thread, so a thread-local would not be seen there.
+Outside any sink a :class:`SinkLinear` is an ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_current: list = [None]  # the GradSink of the backward running now, if any
+
+
+@contextlib.contextmanager
+def sink_to(sink: "GradSink"):
+    """Send the weight gradients of template linears to ``sink`` while the block runs (a backward)."""
+    if _current[0] is not None:
+        raise RuntimeError("a gradient sink is already in effect: backward passes of two layers cannot overlap")
+    _current[0] = sink
+    try:
+        yield sink
+    finally:
+        _current[0] = None
+
+
+class GradSink:
+    """Where one backward's parameter gradients go: ``g``, the layer's fp32 gradient slot (a parameter at element
+    offset ``o`` of the layer's weights has its gradient at ``g[o:]``). ``accumulate``: the slot already holds
+    gradients of earlier micro-batches (else each span is written by the first gradient that reaches it and
+    cleared if none does)."""
+
+    def __init__(self, g: torch.Tensor, accumulate: bool):
+        self.g, self.accumulate = g, accumulate
+        self.written: set[int] = set()
+
+    def _span(self, offset: int, shape) -> tuple[torch.Tensor, bool]:
+        dst = self.g[offset: offset + math.prod(shape)].view(shape)
+        add = self.accumulate or offset in self.written
+        self.written.add(offset)
+        return dst, add
+
+    def matmul(self, offset: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The span at ``offset`` (shape of ``a @ b``) gets ``a @ b`` added, or written if nothing is there yet."""
+        dst, add = self._span(offset, (a.shape[0], b.shape[1]))
+        if a.dtype == dst.dtype:
+            if add:
+                dst.addmm_(a, b)
+            else:
+                torch.mm(a, b, out=dst)
+        elif a.is_cuda:  # 16-bit inputs, fp32 out of the GEMM (mm/addmm with out_dtype: CUDA only)
+            if add:
+                torch.addmm(dst, a, b, out_dtype=dst.dtype, out=dst)
+            else:
+                torch.mm(a, b, out_dtype=dst.dtype, out=dst)
+        else:  # 16-bit compute on the CPU: product in the compute dtype, then converted
+            p = a @ b
+            dst.add_(p) if add else dst.copy_(p)
+
+    def sum_rows(self, offset: int, t: torch.Tensor) -> None:
+        """The span at ``offset`` gets the sum of ``t``'s rows (2-D), taken in fp32."""
+        dst, add = self._span(offset, t.shape[1:])
+        s = t.sum(0, dtype=dst.dtype)
+        dst.add_(s) if add else dst.copy_(s)
+
+    def put(self, offset: int, numel: int, grad: torch.Tensor | None) -> None:
+        """A gradient autograd returned for the span (None: the output did not depend on it, or it went to the
+        sink already)."""
+        dst, add = self._span(offset, (numel,))
+        if grad is None:
+            if not add:
+                dst.zero_()
+        elif add:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+
+
+def param_grads(ctx, dy: torch.Tensor, x: torch.Tensor, weight_index: int, offsets, has_bias: bool):
+    """The backward of ``y = x @ weight^T + bias`` for the weight and bias, inputs ``weight_index`` and the one
+    after it of an autograd Function: sent to the sink in effect (returns None, None) when there is one and the
+    parameters were bound for it (``offsets``: where weight and bias lie in the layer's weights), else returned."""
+    need_w, need_b = ctx.needs_input_grad[weight_index], has_bias and ctx.needs_input_grad[weight_index + 1]
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    sink = _current[0]
+    if sink is None or offsets is None:  # outside the executor: an ordinary linear's gradients
+        return dy2.t() @ x2 if need_w else None, dy2.sum(0) if need_b else None
+    w_off, b_off = offsets
+    if need_w:
+        sink.matmul(w_off, dy2.t(), x2)
+    if need_b:
+        sink.sum_rows(b_off, dy2)
+    return None, None
+
+
+class _SinkLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets):
+        ctx.save_for_backward(x, weight)
+        ctx.offsets, ctx.has_bias = offsets, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        return dx, *param_grads(ctx, dy, x, 1, ctx.offsets, ctx.has_bias), None
+
+
+class SinkLinear(nn.Linear):
+    """``nn.Linear`` in a template. While the executor binds its parameters for a backward (``offsets`` set:
+    where weight and bias lie in the layer's weights), its backward sends their gradients to the sink."""
+
+    offsets: tuple[int, int | None] | None = None
+
+    def forward(self, x):
+        if self.offsets is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            return _SinkLinearFunction.apply(x, self.weight, self.bias, self.offsets)
+        return F.linear(x, self.weight, self.bias)
+
+
+def install(module: nn.Module) -> int:
+    """Make every ``nn.Linear`` (exactly that class) under ``module`` a :class:`SinkLinear` sharing its
+    parameters (a template's are weightless). Returns how many."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                new = SinkLinear.__new__(SinkLinear)
+                new.__dict__.update(child.__dict__)
+                setattr(parent, name, new)
+                count += 1
+    return count

@@ -50,8 +50,12 @@ def main():
         note = "same storage as above" if ptr in seen else ""
         seen.add(ptr)
         print(f"{str(shape):28s} {dtype:9s} {nbytes / args.seq:12,.1f} B/token  {note}")
+    lean = -(-ex.measure_saved_bytes(1, args.seq, lean=True) // args.seq)
+    block = preset(args.preset)[1]
     print(f"measured {per_token:,} B/token (unique storages, activations only); formula "
-          f"{preset(args.preset)[1].saved_bytes_per_token:,}; kernels {sorted(sm.kernels)}")
+          f"{block.saved_bytes_per_token:,}; kernels {sorted(sm.kernels)}")
+    print(f"lean (the MLP's product formed again in the backward): measured {lean:,} B/token; formula "
+          f"{block.saved_bytes(True):,}")
     return 0
 
 

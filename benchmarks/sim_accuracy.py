@@ -38,7 +38,9 @@ def graph_of(r: dict):
         if graph.n_params != r["params"]:
             raise ValueError(f"{r['source']}: {r['params']:,} parameters match neither form of {r['preset']}")
     if r.get("saved_bytes_per_token"):
-        graph = LayerGraph([replace(lay, saved_bytes_per_token=r["saved_bytes_per_token"])
+        lean = r.get("lean_saved_bytes_per_token", r["saved_bytes_per_token"])  # recorded since lean plans exist
+        graph = LayerGraph([replace(lay, saved_bytes_per_token=r["saved_bytes_per_token"],
+                                    lean_saved_bytes_per_token=lean)
                             if lay.saved_bytes_per_token else lay for lay in graph.layers], name=graph.name)
     return graph
 
@@ -50,7 +52,7 @@ def predict(r: dict, spec) -> tuple[float, float, str]:
                          seq_len=seq, weight_slots=r["weight_slots"], grad_slots=2,
                          wire_bytes_per_param=r["wire_bytes_per_param"], host_checkpoints=r["host_checkpoints"],
                          clip=r["clip"], budget_bytes=spec.budget_bytes, gpu_opt=tuple(r["gpu_opt"]),
-                         saved_acts=tuple(r.get("saved_acts", ())))
+                         saved_acts=tuple(r.get("saved_acts", ())), saved_lean=r.get("saved_lean", False))
     s = build_schedule(graph, cfg)
     b = bound(s, graph, spec)
     return simulate(s, graph, spec).steady_step_s, b.step_s, b.limiter

@@ -150,7 +150,9 @@ def print_table(results: list[dict]) -> None:
             ("bound/meas", "efficiency_bound_over_measured", "{:.2f}"),
             ("bound/med", "efficiency_bound_over_median", "{:.2f}"), ("GPU GiB", "gpu_peak_gib", "{:.1f}"),
             ("host GiB", "host_rss_gib", "{:.1f}")]
-    rows = [[fmt.format(len(r[key]) if key in ("gpu_opt", "saved_acts", "resident_opt") else r[key]) for _, key, fmt in cols] for r in results]
+    rows = [[fmt.format(len(r[key]) if key in ("gpu_opt", "saved_acts", "resident_opt") else r[key])
+             + (" lean" if key == "saved_acts" and r.get("saved_lean") else "") for _, key, fmt in cols]
+            for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _, _) in enumerate(cols)]
     print(f"\n{results[0]['preset']} ({results[0]['params'] / 1e9:.2f}B params), {results[0]['executor']}; "
           f"gpu_opt = layers updated on the GPU, resident = of them, those whose state stays there")
@@ -206,7 +208,9 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),
         "resident_opt": list(c.resident_opt),
+        "saved_lean": c.saved_lean,
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
+        "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,

@@ -21,6 +21,7 @@ from megatrain.planner.search import check_resident
 from megatrain.planner.verify import verify
 from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepOutput
 from megatrain.runtime.init import init_seeded
+from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
 from megatrain.runtime.store import HostStore
 
@@ -183,8 +184,12 @@ class StreamedModel:
             layers = []
             for i, lay in enumerate(self.graph.layers):
                 if lay.saved_bytes_per_token and lay.template not in measured:
-                    measured[lay.template] = self._saved_per_token(i, seq_len)
-                layers.append(replace(lay, saved_bytes_per_token=measured[lay.template])
+                    full = self._saved_per_token(i, seq_len)
+                    lean = self._saved_per_token(i, seq_len, lean=True) if can_keep_less(
+                        self.captured.segments[i].template) else full
+                    measured[lay.template] = (full, lean)
+                layers.append(replace(lay, saved_bytes_per_token=measured[lay.template][0],
+                                      lean_saved_bytes_per_token=measured[lay.template][1])
                               if lay.saved_bytes_per_token else lay)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -196,7 +201,7 @@ class StreamedModel:
         activations)."""
         return self.planning_graph(schedule.config.seq_len) if schedule.config.saved_acts else self.graph
 
-    def _saved_per_token(self, layer: int, seq_len: int) -> int:
+    def _saved_per_token(self, layer: int, seq_len: int, lean: bool = False) -> int:
         """Bytes per token ``layer`` saves for sequences of ``seq_len`` tokens. Up to :data:`SAVED_PROBE_TOKENS`
         tokens measured as they are; beyond, from two measurements at the probe lengths: what a layer saves grows
         linearly with the tokens (activations) plus quadratically (attention that stores its probabilities), so
@@ -204,8 +209,8 @@ class StreamedModel:
         most of the device)."""
         t1, t2 = SAVED_PROBE_TOKENS
         if seq_len <= t2:
-            return -(-self.executor.measure_saved_bytes(layer, seq_len) // seq_len)
-        m1, m2 = (self.executor.measure_saved_bytes(layer, t) / t for t in (t1, t2))  # per token: a + b * t
+            return -(-self.executor.measure_saved_bytes(layer, seq_len, lean) // seq_len)
+        m1, m2 = (self.executor.measure_saved_bytes(layer, t, lean) / t for t in (t1, t2))  # per token: a + b * t
         b = max((m2 - m1) / (t2 - t1), 0.0)
         return math.ceil(m1 + b * (seq_len - t1))
 
@@ -214,13 +219,13 @@ class StreamedModel:
         eligible layer updated on the device, or for "auto" the candidate set (as the plan search tries them)
         whose simulated three-step schedule, with the saved activations the option asks for, is fastest within
         the device budget."""
-        from megatrain.planner.search import device_update_sets, resident_sets, saved_act_layers
+        from megatrain.planner.search import device_update_sets, resident_sets, with_saved_acts
         from megatrain.planner.simulate import simulate
 
         every = opts.gpu_opt_every
         sets = [(g, r) for g in device_update_sets(graph, None if every == "auto" else every)
                 for r in resident_sets(g, opts.resident_opt, cfg.clip)]
-        with_sets = [replace(c, saved_acts=saved_act_layers(graph, c, opts.saved_acts))  # PlanError: a ValueError
+        with_sets = [with_saved_acts(graph, c, opts.saved_acts)  # PlanError: a ValueError
                      for c in (replace(cfg, gpu_opt=g, resident_opt=r) for g, r in sets)]
         if len(with_sets) == 1:
             return with_sets[0]

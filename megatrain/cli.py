@@ -69,7 +69,8 @@ def _plan(args) -> int:
         + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else "")
         + (f" ({'all' if len(cfg.resident_opt) == len(cfg.gpu_opt) else len(cfg.resident_opt)} keeping their "
            f"state there)" if cfg.resident_opt else "")
-        + (f"; {len(cfg.saved_acts)} layers keep their activations for the backward (no recompute)"
+        + (f"; {len(cfg.saved_acts)} layers keep their activations for the backward (no recompute"
+           + ("; lean: the MLP's gate x up formed again there" if cfg.saved_lean else "") + ")"
            if cfg.saved_acts else "; every backward recomputes its forward"),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",

@@ -196,6 +196,8 @@ class ScheduleConfig:
     # checkpoint. Device memory for it: Layer.saved_bytes_per_token per token of every micro-batch, from the
     # layer's FWD to its BWD
     saved_acts: tuple[int, ...] = ()
+    # saved layers keep less (Layer.lean_saved_bytes_per_token): cheap products are formed again in the backward
+    saved_lean: bool = False
     # device-updated layers (a subset of gpu_opt) whose master weights and moments stay in an optimizer slot of
     # their own between steps: loaded by a run's first step, never stored by a schedule (no state crosses the bus
     # in a continuing step); the runtime writes them back to the host store when the store is read or another
@@ -209,8 +211,9 @@ class ScheduleConfig:
                 d[key] = list(getattr(self, key))
             else:
                 del d[key]
-        if not self.continues:
-            del d["continues"]
+        for key in ("continues", "saved_lean"):  # likewise
+            if not d[key]:
+                del d[key]
         return d
 
     @classmethod

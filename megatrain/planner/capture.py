@@ -395,6 +395,8 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             logit_bytes_per_token=4 * vocab if seg.kind == "head" else 0,
             saved_bytes_per_token=block_saved_bytes(hidden, q_dim, kv_dim, inter, heads or 1, a)
             if seg.kind == "block" else 0,
+            lean_saved_bytes_per_token=block_saved_bytes(hidden, q_dim, kv_dim, inter, heads or 1, a, lean=True)
+            if seg.kind == "block" else 0,
         ))
     names = {canon: (o, off, tuple(model.get_parameter(canon).shape)) for canon, (o, off) in owner_of.items()}
     missing = [n for n in canonical.values() if n not in owner_of]

@@ -77,7 +77,7 @@ def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
 def saved_nbytes(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int:
     """Device bytes one micro-batch's forward of ``layer`` keeps for its backward when the layer is in
     ``saved_acts`` (0 otherwise)."""
-    return graph[layer].saved_bytes_per_token * cfg.mb_tokens if layer in cfg.saved_acts else 0
+    return graph[layer].saved_bytes(cfg.saved_lean) * cfg.mb_tokens if layer in cfg.saved_acts else 0
 
 
 def recomputes(cfg: ScheduleConfig, op: Op) -> bool:
@@ -159,7 +159,11 @@ def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> fl
     if op.kind is OpKind.LOSS:
         per_token += lay.logit_bytes_per_token  # logits written, read for the softmax, gradient written
         return 3.0 * per_token * cfg.mb_tokens
-    return _passes(cfg, op) * per_token * cfg.mb_tokens
+    traffic = _passes(cfg, op) * per_token * cfg.mb_tokens
+    if cfg.saved_lean and op.kind is OpKind.BWD and op.layer in cfg.saved_acts:  # what it did not keep, formed
+        # again from what it did: each byte written once, read from two inputs of its size
+        traffic += 3 * (lay.saved_bytes_per_token - lay.saved_bytes(True)) * cfg.mb_tokens
+    return traffic
 
 
 def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, layer: int) -> float:

@@ -30,6 +30,14 @@ class Layer:
     # the weight slot, found again there by the BWD): what a layer in ScheduleConfig.saved_acts keeps on the
     # device from its FWD to its BWD. 0: the layer's backward always recomputes
     saved_bytes_per_token: int = 0
+    # the same when the plan has saved layers keep less (ScheduleConfig.saved_lean): products that are cheap to
+    # form again (the kernel MLP's silu(gate) * up) are recomputed in the backward instead. 0: no such variant
+    lean_saved_bytes_per_token: int = 0
+
+    def saved_bytes(self, lean: bool) -> int:
+        """Bytes per token this layer keeps as a saved layer, lean (``ScheduleConfig.saved_lean``) or not."""
+        return self.lean_saved_bytes_per_token if lean and self.lean_saved_bytes_per_token else \
+            self.saved_bytes_per_token
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token at ``seq_len`` (causal attention: keys average seq_len / 2)."""
@@ -94,17 +102,18 @@ def chain(specs: list[dict], name: str = "model") -> LayerGraph:
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-def block_saved_bytes(hidden: int, q_dim: int, kv_dim: int, inter: int, heads: int, act_dtype_bytes: int) -> int:
+def block_saved_bytes(hidden: int, q_dim: int, kv_dim: int, inter: int, heads: int, act_dtype_bytes: int,
+                      lean: bool = False) -> int:
     """Bytes per token a Llama/Qwen2-style decoder block (RMSNorm, GQA attention with a fused kernel, SwiGLU MLP)
     saves for its backward, besides its input (the checkpoint, counted apart): both norm outputs (the inputs of the
     q/k/v and gate/up projections) and the second norm's input, q and k after rotary, v, the attention output
-    (which is also the o-projection's input), gate and up, in the compute dtype; plus each norm's fp32 reciprocal
-    RMS and the attention's fp32 log-sum-exp per head. The product of gate and up (the down projection's input) is
-    not kept: the kernel MLP computes it again in the backward (``kernel_rewrite.keep_less``). Measured with the
-    Triton kernels on the H200 (benchmarks/saved_tensors.py), one byte more than this formula (the measurement
-    rounds up): 52,281, 65,609 and 113,785 bytes for the Qwen2.5-1.5B, 3B and 7B shapes (70,201, 87,625 and
-    151,673 while the product was kept)."""
-    return (3 * hidden + 2 * q_dim + 2 * kv_dim + 2 * inter) * act_dtype_bytes + 2 * 4 + 4 * heads
+    (which is also the o-projection's input), gate, up and their product (the down projection's input), in the
+    compute dtype; plus each norm's fp32 reciprocal RMS and the attention's fp32 log-sum-exp per head. ``lean``
+    (``ScheduleConfig.saved_lean``): without the product, which the kernel MLP then computes again in the
+    backward (``kernel_rewrite.keep_less``). Measured with the Triton kernels on the H200
+    (benchmarks/saved_tensors.py), one byte more than this formula (the measurement rounds up): 70,201, 87,625
+    and 151,673 bytes for the Qwen2.5-1.5B, 3B and 7B shapes; lean 52,281, 65,609 and 113,785."""
+    return (3 * hidden + 2 * q_dim + 2 * kv_dim + (2 if lean else 3) * inter) * act_dtype_bytes + 2 * 4 + 4 * heads
 
 
 def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None) -> LayerGraph:
@@ -152,6 +161,7 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
             attn_flops_per_token_per_seq=2.0 * q_dim,
             act_bytes_per_token=H * a, work_bytes_per_token=block_work,
             saved_bytes_per_token=block_saved_bytes(H, q_dim, kv_dim, inter, heads, a),
+            lean_saved_bytes_per_token=block_saved_bytes(H, q_dim, kv_dim, inter, heads, a, lean=True),
         ))
     layers.append(Layer(name="norm", kind="norm", template="norm", params=H, act_bytes_per_token=H * a,
                         work_bytes_per_token=2 * H * a))

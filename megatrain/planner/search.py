@@ -174,12 +174,30 @@ def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
     spare = (cfg.budget_bytes - device_memory(graph, build_schedule(graph, base)).total_nbytes) * SAVED_FILL
     out = []
     for l in reversed(able):
-        need = graph[l].saved_bytes_per_token * cfg.mb_tokens * cfg.n_mb
+        need = graph[l].saved_bytes(cfg.saved_lean) * cfg.mb_tokens * cfg.n_mb
         if need > spare:
             break
         spare -= need
         out.append(l)
     return tuple(sorted(out))
+
+
+def with_saved_acts(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) -> ScheduleConfig:
+    """``cfg`` with its saved layers (:func:`saved_act_layers`) and whether they keep less
+    (``ScheduleConfig.saved_lean``). Lean costs an elementwise pass per saved layer and buys memory, so it is
+    chosen only where the memory buys something: for "auto" when it keeps more layers than keeping everything
+    would, for a count when keeping everything in that many layers does not fit the budget."""
+    full = replace(cfg, saved_lean=False)
+    full = replace(full, saved_acts=saved_act_layers(graph, full, choice))
+    if not full.saved_acts and choice != "auto" or not any(
+            graph[l].saved_bytes(True) < graph[l].saved_bytes_per_token for l in range(len(graph))):
+        return full
+    lean = replace(cfg, saved_lean=True)
+    lean = replace(lean, saved_acts=saved_act_layers(graph, lean, choice))
+    if choice == "auto":
+        return lean if len(lean.saved_acts) > len(full.saved_acts) else full
+    fits = device_memory(graph, build_schedule(graph, full)).total_nbytes <= cfg.budget_bytes
+    return full if fits else lean
 
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
@@ -205,7 +223,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             tried.append((cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}"))
             continue
         try:  # a count of saved layers that this candidate's offloaded checkpoints leave too few layers for
-            cfg = replace(cfg, saved_acts=saved_act_layers(graph, cfg, saved_acts))
+            cfg = with_saved_acts(graph, cfg, saved_acts)
         except PlanError as e:
             tried.append((cfg, str(e)))
             continue

@@ -74,6 +74,7 @@ class Executor:
         self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
         self._homes: dict[int, tuple] = {}  # id(schedule) -> (schedule, its resident layers' optimizer slots)
         self.saved_layers: frozenset[int] = frozenset()  # the running schedule's saved_acts
+        self.saved_lean = False  # and its saved_lean
         self._bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
 
     def _pools(self, schedule: Schedule) -> None:
@@ -130,7 +131,7 @@ class Executor:
         self.act: dict[int, torch.Tensor] = {}
         self.host_act: dict[tuple[int, int], torch.Tensor] = {}
         self.side: dict[int, dict] = {}
-        self.saved_layers = frozenset(cfg.saved_acts)
+        self.saved_layers, self.saved_lean = frozenset(cfg.saved_acts), cfg.saved_lean
         self.saved: dict[tuple[int, int], tuple] = {}  # (layer, mb) -> (output, input, weight views): see _forward_saved
         self.stored: set[int] = set()
         self.loss_sums: list[torch.Tensor | float] = [0.0] * len(mbs)  # tensors until the step ends (no syncs)
@@ -452,16 +453,16 @@ class Executor:
         x = self.act[op.slot("x")].detach().requires_grad_()
         views: list = []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_WeightRef.packer(flat), self._unpack), \
-                keep_less():
+                keep_less(self.saved_lean):
             out = self.runner.run(op.layer, flat, x, self.side[op.mb], grad_views=views)
         self.saved[(op.layer, op.mb)] = (out, x, views)
         self.act[op.slot("y")] = out.detach()
 
-    def measure_saved_bytes(self, layer: int, seq_len: int) -> int:
+    def measure_saved_bytes(self, layer: int, seq_len: int, lean: bool = False) -> int:
         """Bytes that ``layer``'s forward saves for its backward on this device with these templates (kernels or
         not, whatever attention the model uses), for one sequence of ``seq_len`` tokens: activations only, not
         the weights (views of the slot), the layer's input (its checkpoint, counted apart) or the side inputs
-        every layer shares. Runs the embedding and the layer once on random tokens, with weights copied from the
+        every layer shares; ``lean``: keeping less (``ScheduleConfig.saved_lean``). Runs the embedding and the layer once on random tokens, with weights copied from the
         host store into temporary buffers."""
         vocab = self.captured.vocab_size
         ids = torch.randint(0, vocab, (1, seq_len), device=self.device)
@@ -483,7 +484,8 @@ class Executor:
                 kept[ptr] = t.untyped_storage().nbytes()
             return t
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keep_less():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                keep_less(lean):
             out = self.runner.run(layer, flat, x, side, grad_views=[])
         del out
         return sum(kept.values())

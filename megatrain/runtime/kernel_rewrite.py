@@ -41,12 +41,13 @@ _keep_less = [False]
 
 
 @contextlib.contextmanager
-def keep_less():
-    """While a forward runs whose saved tensors wait for a later backward (a saved layer's), a kernel MLP keeps
-    gate and up for it but not their product, the down projection's input: the backward computes that again
-    (one elementwise pass) and the layer keeps ``intermediate_size`` x 2 bytes per token less."""
+def keep_less(on: bool = True):
+    """While a forward runs whose saved tensors wait for a later backward (a saved layer's, in a plan with
+    ``ScheduleConfig.saved_lean``), a kernel MLP keeps gate and up for it but not their product, the down
+    projection's input: the backward computes that again (one elementwise pass) and the layer keeps
+    ``intermediate_size`` x 2 bytes per token less."""
     before = _keep_less[0]
-    _keep_less[0] = True
+    _keep_less[0] = on
     try:
         yield
     finally:
@@ -73,6 +74,11 @@ class _SwiGLUDownFunction(torch.autograd.Function):
         dw, db = param_grads(ctx, dy, swiglu_forward(gate, up), 2, ctx.offsets, ctx.has_bias)
         dg, du = swiglu_backward(dy @ weight, gate, up)
         return dg, du, dw, db, None
+
+
+def can_keep_less(module: nn.Module) -> bool:
+    """Whether ``module`` holds a kernel MLP, whose saved forward keeps less under :func:`keep_less`."""
+    return any(isinstance(m, KernelSwiGLUMLP) for m in module.modules())
 
 
 class KernelSwiGLUMLP(nn.Module):

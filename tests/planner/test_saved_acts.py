@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 
 from megatrain.ir import OpKind, ScheduleConfig
-from megatrain.planner.cost import compute_flops, device_memory
+from megatrain.planner.cost import compute_flops, compute_traffic_nbytes, device_memory
 from megatrain.planner.graph import PRESETS, from_config, preset
 from megatrain.planner.hardware import PRESETS as HW
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import SAVED_FILL, PlanError, plan, saved_act_layers
+from megatrain.planner.search import SAVED_FILL, PlanError, plan, saved_act_layers, with_saved_acts
 from megatrain.planner.simulate import bound, simulate
 from megatrain.planner.verify import ScheduleError, verify
 
@@ -24,10 +24,11 @@ def config(graph, **kw):
 
 
 def test_the_formula_is_what_the_h200_measured():
-    """benchmarks/saved_tensors.py on the H200 with the Triton kernels: 52,281 / 65,609 / 113,785 bytes per
-    token (the measurement rounds up)."""
-    got = [preset(p)[1].saved_bytes_per_token for p in ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")]
-    assert got == [52280, 65608, 113784]
+    """benchmarks/saved_tensors.py on the H200 with the Triton kernels: 70,201 / 87,625 / 151,673 bytes per
+    token, lean 52,281 / 65,609 / 113,785 (the measurement rounds up)."""
+    layers = [preset(p)[1] for p in ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")]
+    assert [lay.saved_bytes(False) for lay in layers] == [70200, 87624, 151672]
+    assert [lay.saved_bytes(True) for lay in layers] == [52280, 65608, 113784]
 
 
 def test_auto_fills_the_free_memory_from_the_last_block_back():
@@ -82,3 +83,41 @@ def test_a_fixed_count_is_planned_with_the_candidates_that_can_keep_it():
     assert any("checkpoints on the host" in why for _, why in p.tried)
     with pytest.raises(PlanError, match="from 0 to 8"):
         plan(g, SPEC, 65536, 1024, n_mb=4, saved_acts=9)
+
+
+def test_saved_layers_keep_less_only_where_the_memory_buys_something():
+    """Lean saved layers (ScheduleConfig.saved_lean) recompute the MLP's product in the backward: chosen by "auto"
+    only when it keeps more layers, and for a count only when keeping everything does not fit."""
+    cfg = config(G3)
+    blocks = [l for l in range(len(G3)) if G3[l].kind == "block"]
+    tight = with_saved_acts(G3, cfg, "auto")  # 3B at 65,536 tokens: not every block fits either way
+    full = saved_act_layers(G3, cfg, "auto")
+    assert tight.saved_lean and len(tight.saved_acts) > len(full)
+    lean_bytes, full_bytes = (G3[blocks[-1]].saved_bytes(lean) for lean in (True, False))
+    assert full_bytes - lean_bytes == 2 * 11008  # the product, bf16, per token
+    mem = device_memory(G3, build_schedule(G3, tight))
+    assert mem.saved_nbytes == len(tight.saved_acts) * lean_bytes * cfg.mb_tokens * cfg.n_mb
+    assert mem.total_nbytes <= cfg.budget_bytes
+    # few tokens: every block fits keeping everything, so nothing is recomputed in the backward
+    small = config(G3, n_mb=1, mb_tokens=2048)
+    roomy = with_saved_acts(G3, small, "auto")
+    assert roomy.saved_acts == tuple(blocks) and not roomy.saved_lean
+    # a count: kept in full where that fits, lean where only that fits
+    assert not with_saved_acts(G3, cfg, 4).saved_lean
+    n = len(tight.saved_acts)
+    assert len(full) < n and with_saved_acts(G3, cfg, n).saved_lean
+    assert with_saved_acts(G3, cfg, 0) == dataclasses.replace(cfg, saved_acts=(), saved_lean=False)
+
+
+def test_a_lean_saved_layer_costs_its_recompute_in_traffic_and_is_written_only_when_set():
+    cfg = config(G3, n_steps=1, saved_acts=(35, 36))
+    lean = dataclasses.replace(cfg, saved_lean=True)
+    s = build_schedule(G3, lean)
+    for op in s.ops:
+        if op.kind is OpKind.BWD:
+            extra = compute_traffic_nbytes(G3, lean, op) - compute_traffic_nbytes(G3, cfg, op)
+            want = 3 * 2 * 11008 * cfg.mb_tokens if op.layer in (35, 36) else 0  # gate, up read; product written
+            assert extra == want
+    verify(s, G3, SPEC)
+    assert "saved_lean" not in cfg.to_dict() and lean.to_dict()["saved_lean"] is True
+    assert ScheduleConfig.from_dict(lean.to_dict()) == lean

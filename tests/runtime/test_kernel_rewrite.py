@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -113,19 +114,40 @@ def test_a_saved_forward_of_the_kernel_mlp_keeps_gate_and_up_but_not_their_produ
     assert n0 - n1 == 2 * T * inter * 4  # the product: batch of two, fp32 here
 
 
-def test_saved_layers_with_kernels_train_as_recomputing_layers_do():
-    """Kernels on (the MLP's product recomputed in a saved layer's backward, the down projection's weight
-    gradient through the sink): every block saved gives the step of every block recomputed."""
+@pytest.mark.parametrize("lean", [False, True])
+def test_saved_layers_with_kernels_train_as_recomputing_layers_do(lean, monkeypatch):
+    """Kernels on, every block saved, kept in full or lean (the MLP's product formed again in the backward, the
+    down projection's weight gradient through the sink): the step of every block recomputed. The plan is made
+    lean here (the planner would not: everything fits); the measurement sees the product missing."""
+    from megatrain.planner import search
+    from megatrain.runtime import kernel_rewrite
+
+    choose = search.with_saved_acts
+    fused = kernel_rewrite._SwiGLUDownFunction.apply
+    calls = []
+    monkeypatch.setattr(kernel_rewrite._SwiGLUDownFunction, "apply", lambda *a: (calls.append(1), fused(*a))[1])
+    monkeypatch.setattr(search, "with_saved_acts",
+                        lambda *a: dataclasses.replace(choose(*a), saved_lean=lean) if choose(*a).saved_acts
+                        else choose(*a))
     model = hf_model("qwen2")
     data = batches(n_steps=2)
     runs = []
     for saved in (0, 3):
         sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, kernels=True, saved_acts=saved)
         stats = [sm.train_step(*b) for b in data]
-        assert sm.schedule_for(6, 12).config.saved_acts == ((1, 2, 3) if saved else ())
+        cfg = sm.schedule_for(6, 12).config
+        assert cfg.saved_acts == ((1, 2, 3) if saved else ()) and cfg.saved_lean == (lean and bool(saved))
         runs.append((stats, sm.state_dict()))
+        # the saved forwards (3 blocks x 3 micro-batches x 2 steps) keep less in a lean plan, no other forward
+        # does; and the planner's measurement of the lean bytes once (made for a plan that saves layers)
+        assert len(calls) == (1 + (18 if lean else 0) if saved else 0)
+        calls.clear()
     (s0, w0), (s1, w1) = runs
     for a, b in zip(s0, s1):
         assert b.loss == pytest.approx(a.loss, rel=1e-6) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
     for name in w0:
         torch.testing.assert_close(w1[name], w0[name], rtol=1e-5, atol=1e-6)
+    full, less = (sm.executor.measure_saved_bytes(2, 12, lean=x) for x in (False, True))
+    assert full - less == 12 * 96 * 4  # tokens x intermediate_size x fp32
+    graph = sm.planning_graph(12)
+    assert graph[2].saved_bytes(False) - graph[2].saved_bytes(True) == 96 * 4

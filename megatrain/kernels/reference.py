@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -39,3 +41,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / denom
+
+
+def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *, lr: float,
+          betas: tuple[float, float], eps: float, weight_decay: float, step: int,
+          grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments; ``step`` counts this update) of
+    fp32 tensors, the gradient divided by ``grad_scale`` if given: new (master, exp_avg, exp_avg_sq)."""
+    g = grad / grad_scale if grad_scale is not None else grad
+    b1, b2 = betas
+    m = exp_avg.lerp(g, 1 - b1)
+    v = exp_avg_sq * b2 + (1 - b2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - b2 ** step) + eps
+    return master * (1 - lr * weight_decay) - lr / (1 - b1 ** step) * m / denom, m, v

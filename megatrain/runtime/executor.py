@@ -336,8 +336,8 @@ class Executor:
                 dst.copy_(src)
                 self.stored.add(o)
         elif k is OpKind.OPT and op.stream is Stream.COMPUTE:
-            self.optimizer.step_layer_on(l, self._opt_block(op))
-            self._keep(l, self._opt_block(op)[0])
+            block = self._opt_block(op)
+            self._keep(l, block[0], self.optimizer.step_layer_on(l, block, out=self._kept_buffer(l, block.shape[1])))
         elif k is OpKind.OPT:
             self.kept.pop(l, None)  # the host master changes: a kept copy would be stale
             self.optimizer.step_layer(l)
@@ -384,11 +384,18 @@ class Executor:
         owners = tuple(owners)
         return bool(owners) and all(self.kept_weights(o) is not None for o in owners)
 
-    def _keep(self, layer: int, master: torch.Tensor) -> None:
+    def _kept_buffer(self, layer: int, numel: int) -> torch.Tensor:
+        """Where a device update of ``layer`` leaves its new weights in the compute dtype."""
         buf = self.kept_buf.get(layer)
-        if buf is None:
-            buf = self.kept_buf[layer] = torch.empty(master.numel(), dtype=self.dtype, device=master.device)
-        buf.copy_(master)  # rounded to the compute dtype as a load would (to nearest even)
+        if buf is None or buf.numel() != numel:
+            buf = self.kept_buf[layer] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return buf
+
+    def _keep(self, layer: int, master: torch.Tensor, written: bool = False) -> None:
+        """The updated ``master`` kept on the device in the compute dtype; ``written``: the update wrote it."""
+        buf = self._kept_buffer(layer, master.numel())
+        if not written:
+            buf.copy_(master)  # rounded to the compute dtype as a load would (to nearest even)
         self.kept[layer] = (buf, self.store.generation)
 
     def _wire(self, owner: int) -> torch.Tensor:

@@ -112,31 +112,29 @@ class HostAdamW:
             return (self.cfg.max_grad_norm / (total_norm.double() + 1e-6)).clamp(max=1.0)
         return min(1.0, self.cfg.max_grad_norm / (float(total_norm) + 1e-6))
 
-    def _clip(self, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float | torch.Tensor | None = None) -> bool:
+    def _grad_scale(self, grad: torch.Tensor, coef: float | torch.Tensor | None = None) -> torch.Tensor | None:
         """Apply the step's clip factor (or ``coef``, given by the caller: a float, or a device tensor from
-        :meth:`clip_factor`) to ``grad`` (or to the fused kernel's grad_scale); True if grad_scale set."""
+        :meth:`clip_factor`) to ``grad``: returns a 0-dim fp32 tensor for the fused kernel to divide the gradient by
+        as it reads it (no extra pass over it), or None once ``grad`` is scaled in place or needs nothing."""
         if self.cfg.max_grad_norm is None:
-            return False
+            return None
         if isinstance(coef, torch.Tensor):  # the same arithmetic as for a float, on the device
             if self.cfg.fused:
-                opt.grad_scale = (1.0 / coef).float()
-                return True
+                return (1.0 / coef).float()
             grad.mul_(coef.float())
-            return False
+            return None
         given = coef is not None
         if not given:
             coef = self._clip_coefficient()
         if (given or self._norm_override is not None) and self.cfg.fused and coef != 1.0:
-            # the fused kernel divides the gradient by grad_scale as it reads it: no extra pass over it. The scalar
-            # is filled in place: a new CUDA tensor from a Python number would be a copy from pageable memory,
-            # which waits for the whole compute stream
+            # the scalar is filled in place: a new CUDA tensor from a Python number would be a copy from pageable
+            # memory, which waits for the whole compute stream
             key = str(grad.device)
             if key not in self._grad_scales:
                 self._grad_scales[key] = torch.empty((), dtype=torch.float32, device=grad.device)
-            opt.grad_scale = self._grad_scales[key].fill_(1.0 / coef)
-            return True
+            return self._grad_scales[key].fill_(1.0 / coef)
         grad.mul_(coef)
-        return False
+        return None
 
     def step_layer(self, layer: int) -> None:
         """AdamW on one layer's host block. Needs every gradient of the step in the store when clipping."""
@@ -144,19 +142,21 @@ class HostAdamW:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
         grad = self.store.grad(layer)
         opt = self.opts[layer]
-        scaled = self._clip(opt, grad)
+        scale = self._grad_scale(grad)
         p = self.params[layer]
         p.grad = grad
+        if scale is not None:
+            opt.grad_scale = scale
         try:
             opt.step()
         finally:
             p.grad = None
-            if scaled:
+            if scale is not None:
                 del opt.grad_scale
         self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float | None = None,
-                      coef: float | torch.Tensor | None = None) -> None:
+                      coef: float | torch.Tensor | None = None, out: torch.Tensor | None = None) -> bool:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
         same hyper-parameters, step count and clip factor as :meth:`step_layer`; the caller copies master and
         moments (and the bf16 shadow, if any) back to the store.
@@ -164,26 +164,41 @@ class HostAdamW:
         ``lr`` and ``coef`` (the step's clip factor, see :meth:`clip_factor`; a device tensor spares the host a
         wait for the gradient norm) default to the current step's as
         :meth:`begin_step` and the gradient norm set them; a caller issuing device updates while the host still
-        works on the previous step's passes them (the layer's own step count is this layer's alone)."""
+        works on the previous step's passes them (the layer's own step count is this layer's alone).
+
+        On a GPU (with ``fused``) the update is one Triton pass (``kernels.adamw_step``), which also writes the new
+        master in ``out``'s dtype into ``out`` if given; returns whether it did (else the caller rounds it)."""
         master, exp_avg, exp_avg_sq, grad = block
-        opt, p = self._device_opt(layer, block.device)
         host_step = self.opts[layer].state[self.params[layer]]["step"]
+        lr = self.opts[layer].param_groups[0]["lr"] if lr is None else lr
+        scale = self._grad_scale(grad, coef)
+        if block.is_cuda and self.cfg.fused:
+            from megatrain.kernels.adamw import adamw_step
+
+            cfg = self.cfg
+            adamw_step(master, exp_avg, exp_avg_sq, grad, lr=lr, betas=cfg.betas, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, step=int(host_step) + 1, grad_scale=scale, out=out)
+            host_step.add_(1)  # the host's count stays the one truth, whichever side updates the layer
+            return out is not None
+        opt, p = self._device_opt(layer, block.device)
         state = opt.state[p]
         state["step"].fill_(float(host_step))
         state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
-        opt.param_groups[0]["lr"] = self.opts[layer].param_groups[0]["lr"] if lr is None else lr
-        scaled = self._clip(opt, grad, coef)
+        opt.param_groups[0]["lr"] = lr
         p.data = master
         p.grad = grad
+        if scale is not None:
+            opt.grad_scale = scale
         try:
             opt.step()
         finally:
             p.grad = None
             p.data = torch.empty(0, device=block.device)
             state["exp_avg"] = state["exp_avg_sq"] = None
-            if scaled:
+            if scale is not None:
                 del opt.grad_scale
-        host_step.add_(1)  # the host's count stays the one truth, whichever side updates the layer
+        host_step.add_(1)
+        return False
 
     def _device_opt(self, layer: int, device: torch.device) -> tuple[torch.optim.AdamW, torch.nn.Parameter]:
         key = (layer, str(device))

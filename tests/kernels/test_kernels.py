@@ -144,6 +144,51 @@ def test_linear_cross_entropy_accumulates_into_an_fp32_buffer():
     torch.testing.assert_close(acc - 1, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_adamw_matches_torch_adamw_over_steps(scaled):
+    """Three updates of a block of 5,000 parameters (the last program partly masked), from a non-zero state,
+    against torch.optim.AdamW (per-tensor loop) and the reference; the 16-bit copy is the new master rounded."""
+    from megatrain.kernels import adamw_step
+
+    n, lr, betas, eps, wd = 5000, 1e-2, (0.9, 0.95), 1e-8, 0.1
+    master, grads = rand(n, dtype=torch.float32), [rand(n, dtype=torch.float32, seed=s) for s in (1, 2, 3)]
+    m0, v0 = 0.1 * rand(n, dtype=torch.float32, seed=4), rand(n, dtype=torch.float32, seed=5).abs() * 0.01
+    scale = torch.tensor(2.5, device=DEV) if scaled else None
+    p = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([p], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m0.clone(), "exp_avg_sq": v0.clone()}
+    mine = [master.clone(), m0.clone(), v0.clone()]
+    ref = [master.clone(), m0.clone(), v0.clone()]
+    # the compute dtype's copy: bf16 on the GPU; fp16 under the interpreter, which truncates to bf16
+    low = torch.bfloat16 if DEV == "cuda" else torch.float16
+    out = torch.empty(n, dtype=low, device=DEV)
+    for step, g in enumerate(grads, 1):
+        p.grad = g / scale if scaled else g
+        opt.step()
+        adamw_step(*mine, g.clone(), lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step, grad_scale=scale,
+                   out=out)
+        ref = list(reference.adamw(*ref, g, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step,
+                                   grad_scale=scale))
+    state = opt.state[p]
+    for got, want in zip(mine, (p.detach(), state["exp_avg"], state["exp_avg_sq"])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for got, want in zip(mine, ref):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, mine[0].to(low))  # rounded to nearest even, as a cast on the device
+
+
+def test_adamw_refuses_what_it_cannot_update():
+    from megatrain.kernels import adamw_step
+
+    x = torch.zeros(8, device=DEV)
+    with pytest.raises(ValueError, match="grad must be contiguous fp32 with 8 elements"):
+        adamw_step(x, x.clone(), x.clone(), torch.zeros(8, dtype=torch.bfloat16, device=DEV), lr=1e-3,
+                   betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, step=1)
+    with pytest.raises(ValueError, match="step counts updates from 1"):
+        adamw_step(x, x.clone(), x.clone(), x.clone(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                   step=0)
+
+
 # ---- bf16 on the GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_bf16_kernels_on_gpu():

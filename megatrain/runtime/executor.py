@@ -469,8 +469,8 @@ class Executor:
         """Bytes that ``layer``'s forward saves for its backward on this device with these templates (kernels or
         not, whatever attention the model uses), for one sequence of ``seq_len`` tokens: activations only, not
         the weights (views of the slot), the layer's input (its checkpoint, counted apart) or the side inputs
-        every layer shares; ``lean``: keeping less (``ScheduleConfig.saved_lean``). Runs the embedding and the layer once on random tokens, with weights copied from the
-        host store into temporary buffers."""
+        every layer shares; ``lean``: keeping less (``ScheduleConfig.saved_lean``). Runs the embedding and the
+        layer once on random tokens, with weights copied from the host store into temporary buffers."""
         vocab = self.captured.vocab_size
         ids = torch.randint(0, vocab, (1, seq_len), device=self.device)
         mask = None if self.captured.mask_optional else torch.ones_like(ids)

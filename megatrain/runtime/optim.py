@@ -20,7 +20,8 @@ class OptimConfig:
     warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr
     total_steps: int | None = None  # cosine decay to min_lr over these steps; None: constant after warmup
     min_lr: float = 0.0
-    fused: bool = True  # torch's fused CPU AdamW kernel (False: torch's per-tensor loop)
+    fused: bool = True  # torch's fused AdamW kernel on the host, megatrain's Triton one for device updates (False:
+    # torch's per-tensor loop on both)
     threads: int | None = None  # host threads for the update (None: torch's setting); fewer than the cores leaves
     # one free for the thread that issues GPU work, so no update waits on a descheduled thread
 

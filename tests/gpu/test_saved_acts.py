@@ -2,6 +2,7 @@
 the bytes the planner counts are the bytes the device holds."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -20,11 +21,19 @@ def small(family, **kw):
                     **kw)
 
 
+@pytest.mark.parametrize("lean", [False, True])
 @pytest.mark.parametrize("plan", [dict(n_mb=3, weight_slots=2, host_checkpoints=1, gpu_opt_every=0),
                                   dict(n_mb=2, weight_slots="all", gpu_opt_every=2)])
-def test_saved_activations_train_as_recomputing_does(plan):
+def test_saved_activations_train_as_recomputing_does(plan, lean, monkeypatch):
     """The backward of a saved layer runs the same kernels on the same activations as after a recompute:
-    identical losses and weights, step after step (two weight slots: the weights were reloaded in between)."""
+    identical losses and weights, step after step (two weight slots: the weights were reloaded in between). Lean
+    (forced here: the MLP's product formed again in the backward) too."""
+    from megatrain.planner import search
+
+    if lean:
+        choose = search.with_saved_acts
+        monkeypatch.setattr(search, "with_saved_acts", lambda *a: dataclasses.replace(
+            choose(*a), saved_lean=bool(choose(*a).saved_acts)))
     model = small("qwen2", num_hidden_layers=4)
     data = batches(n_steps=3)
     runs = []
@@ -32,7 +41,9 @@ def test_saved_activations_train_as_recomputing_does(plan):
         opt = megatrain.OptimConfig(lr=1e-3, max_grad_norm=0.5)
         sm = megatrain.compile(copy.deepcopy(model), device="cuda", optim=opt, saved_acts=saved, **plan)
         stats = [sm.train_step(*[t.cuda() for t in b]) for b in data]
-        runs.append(([s.loss for s in stats], sm.state_dict(), sm.schedule_for(6, 12).config.saved_acts))
+        cfg = sm.schedule_for(6, 12).config
+        assert cfg.saved_lean == (lean and bool(cfg.saved_acts))
+        runs.append(([s.loss for s in stats], sm.state_dict(), cfg.saved_acts))
     (ref_losses, ref_sd, none), (losses, sd, saved) = runs
     # every block, less those whose checkpoint goes to the host
     assert none == () and saved == tuple(range(1 + plan.get("host_checkpoints", 0), 5))
@@ -40,12 +51,18 @@ def test_saved_activations_train_as_recomputing_does(plan):
     assert all(torch.equal(sd[n], ref_sd[n]) for n in sd)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_saved_bytes_measured_are_what_the_device_holds_and_near_the_formula(attn):
+@pytest.mark.parametrize("attn,lean", [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_saved_bytes_measured_are_what_the_device_holds_and_near_the_formula(attn, lean, monkeypatch):
     """A Qwen2.5-3B-wide block (two of them) with the kernels: the bytes each saved forward leaves allocated equal
     the measurement the planner uses. With fused attention the formula `megatrain plan` uses without a model is
-    that measurement (65,609 B/token on the H200, one byte of rounding); eager attention keeps its probabilities
-    too (193,032 B/token at 1,024 tokens)."""
+    that measurement (87,625 B/token on the H200, one byte of rounding; lean, the MLP's product not kept: 65,609);
+    eager attention keeps its probabilities too (193,032 B/token at 1,024 tokens). The lean plan is forced here
+    (the planner would not take it: everything fits)."""
+    from megatrain.planner import search
+
+    if lean:
+        choose = search.with_saved_acts
+        monkeypatch.setattr(search, "with_saved_acts", lambda *a: dataclasses.replace(choose(*a), saved_lean=True))
     from transformers import AutoModelForCausalLM
 
     from ..runtime.models import hf_config
@@ -56,8 +73,8 @@ def test_saved_bytes_measured_are_what_the_device_holds_and_near_the_formula(att
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     sm = megatrain.compile(model, device="cuda", saved_acts=2, n_mb=1)
     B, T = 4, 1024
-    per_token = sm.planning_graph(T)[1].saved_bytes_per_token
-    formula = block_saved_bytes(H, H, kv * H // heads, inter, heads, 2)
+    per_token = sm.planning_graph(T)[1].saved_bytes(lean)
+    formula = block_saved_bytes(H, H, kv * H // heads, inter, heads, 2, lean=lean)
     ex = sm.executor
     deltas = []
     fwd = ex._forward_saved
@@ -69,7 +86,8 @@ def test_saved_bytes_measured_are_what_the_device_holds_and_near_the_formula(att
 
     ex._forward_saved = measured_forward
     sm.train_step(torch.randint(0, 97, (B, T), device="cuda"))
-    print(f"{attn}: saved bytes per token: measured {per_token}, formula {formula}; allocated per saved forward "
+    assert sm.schedule_for(B, T).config.saved_lean == lean
+    print(f"{attn}{' lean' if lean else ''}: saved bytes per token: measured {per_token}, formula {formula}; allocated per saved forward "
           f"{[d / (B * T) for d in deltas]}")
     assert len(deltas) == 2
     for d in deltas:

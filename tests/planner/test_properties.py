@@ -1,5 +1,7 @@
 """Property tests over random layer graphs, batch shapes, slot counts and budgets."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,7 +11,7 @@ from megatrain.planner.cost import device_memory, host_memory
 from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import PlanError, device_update_sets, plan
+from megatrain.planner.search import PlanError, device_update_sets, plan, saved_act_layers, with_saved_acts
 from megatrain.planner.simulate import bound, simulate
 from megatrain.planner.verify import verify
 
@@ -31,7 +33,8 @@ def graphs(draw, max_layers=64):
                             attn_flops_per_token_per_seq=draw(st.floats(0, 1e4)),
                             act_bytes_per_token=draw(st.integers(2, 8192)),
                             work_bytes_per_token=draw(st.integers(0, 65536)),
-                            saved_bytes_per_token=draw(st.integers(0, 131072)) if kind == "block" else 0))
+                            saved_bytes_per_token=(saved := draw(st.integers(0, 131072)) if kind == "block" else 0),
+                            lean_saved_bytes_per_token=draw(st.integers(0, saved))))
     layers.append(Layer(name="head", kind="head", template="head", params=0 if tied else draw(size),
                         tie=0 if tied else None, matmul_flops_per_token=draw(st.floats(0, 1e8)),
                         work_bytes_per_token=draw(st.integers(0, 8192)),
@@ -55,6 +58,7 @@ def configs(draw, graph):
         budget_bytes=draw(st.integers(64 * MiB, 4096 * MiB)), gpu_opt=gpu_opt,
         saved_acts=tuple(sorted(draw(st.sets(st.sampled_from(savable))) if savable else ())),
         resident_opt=tuple(draw(st.permutations(resident))), continues=draw(st.booleans()),
+        saved_lean=draw(st.booleans()),
     )
 
 
@@ -157,6 +161,38 @@ def test_fixed_decisions_are_kept_or_refused_clearly(data, n_seqs):
         assert c.resident_opt == c.gpu_opt[:resident]
     elif clip:  # with clipping keeping a state costs no device memory: "auto" keeps them all
         assert c.resident_opt == c.gpu_opt
+    if c.saved_lean:  # lean saved layers only where keeping everything would keep fewer layers, or not fit
+        full = dataclasses.replace(c, saved_lean=False)
+        if saved == "auto":
+            assert len(saved_act_layers(graph, full, "auto")) < len(c.saved_acts)
+        else:
+            assert device_memory(graph, build_schedule(graph, full)).total_nbytes > c.budget_bytes
+
+
+@given(st.data(), st.floats(0.0, 1.2))
+def test_saved_layers_keep_less_only_where_that_keeps_more(data, room):
+    """Budgets from no room for saved activations to room for all of them kept in full: the choice fits, and a
+    lean plan keeps more layers than keeping everything would (``auto``) or is the only one that fits (a count)."""
+    graph = data.draw(graphs(max_layers=16))
+    cfg = dataclasses.replace(data.draw(configs(graph)), saved_acts=(), saved_lean=False, n_steps=1, continues=False)
+    able = [l for l in range(cfg.host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token]
+    base = device_memory(graph, build_schedule(graph, cfg)).total_nbytes
+    full_need = sum(graph[l].saved_bytes_per_token for l in able) * cfg.mb_tokens * cfg.n_mb
+    cfg = dataclasses.replace(cfg, budget_bytes=base + int(room * full_need) + 1)
+    choice = data.draw(st.one_of(st.just("auto"), st.integers(0, len(able))))
+    c = with_saved_acts(graph, cfg, choice)
+    full = saved_act_layers(graph, dataclasses.replace(cfg, saved_lean=False), choice)
+    if choice == "auto":
+        mem = device_memory(graph, build_schedule(graph, c)).total_nbytes
+        assert mem <= cfg.budget_bytes
+        assert len(c.saved_acts) >= len(full)
+        assert c.saved_lean == (len(c.saved_acts) > len(full))
+        verify(build_schedule(graph, c), graph)
+    else:  # a count is kept as asked; whether it fits the budget at all is checked after (the API, verify)
+        assert len(c.saved_acts) == choice
+        if c.saved_lean:
+            over = device_memory(graph, build_schedule(graph, dataclasses.replace(c, saved_lean=False)))
+            assert over.total_nbytes > cfg.budget_bytes
 
 
 def test_tiny_budget_is_refused_before_anything_is_built():

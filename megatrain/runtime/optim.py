@@ -143,17 +143,7 @@ class HostAdamW:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
         grad = self.store.grad(layer)
         opt = self.opts[layer]
-        scale = self._grad_scale(grad)
-        p = self.params[layer]
-        p.grad = grad
-        if scale is not None:
-            opt.grad_scale = scale
-        try:
-            opt.step()
-        finally:
-            p.grad = None
-            if scale is not None:
-                del opt.grad_scale
+        self._torch_step(opt, self.params[layer], grad, self._grad_scale(grad))
         self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float | None = None,
@@ -187,6 +177,17 @@ class HostAdamW:
         state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
         opt.param_groups[0]["lr"] = lr
         p.data = master
+        try:
+            self._torch_step(opt, p, grad, scale)
+        finally:
+            p.data = torch.empty(0, device=block.device)
+            state["exp_avg"] = state["exp_avg_sq"] = None
+        host_step.add_(1)
+        return False
+
+    @staticmethod
+    def _torch_step(opt: torch.optim.AdamW, p: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """``opt.step()`` with ``grad`` as ``p``'s gradient, divided by ``scale`` in the fused kernel if given."""
         p.grad = grad
         if scale is not None:
             opt.grad_scale = scale
@@ -194,12 +195,8 @@ class HostAdamW:
             opt.step()
         finally:
             p.grad = None
-            p.data = torch.empty(0, device=block.device)
-            state["exp_avg"] = state["exp_avg_sq"] = None
             if scale is not None:
                 del opt.grad_scale
-        host_step.add_(1)
-        return False
 
     def _device_opt(self, layer: int, device: torch.device) -> tuple[torch.optim.AdamW, torch.nn.Parameter]:
         key = (layer, str(device))

@@ -189,8 +189,7 @@ def with_saved_acts(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) -
     would, for a count when keeping everything in that many layers does not fit the budget."""
     full = replace(cfg, saved_lean=False)
     full = replace(full, saved_acts=saved_act_layers(graph, full, choice))
-    if not full.saved_acts and choice != "auto" or not any(
-            graph[l].saved_bytes(True) < graph[l].saved_bytes_per_token for l in range(len(graph))):
+    if choice == 0 or all(lay.saved_bytes(True) == lay.saved_bytes_per_token for lay in graph.layers):
         return full
     lean = replace(cfg, saved_lean=True)
     lean = replace(lean, saved_acts=saved_act_layers(graph, lean, choice))

@@ -288,6 +288,14 @@ class Executor:
         return GradSink(g, accumulate=not first)
 
     @staticmethod
+    def _grads(sink: GradSink, out, inputs: list, dy=None) -> tuple:
+        """``autograd.grad`` of ``out`` (against ``dy``) for ``inputs``, the templates' linears sending their
+        weight gradients to ``sink``; None for an input the output does not depend on (or whose gradient went
+        there)."""
+        with sink_to(sink):
+            return torch.autograd.grad(out, inputs, dy, allow_unused=True)
+
+    @staticmethod
     def _accumulate(sink: GradSink, views: list, grads) -> None:
         """The gradients autograd returned (compute dtype) into the sink's slot, next to those its linears wrote."""
         for (off, n, _), dw in zip(views, grads):
@@ -336,8 +344,7 @@ class Executor:
                 dst.copy_(src)
                 self.stored.add(o)
         elif k is OpKind.OPT and op.stream is Stream.COMPUTE:
-            block = self._opt_block(op)
-            self._keep(l, block[0], self.optimizer.step_layer_on(l, block, out=self._kept_buffer(l, block.shape[1])))
+            self._update_on_device(op)
         elif k is OpKind.OPT:
             self.kept.pop(l, None)  # the host master changes: a kept copy would be stale
             self.optimizer.step_layer(l)
@@ -384,6 +391,14 @@ class Executor:
         owners = tuple(owners)
         return bool(owners) and all(self.kept_weights(o) is not None for o in owners)
 
+    def _update_on_device(self, op: Op, **step_args) -> None:
+        """AdamW of ``op``'s layer in its optimizer slot (``step_args``: lr, coef of ``step_layer_on``); its new
+        weights kept here in the compute dtype, written by the update where it can."""
+        block = self._opt_block(op)
+        written = self.optimizer.step_layer_on(op.layer, block, out=self._kept_buffer(op.layer, block.shape[1]),
+                                               **step_args)
+        self._keep(op.layer, block[0], written)
+
     def _kept_buffer(self, layer: int, numel: int) -> torch.Tensor:
         """Where a device update of ``layer`` leaves its new weights in the compute dtype."""
         buf = self.kept_buf.get(layer)
@@ -425,9 +440,8 @@ class Executor:
             labels = self.mbs[op.mb].next_labels
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum")
-            with sink_to(self._grad_sink(op)) as sink:
-                dx, *dws = torch.autograd.grad(loss_sum / self.denom, [x, *(v for *_, v in views)],
-                                               allow_unused=True)
+            sink = self._grad_sink(op)
+            dx, *dws = self._grads(sink, loss_sum / self.denom, [x, *(v for *_, v in views)])
         self.loss_sums[op.mb] = loss_sum.detach()
         self._accumulate(sink, views, dws)
         self.act[op.slot("x")] = dx
@@ -506,9 +520,7 @@ class Executor:
             out, x, views = self.saved.pop((op.layer, op.mb))
             self._bwd_weights = self._weights(op)
             try:
-                with sink_to(sink):
-                    dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], self.act[op.slot("dy")],
-                                                   allow_unused=True)
+                dx, *dws = self._grads(sink, out, [x, *(v for *_, v in views)], self.act[op.slot("dy")])
             finally:
                 self._bwd_weights = None
             self.act[op.slot("x")] = dx
@@ -521,13 +533,11 @@ class Executor:
             if op.layer == 0:
                 mb = self.mbs[op.mb]
                 h, _ = self.runner.run(0, flat, (mb.input_ids, self.masks[op.mb]), grad_views=views)
-                with sink_to(sink):
-                    dws = torch.autograd.grad(h, [v for *_, v in views], dy, allow_unused=True)
+                dws = self._grads(sink, h, [v for *_, v in views], dy)
             else:
                 x = self.act[op.slot("x")].detach().requires_grad_()
                 out = self.runner.run(op.layer, flat, x, self.side[op.mb], grad_views=views)
-                with sink_to(sink):
-                    dx, *dws = torch.autograd.grad(out, [x, *(v for *_, v in views)], dy, allow_unused=True)
+                dx, *dws = self._grads(sink, out, [x, *(v for *_, v in views)], dy)
                 self.act[op.slot("x")] = dx
         self._accumulate(sink, views, dws)
         if op.layer == 0:

@@ -332,10 +332,7 @@ class StreamExecutor(Executor):
         elif k is OpKind.OPT:
             clip = self.optimizer.cfg.max_grad_norm is not None
             if op.stream is Stream.COMPUTE:  # issued by this thread on the compute stream, after its LOAD_OPT
-                block = self._opt_block(op)
-                written = self.optimizer.step_layer_on(l, block, lr=self.step_lr, coef=st.coef if clip else None,
-                                                       out=self._kept_buffer(l, block.shape[1]))
-                self._keep(l, block[0], written)
+                self._update_on_device(op, lr=self.step_lr, coef=st.coef if clip else None)
                 return
             if clip:  # a worker task: the optimizer is at this step (begin_step ran before it)
                 self.optimizer.set_grad_norm(st.norm())

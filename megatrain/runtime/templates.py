@@ -64,9 +64,8 @@ class _Binding:
         # the template's linears send their weight gradients to the executor's sink (grad_sink.py): where their
         # weight and bias lie in the layer's weights, set while bound for a backward
         where = {(id(mod), attr): off for mod, attr, off, _, _ in self.entries}
-        self.sinks = [(mod, (where[(id(mod), "weight")], where.get((id(mod), "bias"))))
-                      for mod in {id(m): m for m, *_ in self.entries}.values()
-                      if isinstance(mod, SinkLinear) and (id(mod), "weight") in where
+        self.sinks = [(mod, (off, where.get((id(mod), "bias")))) for mod, attr, off, _, _ in self.entries
+                      if attr == "weight" and isinstance(mod, SinkLinear)
                       and (mod.bias is None or (id(mod), "bias") in where)]
         spans = sorted((off, n) for _, _, off, n, _ in self.entries)
         # the parameters follow each other from offset 0 without gaps or overlaps, up to ``end``

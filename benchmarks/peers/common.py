@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -141,6 +142,13 @@ class Result:
             return self.timed_s
         return self.step_times_s[0] if self.step_times_s else float("nan")
 
+    @property
+    def median_step_s(self) -> float:
+        """The median of the timed steps' own times (the first step untimed): unlike the mean, not moved by one
+        slow step, such as a peer's first timed one or the last one's drain of work left running."""
+        timed = self.step_times_s[1:]
+        return statistics.median(timed) if timed else self.step_s
+
     def finish(self, path: str | None) -> dict:
         import transformers
 
@@ -148,6 +156,7 @@ class Result:
         d["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                          "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
         d["step_s"] = self.step_s
+        d["median_step_s"] = self.median_step_s
         d["tokens_per_s"] = self.tokens_per_step / self.step_s if self.step_times_s else 0.0
         d["tflops_6nt"] = 6 * self.params * self.tokens_per_step / self.step_s / 1e12 if self.step_times_s else 0.0
         print(json.dumps(d, indent=1))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 GiB = 1 << 30
@@ -24,6 +26,8 @@ def _model(args):
 
 
 def _plan(args) -> int:
+    from tqdm import tqdm
+
     from megatrain.planner import hardware
     from megatrain.planner.cost import device_memory, host_memory
     from megatrain.planner.dump import plot, table, write_trace
@@ -32,15 +36,31 @@ def _plan(args) -> int:
     try:
         graph = _model(args)
         spec = hardware(args.hardware)
+        every = args.gpu_opt_every
+        if every is None:  # what compile() does on that device: device updates on a GPU, none on the CPU
+            every = "0" if spec.name == "cpu" else "auto"
         fixed = dict(n_mb=args.mb, weight_slots=args.slots,
                      wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
                      host_checkpoints=args.host_checkpoints,
-                     gpu_opt_every=None if args.gpu_opt_every == "auto" else _every(args.gpu_opt_every),
+                     gpu_opt_every=None if every == "auto" else _every(every),
                      saved_acts=_saved(args.saved_acts),
                      resident_opt=None if args.resident_opt == "auto" else _resident(args.resident_opt))
         budget = int(args.budget_gib * GiB) if args.budget_gib else None
-        p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
-                 n_steps=args.steps, **fixed)
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+        jobs = args.jobs or os.cpu_count() or 1
+        t0 = time.perf_counter()
+        with tqdm(desc="megatrain plan: searching", unit=" plans", file=sys.stderr, disable=None,
+                  leave=False) as bar:
+            def progress(done: int, total: int) -> None:
+                if bar.disable and bar.total is None:  # no terminal: one line instead of a bar
+                    print(f"megatrain plan: searching {total} candidate plans on {jobs} processes", file=sys.stderr)
+                bar.total = total
+                bar.update(done - bar.n)
+
+            p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
+                     n_steps=args.steps, workers=jobs, progress=progress, **fixed)
+        searched_s = time.perf_counter() - t0
     except (PlanError, ValueError) as e:
         print(f"megatrain plan: {e}", file=sys.stderr)
         return 2
@@ -88,7 +108,7 @@ def _plan(args) -> int:
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
         + f") of {spec.host_bytes / GiB:.0f} GiB: {'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}",
-        f"searched   {len(p.tried)} candidate plans",
+        f"searched   {len(p.tried)} candidate plans in {searched_s:.1f} s ({jobs} processes)",
         f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
     ]
     print("\n".join(lines))
@@ -218,10 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")
     p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
     p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")
-    p.add_argument("--gpu-opt-every", default="0", metavar="K|auto",
-                   help="update every K-th layer (of those owning weights) on the GPU: its master weights and "
-                        "moments go to the device and back; 0 (default): all on the host; auto: search every 4th, "
-                        "3rd and 2nd layer, each with and without the first")
+    p.add_argument("--gpu-opt-every", metavar="K|auto",
+                   help="update every K-th layer (of those owning weights) on the GPU instead of the host; 0: all "
+                        "on the host; auto: search every 4th, 3rd and 2nd layer (each with and without the first), "
+                        "every layer and the first 2, 4, 6, ...; default: auto, or 0 for --hardware cpu (what "
+                        "compile() does on that device)")
     p.add_argument("--saved-acts", default="auto", metavar="N|auto",
                    help="layers (the last N blocks) whose forward keeps its activations on the GPU so that their "
                         "backward does not recompute it; auto (default): as many as the memory the plan leaves "
@@ -232,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         "clipping (no device memory more), without it none, half or all, whichever the simulation "
                         "finds fastest")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
+    p.add_argument("--jobs", type=int, help="processes the search runs on (default: one per CPU core)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")
     p.set_defaults(fn=_plan)

@@ -48,10 +48,24 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
     }
 
 
+_last_slot_params: tuple = (None, None, None)  # (ops, graph, result) of the last call: see slot_params
+
+
 def slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     """Parameters each weight, gradient and optimizer slot holds at most, by slot index: the largest layer the
     schedule puts in it (an embedding's slot need not size every other one). For activation slots (``a``), the
-    number of slots, each 0 here."""
+    number of slots, each 0 here. Depends on the ops alone, which the plan search shares between the configs it
+    tries on one candidate (``passes.relabel_saved``): the last result is kept for the same ops."""
+    global _last_slot_params
+    ops, g, out = _last_slot_params
+    if ops is schedule.ops and g is graph:
+        return {p: list(v) for p, v in out.items()}
+    out = _slot_params(graph, schedule)
+    _last_slot_params = (schedule.ops, graph, out)
+    return {p: list(v) for p, v in out.items()}
+
+
+def _slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {p: [] for p in POOLS}
     for op in schedule.ops:
         for role, idx in op.slots:

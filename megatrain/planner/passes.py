@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict, deque
+from dataclasses import replace
 from typing import Callable, Iterable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
@@ -30,10 +31,9 @@ class _Ids:
 
 
 def _replace(op: Op, **kw) -> Op:
-    fields = dict(id=op.id, kind=op.kind, stream=op.stream, step=op.step, layer=op.layer, mb=op.mb,
-                  slots=op.slots, deps=op.deps)
-    fields.update(kw)
-    return Op(**fields)
+    g = kw.get  # positional, with no dict of every field: the passes make hundreds of thousands of ops a search
+    return Op(g("id", op.id), g("kind", op.kind), g("stream", op.stream), g("step", op.step), g("layer", op.layer),
+              g("mb", op.mb), g("slots", op.slots), g("deps", op.deps))
 
 
 def _add_deps(op: Op, deps: Iterable[int]) -> Op:
@@ -402,9 +402,10 @@ def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]]
     Free slots are reused first-freed-first (``pool`` slots are free at the start), so a new buffer waits on the
     readers that finished longest ago; a slot is added only when none is free. Returns the ops and slots used.
     """
+    all_uses = [uses(op) for op in ops]
     last_user: dict[tuple, int] = {}
-    for op in ops:
-        for _, key, _ in uses(op):
+    for op, u in zip(ops, all_uses):
+        for _, key, _ in u:
             last_user[key] = op.id
     free: deque[int] = deque(range(pool))
     n_slots = pool
@@ -412,8 +413,7 @@ def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]]
     prev_users: dict[int, list[Op]] = defaultdict(list)  # slot -> users of the buffer it held last
     used = set()
     out = []
-    for op in ops:
-        u = uses(op)
+    for op, u in zip(ops, all_uses):
         if not u:
             out.append(op)
             continue
@@ -438,7 +438,8 @@ def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]]
         for _, key, _ in u:
             if last_user[key] == op.id and key in slot_of:
                 free.append(slot_of.pop(key))
-        out.append(_add_deps(_replace(op, slots=op.slots + tuple(roles)), [d for d in deps if d != op.id]))
+        deps = tuple(dict.fromkeys((*op.deps, *(d for d in deps if d != op.id))))
+        out.append(_replace(op, slots=op.slots + tuple(roles), deps=deps))
     return out, len(used)
 
 
@@ -455,6 +456,16 @@ def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
 
 PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_opt_slots,
           assign_weight_slots, assign_activation_slots, assign_grad_slots)
+
+
+def relabel_saved(s: Schedule, cfg: ScheduleConfig) -> Schedule:
+    """``s`` under ``cfg``, a config that differs from its own in the saved activations alone (``saved_acts``,
+    ``saved_lean``): the passes never read those (they change what the cost model charges an op, not which ops
+    there are or their slots), so the ops are the ones :func:`build_schedule` would build for ``cfg``. Lets the
+    search build one schedule per candidate and try saved-activation choices on it."""
+    if replace(s.config, saved_acts=cfg.saved_acts, saved_lean=cfg.saved_lean) != cfg:
+        raise ValueError("relabel_saved: the configs differ in more than the saved activations")
+    return Schedule(s.ops, cfg, s.provenance)
 
 
 def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool | None = None) -> Schedule:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner.cost import HOST_BYTES_PER_PARAM, device_memory, host_memory, slot_nbytes, workspace_nbytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.passes import build_schedule
+from megatrain.planner.passes import build_schedule, relabel_saved
 from megatrain.planner.simulate import Bound, Timeline, bound, simulate
-from megatrain.planner.verify import verify
+from megatrain.planner.verify import check_memory, verify
 
 GiB = 1 << 30
 MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
@@ -157,12 +160,20 @@ def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, 
     return sorted(sets)
 
 
-def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) -> tuple[int, ...]:
+def unsaved(cfg: ScheduleConfig) -> ScheduleConfig:
+    """``cfg`` with no saved activations: the config whose schedule has the same ops as ``cfg``'s (see
+    :func:`~megatrain.planner.passes.relabel_saved`) and the device memory before any are kept."""
+    return replace(cfg, saved_acts=(), saved_lean=False)
+
+
+def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
+                     base: Schedule | None = None) -> tuple[int, ...]:
     """The layers whose forward keeps its activations for the backward (``ScheduleConfig.saved_acts``): the last
     ``choice`` layers that can, or for "auto" as many as fit in :data:`SAVED_FILL` of the device memory the plan
     without them leaves free. From the last layer back: its activations live the shortest (its backward comes
     first), and every layer saved is one recompute less, whichever it is. A layer whose checkpoint goes to the
-    host cannot: what it saves holds its input on the device anyway."""
+    host cannot: what it saves holds its input on the device anyway. ``base``: the schedule of
+    :func:`unsaved` ``(cfg)`` where the caller has it (built here otherwise)."""
     able = [l for l in range(cfg.host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token > 0]
     if choice != "auto":
         if not isinstance(choice, int) or isinstance(choice, bool) or not 0 <= choice <= len(able):
@@ -170,8 +181,9 @@ def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
                             f"whose activations can be kept, with {cfg.host_checkpoints} checkpoints on the host), "
                             f"got {choice!r}")
         return tuple(able[len(able) - choice:]) if choice else ()
-    base = replace(cfg, saved_acts=())
-    spare = (cfg.budget_bytes - device_memory(graph, build_schedule(graph, base)).total_nbytes) * SAVED_FILL
+    if base is None:
+        base = build_schedule(graph, unsaved(cfg))
+    spare = (cfg.budget_bytes - device_memory(graph, relabel_saved(base, unsaved(cfg))).total_nbytes) * SAVED_FILL
     out = []
     for l in reversed(able):
         need = graph[l].saved_bytes(cfg.saved_lean) * cfg.mb_tokens * cfg.n_mb
@@ -182,63 +194,94 @@ def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
     return tuple(sorted(out))
 
 
-def with_saved_acts(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) -> ScheduleConfig:
+def with_saved_acts(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
+                    base: Schedule | None = None) -> ScheduleConfig:
     """``cfg`` with its saved layers (:func:`saved_act_layers`) and whether they keep less
     (``ScheduleConfig.saved_lean``). Lean costs an elementwise pass per saved layer and buys memory, so it is
     chosen only where the memory buys something: for "auto" when it keeps more layers than keeping everything
-    would, for a count when keeping everything in that many layers does not fit the budget."""
+    would, for a count when keeping everything in that many layers does not fit the budget. ``base``: the schedule
+    of :func:`unsaved` ``(cfg)`` where the caller has it (built here otherwise, once)."""
+    if base is None and choice != 0:
+        base = build_schedule(graph, unsaved(cfg))
     full = replace(cfg, saved_lean=False)
-    full = replace(full, saved_acts=saved_act_layers(graph, full, choice))
+    full = replace(full, saved_acts=saved_act_layers(graph, full, choice, base))
     if choice == 0 or all(lay.saved_bytes(True) == lay.saved_bytes_per_token for lay in graph.layers):
         return full
     lean = replace(cfg, saved_lean=True)
-    lean = replace(lean, saved_acts=saved_act_layers(graph, lean, choice))
+    lean = replace(lean, saved_acts=saved_act_layers(graph, lean, choice, base))
     if choice == "auto":
         return lean if len(lean.saved_acts) > len(full.saved_acts) else full
-    fits = device_memory(graph, build_schedule(graph, full)).total_nbytes <= cfg.budget_bytes
+    fits = device_memory(graph, relabel_saved(base, full)).total_nbytes <= cfg.budget_bytes
     return full if fits else lean
 
 
+def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str,
+         cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None]:
+    """One candidate of :func:`plan`: its config with the saved activations chosen, the outcome, and its rank (None
+    where it cannot run). Checks what is cheap first, builds the schedule once, checks it against the device budget
+    and simulates it. Module level, so that worker processes can run it."""
+    host = sum(host_memory(graph, cfg).values())
+    if host > spec.host_bytes:
+        return cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}", None
+    need = _min_device_nbytes(graph, cfg)
+    if need > budget:
+        return cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}", None
+    base = build_schedule(graph, unsaved(cfg))  # the one build of this candidate (its ops, every choice of saved)
+    try:  # a count of saved layers that this candidate's offloaded checkpoints leave too few layers for
+        cfg = with_saved_acts(graph, cfg, saved_acts, base)
+    except PlanError as e:
+        return cfg, str(e), None
+    s = relabel_saved(base, cfg)
+    try:
+        check_memory(s, graph, spec)
+    except ValueError as e:
+        return cfg, str(e), None
+    tl = simulate(s, graph, spec)
+    key = (round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb, cfg.weight_slots)
+    return cfg, f"{tl.step_s:.4f} s/step", key
+
+
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
-         clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", **fixed) -> Plan:
-    """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps) among
-    :func:`candidates` that verifies and fits the device budget and the host, each with the saved activations
-    ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises :class:`PlanError` before building anything when
-    nothing can fit."""
+         clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", workers: int = 1,
+         progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
+    """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps, then the
+    order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host,
+    each with the saved activations ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises
+    :class:`PlanError` before building anything when nothing can fit.
+
+    Each candidate is built once, checked against the memory budget and simulated (:func:`_try`); the full
+    verification then runs on the fastest, and on the next where one fails it. ``workers`` > 1 spreads the
+    candidates over that many processes (the answer is the same); ``progress(done, total)`` is called as they
+    finish."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
     _check_request(graph, spec, tokens, seq_len, budget)
-    tried: list[tuple[ScheduleConfig, str]] = []
-    best = None
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise PlanError(f"workers must be a positive integer, got {workers!r}")
     configs = candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed)
     if saved_acts != "auto" and configs:  # a count no plan can keep, even with every checkpoint on the device
         saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)
-    for cfg in configs:
-        host = sum(host_memory(graph, cfg).values())
-        if host > spec.host_bytes:
-            tried.append((cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}"))
-            continue
-        need = _min_device_nbytes(graph, cfg)
-        if need > budget:
-            tried.append((cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}"))
-            continue
-        try:  # a count of saved layers that this candidate's offloaded checkpoints leave too few layers for
-            cfg = with_saved_acts(graph, cfg, saved_acts)
-        except PlanError as e:
-            tried.append((cfg, str(e)))
-            continue
+    job = functools.partial(_try, graph, spec, budget, saved_acts)
+    outcomes = []
+    if workers > 1 and len(configs) > 1:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(configs))) as pool:
+            for out in pool.map(job, configs, chunksize=max(1, len(configs) // (8 * workers))):
+                outcomes.append(out)
+                if progress is not None:
+                    progress(len(outcomes), len(configs))
+    else:
+        for cfg in configs:
+            outcomes.append(job(cfg))
+            if progress is not None:
+                progress(len(outcomes), len(configs))
+    tried: list[tuple[ScheduleConfig, str]] = [(cfg, why) for cfg, why, _ in outcomes]
+    for _, i in sorted((key, i) for i, (_, _, key) in enumerate(outcomes) if key is not None):
+        cfg = outcomes[i][0]
         s = build_schedule(graph, cfg)
         try:
             verify(s, graph, spec)
         except ValueError as e:
-            tried.append((cfg, str(e)))
+            tried[i] = (cfg, str(e))
             continue
-        tl = simulate(s, graph, spec)
-        tried.append((cfg, f"{tl.step_s:.4f} s/step"))
-        key = (round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb, cfg.weight_slots)
-        if best is None or key < best[0]:
-            best = (key, s, tl)
-    if best is None:
-        reasons = "; ".join(sorted({why for _, why in tried}))
-        raise PlanError(f"no plan fits: {reasons}")
-    _, s, tl = best
-    return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried)
+        return Plan(s, simulate(s, graph, spec), bound(s, graph, spec), graph, spec, tokens, tried)
+    reasons = "; ".join(sorted({why for _, why in tried}))
+    raise PlanError(f"no plan fits: {reasons}")

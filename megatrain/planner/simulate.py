@@ -181,6 +181,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
         return (same_state(load, ops[d]) and a is not None and a[0].id == d
                 and a[1] <= (1 - row) * a[2] * (1 + 1e-9))
 
+    blocked: dict[Stream, int] = {}  # stream -> a dependency its next op was last found waiting for
     while finished < n:
         progress = True
         while progress:
@@ -189,8 +190,14 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
                 if s in active or head[s] >= len(queues[s]):
                     continue
                 op = queues[s][head[s]]
-                if any(end[d] is None and not started_rows(op, d) for d in op.deps):
+                b = blocked.get(s)
+                if b is not None and end[b] is None and op.kind is not OpKind.LOAD_OPT:
+                    continue  # still waiting for it (a state load may also go on a store's first row)
+                b = next((d for d in op.deps if end[d] is None and not started_rows(op, d)), None)
+                if b is not None:
+                    blocked[s] = b
                     continue
+                blocked.pop(s, None)
                 head[s] += 1
                 start[op.id] = t
                 units = transfer_nbytes(graph, cfg, op) if s in alone else duration_s(graph, cfg, spec, op)

@@ -222,6 +222,19 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
 def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = None) -> None:
     """Raise :class:`ScheduleError` at the first broken invariant; return None when the schedule is sound."""
     _check_shape(schedule, graph)
+    check_memory(schedule, graph, spec)
+    hb = HappensBefore(schedule.ops)
+    _check_counts(schedule, graph, hb)
+    _check_slots(schedule, graph, hb)
+    if spec is not None:
+        host = sum(host_memory(graph, schedule.config).values())
+        if host > spec.host_bytes:
+            raise ScheduleError("host-memory", None, f"needs {fmt_bytes(host)} of host memory, {spec.name} has "
+                                f"{fmt_bytes(spec.host_bytes)}")
+
+
+def check_memory(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = None) -> None:
+    """The device-memory rule of :func:`verify` alone (cheap: no walk over the dependencies)."""
     cfg = schedule.config
     mem = device_memory(graph, schedule)
     if mem.total_nbytes > cfg.budget_bytes:
@@ -232,11 +245,3 @@ def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = No
     if spec is not None and cfg.budget_bytes > spec.gpu_bytes:
         raise ScheduleError("memory", None, f"budget {fmt_bytes(cfg.budget_bytes)} exceeds the {spec.name}'s "
                             f"{fmt_bytes(spec.gpu_bytes)}")
-    hb = HappensBefore(schedule.ops)
-    _check_counts(schedule, graph, hb)
-    _check_slots(schedule, graph, hb)
-    if spec is not None:
-        host = sum(host_memory(graph, cfg).values())
-        if host > spec.host_bytes:
-            raise ScheduleError("host-memory", None, f"needs {fmt_bytes(host)} of host memory, {spec.name} has "
-                                f"{fmt_bytes(spec.host_bytes)}")

@@ -10,7 +10,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 
 def test_plan_cli_matches_the_hand_derived_bound_in_the_docs(tmp_path, capsys):
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
-                 "--saved-acts", "0", "--out", str(tmp_path)]) == 0
+                 "--gpu-opt-every", "0", "--saved-acts", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     doc_line = re.search(r"^bound .*$", DOCS.read_text(), re.M).group(0)
     cli_line = re.search(r"^bound .*$", out, re.M).group(0)
@@ -28,7 +28,7 @@ def test_plan_cli_trace_has_every_op(tmp_path, capsys):
     from megatrain.ir import Schedule
 
     assert main(["plan", "--preset", "qwen2.5-0.5b", "--tokens", "8192", "--seq", "1024", "--steps", "1",
-                 "--out", str(tmp_path)]) == 0
+                 "--gpu-opt-every", "2", "--out", str(tmp_path)]) == 0
     s = Schedule.from_text((tmp_path / "schedule.txt").read_text())
     trace = json.loads((tmp_path / "plan.trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -60,6 +60,24 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     assert re.search(r"^predicted  3\.349 s/step", out, re.M) and "(3.349 s)" in text and "74.10 GiB" in text
 
 
+def test_plan_cli_defaults_to_what_compile_does_on_the_device(tmp_path, capsys):
+    """Device updates searched ("auto") for a GPU, none for the cpu preset, as compile() decides on each device."""
+    fixed = ["plan", "--preset", "qwen2.5-0.5b", "--tokens", "8192", "--mb", "2", "--slots", "3", "--wire", "fp32",
+             "--host-checkpoints", "0", "--steps", "2"]
+    for name, extra in [("default", []), ("auto", ["--gpu-opt-every", "auto"]), ("none", ["--gpu-opt-every", "0"])]:
+        assert main([*fixed, *extra, "--out", str(tmp_path / name)]) == 0
+    out = capsys.readouterr().out
+    text = {name: (tmp_path / name / "schedule.txt").read_text() for name in ("default", "auto", "none")}
+    assert text["default"] == text["auto"] != text["none"]
+    assert "OPT s0 L1 @compute" in text["default"] and "OPT s0 L1 @compute" not in text["none"]
+    assert out.count("updated on the GPU") == 2 and out.count(" processes)") == 3
+    cpu = ["--hardware", "cpu", "--tokens", "1024", "--steps", "1"]
+    assert main([*fixed[:3], *cpu, "--out", str(tmp_path / "cpu")]) == 0
+    assert main([*fixed[:3], *cpu, "--gpu-opt-every", "0", "--out", str(tmp_path / "cpu0")]) == 0
+    assert (tmp_path / "cpu" / "schedule.txt").read_text() == (tmp_path / "cpu0" / "schedule.txt").read_text()
+    assert "updated on the GPU" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--preset", "qwen2.5-72b"], "does not fit host memory"),
     (["--gpu-opt-every", "-1"], "gpu_opt_every must be >= 0"),
@@ -67,7 +85,11 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     (["--tokens", "1000"], "multiple of the sequence length"),
     (["--preset", "gpt-5"], "unknown model preset"),
     (["--mb", "5"], "cannot split 32 sequences evenly"),
-    (["--resident-opt", "3"], "resident_opt=3 keeps the state of layers updated on the GPU there, but gpu_opt_every=0"),
+    (["--gpu-opt-every", "0", "--resident-opt", "3"],
+     "resident_opt=3 keeps the state of layers updated on the GPU there, but gpu_opt_every=0"),
+    (["--hardware", "cpu", "--preset", "qwen2.5-0.5b", "--tokens", "1024", "--resident-opt", "3"],
+     "but gpu_opt_every=0"),  # the cpu's default: no device updates
+    (["--jobs", "0"], "--jobs must be at least 1"),
     (["--gpu-opt-every", "2", "--resident-opt", "-2"], "resident_opt must be a count >= 0"),
 ])
 def test_plan_cli_refuses_with_one_clear_message(tmp_path, capsys, argv, msg):
@@ -84,7 +106,8 @@ def test_viz_draws_simulated_and_measured_on_one_picture(tmp_path, capsys):
     from megatrain.ir import Schedule
     from megatrain.planner.simulate import Timeline
 
-    assert main(["plan", "--preset", "qwen2.5-0.5b", "--tokens", "8192", "--steps", "1", "--out", str(tmp_path)]) == 0
+    assert main(["plan", "--preset", "qwen2.5-0.5b", "--tokens", "8192", "--steps", "1", "--gpu-opt-every", "0",
+                 "--out", str(tmp_path)]) == 0
     sim_text = (tmp_path / "plan.trace.json").read_text()
     s = Schedule.from_text((tmp_path / "schedule.txt").read_text())
     # a "measured" timeline: the simulated one stretched by 1.3 (what a recorder on the GPU writes)

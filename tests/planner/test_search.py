@@ -1,0 +1,103 @@
+"""The plan search against an exhaustive reference, on worker processes, and the shortcuts it takes: one build per
+candidate (the saved-activation choices change only the config), full verification only for a candidate that would
+be chosen."""
+
+import dataclasses
+
+import pytest
+
+from megatrain.ir import ScheduleConfig
+from megatrain.planner import search
+from megatrain.planner.cost import slot_params
+from megatrain.planner.graph import preset
+from megatrain.planner.hardware import PRESETS
+from megatrain.planner.passes import build_schedule, relabel_saved
+from megatrain.planner.search import candidates, plan, unsaved, with_saved_acts
+from megatrain.planner.simulate import simulate
+from megatrain.planner.verify import ScheduleError, verify
+
+SPEC = PRESETS["h200"]
+GiB = 1 << 30
+G = preset("qwen2.5-0.5b")
+REQUEST = dict(tokens=8192, seq_len=1024)
+FIXED = dict(n_mb=2, wire_bytes=4, gpu_opt_every=None)  # every device-update set, slot count, checkpoint placement
+
+
+def reference(graph, budget):
+    """Every candidate built with its saved activations, verified in full, simulated; the first fastest."""
+    best = None
+    for cfg in candidates(graph, REQUEST["tokens"], REQUEST["seq_len"], budget, clip=True, n_steps=3, **FIXED):
+        if sum(search.host_memory(graph, cfg).values()) > SPEC.host_bytes:
+            continue
+        cfg = with_saved_acts(graph, cfg, "auto")
+        s = build_schedule(graph, cfg)
+        try:
+            verify(s, graph, SPEC)
+        except ScheduleError:
+            continue
+        tl = simulate(s, graph, SPEC)
+        key = (round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb, cfg.weight_slots)
+        if best is None or key < best[0]:
+            best = (key, s)
+    return best[1]
+
+
+@pytest.mark.parametrize("budget_gib", [None, 12])  # 12 GiB: many candidates do not fit, the saved layers are few
+def test_the_search_finds_what_verifying_every_candidate_finds(budget_gib):
+    budget = SPEC.budget_bytes if budget_gib is None else budget_gib * GiB
+    p = plan(G, SPEC, **REQUEST, budget_bytes=budget, **FIXED)
+    assert p.schedule.to_text() == reference(G, budget).to_text()
+    if budget_gib:
+        assert any("memory" in why for _, why in p.tried)  # the tight budget turned some away
+
+
+def test_worker_processes_give_the_same_plan_and_report_progress():
+    calls = {1: [], 2: []}
+    plans = {w: plan(G, SPEC, **REQUEST, workers=w, progress=lambda d, t, w=w: calls[w].append((d, t)), **FIXED)
+             for w in (1, 2)}
+    assert plans[1].schedule.to_text() == plans[2].schedule.to_text()
+    assert plans[1].tried == plans[2].tried
+    n = len(plans[1].tried)
+    for w in (1, 2):
+        assert calls[w] == [(i, n) for i in range(1, n + 1)]
+    with pytest.raises(search.PlanError, match="workers must be a positive integer"):
+        plan(G, SPEC, **REQUEST, workers=0, **FIXED)
+
+
+def test_a_candidate_that_fails_verification_is_passed_over(monkeypatch):
+    """Verification runs only on the candidate about to be chosen; one that fails it gives way to the next."""
+    first = plan(G, SPEC, **REQUEST, **FIXED)
+    real = search.verify
+
+    def refuse_the_first(s, graph, spec=None):
+        if s.config == first.schedule.config:
+            raise ScheduleError("slot-overwritten", None, "refused for the test")
+        real(s, graph, spec)
+
+    monkeypatch.setattr(search, "verify", refuse_the_first)
+    second = plan(G, SPEC, **REQUEST, **FIXED)
+    assert second.schedule.config != first.schedule.config
+    assert second.timeline.steady_step_s >= first.timeline.steady_step_s
+    assert any(c == first.schedule.config and "refused for the test" in why for c, why in second.tried)
+
+
+def test_saved_activations_change_the_config_not_the_ops():
+    cfg = ScheduleConfig(n_layers=len(G), n_steps=2, n_mb=2, mb_tokens=4096, seq_len=1024, weight_slots=3,
+                         clip=True, budget_bytes=SPEC.budget_bytes, gpu_opt=(0, 2, 4), resident_opt=(0, 2, 4))
+    saved = dataclasses.replace(cfg, saved_acts=(20, 21, 22), saved_lean=True)
+    base = build_schedule(G, unsaved(saved))
+    assert relabel_saved(base, saved).ops == build_schedule(G, saved).ops
+    assert relabel_saved(base, saved).config == saved
+    with pytest.raises(ValueError, match="differ in more than the saved activations"):
+        relabel_saved(base, dataclasses.replace(saved, weight_slots=4))
+
+
+def test_slot_params_of_the_same_ops_are_a_fresh_copy():
+    s = build_schedule(G, ScheduleConfig(n_layers=len(G), n_steps=1, n_mb=2, mb_tokens=4096, seq_len=1024,
+                                         weight_slots=3, budget_bytes=SPEC.budget_bytes))
+    a = slot_params(G, s)
+    a["w"][0] = -1  # the caller's to change
+    b = slot_params(G, dataclasses.replace(s, config=dataclasses.replace(s.config, saved_lean=True)))
+    assert b["w"][0] == max(G.weight_params(op.layer) for op in s.ops if ("w", 0) in op.slots)
+    other = build_schedule(G, dataclasses.replace(s.config, weight_slots=2))
+    assert len(slot_params(G, other)["w"]) == 2 and len(slot_params(G, s)["w"]) == 3

@@ -108,7 +108,7 @@ def _plan(args) -> int:
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
         + f") of {spec.host_bytes / GiB:.0f} GiB: {'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}",
-        f"searched   {len(p.tried)} candidate plans in {searched_s:.1f} s ({jobs} processes)",
+        f"searched   {len(p.tried)} candidate plans in {searched_s:.1f} s ({jobs} process{'es' if jobs > 1 else ''})",
         f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
     ]
     print("\n".join(lines))

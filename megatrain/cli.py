@@ -49,12 +49,13 @@ def _plan(args) -> int:
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
         jobs = args.jobs or os.cpu_count() or 1
+        on = f"{jobs} process{'es' if jobs > 1 else ''}"
         t0 = time.perf_counter()
         with tqdm(desc="megatrain plan: searching", unit=" plans", file=sys.stderr, disable=None,
                   leave=False) as bar:
             def progress(done: int, total: int) -> None:
                 if bar.disable and bar.total is None:  # no terminal: one line instead of a bar
-                    print(f"megatrain plan: searching {total} candidate plans on {jobs} processes", file=sys.stderr)
+                    print(f"megatrain plan: searching {total} candidate plans on {on}", file=sys.stderr)
                 bar.total = total
                 bar.update(done - bar.n)
 
@@ -108,7 +109,7 @@ def _plan(args) -> int:
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
         + f") of {spec.host_bytes / GiB:.0f} GiB: {'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}",
-        f"searched   {len(p.tried)} candidate plans in {searched_s:.1f} s ({jobs} process{'es' if jobs > 1 else ''})",
+        f"searched   {len(p.tried)} candidate plans in {searched_s:.1f} s ({on})",
         f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
     ]
     print("\n".join(lines))

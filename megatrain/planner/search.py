@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass, field, replace
@@ -201,7 +202,7 @@ def with_saved_acts(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
     chosen only where the memory buys something: for "auto" when it keeps more layers than keeping everything
     would, for a count when keeping everything in that many layers does not fit the budget. ``base``: the schedule
     of :func:`unsaved` ``(cfg)`` where the caller has it (built here otherwise, once)."""
-    if base is None and choice != 0:
+    if base is None and choice == "auto":  # built once for both fillings below (a count needs it only to check fit)
         base = build_schedule(graph, unsaved(cfg))
     full = replace(cfg, saved_lean=False)
     full = replace(full, saved_acts=saved_act_layers(graph, full, choice, base))
@@ -211,7 +212,8 @@ def with_saved_acts(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
     lean = replace(lean, saved_acts=saved_act_layers(graph, lean, choice, base))
     if choice == "auto":
         return lean if len(lean.saved_acts) > len(full.saved_acts) else full
-    fits = device_memory(graph, relabel_saved(base, full)).total_nbytes <= cfg.budget_bytes
+    full_schedule = build_schedule(graph, full) if base is None else relabel_saved(base, full)
+    fits = device_memory(graph, full_schedule).total_nbytes <= cfg.budget_bytes
     return full if fits else lean
 
 
@@ -262,15 +264,13 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)
     job = functools.partial(_try, graph, spec, budget, saved_acts)
     outcomes = []
-    if workers > 1 and len(configs) > 1:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(configs))) as pool:
-            for out in pool.map(job, configs, chunksize=max(1, len(configs) // (8 * workers))):
-                outcomes.append(out)
-                if progress is not None:
-                    progress(len(outcomes), len(configs))
-    else:
-        for cfg in configs:
-            outcomes.append(job(cfg))
+    with contextlib.ExitStack() as stack:
+        results = map(job, configs)
+        if workers > 1 and len(configs) > 1:
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(configs))))
+            results = pool.map(job, configs, chunksize=max(1, len(configs) // (8 * workers)))
+        for out in results:  # in the order of configs either way
+            outcomes.append(out)
             if progress is not None:
                 progress(len(outcomes), len(configs))
     tried: list[tuple[ScheduleConfig, str]] = [(cfg, why) for cfg, why, _ in outcomes]

@@ -23,7 +23,7 @@ from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepO
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
-from megatrain.runtime.store import HostStore
+from megatrain.runtime.store import HostStore, available_host_bytes, check_checkpoint, store_nbytes
 
 
 # Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)
@@ -335,10 +335,13 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     """
     from megatrain.planner.hardware import hardware as hardware_spec
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = _device(device)
     dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware or
                                                                             ("h200" if dev.type == "cuda" else "cpu"))
+    host_free = available_host_bytes() if hardware is None else None  # a spec given is taken at its word
+    if host_free is not None:  # plan with this machine's host memory, not the preset's
+        spec = replace(spec, host_bytes=host_free)
     if dev.type == "cuda":
         _check_device_memory(dev, spec)
     if "gpu_opt_every" not in plan:  # on the H200 faster at every size measured (docs/benchmarks.md); on the CPU
@@ -358,6 +361,17 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if checkpoint is not None and init_seed is not None:
         raise ValueError("pass checkpoint= or init_seed=, not both")
     cap = capture(model, act_dtype_bytes=torch.finfo(dtype).bits // 8)
+    if checkpoint is not None:
+        check_checkpoint(cap, checkpoint)  # names, shapes and readability, before the store takes its memory
+    need = store_nbytes(cap, shadow=opts.wire == "bf16")
+    if need > spec.host_bytes:
+        n = sum(seg.numel for seg in cap.segments)
+        have = (f"the {fmt_bytes(spec.host_bytes)} this machine has available" if host_free is not None else
+                f"the {fmt_bytes(spec.host_bytes)} of host memory the hardware spec {spec.name!r} gives")
+        raise ValueError(
+            f"host memory: the host store of this model needs {fmt_bytes(need)} ({n / 1e9:.3f}B parameters x "
+            f"{need // n} bytes: fp32 master weights, two Adam moments and the gradient"
+            f"{', and the bf16 copy a bf16 wire sends' if opts.wire == 'bf16' else ''}), more than {have}")
     store = HostStore(cap, pin=dev.type == "cuda")
     if checkpoint is not None:
         store.load_safetensors(checkpoint)
@@ -370,6 +384,25 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         raise ValueError("streams=True needs a CUDA device")
     return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels,
                          use_streams)
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    """The device to run on (default: CUDA when present), refused with one message where it cannot be used."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device name torch knows ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: megatrain runs on 'cpu' or 'cuda'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(f"device {device!r}: torch {torch.__version__} ({build}) sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def _check_device_memory(dev: torch.device, spec: HardwareSpec) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,6 +26,11 @@ def _model(args):
     return preset(args.preset)
 
 
+def _n(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural where it is not one."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("ch", "s")) else "s")
+
+
 def _plan(args) -> int:
     from tqdm import tqdm
 
@@ -36,6 +42,10 @@ def _plan(args) -> int:
     try:
         graph = _model(args)
         spec = hardware(args.hardware)
+        if args.host_gib is not None:
+            if not args.host_gib > 0:
+                raise ValueError(f"--host-gib must be positive, got {args.host_gib}")
+            spec = dataclasses.replace(spec, host_bytes=int(args.host_gib * GiB))
         every = args.gpu_opt_every
         if every is None:  # what compile() does on that device: device updates on a GPU, none on the CPU
             every = "0" if spec.name == "cpu" else "auto"
@@ -49,13 +59,13 @@ def _plan(args) -> int:
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
         jobs = args.jobs or os.cpu_count() or 1
-        on = f"{jobs} process{'es' if jobs > 1 else ''}"
+        on = _n(jobs, "process")
         t0 = time.perf_counter()
         with tqdm(desc="megatrain plan: searching", unit=" plans", file=sys.stderr, disable=None,
                   leave=False) as bar:
             def progress(done: int, total: int) -> None:
                 if bar.disable and bar.total is None:  # no terminal: one line instead of a bar
-                    print(f"megatrain plan: searching {total} candidate plans on {on}", file=sys.stderr)
+                    print(f"megatrain plan: searching {_n(total, 'candidate plan')} on {on}", file=sys.stderr)
                 bar.total = total
                 bar.update(done - bar.n)
 
@@ -81,7 +91,8 @@ def _plan(args) -> int:
         f"model      {graph.name}: {len(graph)} layers, {graph.n_params / 1e9:.3f}B params",
         f"hardware   {spec.name}: {spec.gpu_bytes / GiB:.0f} GiB device, budget {cfg.budget_bytes / GiB:.1f} GiB, "
         f"host {spec.host_bytes / GiB:.0f} GiB",
-        f"batch      {args.tokens} tokens/step = {cfg.n_mb} micro-batches x {cfg.mb_tokens} tokens (seq {args.seq})",
+        f"batch      {args.tokens} tokens/step = {_n(cfg.n_mb, 'micro-batch')} x {cfg.mb_tokens} tokens "
+        f"(seq {args.seq})",
         f"plan       {cfg.weight_slots} weight slots, {cfg.grad_slots} gradient slots, "
         f"{mem.slot_count['a']} activation slots; weights on the wire as "
         f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
@@ -109,7 +120,7 @@ def _plan(args) -> int:
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
         + f") of {spec.host_bytes / GiB:.0f} GiB: {'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}",
-        f"searched   {len(p.tried)} candidate plans in {searched_s:.1f} s ({on})",
+        f"searched   {_n(len(p.tried), 'candidate plan')} in {searched_s:.1f} s ({on})",
         f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
     ]
     print("\n".join(lines))
@@ -119,8 +130,6 @@ def _plan(args) -> int:
 
 
 def _train(args) -> int:
-    import dataclasses
-
     from megatrain.data import DataError
     from megatrain.train import TrainConfig, load_yaml, run
 
@@ -205,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--data", help=".txt or .jsonl (field 'text'); default: Python's own documentation")
     for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
-                           ("warmup", int, "warmup steps (30)"), ("weight_decay", float, "AdamW weight decay (0.1)"),
+                           ("warmup", int, "warmup steps (a tenth of the steps, at most 30)"),
+                           ("weight_decay", float, "AdamW weight decay (0.1)"),
                            ("clip", float, "global-norm clipping threshold (1.0)"),
                            ("mb", int, "micro-batches per step (2)"),
                            ("slots", _slots, "weight slots (2; all: one per layer)"),
@@ -234,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=1024, help="sequence length")
     p.add_argument("--hardware", default="h200", help="hardware preset (h200, h100, cpu) or a JSON spec file")
     p.add_argument("--budget-gib", type=float, help="device memory the plan may use (default: the card's less reserve)")
+    p.add_argument("--host-gib", type=float, help="host memory the plan may use (default: the hardware spec's)")
     p.add_argument("--mb", type=int, help="fix the number of micro-batches")
     p.add_argument("--slots", type=_slots, help="fix the number of weight slots (all: one per layer)")
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")

@@ -62,11 +62,17 @@ def default_corpus() -> str:
 def read_text(path: str | Path) -> str:
     """A .txt file as is; a .jsonl file's "text" fields joined by blank lines."""
     p = Path(path)
+    if p.is_dir():
+        raise DataError(f"data path {p} is a directory; give a .txt or .jsonl file")
     if not p.is_file():
         raise DataError(f"data file {p} does not exist")
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if p.suffix == ".jsonl":
         texts = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        for n, line in enumerate(raw.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -77,7 +83,7 @@ def read_text(path: str | Path) -> str:
                 raise DataError(f"{p}:{n}: each line must be an object with a string field \"text\"")
             texts.append(rec["text"])
         return "\n\n".join(texts)
-    return p.read_text(encoding="utf-8")
+    return raw
 
 
 def build_tokenizer(text: str, vocab_size: int):

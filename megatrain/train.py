@@ -7,12 +7,16 @@ import dataclasses
 import json
 import sys
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatrain.data import DataError, TokenStream, build_tokenizer, default_corpus, read_text
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}
+MIN_VOCAB = 257  # the byte-level BPE's initial alphabet and its one special token
 
 TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -26,7 +30,7 @@ class TrainConfig:
     batch: int = 16  # sequences per step
     seq: int = 128  # tokens per sequence
     lr: float = 3e-3
-    warmup: int = 30  # warmup steps, then cosine decay to lr / 10
+    warmup: int | None = None  # warmup steps, then cosine decay to lr / 10; None: a tenth of the steps, at most 30
     weight_decay: float = 0.1
     clip: float | None = 1.0  # global-norm clipping; None: off
     mb: int = 2  # micro-batches per step
@@ -44,10 +48,21 @@ class TrainConfig:
     device: str | None = None  # default: cuda when present, else cpu
     out: str | None = None  # default: megatrain-runs/<UTC time>
 
+    @property
+    def warmup_steps(self) -> int:
+        return min(30, self.steps // 10) if self.warmup is None else self.warmup
+
     def check(self) -> None:
-        for name in ("steps", "batch", "seq", "mb", "vocab"):
+        self._check_types()
+        for name in ("steps", "batch", "mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.seq < 2:
+            raise ValueError(f"seq must be at least 2 (each token is predicted from the ones before it), got "
+                             f"{self.seq}")
+        if self.vocab < MIN_VOCAB:
+            raise ValueError(f"vocab must be at least {MIN_VOCAB} (the byte-level tokenizer's 256 bytes and "
+                             f"end-of-text), got {self.vocab}")
         from megatrain.api import PlanOptions
 
         # the plan options' own checks
@@ -56,8 +71,23 @@ class TrainConfig:
                     resident_opt=self.resident_opt)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
-        if not self.lr > 0 or self.warmup < 0 or self.warmup >= self.steps:
-            raise ValueError(f"need lr > 0 and 0 <= warmup ({self.warmup}) < steps ({self.steps})")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"need 0 <= warmup ({self.warmup_steps}) < steps ({self.steps})")
+
+    def _check_types(self) -> None:
+        """Each value of the type its field declares (a YAML file can hold anything); an int serves a float."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
+            if v is None and type(None) in allowed:
+                continue
+            if isinstance(v, bool) or not any(isinstance(v, int if a is float else a) or isinstance(v, a)
+                                              for a in allowed if a is not type(None)):
+                names = " or ".join(_TYPE_NAMES[a] for a in allowed)
+                raise ValueError(f"{f.name} must be {names}, got {v!r}")
 
 
 def load_yaml(path: str) -> dict:
@@ -67,6 +97,9 @@ def load_yaml(path: str) -> dict:
     if not p.is_file():
         raise ValueError(f"config file {p} does not exist")
     d = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{p}: expected a mapping of option names to values, got a {type(d).__name__}")
+    d = {str(k).replace("-", "_"): v for k, v in d.items()}  # the flags' spelling works too
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(d) - names)
     if unknown:
@@ -99,18 +132,12 @@ def _tokenizer(model_dir: Path | None, text: str, vocab: int):
     return build_tokenizer(text, vocab)
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train; returns the summary (also written to ``<out>/summary.json``)."""
+def _prepare(cfg: TrainConfig):
+    """Model config, tokenizer, data and the compiled model with its schedule; raises on any bad input."""
     from transformers import AutoModelForCausalLM
 
     import megatrain
-    from megatrain.planner.dump import plot
-    from megatrain.planner.simulate import simulate
 
-    cfg.check()
-    out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"output directory {out} is not empty; choose another --out")
     model_cfg, model_dir = _model_config(cfg.model, cfg.vocab, cfg.seq)
     text = default_corpus() if cfg.data is None else read_text(cfg.data)
     source = "the default corpus" if cfg.data is None else cfg.data
@@ -125,14 +152,37 @@ def run(cfg: TrainConfig) -> dict:
         model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa")
     weights = model_dir if model_dir is not None and any(model_dir.glob("model*.safetensors")) else None
     optim = megatrain.OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip,
-                                  warmup_steps=cfg.warmup, total_steps=cfg.steps, min_lr=cfg.lr / 10)
+                                  warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.lr / 10)
     sm = megatrain.compile(model, checkpoint=weights, init_seed=None if weights else cfg.seed, optim=optim,
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
                            host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
-    schedule = sm.schedule_for(cfg.batch, cfg.seq)
-    out.mkdir(parents=True, exist_ok=True)
+    return model_cfg, tok, ids, stream, source, sm, sm.schedule_for(cfg.batch, cfg.seq)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train; returns the summary (also written to ``<out>/summary.json``)."""
+    from megatrain.planner.dump import plot
+    from megatrain.planner.simulate import simulate
+
+    cfg.check()
+    out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} exists and is not a directory; choose another --out")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {out} is not empty; choose another --out")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"output directory {out} cannot be created ({e.strerror})") from None
+    try:
+        model_cfg, tok, ids, stream, source, sm, schedule = _prepare(cfg)
+    except BaseException:
+        if created:
+            out.rmdir()  # still empty: nothing is written before this point
+        raise
     (out / "schedule.txt").write_text(schedule.to_text())
     c = schedule.config
     plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
@@ -170,11 +220,12 @@ def run(cfg: TrainConfig) -> dict:
         "tokens_per_step": cfg.batch * cfg.seq, "first_loss": first, "final_loss_avg_last5": last,
         "loss_drop_pct": 100 * (first - last) / first, "wall_s": wall,
         "tokens_per_s": cfg.steps * cfg.batch * cfg.seq / wall, "out": str(out),
-        "config": dataclasses.asdict(cfg),
+        "warmup_steps": cfg.warmup_steps, "config": dataclasses.asdict(cfg),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"done: loss {first:.3f} -> {last:.3f} ({summary['loss_drop_pct']:.0f}% lower) in {wall:.1f} s, "
-          f"{summary['tokens_per_s']:,.0f} tokens/s; metrics {out}/metrics.jsonl, schedule {out}/schedule.png, "
+    drop = summary["loss_drop_pct"]
+    print(f"done: loss {first:.3f} -> {last:.3f} ({abs(drop):.0f}% {'lower' if drop >= 0 else 'higher'}) in "
+          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; metrics {out}/metrics.jsonl, schedule {out}/schedule.png, "
           f"weights {out}/model.safetensors")
     return summary
 

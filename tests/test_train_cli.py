@@ -44,8 +44,18 @@ def test_yaml_config_and_flags(tmp_path):
     (["--batch", "5", "--mb", "2"], "batch (5) must be a multiple of mb (2)"),
     (["--warmup", "400"], "warmup (400) < steps (300)"),
     (["--model", "/nonexistent"], "neither tiny-llama, a preset, nor a directory with config.json"),
+    (["--seq", "1"], "seq must be at least 2"),
+    (["--vocab", "10"], "vocab must be at least 257"),
+    (["--lr", "-1"], "lr must be positive, got -1.0"),
+    (["--device", "tpu"], "device 'tpu' is not a device name torch knows"),
+    (["--data", "/"], "data path / is a directory; give a .txt or .jsonl file"),
+    (["--model", "qwen2.5-72b"], "host memory: the host store of this model needs 1083.41 GiB (72.706B parameters "
+                                 "x 16 bytes"),
 ])
-def test_bad_input_is_refused_with_one_message(tmp_path, capsys, argv, msg):
+def test_bad_input_is_refused_with_one_message(tmp_path, capsys, monkeypatch, argv, msg):
+    import megatrain.api
+
+    monkeypatch.setattr(megatrain.api, "available_host_bytes", lambda: 64 << 30)  # any machine's answer
     out = tmp_path / "run"
     assert main(["train", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -78,3 +88,61 @@ def test_weight_slots_from_a_config_file_are_checked(tmp_path, capsys):
     assert not (tmp_path / "a").exists()
     assert main(["train", "--config", str(good), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["config"]["slots"] == "all"
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("lr: fast\n", "lr must be a number, got 'fast'"),
+    ("mb: 2.5\n", "mb must be an integer, got 2.5"),
+    ("steps: true\n", "steps must be an integer, got True"),
+    ("model: [1, 2]\n", "model must be a string, got [1, 2]"),
+    ("clip: high\n", "clip must be a number or null, got 'high'"),
+    ("- steps\n", "expected a mapping of option names to values, got a list"),
+    ("stepz: 3\n", "unknown keys ['stepz']"),
+])
+def test_config_file_values_are_checked(tmp_path, capsys, text, msg):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "a")]) == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
+def test_short_runs_get_a_short_warmup_and_config_keys_take_the_flags_spelling(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("steps: 3\nbatch: 4\nseq: 32\ngpu-opt-every: 0\nweight_decay: 0\n")  # int for a float
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["warmup_steps"] == 0 and summary["config"]["warmup"] is None
+    assert summary["config"]["gpu_opt_every"] == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["lr"] == pytest.approx(3e-3)  # no warmup: the first step at the peak rate
+
+
+def test_bad_files_are_refused_and_the_run_directory_left_as_it_was(tmp_path, capsys):
+    binary = tmp_path / "b.txt"
+    binary.write_bytes(b"ok \xff\xfe not text")
+    afile = tmp_path / "afile"
+    afile.write_text("keep me\n")
+    # a model directory whose weights file is cut short
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--out", str(run)]) == 0
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (cut / f).write_bytes((run / f).read_bytes())
+    (cut / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes()[:1000])
+    capsys.readouterr()
+    for argv, msg in [
+        (["--data", str(binary)], f"{binary} is not UTF-8 text (invalid start byte at byte 3)"),
+        (["--model", str(cut)], f"{cut / 'model.safetensors'} is not a readable safetensors file"),
+    ]:
+        out = tmp_path / "new" / "run"
+        assert main(["train", *argv, "--out", str(out)]) == 2
+        assert msg in capsys.readouterr().err
+        assert not out.exists()  # made for the run, removed again when it could not start
+    assert main(["train", "--out", str(afile)]) == 2
+    assert f"output path {afile} exists and is not a directory" in capsys.readouterr().err
+    assert main(["train", "--out", str(afile / "sub")]) == 2
+    assert f"output directory {afile / 'sub'} cannot be created (Not a directory)" in capsys.readouterr().err
+    assert afile.read_text() == "keep me\n"

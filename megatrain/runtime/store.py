@@ -15,6 +15,76 @@ from megatrain.planner.capture import Captured
 ROWS = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
+def available_host_bytes(root: Path = Path("/")) -> int | None:
+    """Host memory this process can still allocate: the kernel's ``MemAvailable``, less where a cgroup (a container's
+    limit) leaves less. None where neither can be read (not Linux). ``root``: where /proc and /sys are (tests)."""
+    found = []
+    try:
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("memory.max", "memory.current"),  # cgroup v2
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # cgroup v1
+        try:
+            cap = (root / "sys/fs/cgroup" / limit).read_text().strip()
+            used = (root / "sys/fs/cgroup" / usage).read_text().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and used.isdigit() and int(cap) < 1 << 60:  # "max" or a huge number: no limit
+            found.append(max(0, int(cap) - int(used)))
+    return min(found) if found else None
+
+
+def store_nbytes(captured: Captured, *, shadow: bool = False) -> int:
+    """Host bytes a :class:`HostStore` of ``captured`` takes: four fp32 rows per owned parameter, and with ``shadow``
+    the bf16 copy of the masters a bf16 wire sends."""
+    n = sum(seg.numel for seg in captured.segments)
+    return n * (4 * len(ROWS) + (2 if shadow else 0))
+
+
+def check_checkpoint(captured: Captured, directory: str | Path) -> list[Path]:
+    """The files of an HF-layout safetensors checkpoint for ``captured``, refused with one message naming the file
+    and the problem (unreadable, a tensor the model lacks or of another shape, a parameter missing) from the
+    headers alone, before any weight is read or any store allocated."""
+    from safetensors import SafetensorError, safe_open
+
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+    elif (d / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{d} holds neither model.safetensors nor model.safetensors.index.json")
+    names, seen = captured.model_param_names, set()
+    for f in files:
+        path = d / f
+        if not path.is_file():
+            raise FileNotFoundError(f"{index}: names {f}, which {d} does not hold")
+        try:
+            with safe_open(str(path), framework="pt") as sf:
+                shapes = {key: tuple(sf.get_slice(key).get_shape()) for key in sf.keys()}
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+        for key, shape in shapes.items():
+            canon = captured.tied_names.get(key, key)
+            if canon not in names:
+                raise ValueError(f"{path}: tensor {key!r} is not a parameter of the captured model")
+            if shape != tuple(names[canon][2]):
+                raise ValueError(f"{path}: tensor {key!r} has shape {shape}, the model expects "
+                                 f"{tuple(names[canon][2])}")
+            seen.add(canon)
+    missing = sorted(set(names) - seen)
+    if missing:
+        raise ValueError(f"{d}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    return [d / f for f in files]
+
+
 def pinned_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Zeros in page-locked host memory of exactly the requested size.
 
@@ -130,29 +200,14 @@ class HostStore:
 
     def load_safetensors(self, directory: str | Path) -> None:
         """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index),
-        one tensor at a time, so host memory holds one tensor beyond the store."""
+        one tensor at a time, so host memory holds one tensor beyond the store. The checkpoint is checked first
+        (:func:`check_checkpoint`)."""
         from safetensors import safe_open
 
-        d = Path(directory)
-        index = d / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (d / "model.safetensors").exists():
-            files = ["model.safetensors"]
-        else:
-            raise FileNotFoundError(f"{d} holds neither model.safetensors nor model.safetensors.index.json")
-        seen = set()
-        for f in files:
-            with safe_open(str(d / f), framework="pt") as sf:
+        for f in check_checkpoint(self.captured, directory):
+            with safe_open(str(f), framework="pt") as sf:
                 for key in sf.keys():
-                    canon = self.captured.tied_names.get(key, key)
-                    if canon not in self.captured.model_param_names:
-                        raise KeyError(f"{d / f}: tensor {key!r} is not a parameter of the captured model")
                     self.load_state({key: sf.get_tensor(key)})
-                    seen.add(canon)
-        missing = sorted(set(self.captured.model_param_names) - seen)
-        if missing:
-            raise KeyError(f"{d}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The master weights under the model's own names (tied names included), as views into the store."""

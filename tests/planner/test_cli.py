@@ -78,6 +78,19 @@ def test_plan_cli_defaults_to_what_compile_does_on_the_device(tmp_path, capsys):
     assert "updated on the GPU" not in capsys.readouterr().out
 
 
+def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
+    """72B needs 1,083 GiB of host store: refused on the h200 preset's 125 GiB host, planned with --host-gib."""
+    one = ["plan", "--preset", "qwen2.5-72b", "--tokens", "16384", "--mb", "1", "--slots", "3", "--wire", "fp32",
+           "--host-checkpoints", "81", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "2"]
+    assert main([*one, "--out", str(tmp_path / "a")]) == 2
+    assert "1083.41 GiB, the h200 host has 125.00 GiB" in capsys.readouterr().err
+    assert main([*one, "--host-gib", "1500", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "host 1500 GiB" in out and "1 micro-batch x 16384 tokens" in out and "1 candidate plan in" in out
+    assert re.search(r"^host       1103\.7 GiB needed \(store 1083\.4, checkpoints 20\.2\) of 1500 GiB: fits$", out,
+                     re.M), out
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--preset", "qwen2.5-72b"], "does not fit host memory"),
     (["--gpu-opt-every", "-1"], "gpu_opt_every must be >= 0"),
@@ -91,6 +104,8 @@ def test_plan_cli_defaults_to_what_compile_does_on_the_device(tmp_path, capsys):
      "but gpu_opt_every=0"),  # the cpu's default: no device updates
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--gpu-opt-every", "2", "--resident-opt", "-2"], "resident_opt must be a count >= 0"),
+    (["--host-gib", "-3"], "--host-gib must be positive, got -3.0"),
+    (["--host-gib", "100"], "113.48 GiB, the h200 host has 100.00 GiB"),
 ])
 def test_plan_cli_refuses_with_one_clear_message(tmp_path, capsys, argv, msg):
     assert main(["plan", *argv, "--out", str(tmp_path / "x")]) == 2

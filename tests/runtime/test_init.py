@@ -52,6 +52,53 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         compile_cpu(meta_model(), checkpoint=tmp_path)
 
 
+def test_a_bad_checkpoint_is_refused_from_its_headers_before_the_store(tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatrain import api
+
+    from .models import hf_model
+
+    good = tmp_path / "good"
+    hf_model("llama").save_pretrained(good)
+    blob = (good / "model.safetensors").read_bytes()
+
+    def refuse(*a, **k):
+        raise AssertionError("the host store was allocated")
+
+    monkeypatch.setattr(api, "HostStore", refuse)
+    cases = {
+        "truncated": (blob[:1000], ValueError, "model.safetensors is not a readable safetensors file"),
+        "garbage": (b"hello\n", ValueError, "model.safetensors is not a readable safetensors file"),
+    }
+    for name, (data, err, msg) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(data)
+        with pytest.raises(err, match=msg):
+            compile_cpu(meta_model(), checkpoint=tmp_path / name)
+    sd = hf_model("llama").state_dict()
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    save_file({k: v for k, v in sd.items() if "layers.2." not in k}, str(partial / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint lacks 9 parameters, e\.g\. \['model\.layers\.2\."):
+        compile_cpu(meta_model(), checkpoint=partial)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    save_file({**sd, "model.layers.9.foo": torch.zeros(2)}, str(extra / "model.safetensors"))
+    with pytest.raises(ValueError, match="tensor 'model.layers.9.foo' is not a parameter of the captured model"):
+        compile_cpu(meta_model(), checkpoint=extra)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="names model-1.safetensors, which .* does not hold"):
+        compile_cpu(meta_model(), checkpoint=sharded)
+    (sharded / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a safetensors index with a weight_map"):
+        compile_cpu(meta_model(), checkpoint=sharded)
+
+
 def test_plain_module_seeded_init_uses_reset_parameters():
     with torch.device("meta"):
         m = TinyGPT()

@@ -1,0 +1,123 @@
+"""compile() refuses what it cannot run with one message, before the host store is allocated."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import megatrain
+from megatrain import api
+from megatrain.planner.capture import capture
+from megatrain.planner.hardware import PRESETS
+from megatrain.runtime.store import available_host_bytes, store_nbytes
+
+from .models import hf_config, hf_model
+
+GiB = 1 << 30
+
+
+def _meta_model(**kw):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config("llama", **kw), attn_implementation="sdpa")
+
+
+def _no_store(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the host store was allocated")
+
+    monkeypatch.setattr(api, "HostStore", refuse)
+
+
+def test_store_bytes_are_four_fp32_rows_per_parameter():
+    model = hf_model("llama")
+    n = sum(p.numel() for p in model.parameters())  # untied: every parameter owned once
+    cap = capture(model)
+    assert store_nbytes(cap) == 16 * n
+    assert store_nbytes(cap, shadow=True) == 18 * n
+    sm = megatrain.compile(model, device="cpu")
+    assert sum(sm.store.nbytes.values()) == store_nbytes(cap)
+
+
+def test_a_model_larger_than_host_memory_is_refused_before_the_store(monkeypatch):
+    model = _meta_model(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, vocab_size=32000,
+                        num_attention_heads=32, num_key_value_heads=32)  # Llama-2-7B's shape, on meta
+    n = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(api, "available_host_bytes", lambda: 64 * GiB)
+    _no_store(monkeypatch)
+    with pytest.raises(ValueError) as e:
+        megatrain.compile(model, device="cpu", init_seed=0)
+    msg = str(e.value)
+    assert f"needs {16 * n / GiB:.2f} GiB ({n / 1e9:.3f}B parameters x 16 bytes" in msg, msg
+    assert "more than the 64.00 GiB this machine has available" in msg
+    with pytest.raises(ValueError, match=r"x 18 bytes: .*and the bf16 copy a bf16 wire sends"):
+        megatrain.compile(model, device="cpu", init_seed=0, compute_dtype=torch.bfloat16, wire="bf16")
+
+
+def test_the_limit_is_exact_and_the_plan_gets_this_machines_host_memory(monkeypatch):
+    model = hf_model("llama")
+    need = store_nbytes(capture(model))
+    monkeypatch.setattr(api, "available_host_bytes", lambda: need - 1)
+    with pytest.raises(ValueError, match="host memory: the host store of this model needs"):
+        megatrain.compile(model, device="cpu")
+    monkeypatch.setattr(api, "available_host_bytes", lambda: need)
+    sm = megatrain.compile(model, device="cpu")
+    assert sm.hardware.host_bytes == need  # what the planner checks host checkpoints against
+    assert sm.hardware.gpu_bytes == PRESETS["cpu"].gpu_bytes
+    # a spec given is taken at its word: its host memory is the limit, whatever the machine reports (a VM whose
+    # memory grows as it is used reports too little at first)
+    assert megatrain.compile(model, device="cpu", hardware="cpu").hardware == PRESETS["cpu"]
+    small = dataclasses.replace(PRESETS["cpu"], name="small", host_bytes=need - 1)
+    with pytest.raises(ValueError, match=r"more than the .* of host memory the hardware spec 'small' gives"):
+        megatrain.compile(model, device="cpu", hardware=small)
+
+
+@pytest.mark.parametrize("device,msg", [
+    ("tpu", "device 'tpu' is not a device name torch knows"),
+    ("meta", "device 'meta': megatrain runs on 'cpu' or 'cuda'"),
+    pytest.param("cuda", "device 'cuda': torch .* sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
+])
+def test_a_device_that_cannot_run_is_refused(monkeypatch, device, msg):
+    _no_store(monkeypatch)
+    with pytest.raises(ValueError, match=msg):
+        megatrain.compile(hf_model("llama"), device=device)
+
+
+def _fake_root(tmp_path, meminfo_kb=None, v2=None, v1=None):
+    if meminfo_kb is not None:
+        (tmp_path / "proc").mkdir(parents=True)
+        (tmp_path / "proc/meminfo").write_text(f"MemTotal: {2 * meminfo_kb} kB\nMemFree: 1 kB\n"
+                                               f"MemAvailable: {meminfo_kb} kB\n")
+    cg = tmp_path / "sys/fs/cgroup"
+    if v2 is not None:
+        cg.mkdir(parents=True)
+        (cg / "memory.max").write_text(f"{v2[0]}\n")
+        (cg / "memory.current").write_text(f"{v2[1]}\n")
+    if v1 is not None:
+        (cg / "memory").mkdir(parents=True)
+        (cg / "memory/memory.limit_in_bytes").write_text(f"{v1[0]}\n")
+        (cg / "memory/memory.usage_in_bytes").write_text(f"{v1[1]}\n")
+    return tmp_path
+
+
+def test_available_host_bytes_takes_the_tighter_of_the_kernel_and_the_cgroup(tmp_path):
+    assert available_host_bytes(_fake_root(tmp_path / "a", meminfo_kb=10 * 1024 * 1024)) == 10 * GiB
+    assert available_host_bytes(_fake_root(tmp_path / "b", 10 * 1024 * 1024, v2=(4 * GiB, GiB))) == 3 * GiB
+    assert available_host_bytes(_fake_root(tmp_path / "c", 10 * 1024 * 1024, v2=("max", GiB))) == 10 * GiB
+    assert available_host_bytes(_fake_root(tmp_path / "d", 1024 * 1024, v1=(4 * GiB, GiB))) == GiB
+    assert available_host_bytes(_fake_root(tmp_path / "e", 1024 * 1024, v1=(2**63 - 4096, GiB))) == GiB
+    assert available_host_bytes(_fake_root(tmp_path / "f", v2=(4 * GiB, 5 * GiB))) == 0
+    (tmp_path / "g").mkdir()
+    assert available_host_bytes(tmp_path / "g") is None
+
+
+def test_available_host_bytes_on_this_machine():
+    got = available_host_bytes()
+    if os.path.exists("/proc/meminfo"):
+        total = int(next(x for x in open("/proc/meminfo") if x.startswith("MemTotal:")).split()[1]) * 1024
+        assert 0 < got <= total
+    else:
+        assert got is None

@@ -19,6 +19,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.search import check_resident
 from megatrain.planner.verify import verify
+from megatrain.runtime import checkpoint as train_state
 from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepOutput
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
@@ -297,6 +298,30 @@ class StreamedModel:
         self.executor.sync_resident()
         return self.store.state_dict()
 
+    # ---- training state ---------------------------------------------------------------------------------
+    def save_state(self, directory: str | Path, extra: dict | None = None) -> Path:
+        """Save what training needs to go on exactly from here: master weights, Adam moments, step counts, and
+        ``extra`` (JSON, e.g. the data order) into ``directory`` (:mod:`megatrain.runtime.checkpoint`). Waits for
+        the last step's updates; a state saved there before is replaced only once the new one is complete."""
+        self.wait()
+        self.executor.sync_resident()
+        opt = self.optimizer
+        steps = {l: int(o.state[opt.params[l]]["step"]) for l, o in opt.opts.items()}
+        return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
+
+    def load_state(self, directory: str | Path) -> dict:
+        """Go on from a state :meth:`save_state` wrote (for this model: checked before anything changes); returns
+        its ``extra``. The next ``train_step`` is the saved step's successor, with the same learning rate and
+        Adam bias corrections as an unbroken run."""
+        self.wait()
+        m = train_state.load(self.store, directory)
+        opt = self.optimizer
+        for l, o in opt.opts.items():
+            o.state[opt.params[l]]["step"].fill_(float(m["optimizer_steps"][str(l)]))
+        self.step = m["step"]
+        self.executor.set_step(m["step"])
+        return m["extra"]
+
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
         """Write the trained weights into ``model`` (same architecture), in place."""
@@ -318,6 +343,7 @@ class StreamedModel:
 
 
 def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed: int | None = None,
+            state: str | Path | None = None,
             optim: OptimConfig | None = None, device: str | torch.device | None = None,
             compute_dtype: torch.dtype | None = None, hardware: str | HardwareSpec | None = None,
             kernels: bool | None = None, streams: bool | None = None, **plan) -> StreamedModel:
@@ -325,7 +351,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     :class:`StreamedModel` whose weights live in host memory.
 
     Weights come from the model itself, or, for a model built on the meta device, from ``checkpoint`` (an HF
-    safetensors directory) or ``init_seed`` (the model's own initializer, one layer at a time).
+    safetensors directory) or ``init_seed`` (the model's own initializer, one layer at a time), or ``state`` (a
+    training state :meth:`StreamedModel.save_state` wrote: weights, Adam moments and step counts, to go on from).
     Defaults: CUDA with bf16 compute when available, else CPU in fp32. ``kernels`` (default: on with CUDA) puts
     the Triton kernels into the templates (RMSNorm, SwiGLU, RoPE) and runs the loss as the fused linear +
     cross-entropy; ``StreamedModel.kernels`` lists what they replaced. On the CPU they need Triton's interpreter.
@@ -358,11 +385,13 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if use_kernels and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("kernels=True on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 before "
                          "importing megatrain")
-    if checkpoint is not None and init_seed is not None:
-        raise ValueError("pass checkpoint= or init_seed=, not both")
+    if sum(x is not None for x in (checkpoint, init_seed, state)) > 1:
+        raise ValueError("pass one of checkpoint=, init_seed= and state=")
     cap = capture(model, act_dtype_bytes=torch.finfo(dtype).bits // 8)
     if checkpoint is not None:
         check_checkpoint(cap, checkpoint)  # names, shapes and readability, before the store takes its memory
+    if state is not None:
+        train_state.read_manifest(cap, state)  # the same
     need = store_nbytes(cap, shadow=opts.wire == "bf16")
     if need > spec.host_bytes:
         n = sum(seg.numel for seg in cap.segments)
@@ -377,13 +406,15 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         store.load_safetensors(checkpoint)
     elif init_seed is not None:
         init_seeded(model, cap, store, init_seed)
-    else:
+    elif state is None:
         store.load_from_module(model)
     use_streams = dev.type == "cuda" if streams is None else streams
     if use_streams and dev.type != "cuda":
         raise ValueError("streams=True needs a CUDA device")
-    return StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels,
-                         use_streams)
+    sm = StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels, use_streams)
+    if state is not None:
+        sm.load_state(state)
+    return sm
 
 
 def _device(device: str | torch.device | None) -> torch.device:

@@ -131,15 +131,19 @@ def _plan(args) -> int:
 
 def _train(args) -> int:
     from megatrain.data import DataError
-    from megatrain.train import TrainConfig, load_yaml, run
+    from megatrain.train import TrainConfig, load_yaml, resume_config, run
 
     try:
-        values = load_yaml(args.config) if args.config else {}
-        values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                       if getattr(args, f.name, None) is not None})
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                 if f.name != "resume" and getattr(args, f.name, None) is not None}
         if args.no_clip:
-            values["clip"] = None
-        run(TrainConfig(**values))
+            given["clip"] = None
+        if args.resume:
+            if args.config:
+                raise ValueError("--resume goes on with the run's own config; --config cannot change it")
+            run(resume_config(args.resume, **given))
+        else:
+            run(TrainConfig(**{**(load_yaml(args.config) if args.config else {}), **given}))
     except (ValueError, DataError, FileNotFoundError) as e:
         print(f"megatrain train: {e}", file=sys.stderr)
         return 2
@@ -230,7 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                                                        "and moments stay on the GPU between steps (auto: the "
                                                        "planner's choice)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
-                           ("seed", int, "seed for initialization and batches (0)")]:
+                           ("seed", int, "seed for initialization and batches (0)"),
+                           ("save_every", int, "also save the training state (weights, Adam moments, step, data "
+                                               "order; in <out>/state, replaced each time) every N steps (0: at "
+                                               "the end only)"),
+                           ("resume", str, "an earlier run's directory: go on from the training state it saved, "
+                                           "with its config (--steps, --save-every, --device and --out may "
+                                           "change); writes a new run directory")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
     t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     t.add_argument("--device", help="cpu or cuda (default: cuda when present)")

@@ -3,7 +3,9 @@ from scratch on the default corpus, offline."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -14,7 +16,11 @@ from pathlib import Path
 import torch
 
 from megatrain.data import DataError, TokenStream, build_tokenizer, default_corpus, read_text
+from megatrain.runtime import checkpoint as train_state
 
+RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
+STATE_DIR = "state"  # the training state (megatrain.runtime.checkpoint), at the end and every save_every steps
+RESUME_MAY_CHANGE = ("steps", "save_every", "device", "out")
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}
 MIN_VOCAB = 257  # the byte-level BPE's initial alphabet and its one special token
 
@@ -47,6 +53,8 @@ class TrainConfig:
     seed: int = 0
     device: str | None = None  # default: cuda when present, else cpu
     out: str | None = None  # default: megatrain-runs/<UTC time>
+    save_every: int = 0  # also save the training state every this many steps (0: at the end only)
+    resume: str | None = None  # an earlier run's directory: go on from the training state it saved
 
     @property
     def warmup_steps(self) -> int:
@@ -57,6 +65,9 @@ class TrainConfig:
         for name in ("steps", "batch", "mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0 (0: save the training state at the end only), got "
+                             f"{self.save_every}")
         if self.seq < 2:
             raise ValueError(f"seq must be at least 2 (each token is predicted from the ones before it), got "
                              f"{self.seq}")
@@ -133,7 +144,8 @@ def _tokenizer(model_dir: Path | None, text: str, vocab: int):
 
 
 def _prepare(cfg: TrainConfig):
-    """Model config, tokenizer, data and the compiled model with its schedule; raises on any bad input."""
+    """Model config, tokenizer, data and the compiled model with its schedule (with ``cfg.resume``, at the saved
+    step, the data where it was); raises on any bad input."""
     from transformers import AutoModelForCausalLM
 
     import megatrain
@@ -143,22 +155,68 @@ def _prepare(cfg: TrainConfig):
     source = "the default corpus" if cfg.data is None else cfg.data
     if not text.strip():
         raise DataError(f"{source} holds no text")
-    tok = _tokenizer(model_dir, text, min(cfg.vocab, model_cfg.vocab_size) if model_dir else cfg.vocab)
+    if cfg.resume:  # the tokenizer the run began with, not one trained again
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(cfg.resume) / "tokenizer.json"))
+    else:
+        tok = _tokenizer(model_dir, text, min(cfg.vocab, model_cfg.vocab_size) if model_dir else cfg.vocab)
     if tok.get_vocab_size() > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, the model's vocabulary {model_cfg.vocab_size}")
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
+    if cfg.resume:
+        began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
+        if began.get("data_sha256") != _digest(ids):
+            raise DataError(f"{source} is not the data {cfg.resume} was trained on ({ids.numel():,} tokens now, "
+                            f"{began.get('data_tokens', 0):,} then)")
     stream = TokenStream(ids, cfg.seq, seed=cfg.seed, source=source)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa")
     weights = model_dir if model_dir is not None and any(model_dir.glob("model*.safetensors")) else None
     optim = megatrain.OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip,
                                   warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.lr / 10)
-    sm = megatrain.compile(model, checkpoint=weights, init_seed=None if weights else cfg.seed, optim=optim,
+    source_of_weights = (dict(state=Path(cfg.resume) / STATE_DIR) if cfg.resume else
+                         dict(checkpoint=weights) if weights else dict(init_seed=cfg.seed))
+    sm = megatrain.compile(model, **source_of_weights, optim=optim,
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
                            host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
+    if cfg.resume:
+        extra = train_state.read_manifest(sm.captured, Path(cfg.resume) / STATE_DIR)["extra"]
+        stream.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(extra["data_rng"])), dtype=torch.uint8))
     return model_cfg, tok, ids, stream, source, sm, sm.schedule_for(cfg.batch, cfg.seq)
+
+
+def _digest(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+
+
+def _save_state(sm, stream: TokenStream, out: Path) -> None:
+    rng = base64.b64encode(stream.gen.get_state().numpy().tobytes()).decode()
+    sm.save_state(out / STATE_DIR, extra={"data_rng": rng})
+
+
+def resume_config(run_dir: str, **overrides) -> TrainConfig:
+    """The config of the run in ``run_dir``, to go on from the training state it saved; ``overrides``: only
+    what may change on the way (:data:`RESUME_MAY_CHANGE`)."""
+    d = Path(run_dir)
+    for need in (RUN_FILE, "tokenizer.json", f"{STATE_DIR}/state.json"):
+        if not (d / need).is_file():
+            raise ValueError(f"cannot resume from {d}: it holds no {need} (a run directory of megatrain train "
+                             f"that saved its training state has one)")
+    fixed = sorted(set(overrides) - set(RESUME_MAY_CHANGE))
+    if fixed:
+        raise ValueError(f"a resumed run keeps its config; only {', '.join(RESUME_MAY_CHANGE)} may change, not "
+                         f"{', '.join(fixed)}")
+    began = json.loads((d / RUN_FILE).read_text())["config"]
+    began["warmup"] = TrainConfig(**began).warmup_steps  # as it was, whatever the steps become
+    cfg = TrainConfig(**{**began, "out": None, **overrides, "resume": str(d)})
+    done = json.loads((d / STATE_DIR / "state.json").read_text()).get("step", 0)
+    if done >= cfg.steps:
+        raise ValueError(f"{d} already took {done} of its {cfg.steps} steps: pass --steps N with N > {done} to go "
+                         f"further")
+    return cfg
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -183,6 +241,8 @@ def run(cfg: TrainConfig) -> dict:
         if created:
             out.rmdir()  # still empty: nothing is written before this point
         raise
+    (out / RUN_FILE).write_text(json.dumps({"config": dataclasses.asdict(cfg), "data_tokens": ids.numel(),
+                                             "data_sha256": _digest(ids)}, indent=1))
     (out / "schedule.txt").write_text(schedule.to_text())
     c = schedule.config
     plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
@@ -194,13 +254,16 @@ def run(cfg: TrainConfig) -> dict:
           f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
           f"{cfg.seq} tokens, {cfg.mb} micro-batches; plan: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers "
           f"updated on the device ({len(c.resident_opt)} keeping their state there), {len(c.saved_acts)} keeping "
-          f"their activations; writing {out}/", flush=True)
+          f"their activations; "
+          + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
     from tqdm import tqdm
 
     log = (out / "metrics.jsonl").open("w")
     history = []
     t_start = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    start = sm.step
+    bar = tqdm(range(start, cfg.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
+               mininterval=1.0, initial=start, total=cfg.steps)
     for _ in bar:
         st = sm.train_step(stream.batch(cfg.batch))
         rec = {"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm, "tokens": st.tokens,
@@ -209,24 +272,27 @@ def run(cfg: TrainConfig) -> dict:
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+        if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
+            _save_state(sm, stream, out)
     bar.close()
     log.close()
     sm.wait()  # the last step's updates, which may run on after its train_step returned
     wall = time.perf_counter() - t_start
+    _save_state(sm, stream, out)
     _save_weights(sm, model_cfg, out)
     first, last = history[0]["loss"], sum(h["loss"] for h in history[-5:]) / min(5, len(history))
     summary = {
         "model": cfg.model, "params": n_params, "device": str(sm.device), "steps": cfg.steps,
         "tokens_per_step": cfg.batch * cfg.seq, "first_loss": first, "final_loss_avg_last5": last,
         "loss_drop_pct": 100 * (first - last) / first, "wall_s": wall,
-        "tokens_per_s": cfg.steps * cfg.batch * cfg.seq / wall, "out": str(out),
+        "tokens_per_s": (cfg.steps - start) * cfg.batch * cfg.seq / wall, "out": str(out), "first_step": start + 1,
         "warmup_steps": cfg.warmup_steps, "config": dataclasses.asdict(cfg),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     drop = summary["loss_drop_pct"]
     print(f"done: loss {first:.3f} -> {last:.3f} ({abs(drop):.0f}% {'lower' if drop >= 0 else 'higher'}) in "
-          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; metrics {out}/metrics.jsonl, schedule {out}/schedule.png, "
-          f"weights {out}/model.safetensors")
+          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; metrics {out}/metrics.jsonl, schedule "
+          f"{out}/schedule.png, weights {out}/model.safetensors, training state {out}/{STATE_DIR}/")
     return summary
 
 

@@ -146,3 +146,72 @@ def test_bad_files_are_refused_and_the_run_directory_left_as_it_was(tmp_path, ca
     assert main(["train", "--out", str(afile / "sub")]) == 2
     assert f"output directory {afile / 'sub'} cannot be created (Not a directory)" in capsys.readouterr().err
     assert afile.read_text() == "keep me\n"
+
+
+def test_a_run_stopped_and_resumed_takes_the_steps_of_one_that_never_stopped(tmp_path, capsys, monkeypatch):
+    from safetensors.torch import load_file
+
+    import megatrain.api
+
+    common = ["--steps", "6", "--batch", "4", "--seq", "32", "--save-every", "2"]
+    assert main(["train", *common, "--out", str(tmp_path / "whole")]) == 0
+    real_step = megatrain.api.StreamedModel.train_step
+
+    def crash_at_step_6(self, *a, **k):  # the machine goes down during the sixth step
+        if self.step == 5:
+            raise KeyboardInterrupt
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(megatrain.api.StreamedModel, "train_step", crash_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train", *common, "--out", str(tmp_path / "broken")])
+    monkeypatch.undo()
+    broken = tmp_path / "broken"
+    assert json.loads((broken / "state" / "state.json").read_text())["step"] == 4  # the last save before
+    assert main(["train", "--resume", str(broken), "--out", str(tmp_path / "resumed")]) == 0
+    assert "resuming" in capsys.readouterr().out
+
+    def metrics(run):
+        return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    whole, resumed = metrics("whole"), metrics("resumed")
+    assert [r["step"] for r in resumed] == [5, 6]
+    keys = ("step", "loss", "lr", "grad_norm")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in whole[4:]]
+    assert [r["step"] for r in metrics("broken")] == [1, 2, 3, 4, 5]  # what the broken run wrote stays
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # going further than the run planned: more steps, the schedule's warmup as it was
+    assert main(["train", "--resume", str(tmp_path / "resumed"), "--steps", "8",
+                 "--out", str(tmp_path / "longer")]) == 0
+    assert [r["step"] for r in metrics("longer")] == [7, 8]
+    assert json.loads((tmp_path / "longer" / "run.json").read_text())["config"]["warmup"] == 0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--lr", "1"], "a resumed run keeps its config; only steps, save_every, device, out may change, not lr"),
+    (["--no-clip"], "not clip"),
+    (["--config", "x.yaml"], "--resume goes on with the run's own config; --config cannot change it"),
+    (["--steps", "2"], "already took 2 of its 2 steps: pass --steps N with N > 2"),
+])
+def test_resume_refusals(tmp_path, capsys, argv, msg):
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), *argv, "--out", str(tmp_path / "next")]) == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "next").exists()
+    assert main(["train", "--resume", str(run / "state"), "--out", str(tmp_path / "next")]) == 2
+    assert "cannot resume from" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_data(tmp_path, capsys):
+    data = tmp_path / "d.txt"
+    data.write_text("some words about streaming layers through a device, " * 200)
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--steps", "3", "--batch", "4", "--seq", "32", "--save-every", "1",
+                 "--out", str(run)]) == 0
+    data.write_text("other words entirely, " * 300)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--steps", "4", "--out", str(tmp_path / "next")]) == 2
+    assert f"{data} is not the data {run} was trained on" in capsys.readouterr().err

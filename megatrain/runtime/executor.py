@@ -207,6 +207,10 @@ class Executor:
             for l in leave:
                 del self.resident[l]
 
+    def set_step(self, steps_done: int) -> None:
+        """Go on as if ``steps_done`` steps had been taken (a loaded training state): the learning rate follows."""
+        self.optimizer.step_index = steps_done
+
     def sync_resident(self) -> None:
         """Write every resident state back to the host store, which then holds the current master weights and
         moments (they stay on the device too: the next step continues from there)."""

@@ -69,6 +69,7 @@ class StreamExecutor(Executor):
         self.tied = {o: 1 + len(self.graph.tied_to(o)) for o in range(len(self.graph)) if self.graph.tied_to(o)}
         self._timing: list = []
         self.steps_issued = 0
+        self._step_base = 0  # steps taken before this executor's first (set_step)
         # across steps (sync_between_steps False): (step, event) of each slot's last use and of each layer's
         # latest device OPT and STORE_OPT; pinned buffers of the step before, which its copies may still read
         self.slot_use: dict[tuple[str, int], tuple[int, torch.cuda.Event, tuple[OpKind, int]]] = {}  # and the op
@@ -108,7 +109,15 @@ class StreamExecutor(Executor):
         """Wait for every queued optimizer task and every stream."""
         for f in list(self.last_opt.values()):
             f.result()
+        self.worker.submit(lambda: None).result()  # and the step's begin / end bookkeeping queued behind them
         torch.cuda.synchronize(self.device)
+
+    def set_step(self, steps_done: int) -> None:
+        """Go on as if ``steps_done`` steps had been taken (a loaded training state): the learning rate and the
+        optimizer's step index follow; the ordering of this executor's own steps does not change."""
+        self.drain()
+        self.optimizer.step_index = steps_done
+        self._step_base = steps_done - self.steps_issued
 
     def _quiesce(self) -> None:
         self.drain()
@@ -119,7 +128,7 @@ class StreamExecutor(Executor):
         # the worker runs begin/end in order with the optimizer tasks of the steps before; device updates, issued
         # by this thread, use this step's lr and clip factor directly and do not wait for the worker
         self.worker.submit(self.optimizer.begin_step)
-        self.step_lr = lr_at(self.optimizer.cfg, self.steps_issued)
+        self.step_lr = lr_at(self.optimizer.cfg, self._step_base + self.steps_issued)
         return self.step_lr
 
     def _end_step(self) -> None:

@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of this script (program order)")
     ap.add_argument("--json")
+    ap.add_argument("--save-state", metavar="DIR",
+                    help="after the runs, time saving the training state to DIR and loading it back")
     ap.add_argument("--trace", help="path prefix for the measured + simulated trace and PNG")
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
@@ -106,6 +108,8 @@ def main():
                     traceback.print_exc()
                     failed.append({"batch": batch, "clip": clip, **overrides, "error": f"{type(e).__name__}: {e}"})
                     sm.wait()
+    if args.save_state and results:
+        results[-1].update(time_train_state(sm, args.save_state))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results + failed if len(results) + len(failed) > 1 else (results + failed)[0], f, indent=1)
@@ -115,6 +119,24 @@ def main():
         print(f"FAILED: {f}")
     if failed:
         raise SystemExit(1)
+
+
+def time_train_state(sm, directory: str) -> dict:
+    """Seconds to save the training state (after the last step's work is done) and to load it back."""
+    from pathlib import Path
+
+    sm.wait()
+    t0 = time.perf_counter()
+    d = sm.save_state(directory)
+    t_save = time.perf_counter() - t0
+    nbytes = sum(f.stat().st_size for f in Path(d).iterdir())
+    t0 = time.perf_counter()
+    sm.load_state(directory)
+    t_load = time.perf_counter() - t0
+    out = {"state_bytes": nbytes, "save_state_s": t_save, "load_state_s": t_load}
+    print(f"training state: {nbytes / 2**30:.2f} GiB, saved in {t_save:.1f} s ({nbytes / t_save / 1e9:.2f} GB/s), "
+          f"loaded in {t_load:.1f} s ({nbytes / t_load / 1e9:.2f} GB/s)")
+    return out
 
 
 def slots_arg(value: str) -> int | str:

@@ -184,6 +184,9 @@ def _prepare(cfg: TrainConfig):
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
     if cfg.resume:
         extra = train_state.read_manifest(sm.captured, Path(cfg.resume) / STATE_DIR)["extra"]
+        if "data_rng" not in extra:
+            raise ValueError(f"{cfg.resume}/{STATE_DIR} does not say where the data stood (saved by another "
+                             f"program than megatrain train?)")
         stream.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(extra["data_rng"])), dtype=torch.uint8))
     return model_cfg, tok, ids, stream, source, sm, sm.schedule_for(cfg.batch, cfg.seq)
 
@@ -209,8 +212,12 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
     if fixed:
         raise ValueError(f"a resumed run keeps its config; only {', '.join(RESUME_MAY_CHANGE)} may change, not "
                          f"{', '.join(fixed)}")
-    began = json.loads((d / RUN_FILE).read_text())["config"]
-    began["warmup"] = TrainConfig(**began).warmup_steps  # as it was, whatever the steps become
+    try:
+        began = json.loads((d / RUN_FILE).read_text())["config"]
+        began["warmup"] = TrainConfig(**began).warmup_steps  # as it was, whatever the steps become
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot resume from {d}: its {RUN_FILE} does not hold a config this megatrain reads "
+                         f"({type(e).__name__}: {e})") from None
     cfg = TrainConfig(**{**began, "out": None, **overrides, "resume": str(d)})
     done = json.loads((d / STATE_DIR / "state.json").read_text()).get("step", 0)
     if done >= cfg.steps:

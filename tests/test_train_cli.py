@@ -203,6 +203,9 @@ def test_resume_refusals(tmp_path, capsys, argv, msg):
     assert not (tmp_path / "next").exists()
     assert main(["train", "--resume", str(run / "state"), "--out", str(tmp_path / "next")]) == 2
     assert "cannot resume from" in capsys.readouterr().err
+    (run / "run.json").write_text('{"config": {"stepz": 3}}')
+    assert main(["train", "--resume", str(run), "--steps", "5", "--out", str(tmp_path / "next")]) == 2
+    assert "run.json does not hold a config this megatrain reads" in capsys.readouterr().err
 
 
 def test_resume_refuses_other_data(tmp_path, capsys):

@@ -51,16 +51,20 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    for layer in store.owners():
-        rows = store.block(layer)[: len(KEPT_ROWS)]
-        with open(tmp / _file(layer), "wb") as f:
-            f.write(memoryview(rows.numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-    manifest = {"format": FORMAT, "version": VERSION, "step": int(step),
-                "optimizer_steps": {str(k): int(v) for k, v in optimizer_steps.items()},
-                "rows": list(KEPT_ROWS), "dtype": "float32", **_layout(store.captured), "extra": extra or {}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest))
+    try:
+        for layer in store.owners():
+            rows = store.block(layer)[: len(KEPT_ROWS)]
+            with open(tmp / _file(layer), "wb") as f:
+                f.write(memoryview(rows.numpy()).cast("B"))
+                f.flush()
+                os.fsync(f.fileno())
+        manifest = {"format": FORMAT, "version": VERSION, "step": int(step),
+                    "optimizer_steps": {str(k): int(v) for k, v in optimizer_steps.items()},
+                    "rows": list(KEPT_ROWS), "dtype": "float32", **_layout(store.captured), "extra": extra or {}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took back; the state saved before stays
+        raise
     old = d.parent / f".{d.name}.old-{os.getpid()}"
     if d.exists():
         d.rename(old)

@@ -70,6 +70,7 @@ def test_saving_replaces_a_state_only_when_the_new_one_is_whole(tmp_path, monkey
         sm.save_state(tmp_path / "s")
     monkeypatch.undo()
     assert {f.name: f.read_bytes() for f in d.iterdir()} == before  # the old state, untouched
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["s"]  # and the partial new one removed
     other = tmp_path / "not-a-state"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

@@ -22,8 +22,18 @@ def _model(args):
             p = p / "config.json"
         if not p.exists():
             raise SystemExit(f"megatrain: model config {p} does not exist")
-        return from_config(json.loads(p.read_text()), name=p.parent.name or p.stem)
+        cfg = _read_json(p, "model config")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"model config {p}: expected an object of fields, got a {type(cfg).__name__}")
+        return from_config(cfg, name=p.parent.name or p.stem)
     return preset(args.preset)
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise ValueError(f"{what} {path} is not JSON ({e})") from None
 
 
 def _n(count: int, noun: str) -> str:
@@ -159,13 +169,19 @@ def _viz(args) -> int:
     try:
         timelines = []
         if args.schedule:
-            schedule = Schedule.from_text(Path(args.schedule).read_text())
+            try:
+                schedule = Schedule.from_text(Path(args.schedule).read_text())
+            except IRError as e:
+                raise ValueError(f"{args.schedule}: {e}") from None
             graph = _model(args)
             if len(graph) != schedule.config.n_layers:
                 raise ValueError(f"the schedule has {schedule.config.n_layers} layers, the model {len(graph)}")
             timelines.append(simulate(schedule, graph, hardware(args.hardware)))
         for path in args.timeline:
-            timelines.append(Timeline.from_json(Path(path).read_text()))
+            try:
+                timelines.append(Timeline.from_json(Path(path).read_text()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}: not a timeline this megatrain reads ({type(e).__name__}: {e})") from None
         if not timelines:
             raise ValueError("nothing to draw: pass --schedule (simulated) and/or --timeline files (measured)")
     except (OSError, ValueError, IRError) as e:

@@ -53,7 +53,13 @@ class HardwareSpec:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "HardwareSpec":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            d = json.loads(Path(path).read_text())
+        except ValueError as e:
+            raise ValueError(f"hardware spec {path} is not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"hardware spec {path}: expected an object of fields, got a {type(d).__name__}")
+        return cls.from_dict(d)
 
 
 PRESETS: dict[str, HardwareSpec] = {

@@ -259,6 +259,8 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     _check_request(graph, spec, tokens, seq_len, budget)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise PlanError(f"workers must be a positive integer, got {workers!r}")
+    if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
+        raise PlanError(f"steps to simulate must be a positive integer, got {n_steps!r}")
     configs = candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed)
     if saved_acts != "auto" and configs:  # a count no plan can keep, even with every checkpoint on the device
         saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)

@@ -114,6 +114,25 @@ def test_plan_cli_refuses_with_one_clear_message(tmp_path, capsys, argv, msg):
     assert not (tmp_path / "x").exists()  # refused before anything was written
 
 
+def test_bad_files_are_named_in_one_line(tmp_path, capsys):
+    notjson, alist = tmp_path / "n.json", tmp_path / "l.json"
+    notjson.write_text("nope")
+    alist.write_text("[1]")
+    for argv, msg in [
+        (["plan", "--config", str(notjson)], f"model config {notjson} is not JSON (Expecting value"),
+        (["plan", "--config", str(alist)], f"model config {alist}: expected an object of fields, got a list"),
+        (["plan", "--hardware", str(notjson)], f"hardware spec {notjson} is not JSON"),
+        (["plan", "--hardware", str(alist)], f"hardware spec {alist}: expected an object of fields, got a list"),
+        (["plan", "--steps", "0"], "steps to simulate must be a positive integer, got 0"),
+        (["viz", "--schedule", str(notjson)], f"{notjson}: not a megatrain schedule"),
+        (["viz", "--timeline", str(alist)], f"{alist}: not a timeline this megatrain reads"),
+    ]:
+        assert main([*argv, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x").exists()
+
+
 def test_viz_draws_simulated_and_measured_on_one_picture(tmp_path, capsys):
     import dataclasses
     import json

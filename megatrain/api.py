@@ -53,6 +53,13 @@ class PlanOptions:
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
             raise ValueError(f"wire must be 'fp32' or 'bf16', got {self.wire!r}")
+        for name in ("n_mb", "grad_slots"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.host_checkpoints, int) or isinstance(self.host_checkpoints, bool) or \
+                self.host_checkpoints < 0:
+            raise ValueError(f"host_checkpoints must be an integer >= 0, got {self.host_checkpoints!r}")
         w = self.weight_slots
         if w != "all" and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
@@ -248,6 +255,10 @@ class StreamedModel:
         over the step's valid tokens divided by their count."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels)):
+            if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool and
+                                  name != "attention_mask"):
+                raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if labels is None:

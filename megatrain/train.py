@@ -78,8 +78,8 @@ class TrainConfig:
 
         # the plan options' own checks
         every = "auto" if self.gpu_opt_every is None else self.gpu_opt_every
-        PlanOptions(weight_slots=self.slots, gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts,
-                    resident_opt=self.resident_opt)
+        PlanOptions(n_mb=self.mb, host_checkpoints=self.host_checkpoints, weight_slots=self.slots,
+                    gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if not self.lr > 0:

@@ -121,3 +121,27 @@ def test_available_host_bytes_on_this_machine():
         assert 0 < got <= total
     else:
         assert got is None
+
+
+@pytest.mark.parametrize("plan,msg", [
+    (dict(n_mb=0), "n_mb must be an integer >= 1, got 0"),
+    (dict(grad_slots=0), "grad_slots must be an integer >= 1, got 0"),
+    (dict(n_mb=2.0), "n_mb must be an integer >= 1, got 2.0"),
+    (dict(host_checkpoints=-1), "host_checkpoints must be an integer >= 0, got -1"),
+])
+def test_plan_options_out_of_range_are_refused(monkeypatch, plan, msg):
+    _no_store(monkeypatch)
+    with pytest.raises(ValueError, match=msg):
+        megatrain.compile(hf_model("llama"), device="cpu", **plan)
+
+
+def test_batches_of_the_wrong_dtype_are_refused_before_running():
+    sm = megatrain.compile(hf_model("llama"), device="cpu", n_mb=2)
+    ids = torch.randint(0, 97, (4, 16))
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor, got torch.float32"):
+        sm.train_step(ids.float())
+    with pytest.raises(ValueError, match="labels must be an integer tensor, got torch.bool"):
+        sm.train_step(ids, labels=ids > 3)
+    assert sm.step == 0
+    sm.train_step(ids, torch.ones(4, 16, dtype=torch.bool))  # a boolean mask is a mask
+    assert sm.step == 1

@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "order; in <out>/state, replaced each time) every N steps (0: at "
                                                "the end only)"),
                            ("resume", str, "an earlier run's directory: go on from the training state it saved, "
-                                           "with its config (--steps, --save-every, --device and --out may "
-                                           "change); writes a new run directory")]:
+                                           "with its config (all but --model, --data, --batch, --seq, --vocab "
+                                           "and --seed may change, e.g. --steps or --lr); writes a new run "
+                                           "directory")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
     t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     t.add_argument("--device", help="cpu or cuda (default: cuda when present)")

@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 import time
 import typing
@@ -20,7 +21,7 @@ from megatrain.runtime import checkpoint as train_state
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
 STATE_DIR = "state"  # the training state (megatrain.runtime.checkpoint), at the end and every save_every steps
-RESUME_MAY_CHANGE = ("steps", "save_every", "device", "out")
+RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed")  # what is trained on, and in which order
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}
 MIN_VOCAB = 257  # the byte-level BPE's initial alphabet and its one special token
 
@@ -191,6 +192,19 @@ def _prepare(cfg: TrainConfig):
     return model_cfg, tok, ids, stream, source, sm, sm.schedule_for(cfg.batch, cfg.seq)
 
 
+def _diverged(step: int, bad: dict, out: Path) -> str:
+    """What to say when a step's loss or gradient norm is not finite: the run stops there, saving nothing more
+    (the weights now hold the step's update), and points at the last state saved."""
+    what = " and ".join(f"{k} {v}" for k, v in bad.items())
+    manifest = out / STATE_DIR / train_state.MANIFEST
+    saved = json.loads(manifest.read_text())["step"] if manifest.is_file() else None
+    return (f"step {step}: {what}; stopped, and nothing more is saved (metrics up to this step are in "
+            f"{out}/metrics.jsonl). "
+            + (f"The training state of step {saved} is in {out}/{STATE_DIR}: go on from it with, e.g., a lower "
+               f"learning rate: megatrain train --resume {out} --lr ..." if saved is not None else
+               "No training state was saved before it (--save-every N saves one every N steps)."))
+
+
 def _digest(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
 
@@ -201,17 +215,18 @@ def _save_state(sm, stream: TokenStream, out: Path) -> None:
 
 
 def resume_config(run_dir: str, **overrides) -> TrainConfig:
-    """The config of the run in ``run_dir``, to go on from the training state it saved; ``overrides``: only
-    what may change on the way (:data:`RESUME_MAY_CHANGE`)."""
+    """The config of the run in ``run_dir``, to go on from the training state it saved, with ``overrides``:
+    anything but what decides the model and the data stream (:data:`RESUME_FIXED`), e.g. more steps, another
+    learning rate, another plan."""
     d = Path(run_dir)
     for need in (RUN_FILE, "tokenizer.json", f"{STATE_DIR}/state.json"):
         if not (d / need).is_file():
             raise ValueError(f"cannot resume from {d}: it holds no {need} (a run directory of megatrain train "
                              f"that saved its training state has one)")
-    fixed = sorted(set(overrides) - set(RESUME_MAY_CHANGE))
+    fixed = [k for k in RESUME_FIXED if k in overrides]
     if fixed:
-        raise ValueError(f"a resumed run keeps its config; only {', '.join(RESUME_MAY_CHANGE)} may change, not "
-                         f"{', '.join(fixed)}")
+        raise ValueError(f"a resumed run trains the same model on the same data in the same order: "
+                         f"{', '.join(RESUME_FIXED)} cannot change, and {', '.join(fixed)} was given")
     try:
         began = json.loads((d / RUN_FILE).read_text())["config"]
         began["warmup"] = TrainConfig(**began).warmup_steps  # as it was, whatever the steps become
@@ -279,6 +294,13 @@ def run(cfg: TrainConfig) -> dict:
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+        bad = {k: v for k, v in (("loss", st.loss), ("gradient norm", st.grad_norm))
+               if v is not None and not math.isfinite(v)}
+        if bad:
+            bar.close()
+            log.close()
+            sm.wait()
+            raise ValueError(_diverged(st.step, bad, out))
         if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
             _save_state(sm, stream, out)
     bar.close()

@@ -1,6 +1,7 @@
 """`megatrain train`: the default job and its inputs."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -189,8 +190,9 @@ def test_a_run_stopped_and_resumed_takes_the_steps_of_one_that_never_stopped(tmp
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--lr", "1"], "a resumed run keeps its config; only steps, save_every, device, out may change, not lr"),
-    (["--no-clip"], "not clip"),
+    (["--batch", "8"], "a resumed run trains the same model on the same data in the same order: model, data, "
+                       "batch, seq, vocab, seed cannot change, and batch was given"),
+    (["--seed", "1", "--seq", "64"], "and seq, seed was given"),
     (["--config", "x.yaml"], "--resume goes on with the run's own config; --config cannot change it"),
     (["--steps", "2"], "already took 2 of its 2 steps: pass --steps N with N > 2"),
 ])
@@ -218,3 +220,27 @@ def test_resume_refuses_other_data(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--steps", "4", "--out", str(tmp_path / "next")]) == 2
     assert f"{data} is not the data {run} was trained on" in capsys.readouterr().err
+
+
+def test_a_run_that_diverges_stops_and_keeps_its_last_good_state(tmp_path, capsys):
+    run = tmp_path / "run"
+    common = ["--batch", "4", "--seq", "32", "--warmup", "0"]
+    assert main(["train", "--steps", "2", *common, "--out", str(run)]) == 0
+    good = {f.name: f.read_bytes() for f in (run / "state").iterdir()}
+    capsys.readouterr()
+    # a learning rate that makes the weights overflow within a few steps
+    assert main(["train", "--resume", str(run), "--steps", "30", "--lr", "1e30", "--save-every", "1",
+                 "--out", str(tmp_path / "blown")]) == 2
+    err = capsys.readouterr().err
+    lines = [json.loads(x) for x in (tmp_path / "blown" / "metrics.jsonl").read_text().splitlines()]
+    bad = lines[-1]
+    assert not all(map(math.isfinite, (bad["loss"], bad["grad_norm"]))), bad
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in lines[:-1])
+    assert f"step {bad['step']}: " in err and "stopped, and nothing more is saved" in err
+    saved = json.loads((tmp_path / "blown" / "state" / "state.json").read_text())["step"] if lines[:-1] else None
+    if saved is not None:
+        assert saved == bad["step"] - 1 and f"The training state of step {saved} is in" in err
+    assert not (tmp_path / "blown" / "model.safetensors").exists()
+    assert {f.name: f.read_bytes() for f in (run / "state").iterdir()} == good  # the run resumed from: as it was
+    # going on from the good state with another learning rate works
+    assert main(["train", "--resume", str(run), "--steps", "4", "--lr", "1e-3", "--out", str(tmp_path / "ok")]) == 0

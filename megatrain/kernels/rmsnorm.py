@@ -11,7 +11,7 @@ from megatrain.kernels.util import programs_for, rows_2d
 
 @triton.jit
 def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, offset, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at long sequences (262,144 tokens x 8,192)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -31,7 +31,7 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx,
     cmask = cols < n_cols
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    first = pid * rows_per_program
+    first = pid.to(tl.int64) * rows_per_program
     for i in range(0, rows_per_program, BLOCK_R):
         rows = first + i + tl.arange(0, BLOCK_R)[:, None]
         rmask = rows < n_rows

@@ -222,3 +222,37 @@ def test_bf16_kernels_on_gpu():
     torch.testing.assert_close(loss.float(), lr, rtol=1e-3, atol=1e-3)
     for a, b in [(dh, dhr), (dw, dwr)]:
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
+@pytest.mark.gpu
+def test_kernels_past_two_to_the_31_elements():
+    """Long sequences: RMSNorm over 262,400 rows of 8,192 (a 70B-wide model at 262K tokens per micro-batch) and
+    SwiGLU over as many elements, where an offset held in 32 bits would wrap; the rows and elements past 2**31
+    against the reference."""
+    bf = torch.bfloat16
+    rows, cols = 262_400, 8192
+    assert rows * cols > 2**31
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(rows, cols, device=DEV, dtype=bf, generator=g)
+    w = (torch.randn(cols, device=DEV, generator=g) * 0.5).to(bf).requires_grad_()
+    xr = x.requires_grad_()
+    y = rms_norm(xr, w, 1e-6)
+    dy = torch.randn(rows, cols, device=DEV, dtype=bf, generator=g)
+    dx, dw = torch.autograd.grad(y, (xr, w), dy)
+    tail = slice(rows - 300, rows)  # past element 2**31
+    xt = x[tail].detach().float().requires_grad_()
+    wt = w.detach().float().requires_grad_()
+    yt = reference.rms_norm(xt, wt, 1e-6)
+    dxt, = torch.autograd.grad(yt, xt, dy[tail].float())
+    assert_close(y[tail], yt, bf)
+    assert_close(dx[tail], dxt, bf)
+    dw_ref = torch.zeros(cols, device=DEV)
+    for i in range(0, rows, 16384):  # sum(dy * xhat) over rows, in chunks
+        xc = x[i:i + 16384].detach().float()
+        dw_ref += (dy[i:i + 16384].float() * xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)).sum(0)
+    torch.testing.assert_close(dw.float(), dw_ref, rtol=2e-2, atol=2e-2 * float(dw_ref.abs().max()))
+    del y, dx, dy, xr, xt
+    gate, up = x.detach().view(-1), torch.randn(rows * cols, device=DEV, dtype=bf, generator=g)
+    out = swiglu(gate, up)
+    end = slice(rows * cols - 4096, rows * cols)
+    assert_close(out[end], reference.swiglu(gate[end].float(), up[end].float()), bf)

@@ -161,9 +161,36 @@ def _passes(cfg: ScheduleConfig, op: Op) -> float:
     return {OpKind.FWD: 1.0, OpKind.LOSS: 3.0}.get(op.kind, 0.0)
 
 
+# A fused attention's backward in forward passes: it forms the probabilities again and has five products to the
+# forward's two (measured: docs/benchmarks.md, "Long sequences").
+ATTN_BWD_PASSES = 2.5
+
+
+def _attn_passes(cfg: ScheduleConfig, op: Op) -> float:
+    """A compute op's attention work in forward passes: forward 1; backward 2.5, and 1 more where it recomputes
+    the forward."""
+    if op.kind is OpKind.BWD:
+        return ATTN_BWD_PASSES + (1.0 if recomputes(cfg, op) else 0.0)
+    return 1.0 if op.kind is OpKind.FWD else 0.0
+
+
+def matmul_and_attention_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> tuple[float, float]:
+    """A compute op's FLOPs: those of its matmuls (:func:`_passes` forward passes) and of its attention
+    (:func:`_attn_passes`)."""
+    lay = graph[op.layer]
+    return (_passes(cfg, op) * lay.matmul_flops_per_token * cfg.mb_tokens,
+            _attn_passes(cfg, op) * lay.attn_flops_per_token_per_seq * cfg.seq_len * cfg.mb_tokens)
+
+
 def compute_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
-    """FLOPs of a compute op (see :func:`_passes`)."""
-    return _passes(cfg, op) * graph[op.layer].flops_per_token(cfg.seq_len) * cfg.mb_tokens
+    """FLOPs of a compute op, matmuls and attention."""
+    return sum(matmul_and_attention_flops(graph, cfg, op))
+
+
+def compute_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
+    """A compute op's arithmetic time: its matmuls at the matmul rate, its attention at the attention rate."""
+    mm, attn = matmul_and_attention_flops(graph, cfg, op)
+    return mm / spec.matmul_flops_per_s + attn / (spec.attn_flops_per_s or spec.matmul_flops_per_s)
 
 
 def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
@@ -192,7 +219,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     """Seconds ``op`` takes with its resource to itself."""
     k = op.kind
     if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS):
-        return max(compute_flops(graph, cfg, op) / spec.matmul_flops_per_s,
+        return max(compute_seconds(graph, cfg, spec, op),
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s,
                    spec.bwd_issue_s if k is OpKind.BWD else spec.fwd_issue_s)
     if loads_from_device(graph, cfg, op):  # a device copy of well under a millisecond: not modelled

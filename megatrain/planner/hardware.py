@@ -27,6 +27,8 @@ class HardwareSpec:
     # small ops (short sequences, many micro-batches) hit before the GPU is busy. 0: not modelled
     fwd_issue_s: float = 0.0  # FWD, LOSS and a device update
     bwd_issue_s: float = 0.0  # BWD: recompute + backward
+    attn_flops_per_s: float = 0.0  # fused attention's rate (its FLOPs as cost.attention_flops counts them); 0: the
+    # matmul rate
 
     @property
     def budget_bytes(self) -> int:
@@ -46,7 +48,7 @@ class HardwareSpec:
             raise ValueError(f"hardware spec: unknown keys {unknown}, missing keys {missing}")
         spec = cls(**d)
         for f in names[1:]:
-            may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s")
+            may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s")
             if not (getattr(spec, f) >= 0 if may_be_zero else getattr(spec, f) > 0):
                 raise ValueError(f"hardware spec {spec.name!r}: {f} must be positive, got {getattr(spec, f)}")
         return spec
@@ -67,13 +69,15 @@ PRESETS: dict[str, HardwareSpec] = {
     # torch's fused CPU AdamW on 16 threads; the HBM rate is a device-to-device copy. The matmul rate is what
     # decoder-layer ops reached in streamed Qwen2.5-7B steps (600-650 TFLOP/s for FWD, BWD and the fused loss; an
     # 8192^3 bf16 GEMM alone reaches 784), the issue floors what one FWD / BWD op of a Qwen2 block with the Triton
-    # kernels cost the host thread (1.5B at 4,096 tokens per op: 1.2 / 4.4 ms whatever the op's size).
+    # kernels cost the host thread (1.5B at 4,096 tokens per op: 1.2 / 4.4 ms whatever the op's size). Attention
+    # (cuDNN's fused kernel through SDPA): 510 TFLOP/s fits Qwen2.5-7B steps with 131,072- and 262,144-token
+    # sequences within 2% (docs/benchmarks.md, "Long sequences").
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=4 * GiB,
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
         matmul_flops_per_s=620e12, hbm_bytes_per_s=4.3e12,
         cpu_adam_params_per_s=2.75e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
-        fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3,
+        fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12,
     ),
     # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same
     # chip). Not measured here.

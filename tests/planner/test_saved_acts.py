@@ -50,14 +50,20 @@ def test_a_saved_layer_costs_a_backward_without_the_recompute():
     cfg = config(G3, n_steps=1)
     plain = build_schedule(G3, cfg)
     saved = build_schedule(G3, dataclasses.replace(cfg, saved_acts=(30, 31)))
-    fwd = {(op.layer, op.mb): compute_flops(G3, cfg, op) for op in plain.ops if op.kind is OpKind.FWD}
+    lay, t = G3[30], cfg.mb_tokens
+    mm, attn = lay.matmul_flops_per_token * t, lay.attn_flops_per_token_per_seq * cfg.seq_len * t  # one forward
+    assert attn > 0
     for s, layers in ((plain, ()), (saved, (30, 31))):
         for op in s.ops:
-            if op.kind is OpKind.BWD:
-                want = (2 if op.layer in layers else 3) * fwd[(op.layer, op.mb)]
+            if op.kind is OpKind.FWD and op.layer == 30:
+                assert compute_flops(G3, s.config, op) == pytest.approx(mm + attn)
+            if op.kind is OpKind.BWD and op.layer == 30:
+                # matmuls: backward 2 forwards, recompute 1; attention: backward 2.5, recompute 1
+                want = 2 * mm + 2.5 * attn if op.layer in layers else 3 * mm + 3.5 * attn
                 assert compute_flops(G3, s.config, op) == pytest.approx(want)
-    # the compute-bound 3B step: each saved block takes one block forward per micro-batch off the bound
-    one_block = sum(v for (l, _), v in fwd.items() if l == 30) / SPEC.matmul_flops_per_s
+    # the compute-bound 3B step: each saved block takes one block forward per micro-batch off the bound, its
+    # matmuls at the matmul rate and its attention at the attention rate
+    one_block = cfg.n_mb * (mm / SPEC.matmul_flops_per_s + attn / SPEC.attn_flops_per_s)
     assert bound(plain, G3, SPEC).step_s - bound(saved, G3, SPEC).step_s == pytest.approx(2 * one_block, rel=1e-6)
 
 

@@ -98,3 +98,30 @@ def test_small_compute_ops_take_at_least_their_issue_time():
     assert duration_s(g, cfg, spec, loss) == 0.5 and duration_s(g, cfg, spec, bwd) == 2.0
     fast = dataclasses.replace(spec, matmul_flops_per_s=1e3)  # now the FLOPs take longer than the floor
     assert duration_s(g, cfg, fast, loss) == pytest.approx(3e3)
+
+
+def test_attention_is_charged_at_its_own_rate_with_a_backward_of_two_and_a_half_forwards():
+    """A block with 1e3 matmul FLOP and 1 attention FLOP per token per token of sequence: at 500-token sequences
+    its forward is 1e3 matmul + 500 attention FLOP per token; the backward recomputes the forward and then costs
+    2 forwards of matmuls and 2.5 of attention; a saved layer's backward skips the recompute."""
+    import dataclasses as dc
+
+    from megatrain.ir import Op, Stream
+    from megatrain.planner.cost import compute_flops, duration_s
+
+    g = LayerGraph([
+        Layer(name="embed", kind="embedding", template="e", params=10, act_bytes_per_token=2),
+        Layer(name="block", kind="block", template="b", params=10, matmul_flops_per_token=1e3,
+              attn_flops_per_token_per_seq=1.0, act_bytes_per_token=2, saved_bytes_per_token=2),
+        Layer(name="head", kind="head", template="h", params=10, matmul_flops_per_token=1e3),
+    ])
+    cfg = config(g, n_mb=1, mb_tokens=1000, seq_len=500)
+    spec = dc.replace(SPEC, attn_flops_per_s=0.5e9)  # attention at half the matmul rate
+    fwd, bwd = Op(0, OpKind.FWD, Stream.COMPUTE, 0, 1, 0), Op(1, OpKind.BWD, Stream.COMPUTE, 0, 1, 0)
+    assert compute_flops(g, cfg, fwd) == pytest.approx(1000 * (1e3 + 500))
+    assert duration_s(g, cfg, spec, fwd) == pytest.approx(1000 * (1e3 / 1e9 + 500 / 0.5e9))  # 2 ms
+    assert duration_s(g, cfg, spec, bwd) == pytest.approx(1000 * (3 * 1e3 / 1e9 + 3.5 * 500 / 0.5e9))
+    saved = dc.replace(cfg, saved_acts=(1,))
+    assert duration_s(g, saved, spec, bwd) == pytest.approx(1000 * (2 * 1e3 / 1e9 + 2.5 * 500 / 0.5e9))
+    no_rate = dc.replace(spec, attn_flops_per_s=0.0)  # 0: attention at the matmul rate
+    assert duration_s(g, cfg, no_rate, fwd) == pytest.approx(1000 * 1.5e3 / 1e9)

@@ -27,8 +27,8 @@ class HardwareSpec:
     # small ops (short sequences, many micro-batches) hit before the GPU is busy. 0: not modelled
     fwd_issue_s: float = 0.0  # FWD, LOSS and a device update
     bwd_issue_s: float = 0.0  # BWD: recompute + backward
-    attn_flops_per_s: float = 0.0  # fused attention's rate (its FLOPs as cost.attention_flops counts them); 0: the
-    # matmul rate
+    attn_flops_per_s: float = 0.0  # fused attention's rate (its FLOPs as cost.matmul_and_attention_flops counts
+    # them); 0: the matmul rate
 
     @property
     def budget_bytes(self) -> int:

@@ -209,9 +209,15 @@ def _digest(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
 
 
-def _save_state(sm, stream: TokenStream, out: Path) -> None:
+def _save_state(sm, stream: TokenStream, out: Path, say) -> None:
+    """Save the training state with the data order, saying so (``say``: a one-line printer) before and after: for
+    a large model it takes a while (12 bytes per parameter to disk)."""
     rng = base64.b64encode(stream.gen.get_state().numpy().tobytes()).decode()
+    nbytes = 12 * sum(seg.numel for seg in sm.captured.segments)
+    say(f"step {sm.step}: saving the training state ({nbytes / 2**30:.2f} GiB) to {out}/{STATE_DIR}/")
+    t0 = time.perf_counter()
     sm.save_state(out / STATE_DIR, extra={"data_rng": rng})
+    say(f"step {sm.step}: training state saved in {time.perf_counter() - t0:.1f} s")
 
 
 def resume_config(run_dir: str, **overrides) -> TrainConfig:
@@ -302,12 +308,12 @@ def run(cfg: TrainConfig) -> dict:
             sm.wait()
             raise ValueError(_diverged(st.step, bad, out))
         if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
-            _save_state(sm, stream, out)
+            _save_state(sm, stream, out, lambda m: tqdm.write(m, file=sys.stderr))
     bar.close()
     log.close()
     sm.wait()  # the last step's updates, which may run on after its train_step returned
     wall = time.perf_counter() - t_start
-    _save_state(sm, stream, out)
+    _save_state(sm, stream, out, lambda m: print(m, file=sys.stderr, flush=True))
     _save_weights(sm, model_cfg, out)
     first, last = history[0]["loss"], sum(h["loss"] for h in history[-5:]) / min(5, len(history))
     summary = {

@@ -119,3 +119,27 @@ def test_the_files_hold_master_and_moments_as_raw_fp32(tmp_path):
     for key in m["layers"]:
         raw = torch.frombuffer(bytearray((d / f"layer-{int(key):05d}.bin").read_bytes()), dtype=torch.float32)
         assert torch.equal(raw.view(3, -1), sm.store.block(int(key))[:3])  # independent of the reader in load()
+
+
+def test_a_tied_model_sending_bf16_resumes_exactly(tmp_path):
+    """A head tied to the embedding (one block for both) and a bf16 wire (the host shadow made again from the
+    loaded masters)."""
+    from .models import TinyGPT
+
+    def fresh():
+        torch.manual_seed(0)
+        return megatrain.compile(TinyGPT(tied=True), device="cpu", n_mb=2, optim=OPT, compute_dtype=torch.bfloat16,
+                                 wire="bf16")
+
+    data = _batches(6)
+    whole = fresh()
+    ref = [whole.train_step(b).loss for b in data]
+    first = fresh()
+    for b in data[:3]:
+        first.train_step(b)
+    first.save_state(tmp_path / "s")
+    resumed = fresh()
+    resumed.load_state(tmp_path / "s")
+    assert [resumed.train_step(b).loss for b in data[3:]] == ref[3:]
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -24,7 +24,8 @@ from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepO
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
-from megatrain.runtime.store import HostStore, available_host_bytes, check_checkpoint, store_nbytes
+from megatrain.runtime.store import (HostStore, available_host_bytes, check_checkpoint, progress_bar,
+                                     store_nbytes)
 
 
 # Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)
@@ -325,7 +326,8 @@ class StreamedModel:
         its ``extra``. The next ``train_step`` is the saved step's successor, with the same learning rate and
         Adam bias corrections as an unbroken run."""
         self.wait()
-        m = train_state.load(self.store, directory)
+        with progress_bar("loading the training state", sum(s.numel for s in self.captured.segments)) as bar:
+            m = train_state.load(self.store, directory, progress=bar.update)
         opt = self.optimizer
         for l, o in opt.opts.items():
             o.state[opt.params[l]]["step"].fill_(float(m["optimizer_steps"][str(l)]))
@@ -405,18 +407,22 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         train_state.read_manifest(cap, state)  # the same
     need = store_nbytes(cap, shadow=opts.wire == "bf16")
     if need > spec.host_bytes:
-        n = sum(seg.numel for seg in cap.segments)
+        n_owned = sum(seg.numel for seg in cap.segments)
         have = (f"the {fmt_bytes(spec.host_bytes)} this machine has available" if host_free is not None else
                 f"the {fmt_bytes(spec.host_bytes)} of host memory the hardware spec {spec.name!r} gives")
         raise ValueError(
-            f"host memory: the host store of this model needs {fmt_bytes(need)} ({n / 1e9:.3f}B parameters x "
-            f"{need // n} bytes: fp32 master weights, two Adam moments and the gradient"
+            f"host memory: the host store of this model needs {fmt_bytes(need)} ({n_owned / 1e9:.3f}B parameters x "
+            f"{need // n_owned} bytes: fp32 master weights, two Adam moments and the gradient"
             f"{', and the bf16 copy a bf16 wire sends' if opts.wire == 'bf16' else ''}), more than {have}")
-    store = HostStore(cap, pin=dev.type == "cuda")
+    n = sum(seg.numel for seg in cap.segments)
+    with progress_bar(f"host store ({fmt_bytes(need)}{', pinned' if dev.type == 'cuda' else ''})", n) as bar:
+        store = HostStore(cap, pin=dev.type == "cuda", progress=bar.update)
     if checkpoint is not None:
-        store.load_safetensors(checkpoint)
+        with progress_bar(f"loading {checkpoint}", n) as bar:
+            store.load_safetensors(checkpoint, progress=bar.update)
     elif init_seed is not None:
-        init_seeded(model, cap, store, init_seed)
+        with progress_bar("initializing", n) as bar:
+            init_seeded(model, cap, store, init_seed, progress=bar.update)
     elif state is None:
         store.load_from_module(model)
     use_streams = dev.type == "cuda" if streams is None else streams

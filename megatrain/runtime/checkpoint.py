@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from megatrain.planner.capture import Captured
 from megatrain.runtime.store import ROWS, HostStore
@@ -110,9 +111,9 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
     return m
 
 
-def load(store: HostStore, directory: str | Path) -> dict:
+def load(store: HostStore, directory: str | Path, progress: Callable[[int], None] | None = None) -> dict:
     """Read a state written by :func:`save` into ``store`` (checked first, see :func:`read_manifest`); returns its
-    manifest (``step``, ``optimizer_steps``, ``extra``)."""
+    manifest (``step``, ``optimizer_steps``, ``extra``). ``progress(n)``: called with each layer's parameter count."""
     m = read_manifest(store.captured, directory)
     for hook in store.before_load:  # whoever holds device copies writes them back and lets them go
         hook()
@@ -125,6 +126,8 @@ def load(store: HostStore, directory: str | Path) -> dict:
             got = f.readinto(view)
         if got != len(view):
             raise ValueError(f"{d / _file(layer)}: read {got} of {len(view)} bytes")
+        if progress is not None:
+            progress(rows.shape[1])
     store.shadows = None  # made again from the new masters when next needed
     store.generation += 1  # device copies of the old masters are stale
     return m

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -24,7 +26,8 @@ def _initializer(model: nn.Module):
 
 
 @torch.no_grad()
-def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: int) -> None:
+def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: int,
+                progress: Callable[[int], None] | None = None) -> None:
     """Fill the master weights with the model's own initializer. Each layer draws from its own seed
     (``seed * 1_000_003 + layer``) so the result does not depend on how many layers exist before it; each module is
     materialized on the CPU alone, so peak memory is the store plus one module."""
@@ -51,3 +54,5 @@ def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: in
                 if torch.isnan(value).any():
                     raise ValueError(f"the initializer left {path}.{pname} unset ({type(mod).__name__})")
                 store.param_view(f"{path}.{pname}" if path else pname).copy_(value)
+        if progress is not None:
+            progress(seg.numel)

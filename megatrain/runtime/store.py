@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import weakref
 from pathlib import Path
 from typing import Callable
@@ -85,6 +86,15 @@ def check_checkpoint(captured: Captured, directory: str | Path) -> list[Path]:
     return [d / f for f in files]
 
 
+def progress_bar(what: str, n_params: int):
+    """A progress bar over ``n_params`` parameters on stderr, shown on a terminal only (building the store of a 7B
+    model and filling it take minutes); ``update(n)`` advances it."""
+    from tqdm import tqdm
+
+    return tqdm(total=n_params, desc=f"megatrain: {what}", unit=" params", unit_scale=True, file=sys.stderr,
+                disable=None, leave=False, dynamic_ncols=True, mininterval=0.5)
+
+
 def pinned_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Zeros in page-locked host memory of exactly the requested size.
 
@@ -108,7 +118,7 @@ class HostStore:
     """``block(l)`` is a (4, n_l) fp32 tensor for every layer that owns weights (n_l > 0), allocated in layer order,
     pinned when CUDA is available so copies to and from the device run at full rate."""
 
-    def __init__(self, captured: Captured, *, pin: bool | None = None):
+    def __init__(self, captured: Captured, *, pin: bool | None = None, progress: Callable[[int], None] | None = None):
         self.captured = captured
         self.pinned = torch.cuda.is_available() if pin is None else pin
         self.blocks: list[torch.Tensor | None] = []
@@ -116,6 +126,8 @@ class HostStore:
             if seg.numel:
                 b = pinned_zeros(len(ROWS), seg.numel) if self.pinned else torch.zeros(len(ROWS), seg.numel)
                 self.blocks.append(b)
+                if progress is not None:
+                    progress(seg.numel)
             else:
                 self.blocks.append(None)
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
@@ -198,16 +210,19 @@ class HostStore:
         self.shadows = None
         self.generation += 1
 
-    def load_safetensors(self, directory: str | Path) -> None:
+    def load_safetensors(self, directory: str | Path, progress: Callable[[int], None] | None = None) -> None:
         """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index),
         one tensor at a time, so host memory holds one tensor beyond the store. The checkpoint is checked first
-        (:func:`check_checkpoint`)."""
+        (:func:`check_checkpoint`). ``progress(n)``: called with each tensor's size."""
         from safetensors import safe_open
 
         for f in check_checkpoint(self.captured, directory):
             with safe_open(str(f), framework="pt") as sf:
                 for key in sf.keys():
-                    self.load_state({key: sf.get_tensor(key)})
+                    t = sf.get_tensor(key)
+                    self.load_state({key: t})
+                    if progress is not None:
+                        progress(t.numel())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The master weights under the model's own names (tied names included), as views into the store."""

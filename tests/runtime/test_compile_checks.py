@@ -145,3 +145,32 @@ def test_batches_of_the_wrong_dtype_are_refused_before_running():
     assert sm.step == 0
     sm.train_step(ids, torch.ones(4, 16, dtype=torch.bool))  # a boolean mask is a mask
     assert sm.step == 1
+
+
+def test_progress_counts_every_parameter_once(tmp_path, monkeypatch):
+    """The progress bars compile() and load_state() show (on a terminal) advance by each layer's parameters: the
+    store's allocation, the seeded initializer, a checkpoint's tensors and a training state each count all."""
+    from megatrain.runtime import checkpoint as train_state
+    from megatrain.runtime.init import init_seeded
+    from megatrain.runtime.store import HostStore
+
+    model = hf_model("llama")
+    cap = capture(model)
+    n = sum(seg.numel for seg in cap.segments)
+    counts = {}
+
+    def count(name):
+        counts[name] = 0
+
+        def add(k):
+            counts[name] += k
+        return add
+
+    store = HostStore(cap, progress=count("store"))
+    init_seeded(model, cap, store, 0, progress=count("init"))
+    model.save_pretrained(tmp_path / "hf")
+    store.load_safetensors(tmp_path / "hf", progress=count("checkpoint"))
+    sm = megatrain.compile(model, device="cpu")
+    sm.save_state(tmp_path / "s")
+    train_state.load(sm.store, tmp_path / "s", progress=count("state"))
+    assert counts == {"store": n, "init": n, "checkpoint": n, "state": n}

@@ -19,7 +19,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.search import check_resident
 from megatrain.planner.verify import verify
-from megatrain.runtime import checkpoint as train_state
+from megatrain.runtime import train_state
 from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepOutput
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
@@ -313,7 +313,7 @@ class StreamedModel:
     # ---- training state ---------------------------------------------------------------------------------
     def save_state(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Save what training needs to go on exactly from here: master weights, Adam moments, step counts, and
-        ``extra`` (JSON, e.g. the data order) into ``directory`` (:mod:`megatrain.runtime.checkpoint`). Waits for
+        ``extra`` (JSON, e.g. the data order) into ``directory`` (:mod:`megatrain.runtime.train_state`). Waits for
         the last step's updates; a state saved there before is replaced only once the new one is complete."""
         self.wait()
         self.executor.sync_resident()

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from megatrain.data import DataError, TokenStream, build_tokenizer, default_corpus, read_text
-from megatrain.runtime import checkpoint as train_state
+from megatrain.runtime import train_state
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
-STATE_DIR = "state"  # the training state (megatrain.runtime.checkpoint), at the end and every save_every steps
+STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
 RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed")  # what is trained on, and in which order
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}
 MIN_VOCAB = 257  # the byte-level BPE's initial alphabet and its one special token

@@ -150,7 +150,7 @@ def test_batches_of_the_wrong_dtype_are_refused_before_running():
 def test_progress_counts_every_parameter_once(tmp_path, monkeypatch):
     """The progress bars compile() and load_state() show (on a terminal) advance by each layer's parameters: the
     store's allocation, the seeded initializer, a checkpoint's tensors and a training state each count all."""
-    from megatrain.runtime import checkpoint as train_state
+    from megatrain.runtime import train_state
     from megatrain.runtime.init import init_seeded
     from megatrain.runtime.store import HostStore
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.runtime import checkpoint
+from megatrain.runtime import train_state
 
 from .models import VOCAB, hf_model
 
@@ -114,7 +114,7 @@ def test_the_files_hold_master_and_moments_as_raw_fp32(tmp_path):
     sm = _compile("host")
     sm.train_step(_batches(1)[0])
     d = sm.save_state(tmp_path / "s")
-    m = checkpoint.read_manifest(sm.captured, d)
+    m = train_state.read_manifest(sm.captured, d)
     assert m["step"] == 1 and set(m["optimizer_steps"].values()) == {1}
     for key in m["layers"]:
         raw = torch.frombuffer(bytearray((d / f"layer-{int(key):05d}.bin").read_bytes()), dtype=torch.float32)

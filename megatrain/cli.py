@@ -154,7 +154,7 @@ def _train(args) -> int:
             run(resume_config(args.resume, **given))
         else:
             run(TrainConfig(**{**(load_yaml(args.config) if args.config else {}), **given}))
-    except (ValueError, DataError, FileNotFoundError) as e:
+    except (ValueError, DataError, OSError) as e:  # OSError: a file that cannot be read or written (disk full)
         print(f"megatrain train: {e}", file=sys.stderr)
         return 2
     return 0

@@ -313,8 +313,8 @@ def run(cfg: TrainConfig) -> dict:
     log.close()
     sm.wait()  # the last step's updates, which may run on after its train_step returned
     wall = time.perf_counter() - t_start
+    _save_weights(sm, model_cfg, out)  # the smaller file first: it survives a disk that fills up with the state
     _save_state(sm, stream, out, lambda m: print(m, file=sys.stderr, flush=True))
-    _save_weights(sm, model_cfg, out)
     first, last = history[0]["loss"], sum(h["loss"] for h in history[-5:]) / min(5, len(history))
     summary = {
         "model": cfg.model, "params": n_params, "device": str(sm.device), "steps": cfg.steps,

@@ -244,3 +244,19 @@ def test_a_run_that_diverges_stops_and_keeps_its_last_good_state(tmp_path, capsy
     assert {f.name: f.read_bytes() for f in (run / "state").iterdir()} == good  # the run resumed from: as it was
     # going on from the good state with another learning rate works
     assert main(["train", "--resume", str(run), "--steps", "4", "--lr", "1e-3", "--out", str(tmp_path / "ok")]) == 0
+
+
+def test_a_disk_that_fills_up_while_saving_the_state_is_one_line_and_keeps_the_weights(tmp_path, capsys,
+                                                                                        monkeypatch):
+    from megatrain.runtime import train_state
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train_state, "save", full)
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "megatrain train: [Errno 28] No space left on device" in err and "Traceback" not in err
+    assert (run / "model.safetensors").stat().st_size > 0  # written before the state
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2

@@ -326,7 +326,7 @@ class StreamedModel:
         its ``extra``. The next ``train_step`` is the saved step's successor, with the same learning rate and
         Adam bias corrections as an unbroken run."""
         self.wait()
-        with progress_bar("loading the training state", sum(s.numel for s in self.captured.segments)) as bar:
+        with progress_bar("loading the training state", self.graph.n_params) as bar:
             m = train_state.load(self.store, directory, progress=bar.update)
         opt = self.optimizer
         for l, o in opt.opts.items():
@@ -405,16 +405,14 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         check_checkpoint(cap, checkpoint)  # names, shapes and readability, before the store takes its memory
     if state is not None:
         train_state.read_manifest(cap, state)  # the same
-    need = store_nbytes(cap, shadow=opts.wire == "bf16")
+    need, n = store_nbytes(cap, shadow=opts.wire == "bf16"), cap.graph.n_params
     if need > spec.host_bytes:
-        n_owned = sum(seg.numel for seg in cap.segments)
         have = (f"the {fmt_bytes(spec.host_bytes)} this machine has available" if host_free is not None else
                 f"the {fmt_bytes(spec.host_bytes)} of host memory the hardware spec {spec.name!r} gives")
         raise ValueError(
-            f"host memory: the host store of this model needs {fmt_bytes(need)} ({n_owned / 1e9:.3f}B parameters x "
-            f"{need // n_owned} bytes: fp32 master weights, two Adam moments and the gradient"
+            f"host memory: the host store of this model needs {fmt_bytes(need)} ({n / 1e9:.3f}B parameters x "
+            f"{need // n} bytes: fp32 master weights, two Adam moments and the gradient"
             f"{', and the bf16 copy a bf16 wire sends' if opts.wire == 'bf16' else ''}), more than {have}")
-    n = sum(seg.numel for seg in cap.segments)
     with progress_bar(f"host store ({fmt_bytes(need)}{', pinned' if dev.type == 'cuda' else ''})", n) as bar:
         store = HostStore(cap, pin=dev.type == "cuda", progress=bar.update)
     if checkpoint is not None:

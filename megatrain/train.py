@@ -213,7 +213,7 @@ def _save_state(sm, stream: TokenStream, out: Path, say) -> None:
     """Save the training state with the data order, saying so (``say``: a one-line printer) before and after: for
     a large model it takes a while (12 bytes per parameter to disk)."""
     rng = base64.b64encode(stream.gen.get_state().numpy().tobytes()).decode()
-    nbytes = 12 * sum(seg.numel for seg in sm.captured.segments)
+    nbytes = 4 * len(train_state.KEPT_ROWS) * sm.graph.n_params
     say(f"step {sm.step}: saving the training state ({nbytes / 2**30:.2f} GiB) to {out}/{STATE_DIR}/")
     t0 = time.perf_counter()
     sm.save_state(out / STATE_DIR, extra={"data_rng": rng})

@@ -41,8 +41,7 @@ def available_host_bytes(root: Path = Path("/")) -> int | None:
 def store_nbytes(captured: Captured, *, shadow: bool = False) -> int:
     """Host bytes a :class:`HostStore` of ``captured`` takes: four fp32 rows per owned parameter, and with ``shadow``
     the bf16 copy of the masters a bf16 wire sends."""
-    n = sum(seg.numel for seg in captured.segments)
-    return n * (4 * len(ROWS) + (2 if shadow else 0))
+    return captured.graph.n_params * (4 * len(ROWS) + (2 if shadow else 0))
 
 
 def check_checkpoint(captured: Captured, directory: str | Path) -> list[Path]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from megatrain.ir import Schedule, ScheduleConfig
-from megatrain.planner.capture import Captured, capture
+from megatrain.capture import Captured, capture
 from megatrain.planner.cost import device_memory, fmt_bytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -359,9 +359,11 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
             state: str | Path | None = None,
             optim: OptimConfig | None = None, device: str | torch.device | None = None,
             compute_dtype: torch.dtype | None = None, hardware: str | HardwareSpec | None = None,
-            kernels: bool | None = None, streams: bool | None = None, **plan) -> StreamedModel:
+            kernels: bool | None = None, streams: bool | None = None, blocks: str | nn.ModuleList | None = None,
+            **plan) -> StreamedModel:
     """Capture ``model`` (an HF causal LM or a decoder ``nn.Module`` mapping input_ids to logits) and return a
-    :class:`StreamedModel` whose weights live in host memory.
+    :class:`StreamedModel` whose weights live in host memory. ``blocks``: the ``nn.ModuleList`` of decoder blocks
+    (or its path, e.g. ``"model.layers"``) where capture would not find it by HF's conventions.
 
     Weights come from the model itself, or, for a model built on the meta device, from ``checkpoint`` (an HF
     safetensors directory) or ``init_seed`` (the model's own initializer, one layer at a time), or ``state`` (a
@@ -400,7 +402,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
                          "importing megatrain")
     if sum(x is not None for x in (checkpoint, init_seed, state)) > 1:
         raise ValueError("pass one of checkpoint=, init_seed= and state=")
-    cap = capture(model, act_dtype_bytes=torch.finfo(dtype).bits // 8)
+    cap = capture(model, compute_dtype=dtype, blocks=blocks)
     if checkpoint is not None:
         check_checkpoint(cap, checkpoint)  # names, shapes and readability, before the store takes its memory
     if state is not None:

@@ -15,11 +15,12 @@ from torch.utils._pytree import tree_leaves
 
 from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, Stream, format_table, initial_contents, resident_slots,
                           slot_contents)
-from megatrain.planner.capture import Captured
+from megatrain.capture import Captured
 from megatrain.planner.cost import OPT_STATE_ROWS, slot_params
 from megatrain.runtime.grad_sink import GradSink, sink_to
 from megatrain.runtime.kernel_rewrite import keep_less
 from megatrain.runtime.optim import HostAdamW
+from megatrain.runtime.rng import StepRng
 from megatrain.runtime.store import ROWS, HostStore
 from megatrain.runtime.templates import LayerRunner
 
@@ -76,6 +77,7 @@ class Executor:
         self.saved_layers: frozenset[int] = frozenset()  # the running schedule's saved_acts
         self.saved_lean = False  # and its saved_lean
         self._bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
+        self.rng = StepRng(self.device)  # each (layer, micro-batch) draws from its own seed (runtime/rng.py)
 
     def _pools(self, schedule: Schedule) -> None:
         """Allocate the weight, gradient and optimizer slots the schedule uses, each as large as the largest layer
@@ -126,7 +128,6 @@ class Executor:
         self.wire = cfg.wire_bytes_per_param
         tags, accesses = self._slot_plan(schedule)
         self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
-        position = {key: 0 for key in accesses}
         self.contents: dict[tuple[str, int], tuple] = initial_contents(schedule, self._resident_slots(schedule))
         self.act: dict[int, torch.Tensor] = {}
         self.host_act: dict[tuple[int, int], torch.Tensor] = {}
@@ -144,6 +145,20 @@ class Executor:
         self.masks = [None if d else mb.attention_mask for d, mb in zip(dense, self.mbs)]
         self.denom = denom
         lr = self._begin_step()
+        self.rng.begin()
+        try:
+            self._interpret(schedule, tags, accesses)
+        finally:
+            self.rng.end()
+        self._end_step()
+        for layer, k in self._resident_slots(schedule).items():
+            self.resident[layer] = (k, self.store.generation)
+        sums = self._loss_values()
+        return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
+
+    def _interpret(self, schedule: Schedule, tags, accesses) -> None:
+        """Check each op's slot contents against the plan and issue it, in program order."""
+        position = {key: 0 for key in accesses}
         for op in schedule.ops:
             reads, writes = tags[op.id]
             for role, idx in op.slots:
@@ -172,11 +187,6 @@ class Executor:
                 raise
             except Exception as e:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
-        self._end_step()
-        for layer, k in self._resident_slots(schedule).items():
-            self.resident[layer] = (k, self.store.generation)
-        sums = self._loss_values()
-        return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
 
     # ---- resident optimizer state ----------------------------------------------------------------------------
     def can_continue(self, schedule: Schedule) -> bool:
@@ -307,6 +317,8 @@ class Executor:
 
     def _execute(self, op: Op) -> None:
         k, l = op.kind, op.layer
+        if k is OpKind.FWD or k is OpKind.BWD or k is OpKind.LOSS:  # a forward (again): this (layer, mb)'s draws
+            self.rng.seed(l, op.mb)
         if k is OpKind.LOAD_W:  # the weights a device update left here, or from the host: the fp32 master (cast
             # where it lands) or the bf16 shadow; all three hold the same values in the compute dtype
             o = self.graph.owner(l)
@@ -440,7 +452,7 @@ class Executor:
         x = self.act[op.slot("x")].detach().requires_grad_()
         views: list = []
         with torch.enable_grad():
-            logits = self.runner.run(op.layer, self._weights(op), x, grad_views=views)
+            logits = self.runner.run(op.layer, self._weights(op), x, self.side[op.mb], grad_views=views)
             labels = self.mbs[op.mb].next_labels
             loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                        ignore_index=IGNORE_INDEX, reduction="sum")
@@ -488,7 +500,12 @@ class Executor:
         not, whatever attention the model uses), for one sequence of ``seq_len`` tokens: activations only, not
         the weights (views of the slot), the layer's input (its checkpoint, counted apart) or the side inputs
         every layer shares; ``lean``: keeping less (``ScheduleConfig.saved_lean``). Runs the embedding and the
-        layer once on random tokens, with weights copied from the host store into temporary buffers."""
+        layer once on random tokens, with weights copied from the host store into temporary buffers; the random
+        generators are left as they were (a seeded run draws the same whether it measures or not)."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            return self._measure_saved_bytes(layer, seq_len, lean)
+
+    def _measure_saved_bytes(self, layer: int, seq_len: int, lean: bool) -> int:
         vocab = self.captured.vocab_size
         ids = torch.randint(0, vocab, (1, seq_len), device=self.device)
         mask = None if self.captured.mask_optional else torch.ones_like(ids)

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megatrain.planner.capture import Captured, _meta_copy
+from megatrain.capture import Captured, meta_copy
 from megatrain.runtime.store import HostStore
 
 
@@ -41,7 +41,7 @@ def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: in
             path, _, pname = ref.model_name.rpartition(".")
             by_module.setdefault(path, []).append(pname)
         for path, pnames in by_module.items():
-            mod = _meta_copy(model.get_submodule(path)).to_empty(device="cpu")
+            mod = meta_copy(model.get_submodule(path)).to_empty(device="cpu")
             for p in mod.parameters(recurse=False):
                 p.fill_(float("nan"))
                 if hasattr(p, "_is_hf_initialized"):

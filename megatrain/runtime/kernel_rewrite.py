@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.planner.capture import Captured
+from megatrain.capture import Captured
 from megatrain.runtime.grad_sink import param_grads
 
 

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megatrain.planner.capture import Captured
+from megatrain.capture import Captured
 
 ROWS = ("master", "exp_avg", "exp_avg_sq", "grad")
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.fx.node import Node, map_aggregate
 
-from megatrain.planner.capture import Captured, Segment
+from megatrain.capture import Captured, Segment
 from megatrain.runtime import grad_sink
 from megatrain.runtime.grad_sink import SinkLinear
 
@@ -116,7 +116,9 @@ class LayerRunner:
     def run(self, i: int, flat: torch.Tensor, x, side: dict[str, object] | None = None,
             grad_views: list | None = None):
         """Layer 0: ``x`` is (input_ids, attention_mask) and the result is (hidden, {side name: value}).
-        Other layers: ``x`` is the hidden state and the result is the layer's output. ``grad_views``: see
+        Other layers: ``x`` is the hidden state and the result is the layer's output; ``side``: the side inputs
+        the embedding layer returned for this micro-batch (blocks, and norm and head where they read any).
+        ``grad_views``: see
         :meth:`_Binding.bound`."""
         seg = self.captured.segments[i]
         if seg.patches:
@@ -140,4 +142,4 @@ class LayerRunner:
                 args, kwargs = map_aggregate(seg.call_args, lambda a: side[a.name] if isinstance(a, Node) else a)
                 out = seg.template(x, *args, **kwargs)
                 return out[0] if seg.tuple_out else out
-            return seg.template(x)
+            return seg.template(x, *(side[n] for n in seg.call_args or ()))

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from megatrain.planner.capture import Captured
+from megatrain.capture import Captured
 from megatrain.runtime.store import ROWS, HostStore
 
 FORMAT = "megatrain-train-state"

@@ -16,18 +16,22 @@ pytestmark = pytest.mark.gpu
 LR, STEPS, N_MB = 1e-4, 3, 4
 
 
-def resident_reference(model, batches):
+def resident_reference(model, batches, before_mb=None):
+    """Plain PyTorch on the GPU: bf16 autocast, fp32 AdamW, clipping; ``before_mb(step, mb)`` before each
+    micro-batch's forward."""
     model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     losses = []
-    for ids, mask, labels in batches:
+    for step, (ids, mask, labels) in enumerate(batches):
         ids, mask, labels = ids.cuda(), mask.cuda(), labels.cuda()
         nxt = torch.full_like(labels, -100)
         nxt[:, :-1] = labels[:, 1:]
         denom = (nxt != -100).sum()
         opt.zero_grad()
         total = 0.0
-        for sl in torch.arange(len(ids)).chunk(N_MB):
+        for i, sl in enumerate(torch.arange(len(ids)).chunk(N_MB)):
+            if before_mb is not None:
+                before_mb(step, i)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(input_ids=ids[sl], attention_mask=mask[sl]).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), nxt[sl].reshape(-1),

@@ -19,12 +19,41 @@ FAMILIES = {
 }
 
 
+# families whose capture needs more than the HF conventions of the ones above: GPT-2 (learned positions, Conv1D, a
+# reshape to the input's shape after the blocks), GPTBigCode (multi-query attention; the same reshape), Falcon with
+# ALiBi (branches on the mask's rank and dtype), OPT (blocks at model.decoder.layers), Phi, StableLM with per-head
+# q/k norms (a list of norms per attention module, longer than the list of blocks)
+MORE_FAMILIES = {
+    "gpt2": dict(model_type="gpt2", n_inner=96, bos_token_id=1, eos_token_id=2),
+    "gpt_bigcode": dict(model_type="gpt_bigcode", n_inner=96, multi_query=True, bos_token_id=1, eos_token_id=2),
+    "falcon_alibi": dict(model_type="falcon", alibi=True, new_decoder_architecture=False, multi_query=True,
+                         parallel_attn=True, bias=True),
+    "opt": dict(model_type="opt", ffn_dim=96, word_embed_proj_dim=64, enable_bias=True),
+    "phi": dict(model_type="phi", partial_rotary_factor=0.5),
+    "stablelm": dict(model_type="stablelm", qk_layernorm=True, num_key_value_heads=4, partial_rotary_factor=0.5),
+}
+# each family's dropout probabilities, by config field
+DROPOUT_FIELDS = {
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "gpt_bigcode": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "opt": ("dropout", "attention_dropout"),
+    "phi": ("resid_pdrop", "embd_pdrop", "attention_dropout"),
+    "falcon_alibi": ("hidden_dropout", "attention_dropout"),
+}
+
+
 def hf_config(family: str, **kw):
     from transformers import AutoConfig
 
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
-    return AutoConfig.for_model(**{**base, **FAMILIES[family], **kw})
+    fam = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
+    return AutoConfig.for_model(**{**base, **fam, **kw})
+
+
+def with_dropout(family: str, p: float) -> dict:
+    """Config fields that turn every dropout of ``family`` to ``p``."""
+    return {f: p for f in DROPOUT_FIELDS[family]}
 
 
 def hf_model(family: str, seed: int = 0, **kw):

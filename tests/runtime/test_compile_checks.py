@@ -8,7 +8,7 @@ import torch
 
 import megatrain
 from megatrain import api
-from megatrain.planner.capture import capture
+from megatrain.capture import capture
 from megatrain.planner.hardware import PRESETS
 from megatrain.runtime.store import available_host_bytes, store_nbytes
 

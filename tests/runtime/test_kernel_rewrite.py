@@ -44,7 +44,7 @@ def test_kernels_on_the_cpu_need_the_interpreter(monkeypatch):
 
 
 def test_rope_reads_half_of_cos_and_sin_only_where_the_rotary_module_repeats_them():
-    from megatrain.planner.capture import capture
+    from megatrain.capture import capture
     from megatrain.runtime.kernel_rewrite import rotary_halves_equal
 
     model = hf_model("llama")

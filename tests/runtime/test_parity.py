@@ -39,13 +39,14 @@ def batches(n_steps=3, B=6, T=12, seed=1, vocab=VOCAB):
     return out
 
 
-def reference_train(model, data, n_mb, hf=True, opt_cfg=OPT):
-    """Plain PyTorch: AdamW + LambdaLR with the same warmup/cosine rule, grad accumulation, clip_grad_norm_."""
+def reference_train(model, data, n_mb, hf=True, opt_cfg=OPT, before_mb=None):
+    """Plain PyTorch: AdamW + LambdaLR with the same warmup/cosine rule, grad accumulation, clip_grad_norm_.
+    ``before_mb(step, mb)`` runs before each micro-batch's forward."""
     opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps,
                             weight_decay=opt_cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: megatrain.runtime.optim.lr_at(opt_cfg, s) / opt_cfg.lr)
     losses, norms = [], []
-    for ids, mask, labels in data:
+    for step, (ids, mask, labels) in enumerate(data):
         nxt = torch.full_like(labels, -100)
         nxt[:, :-1] = labels[:, 1:]
         denom = (nxt != -100).sum()
@@ -53,6 +54,8 @@ def reference_train(model, data, n_mb, hf=True, opt_cfg=OPT):
         total = 0.0
         for i in range(n_mb):
             sl = slice(i * len(ids) // n_mb, (i + 1) * len(ids) // n_mb)
+            if before_mb is not None:
+                before_mb(step, i)
             logits = model(input_ids=ids[sl], attention_mask=mask[sl]).logits if hf else model(ids[sl])
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), nxt[sl].reshape(-1),
                                    ignore_index=-100, reduction="sum") / denom

@@ -20,10 +20,8 @@ The user's model is only read.
 from __future__ import annotations
 
 import copy
-import operator
 import hashlib
-import functools
-import sys
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +29,9 @@ import torch
 import torch.fx
 from torch import nn
 
+from megatrain.capture.blocks import find_blocks
+from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, trace
 from megatrain.planner.graph import Layer, LayerGraph, block_saved_bytes
-
-
-class CaptureError(ValueError):
-    """The model has a structure capture does not understand; the message says what."""
 
 
 @dataclass
@@ -58,7 +54,8 @@ class Segment:
     params: list[ParamRef] = field(default_factory=list)  # views into the owner's flat block
     owner: int = 0  # layer whose host block holds the weights (itself unless tied)
     numel: int = 0  # elements of the owner's flat block this layer owns (0 when tied)
-    call_args: Any = None  # blocks: fx args/kwargs structure; side inputs appear as node names
+    call_args: Any = None  # blocks: fx args/kwargs structure, side inputs appear as node names; norm and head:
+    # the names of the side inputs they take after the hidden state
     tuple_out: bool = False  # blocks return a tuple whose first item is the hidden state
     patches: list = field(default_factory=list)  # (module, name, value) set only while the template runs
 
@@ -67,7 +64,8 @@ class Segment:
 class Captured:
     graph: LayerGraph
     segments: list[Segment]
-    side_names: list[str]  # names of the side inputs the embedding layer returns after the hidden state
+    side_names: list[str]  # names of the side inputs the embedding layer returns after the hidden state (for the
+    # blocks, and values computed from the inputs that the layers after them read)
     model_param_names: dict[str, tuple[int, int, tuple[int, ...]]]  # model name -> (owner layer, offset, shape)
     tied_names: dict[str, str]  # extra model names that alias another parameter (tied weights)
     hidden_size: int
@@ -77,117 +75,7 @@ class Captured:
     mask_optional: bool = False
 
 
-# --------------------------------------------------------------------------------------------------------------
-def _leaf_function(fn):
-    """A stand-in for ``fn`` that records one fx call node (like ``torch.fx.wrap``), binding arguments that fx cannot
-    represent (config objects) into the recorded callable."""
-
-    @functools.wraps(fn)
-    def stand_in(*args, **kwargs):
-        flat = [*args, *kwargs.values()]
-        proxy = next((a for a in flat if isinstance(a, torch.fx.Proxy)), None)
-        if proxy is None:
-            return fn(*args, **kwargs)
-        const = {k: v for k, v in kwargs.items() if not _fx_arg(v)}
-        dyn = {k: v for k, v in kwargs.items() if k not in const}
-
-        def bound(*a, **k):
-            if "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:
-                # the runtime passes no mask only for a micro-batch without padding (see Captured.mask_optional),
-                # whose positions run 0..T-1 in every row: HF's mask builders would read them back from the device
-                # to look for packed sequences, and they use them for nothing else
-                k = {**k, "position_ids": None}
-            return fn(*a, **const, **k)
-
-        bound.__name__ = bound.__qualname__ = fn.__name__
-        bound.__module__ = __name__
-        return proxy.tracer.create_proxy("call_function", bound, args, dyn)
-
-    return stand_in
-
-
-def _fx_arg(v) -> bool:
-    if isinstance(v, (torch.fx.Proxy, torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)):
-        return True
-    if isinstance(v, (tuple, list)):
-        return all(_fx_arg(x) for x in v)
-    return False
-
-
-class _Tracer(torch.fx.Tracer):
-    def __init__(self, blocks: set[int]):
-        super().__init__()
-        self.blocks = blocks
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if id(m) in self.blocks or type(m).__name__.endswith(("RotaryEmbedding", "RMSNorm")):
-            return True
-        return super().is_leaf_module(m, qualname)
-
-
-class _Root(nn.Module):
-    """What is traced: ``(input_ids, attention_mask) -> logits``."""
-
-    def __init__(self, model: nn.Module, hf: bool):
-        super().__init__()
-        self.m = model
-        self.hf = hf
-
-    def forward(self, input_ids, attention_mask):
-        if self.hf:
-            return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return self.m(input_ids)
-
-
-def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and all(
-                any(True for _ in m.parameters()) for m in mod):
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
-    if best is None:
-        raise CaptureError(f"{type(model).__name__}: found no nn.ModuleList of decoder blocks with parameters")
-    return best
-
-
-def _trace(model: nn.Module, blocks: nn.ModuleList, hf: bool) -> torch.fx.GraphModule:
-    import importlib
-
-    leaves = {id(b) for b in blocks}
-    patched = []
-    mask_mod = None
-    if hf:
-        try:
-            mask_mod = importlib.import_module("transformers.masking_utils")
-        except ImportError:
-            mask_mod = None
-    targets = {}
-    if mask_mod is not None:
-        for n in dir(mask_mod):
-            f = getattr(mask_mod, n)
-            if n.startswith("create_") and n.endswith("mask") and callable(f):
-                targets[f] = _leaf_function(f)
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
-    try:
-        for mod in modules:
-            for n, v in list(vars(mod).items()):
-                if callable(v) and v in targets:
-                    patched.append((mod, n, v))
-                    setattr(mod, n, targets[v])
-        root = _Root(model, hf)
-        try:
-            graph = _Tracer(leaves).trace(root)
-        except Exception as e:  # noqa: BLE001 - any tracing failure is reported as what capture did not understand
-            raise CaptureError(f"{type(model).__name__}: torch.fx could not trace the forward with decoder blocks "
-                               f"as leaves: {type(e).__name__}: {e}") from None
-        return torch.fx.GraphModule(root, graph)
-    finally:
-        for mod, n, v in patched:
-            setattr(mod, n, v)
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module) -> nn.Module:
     """A structural copy whose parameters live on the meta device (no weight memory); buffers are copied."""
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             for p in module.parameters()}
@@ -263,18 +151,22 @@ def _node_params(gm: nn.Module, graph: torch.fx.Graph) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
-    """Trace ``model`` and cut it into layers. Raises :class:`CaptureError` naming what was not understood."""
+def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
+            blocks: str | nn.ModuleList | None = None) -> Captured:
+    """Trace ``model`` and cut it into layers. ``compute_dtype``: the dtype the runtime binds weights in (the
+    traced code's dtype-dependent branches and constants follow it); ``blocks``: the ModuleList of decoder blocks
+    (or its path), where :func:`~megatrain.capture.blocks.find_blocks` would not find it. Raises
+    :class:`CaptureError` naming what was not understood."""
     hf = hasattr(model, "config") and hasattr(model, "get_output_embeddings")
-    blocks_name, blocks = _find_blocks(model)
-    traced = _trace(model, blocks, hf)
+    blocks_name, block_list = find_blocks(model, blocks)
+    traced = trace(model, block_list, blocks_name, hf, compute_dtype)
     graph = traced.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    block_path = {f"m.{blocks_name}.{i}": i for i in range(len(blocks))}
+    block_path = {f"m.{blocks_name}.{i}": i for i in range(len(block_list))}
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target in block_path]
-    if [block_path[n.target] for n in calls] != list(range(len(blocks))):
+    if [block_path[n.target] for n in calls] != list(range(len(block_list))):
         raise CaptureError(f"{type(model).__name__}: the blocks of '{blocks_name}' are not each called once in order "
-                           f"(calls: {[n.target for n in calls]})")
+                           f"(calls: {[n.target for n in calls]}); pass compile(blocks='...') naming the decoder's")
     tuple_out = False
     for prev, cur in zip(calls, calls[1:]):
         h = cur.args[0] if cur.args else None
@@ -283,40 +175,57 @@ def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
         if isinstance(h, torch.fx.Node) and h.target is operator.getitem and h.args == (prev, 0):
             tuple_out = True
             continue
-        raise CaptureError(f"{type(model).__name__}: block '{cur.target}' does not take the previous block's output "
-                           f"as its first argument")
+        raise CaptureError(f"{type(model).__name__}: block '{cur.target[2:]}' does not take the previous block's "
+                           f"output as its first argument (found {h}); only a chain of blocks can be streamed")
     h0 = calls[0].args[0] if calls[0].args else None
     if not isinstance(h0, torch.fx.Node):
         raise CaptureError(f"{type(model).__name__}: the first block takes no hidden-state argument")
     sides: dict[torch.fx.Node, None] = {}
-    for c in calls:
-        torch.fx.node.map_arg((c.args[1:], c.kwargs), lambda n: sides.setdefault(n, None))
     block_set = set(calls)
     if tuple_out:
         block_set |= {u for c in calls for u in c.users if u.target is operator.getitem}
+    after_blocks, from_inputs = _dependence(graph, block_set)
+    for c in calls:
+        args: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((c.args[1:], c.kwargs), args.append)
+        late_arg = next((n for n in args if n in after_blocks), None)
+        if late_arg is not None:
+            raise CaptureError(f"{type(model).__name__}: block '{c.target[2:]}' takes '{late_arg.name}', which is "
+                               f"computed from an earlier block's output; only the hidden state may pass from block to "
+                               f"block (the other inputs of the blocks must be computed before the first)")
+        sides.update(dict.fromkeys(args))
     prologue = _ancestors([h0, *sides], stop=block_set)
-    if block_set & set(prologue) or any(n in block_set for n in sides):
-        raise CaptureError(f"{type(model).__name__}: side inputs of the blocks depend on block outputs")
     out_node = next(n for n in graph.nodes if n.op == "output")
     logits = out_node.args[0]
     last = calls[-1]
     h_last = next((u for u in last.users if u.target is operator.getitem), last) if tuple_out else last
-    epilogue = [n for n in _ancestors([logits], stop={h_last}) if n not in set(prologue)]
-    meta_model = _meta_copy(model)
+    # what follows the blocks may use values computed from the inputs before them (GPT-2 and GPTBigCode reshape the
+    # final hidden state to a shape taken from input_ids): the embedding layer computes those once per micro-batch
+    # and passes them on as side inputs, as it does the blocks' masks; values from the parameters alone (a tied
+    # weight read by the head) stay where they are used
+    epi_all = _ancestors([logits], stop={h_last})
+    late = [n for n in sorted(epi_all, key=order.__getitem__) if n not in after_blocks and n in from_inputs
+            and n not in sides and any(u in after_blocks for u in n.users)]
+    epilogue = [n for n in _ancestors([logits], stop={h_last, *late}) if n not in set(late)]
+    if any(n.op == "placeholder" for n in epilogue):
+        raise CaptureError(f"{type(model).__name__}: the head reads the model's inputs directly")
+    meta_model = meta_copy(model)
     _materialize_meta_buffers(meta_model)
-    meta_root = _Root(meta_model, hf)
+    meta_root = Root(meta_model, hf)
     head_calls = [n for n in sorted(epilogue, key=order.__getitem__) if n.op == "call_module"
                   and any(True for _ in traced.get_submodule(n.target).parameters())]
     if not head_calls:
         raise CaptureError(f"{type(model).__name__}: no module with parameters after the last block (the lm head)")
     head = head_calls[-1]
     head_in = head.args[0]
-    norm_nodes = _ancestors([head_in], stop={h_last}) if head_in is not h_last else []
+    stop = {h_last, *late}
+    norm_nodes = [n for n in _ancestors([head_in], stop=stop)] if head_in is not h_last else []
     head_nodes = [n for n in epilogue if n not in set(norm_nodes)]
 
     segs: list[tuple[str, str, nn.Module, Any]] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    emb_graph = _subgraph(order, set(prologue) - set(placeholders), placeholders, [h0, *sides])
+    emb_nodes = set(_ancestors([h0, *sides, *late], stop=block_set)) - set(placeholders)
+    emb_graph = _subgraph(order, emb_nodes, placeholders, [h0, *sides, *late])
     mask_optional = _only_mask_builders_read(emb_graph, "attention_mask")
     segs.append(("embed", "embedding", torch.fx.GraphModule(meta_root, emb_graph), None))
     templates: dict[str, nn.Module] = {}
@@ -325,17 +234,35 @@ def capture(model: nn.Module, *, act_dtype_bytes: int = 2) -> Captured:
         key = _structure_key(blk)
         templates.setdefault(key, blk)
         segs.append((f"{blocks_name}.{i}", "block", templates[key], (c.args[1:], c.kwargs)))
+
+    def tail(nodes, x, out):  # a layer after the blocks: input x, the late side inputs it reads, output out
+        reads = [n for n in late if any(u in set(nodes) for u in n.users)]
+        gm = torch.fx.GraphModule(meta_root, _subgraph(order, set(nodes), [x, *reads], [out]))
+        return gm, [n.name for n in reads]
+
     if norm_nodes:
-        norm_gm = torch.fx.GraphModule(meta_root, _subgraph(order, set(norm_nodes), [h_last], [head_in]))
+        norm_gm, norm_sides = tail(norm_nodes, h_last, head_in)
         if _node_params(norm_gm, norm_gm.graph):
-            segs.append(("norm", "norm", norm_gm, None))
+            segs.append(("norm", "norm", norm_gm, norm_sides))
         else:  # nothing to train between the blocks and the head: it runs as part of the head
             head_nodes, norm_nodes = epilogue, []
-    g = _subgraph(order, set(head_nodes), [head_in if norm_nodes else h_last], [logits])
-    segs.append(("head", "head", torch.fx.GraphModule(meta_root, g), None))
-    captured = _assemble(model, blocks_name, segs, [n.name for n in sides], tuple_out, act_dtype_bytes)
+    segs.append(("head", "head", *tail(head_nodes, head_in if norm_nodes else h_last, logits)))
+    captured = _assemble(model, blocks_name, segs, [n.name for n in (*sides, *late)], tuple_out,
+                         torch.finfo(compute_dtype).bits // 8)
     captured.mask_optional = mask_optional
     return captured
+
+
+def _dependence(graph: torch.fx.Graph, block_set: set) -> tuple[set, set]:
+    """(nodes that depend on a block's output, nodes that depend on the model's inputs)."""
+    after, inputs = set(block_set), set()
+    for n in graph.nodes:  # program order: a node's inputs come before it
+        ins = n.all_input_nodes
+        if n.op == "placeholder" or any(i in inputs for i in ins):
+            inputs.add(n)
+        if any(i in after for i in ins):
+            after.add(n)
+    return after, inputs
 
 
 def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], tuple_out: bool,
@@ -398,7 +325,10 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             lean_saved_bytes_per_token=block_saved_bytes(hidden, q_dim, kv_dim, inter, heads or 1, a, lean=True)
             if seg.kind == "block" else 0,
         ))
-    names = {canon: (o, off, tuple(model.get_parameter(canon).shape)) for canon, (o, off) in owner_of.items()}
+    # in the model's parameter order (a global gradient norm sums per-parameter norms in it, as
+    # torch.nn.utils.clip_grad_norm_ does)
+    names = {canon: (*owner_of[canon], tuple(model.get_parameter(canon).shape)) for canon in canonical.values()
+             if canon in owner_of}
     missing = [n for n in canonical.values() if n not in owner_of]
     if missing:
         raise CaptureError(f"parameters never used by the traced forward: {missing[:5]}")
@@ -410,12 +340,11 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
 
 def _only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:
     """Whether the placeholder ``name`` is read only by HF mask builders recorded as leaf calls (see
-    :func:`_leaf_function`)."""
+    :func:`~megatrain.capture.tracer.leaf_function`)."""
     ph = next((n for n in graph.nodes if n.op == "placeholder" and n.name == name), None)
     if ph is None:
         return False
-    return all(u.op == "call_function" and getattr(u.target, "__module__", None) == __name__
-               and u.target.__name__.startswith("create_") and u.target.__name__.endswith("mask") for u in ph.users)
+    return all(u.op == "call_function" and is_mask_builder(u.target) for u in ph.users)
 
 
 def _numel(shape) -> int:

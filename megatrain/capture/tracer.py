@@ -1,0 +1,303 @@
+"""Tracing a causal LM with ``torch.fx``: decoder blocks as leaves, static tensor metadata, errors that say where.
+
+The forward of ``(input_ids, attention_mask) -> logits`` is traced with the decoder blocks (and rotary-embedding and
+RMSNorm modules) as leaf calls, and HF's attention-mask builders (``transformers.masking_utils.create_*mask``) as leaf
+functions evaluated at run time, once per micro-batch.
+
+Code around the blocks often branches on what a tensor *is* rather than what it holds: ``attention_mask.ndim < 4``
+(GPT-2), ``causal_mask.ndim == 4`` and ``causal_mask.dtype == torch.bool`` (Falcon with ALiBi), ``*alibi.shape[1:]``.
+A plain fx trace cannot answer these. Here every traced value carries an example of itself on the meta device (the
+inputs as a (2, 8) batch, parameters in the compute dtype the runtime binds them in), propagated op by op; a value's
+rank, dtype and the length of a shape tuple -- the same for every batch -- are answered from that example, so such
+branches are decided at capture time. Sizes stay symbolic (the graph serves every batch shape), and a branch on
+tensor contents or sizes is refused, naming the module and the source line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.node import map_aggregate
+
+
+class CaptureError(ValueError):
+    """The model has a structure capture does not understand; the message says what, where, and what to do."""
+
+
+# example batch the metadata is propagated with: its sizes never reach the graph (only ranks and dtypes do)
+EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 8
+
+
+def leaf_function(fn):
+    """A stand-in for ``fn`` that records one fx call node (like ``torch.fx.wrap``), binding arguments that fx cannot
+    represent (config objects) into the recorded callable."""
+
+    @functools.wraps(fn)
+    def stand_in(*args, **kwargs):
+        flat = [*args, *kwargs.values()]
+        proxy = next((a for a in flat if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is None:
+            return fn(*args, **kwargs)
+        const = {k: v for k, v in kwargs.items() if not _fx_arg(v)}
+        dyn = {k: v for k, v in kwargs.items() if k not in const}
+
+        def bound(*a, **k):
+            if "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:
+                # the runtime passes no mask only for a micro-batch without padding (see Captured.mask_optional),
+                # whose positions run 0..T-1 in every row: HF's mask builders would read them back from the device
+                # to look for packed sequences, and they use them for nothing else
+                k = {**k, "position_ids": None}
+            return fn(*a, **const, **k)
+
+        bound.__name__ = bound.__qualname__ = fn.__name__
+        bound.__module__ = __name__
+        return proxy.tracer.create_proxy("call_function", bound, args, dyn)
+
+    return stand_in
+
+
+def is_mask_builder(target) -> bool:
+    """Whether an fx call target is an HF mask builder recorded by :func:`leaf_function`."""
+    name = getattr(target, "__name__", "")
+    return getattr(target, "__module__", None) == __name__ and name.startswith("create_") and name.endswith("mask")
+
+
+def _fx_arg(v) -> bool:
+    if isinstance(v, (torch.fx.Proxy, torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_fx_arg(x) for x in v)
+    return False
+
+
+_UNKNOWN = object()
+
+
+class MetaProxy(torch.fx.Proxy):
+    """A traced value with an example of itself (``example``: a meta tensor, a shape, a number; or unknown).
+    Rank, dtype and the length of a tuple are static, so they are answered from the example; everything else
+    (sizes, devices, values) stays a node of the graph."""
+
+    example: Any = _UNKNOWN
+
+    def _tensor(self) -> torch.Tensor | None:
+        return self.example if isinstance(self.example, torch.Tensor) else None
+
+    @property
+    def ndim(self):
+        t = self._tensor()
+        return t.ndim if t is not None else self.__getattr__("ndim")
+
+    @property
+    def dtype(self):
+        t = self._tensor()
+        return t.dtype if t is not None else self.__getattr__("dtype")
+
+    def dim(self):
+        t = self._tensor()
+        return t.dim() if t is not None else self.__getattr__("dim")()
+
+    def is_floating_point(self):
+        t = self._tensor()
+        return t.is_floating_point() if t is not None else self.__getattr__("is_floating_point")()
+
+    def __len__(self):
+        if isinstance(self.example, (tuple, list)):  # a shape or a tuple of values: its length is a rank
+            return len(self.example)
+        return super().__len__()
+
+    def __getattr__(self, k: str) -> "MetaAttribute":
+        return MetaAttribute(self, k)
+
+
+class MetaAttribute(MetaProxy, torch.fx.proxy.Attribute):
+    """``proxy.attr`` (``x.shape``, ``x.dtype`` where unknown, a method about to be called), with its example."""
+
+    def __init__(self, root: MetaProxy, attr: str):
+        torch.fx.proxy.Attribute.__init__(self, root, attr)
+        try:
+            self.example = getattr(root.example, attr) if root.example is not _UNKNOWN else _UNKNOWN
+        except Exception:  # noqa: BLE001 - an attribute the example lacks: unknown
+            self.example = _UNKNOWN
+
+
+class Tracer(torch.fx.Tracer):
+    """Blocks, rotary embeddings and RMSNorms as leaves; every value with a meta example (see the module doc)."""
+
+    def __init__(self, blocks: set[int], meta_root: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.blocks = blocks
+        self.meta_root = meta_root  # the traced root over a model whose parameters and buffers are meta tensors
+        self.dtype = dtype
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if id(m) in self.blocks or type(m).__name__.endswith(("RotaryEmbedding", "RMSNorm")):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def proxy(self, node: torch.fx.Node) -> MetaProxy:
+        return MetaProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        if isinstance(proxy, MetaProxy):
+            proxy.example = self._example(kind, target, args, kwargs)
+        return proxy
+
+    def iter(self, obj):
+        if isinstance(obj, MetaProxy) and isinstance(obj.example, (tuple, list)):  # `*x.shape[1:]`
+            return iter([obj[i] for i in range(len(obj.example))])
+        return super().iter(obj)
+
+    def _example(self, kind: str, target, args, kwargs):
+        """The op run on the examples of its inputs (meta tensors), or unknown where any input is unknown or the
+        op cannot run on meta tensors (it reads values)."""
+        if kind == "placeholder":
+            return torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.long, device="meta")
+        if kind == "get_attr":
+            try:
+                return self.meta_root.get_parameter(target)
+            except AttributeError:
+                try:
+                    return self.meta_root.get_buffer(target)
+                except AttributeError:
+                    return _UNKNOWN
+        unknown = []
+        a, k = map_aggregate((args, kwargs), lambda v: _example_of(v, unknown))
+        if unknown:
+            return _UNKNOWN
+        try:
+            with _unpatched(), torch.no_grad():  # modules called as modules, not recorded
+                if kind == "call_function":
+                    return target(*a, **k)
+                if kind == "call_method":
+                    return getattr(a[0], target)(*a[1:], **k)
+                if kind == "call_module":
+                    return self.meta_root.get_submodule(target)(*a, **k)
+        except Exception:  # noqa: BLE001 - an op that reads values (or needs a real device): its example is unknown
+            return _UNKNOWN
+        return _UNKNOWN
+
+
+# while tracing, torch.fx patches nn.Module.__call__ to record calls; the examples are computed with it undone
+_unpatched = getattr(torch.fx._symbolic_trace, "_maybe_revert_all_patches", contextlib.nullcontext)
+
+
+def _example_of(v, unknown: list):
+    if isinstance(v, MetaProxy):
+        if v.example is _UNKNOWN:
+            unknown.append(v)
+        return v.example
+    if isinstance(v, torch.fx.Proxy):
+        unknown.append(v)
+    return v
+
+
+def meta_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` on the meta device: floating-point parameters in ``dtype`` (what the runtime binds),
+    buffers as they are (the runtime moves them without casting)."""
+    memo = {id(p): nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
+                                            device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    return __import__("copy").deepcopy(model, memo)
+
+
+class Root(nn.Module):
+    """What is traced: ``(input_ids, attention_mask) -> logits``."""
+
+    def __init__(self, model: nn.Module, hf: bool):
+        super().__init__()
+        self.m = model
+        self.hf = hf
+
+    def forward(self, input_ids, attention_mask):
+        if self.hf:
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return self.m(input_ids)
+
+
+def trace(model: nn.Module, blocks: nn.ModuleList, blocks_name: str, hf: bool,
+          dtype: torch.dtype) -> torch.fx.GraphModule:
+    """The traced root with ``blocks`` as leaves; a :class:`CaptureError` naming the construct and the line where
+    tracing fails."""
+    patched = []
+    targets = {}
+    try:
+        mask_mod = importlib.import_module("transformers.masking_utils") if hf else None
+    except ImportError:
+        mask_mod = None
+    if mask_mod is not None:
+        for n in dir(mask_mod):
+            f = getattr(mask_mod, n)
+            if n.startswith("create_") and n.endswith("mask") and callable(f):
+                targets[f] = leaf_function(f)
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    root = Root(model, hf)
+    tracer = Tracer({id(b) for b in blocks}, Root(meta_model(model, dtype), hf), dtype)
+    try:
+        for mod in modules:
+            for n, v in list(vars(mod).items()):
+                if callable(v) and v in targets:
+                    patched.append((mod, n, v))
+                    setattr(mod, n, targets[v])
+        try:
+            graph = tracer.trace(root)
+        except Exception as e:  # noqa: BLE001 - any tracing failure is reported as what capture did not understand
+            raise CaptureError(describe_failure(model, blocks_name, e)) from None
+        return torch.fx.GraphModule(root, graph)
+    finally:
+        for mod, n, v in patched:
+            setattr(mod, n, v)
+
+
+# --------------------------------------------------------------------------------------------------------------
+_WHAT = (  # torch.fx's message -> what the model's code did, in the words of this project
+    ("cannot be used as inputs to control flow",
+     "an `if`, `while`, `and`/`or` or `assert` decides on a tensor's values or sizes, which are only known when a "
+     "batch runs"),
+    ("cannot be iterated", "a loop or an unpacking runs over a tensor or over a traced value of unknown length"),
+    ("'len' is not supported", "len() of a tensor, whose size is only known when a batch runs"),
+    ("object is not subscriptable", "indexes a traced value that is not a tensor"),
+)
+_SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.rpartition(".")[0]]))
+
+
+def describe_failure(model: nn.Module, blocks_name: str, e: BaseException) -> str:
+    """One message for a failed trace: the construct, the module and source line it is in, what to do."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    what = next((w for key, w in _WHAT if key in msg), None)
+    if what is None:
+        what = f"{type(e).__name__} while tracing ({msg[:200]})"
+    names = {id(m): n for n, m in model.named_modules()}
+    where, module = None, None
+    for frame, line in traceback.walk_tb(e.__traceback__):
+        path = frame.f_code.co_filename
+        if path.startswith(_SKIP_DIRS) or path.startswith("<"):
+            continue
+        where = (path, line)
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            module = f"'{names[id(owner)]}' ({type(owner).__name__})" if names[id(owner)] else \
+                f"{type(owner).__name__}.forward"
+    loc = ""
+    if where is not None:
+        import linecache
+
+        code = linecache.getline(where[0], where[1]).strip()
+        loc = f" in {module or 'the forward'} at {os.path.basename(where[0])}:{where[1]}" + (f": `{code}`" if code
+                                                                                             else "")
+    return (f"{type(model).__name__}: capture cannot trace the forward around the decoder blocks "
+            f"('{blocks_name}'){loc}: {what}. Only the code outside the blocks is traced (each block runs as it "
+            f"is): pass compile(blocks='path.to.ModuleList') if these are not the decoder blocks; for an HF model, "
+            f"another attn_implementation may take a path without the branch; otherwise compute that value without "
+            f"branching on it")

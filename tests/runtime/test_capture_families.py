@@ -1,0 +1,119 @@
+"""Capture of models beyond the Llama family: blocks found by HF's conventions, code around the blocks that
+branches on a tensor's rank or dtype (GPT-2, Falcon with ALiBi), values from the inputs used after the blocks
+(GPT-2 and GPTBigCode reshape the final hidden state to the input's shape); and refusals that name the line."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import megatrain
+from megatrain.capture import CaptureError, capture
+
+from .models import TinyGPT, compile_cpu, hf_model, with_dropout
+from .test_parity import OPT, batches, check, reference_train
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "falcon_alibi", "stablelm"])
+def test_family_matches_plain_pytorch(family):
+    """Untied over 3 steps; the tied head (these families' default) over one step: the streamed run sums the tied
+    gradient's parts in another order than autograd (an ulp apart), which AdamW turns into an lr-sized step on the
+    k-projection bias (an analytically zero gradient) after the first."""
+    kw = with_dropout(family, 0.0) if family in ("gpt2", "gpt_bigcode", "falcon_alibi") else {}
+    for tied, n_steps in ((True, 1), (False, 3)):
+        model = hf_model(family, tie_word_embeddings=tied, **kw)
+        ref = copy.deepcopy(model)
+        data = batches(n_steps=n_steps)
+        ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # found by convention, not by the longest-list fallback
+            sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1)
+        assert bool(sm.captured.tied_names) == tied
+        stats = [sm.train_step(*b) for b in data]
+        check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+
+
+def test_values_from_the_inputs_after_the_blocks_are_side_inputs():
+    """GPT-2 reshapes the final hidden state to a shape taken from input_ids before the blocks: the embedding layer
+    computes it and the norm layer takes it as a side input, instead of reading the embedding's weights."""
+    cap = capture(hf_model("gpt2", **with_dropout("gpt2", 0.0)))
+    norm = next(s for s in cap.segments if s.kind == "norm")
+    assert norm.call_args and set(norm.call_args) <= set(cap.side_names)
+    assert [r.model_name for r in norm.params] == ["transformer.ln_f.weight", "transformer.ln_f.bias"]
+
+
+def test_blocks_are_found_by_convention_not_by_the_longest_list():
+    """StableLM with per-head q/k norms: each attention module holds a list of 4 norms, longer than the 3 blocks."""
+    model = hf_model("stablelm")
+    assert len(model.model.layers[0].self_attn.q_layernorm.norms) > len(model.model.layers)
+    cap = capture(model)
+    assert [s.name for s in cap.segments if s.kind == "block"] == [f"model.layers.{i}" for i in range(3)]
+    cap = capture(hf_model("opt"))
+    assert cap.segments[1].name == "model.decoder.layers.0"
+
+
+def test_blocks_argument_and_the_fallback_that_names_its_list():
+    class Deep(nn.Module):  # no HF conventions, blocks at a path no convention names, a longer decoy list
+        def __init__(self):
+            super().__init__()
+            g = TinyGPT(tied=False)
+            self.wte, self.wpe, self.ln_f, self.lm_head = g.wte, g.wpe, g.ln_f, g.lm_head
+            self.decoy = nn.ModuleList(nn.LayerNorm(48) for _ in range(5))
+            self.trunk = nn.Module()
+            self.trunk.stack = g.blocks
+
+        def forward(self, input_ids):
+            x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))
+            for b in self.trunk.stack:
+                x = b(x)
+            for d in self.decoy:
+                x = d(x)
+            return self.lm_head(self.ln_f(x))
+
+    with pytest.warns(UserWarning, match=r"taking the longest nn.ModuleList, 'decoy' \(5 x LayerNorm\).*blocks="):
+        cap = capture(Deep())  # a wrong choice, which the warning names
+    assert [s.name for s in cap.segments if s.kind == "block"] == [f"decoy.{i}" for i in range(5)]
+    cap = capture(Deep(), blocks="trunk.stack")
+    assert [s.name for s in cap.segments if s.kind == "block"] == ["trunk.stack.0", "trunk.stack.1", "trunk.stack.2"]
+    model = Deep()
+    assert capture(model, blocks=model.trunk.stack).segments[1].name == "trunk.stack.0"
+    with pytest.raises(CaptureError, match=r"blocks='trunk.nothing': Deep has no such submodule.*'decoy'"):
+        capture(Deep(), blocks="trunk.nothing")
+    with pytest.raises(CaptureError, match=r"blocks='ln_f' is a LayerNorm, not a non-empty nn.ModuleList"):
+        capture(Deep(), blocks="ln_f")
+    sm = megatrain.compile(Deep(), device="cpu", blocks="trunk.stack", saved_acts=0)
+    assert sm.train_step(batches(n_steps=1)[0][0]).loss > 0
+
+
+def test_refusals_name_the_construct_and_the_line():
+    """What torch.fx cannot trace is refused in our words, with the module and the source line, never as fx's own
+    message."""
+
+    class LoopsOverShape(TinyGPT):
+        def forward(self, input_ids):
+            x = self.wte(input_ids)
+            for _ in x:  # iterates over the batch
+                pass
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x))
+
+    class SizeBranch(TinyGPT):
+        def forward(self, input_ids):
+            x = self.wte(input_ids)
+            if input_ids.shape[1] > 4:  # branches on a size: the graph must serve every length
+                x = x * 2
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x))
+
+    for cls, line, what in ((LoopsOverShape, "for _ in x:", "a loop or an unpacking runs over a tensor"),
+                            (SizeBranch, "if input_ids.shape[1] > 4:", "decides on a tensor's values or sizes")):
+        with pytest.raises(CaptureError) as e:
+            capture(cls())
+        msg = str(e.value)
+        assert f"in {cls.__name__}.forward at test_capture_families.py:" in msg and line in msg and what in msg
+        for fx_words in ("Proxy", "symbolically traced", "TraceError"):
+            assert fx_words not in msg

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -98,12 +99,25 @@ def resident_opt(value: str | int) -> int | str:
 
 @dataclass
 class StepStats:
-    step: int
+    step: int  # steps applied so far (a skipped step does not count)
     loss: float
     tokens: int  # valid (predicted) tokens in the step
     lr: float
     grad_norm: float | None
     seconds: float
+    skipped: bool = False  # the loss or the gradient norm was not finite: no update was applied (nonfinite="skip")
+
+
+class NonFiniteStepError(ValueError):
+    """A step's loss or global gradient norm was not finite; no update was applied (the weights and Adam moments
+    are those before the step)."""
+
+    def __init__(self, message: str, stats: StepStats):
+        super().__init__(message)
+        self.stats = stats
+
+
+NONFINITE = ("raise", "skip")
 
 
 class StreamedModel:
@@ -141,6 +155,26 @@ class StreamedModel:
         # norm are final; state_dict() waits for the updates). On by default: measured faster on the H200, with the
         # same results bit for bit (tests/gpu/test_streams.py). False: each train_step returns with its step done.
         self.overlap_steps = streams
+        # a step whose loss or gradient norm is not finite applies no update at all; "raise": train_step raises
+        # NonFiniteStepError; "skip": it returns StepStats(skipped=True) and training goes on (skipped_steps counts)
+        self._nonfinite = "raise"
+        self.skipped_steps = 0
+        # steps, saves and reads of the weights exclude each other (save_state from another thread while steps run
+        # would write weights of no step)
+        self._lock = threading.RLock()
+
+    @property
+    def nonfinite(self) -> str:
+        """What ``train_step`` does after a step whose loss or gradient norm is not finite (no update is applied
+        either way): "raise" (:class:`NonFiniteStepError`) or "skip" (``StepStats.skipped``; counted in
+        ``skipped_steps``)."""
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, value: str) -> None:
+        if value not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {value!r}")
+        self._nonfinite = value
 
     # ---- planning -----------------------------------------------------------------------------------------
     def schedule_for(self, batch_size: int, seq_len: int, *, continues: bool = False, **overrides) -> Schedule:
@@ -253,19 +287,31 @@ class StreamedModel:
                    labels: torch.Tensor | None = None, **plan_overrides) -> StepStats:
         """One optimizer step on a batch of sequences (B, T). ``labels`` default to ``input_ids`` with padding
         (attention_mask == 0) ignored; as in HF, position t is trained to predict label t + 1; the loss is the sum
-        over the step's valid tokens divided by their count."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        over the step's valid tokens divided by their count. Integer tensors of any width are taken (as int64).
+
+        A step whose loss or global gradient norm is not finite applies no update (see ``nonfinite``)."""
+        with self._lock:
+            return self._train_step(input_ids, attention_mask, labels, plan_overrides)
+
+    def _train_step(self, input_ids, attention_mask, labels, plan_overrides) -> StepStats:
         for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool and
                                   name != "attention_mask"):
                 raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"the batch is empty (input_ids of shape {tuple(input_ids.shape)})")
+        for name, t in (("attention_mask", attention_mask), ("labels", labels)):
+            if t is not None and t.shape != input_ids.shape:
+                raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(t.shape)}")
+        input_ids = input_ids.long()
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         if labels is None:
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-        if labels.shape != input_ids.shape or attention_mask.shape != input_ids.shape:
-            raise ValueError("input_ids, attention_mask and labels must have the same shape")
+        labels = labels.long()
         vocab = self.captured.vocab_size
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
             raise ValueError(f"input_ids must be in [0, {vocab})")
@@ -292,8 +338,18 @@ class StreamedModel:
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False)
         else:
             out = self.executor.run(schedule, mbs, denom)
-        self.step += 1
-        return StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0)
+        if out.applied:
+            self.step += 1
+        stats = StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0,
+                          skipped=not out.applied)
+        if not out.applied:
+            self.skipped_steps += 1
+            if self.nonfinite == "raise":
+                what = ", ".join(f"{k} {v}" for k, v in (("loss", out.loss), ("gradient norm", out.grad_norm))
+                                 if v is not None and not math.isfinite(v))
+                raise NonFiniteStepError(f"step {self.step + 1}: {what}; no update was applied (the weights and "
+                                         f"Adam moments are those after step {self.step})", stats)
+        return stats
 
     # ---- weights ------------------------------------------------------------------------------------------
     def wait(self) -> None:
@@ -306,41 +362,47 @@ class StreamedModel:
         """The current master weights by parameter name (views into the host store). With ``overlap_steps`` the
         last step's updates may still be running: they finish first; states kept on the device (``resident_opt``)
         are written back to the store first."""
-        self.wait()
-        self.executor.sync_resident()
-        return self.store.state_dict()
+        with self._lock:
+            self.wait()
+            self.executor.sync_resident()
+            return self.store.state_dict()
 
     # ---- training state ---------------------------------------------------------------------------------
     def save_state(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Save what training needs to go on exactly from here: master weights, Adam moments, step counts, and
         ``extra`` (JSON, e.g. the data order) into ``directory`` (:mod:`megatrain.runtime.train_state`). Waits for
-        the last step's updates; a state saved there before is replaced only once the new one is complete."""
-        self.wait()
-        self.executor.sync_resident()
-        opt = self.optimizer
-        steps = {l: int(o.state[opt.params[l]]["step"]) for l, o in opt.opts.items()}
-        return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
+        the last step's updates; a state saved there before is replaced only once the new one is complete (see
+        :mod:`megatrain.runtime.train_state`: a crash at any moment leaves one to go on from). A state whose
+        weights or moments are not finite is refused. Returns the new state's own directory."""
+        with self._lock:
+            self.wait()
+            self.executor.sync_resident()
+            opt = self.optimizer
+            steps = {l: int(o.state[opt.params[l]]["step"]) for l, o in opt.opts.items()}
+            return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
 
     def load_state(self, directory: str | Path) -> dict:
         """Go on from a state :meth:`save_state` wrote (for this model: checked before anything changes); returns
         its ``extra``. The next ``train_step`` is the saved step's successor, with the same learning rate and
         Adam bias corrections as an unbroken run."""
-        self.wait()
-        with progress_bar("loading the training state", self.graph.n_params) as bar:
-            m = train_state.load(self.store, directory, progress=bar.update)
-        opt = self.optimizer
-        for l, o in opt.opts.items():
-            o.state[opt.params[l]]["step"].fill_(float(m["optimizer_steps"][str(l)]))
-        self.step = m["step"]
-        self.executor.set_step(m["step"])
-        return m["extra"]
+        with self._lock:
+            self.wait()
+            with progress_bar("loading the training state", self.graph.n_params) as bar:
+                m = train_state.load(self.store, directory, progress=bar.update)
+            opt = self.optimizer
+            for l, o in opt.opts.items():
+                o.state[opt.params[l]]["step"].fill_(float(m["optimizer_steps"][str(l)]))
+            self.step = m["step"]
+            self.executor.set_step(m["step"])
+            return m["extra"]
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
         """Write the trained weights into ``model`` (same architecture), in place."""
-        sd = self.state_dict()
-        for name, p in model.named_parameters():
-            p.copy_(sd[name])
+        with self._lock:
+            sd = self.state_dict()
+            for name, p in model.named_parameters():
+                p.copy_(sd[name])
 
     def memory_report(self, batch_size: int | None = None, seq_len: int | None = None) -> dict[str, int]:
         """Bytes by kind: host store rows; with a batch shape, the device slots and working set of its schedule."""
@@ -360,10 +422,12 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
             optim: OptimConfig | None = None, device: str | torch.device | None = None,
             compute_dtype: torch.dtype | None = None, hardware: str | HardwareSpec | None = None,
             kernels: bool | None = None, streams: bool | None = None, blocks: str | nn.ModuleList | None = None,
-            **plan) -> StreamedModel:
+            nonfinite: str = "raise", **plan) -> StreamedModel:
     """Capture ``model`` (an HF causal LM or a decoder ``nn.Module`` mapping input_ids to logits) and return a
     :class:`StreamedModel` whose weights live in host memory. ``blocks``: the ``nn.ModuleList`` of decoder blocks
-    (or its path, e.g. ``"model.layers"``) where capture would not find it by HF's conventions.
+    (or its path, e.g. ``"model.layers"``) where capture would not find it by HF's conventions. ``nonfinite``: what
+    ``train_step`` does after a step whose loss or gradient norm is not finite, which applies no update: "raise"
+    (:class:`NonFiniteStepError`) or "skip" (returns with ``skipped=True``; see :attr:`StreamedModel.nonfinite`).
 
     Weights come from the model itself, or, for a model built on the meta device, from ``checkpoint`` (an HF
     safetensors directory) or ``init_seed`` (the model's own initializer, one layer at a time), or ``state`` (a
@@ -377,6 +441,12 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     """
     from megatrain.planner.hardware import hardware as hardware_spec
 
+    if isinstance(model, StreamedModel):
+        raise ValueError("compile() takes the model to train (an nn.Module); this one is already a StreamedModel")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"compile() takes an nn.Module, got {type(model).__name__}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
     dev = _device(device)
     dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware or
@@ -429,6 +499,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if use_streams and dev.type != "cuda":
         raise ValueError("streams=True needs a CUDA device")
     sm = StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels, use_streams)
+    sm.nonfinite = nonfinite
     if state is not None:
         sm.load_state(state)
     return sm

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -52,9 +53,11 @@ def _plan(args) -> int:
     try:
         graph = _model(args)
         spec = hardware(args.hardware)
+        for flag in ("host_gib", "budget_gib"):
+            v = getattr(args, flag)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of GiB > 0, got {v}")
         if args.host_gib is not None:
-            if not args.host_gib > 0:
-                raise ValueError(f"--host-gib must be positive, got {args.host_gib}")
             spec = dataclasses.replace(spec, host_bytes=int(args.host_gib * GiB))
         every = args.gpu_opt_every
         if every is None:  # what compile() does on that device: device updates on a GPU, none on the CPU
@@ -65,7 +68,7 @@ def _plan(args) -> int:
                      gpu_opt_every=None if every == "auto" else _every(every),
                      saved_acts=_saved(args.saved_acts),
                      resident_opt=None if args.resident_opt == "auto" else _resident(args.resident_opt))
-        budget = int(args.budget_gib * GiB) if args.budget_gib else None
+        budget = int(args.budget_gib * GiB) if args.budget_gib is not None else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
         jobs = args.jobs or os.cpu_count() or 1
@@ -151,13 +154,16 @@ def _train(args) -> int:
         if args.resume:
             if args.config:
                 raise ValueError("--resume goes on with the run's own config; --config cannot change it")
-            run(resume_config(args.resume, **given))
+            summary = run(resume_config(args.resume, **given))
         else:
-            run(TrainConfig(**{**(load_yaml(args.config) if args.config else {}), **given}))
+            summary = run(TrainConfig(**{**(load_yaml(args.config) if args.config else {}), **given}))
     except (ValueError, DataError, OSError) as e:  # OSError: a file that cannot be read or written (disk full)
         print(f"megatrain train: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once; the last training state saved stays whole
+        print("megatrain train: interrupted; the last training state saved (if any) is whole", file=sys.stderr)
+        return 130
+    return summary.get("exit_code", 0)
 
 
 def _viz(args) -> int:
@@ -260,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                                            "directory")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
     t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
+    t.add_argument("--on-nonfinite", dest="on_nonfinite", choices=["stop", "skip"],
+                   help="a step whose loss or gradient norm is not finite applies no update; then stop (default) "
+                        "or skip to the next batch (stopping after 10 in a row)")
+    t.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,
+                   help="run the Python files a model directory's config.json names (auto_map); off by default")
     t.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     t.add_argument("--out", help="output directory (default: megatrain-runs/<UTC time>); must be new or empty")
     t.set_defaults(fn=_train)

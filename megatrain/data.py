@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,32 +28,44 @@ class DataError(ValueError):
 
 
 def default_corpus() -> str:
-    """The documentation strings of :data:`CORPUS_MODULES` (modules, their public classes, functions, methods)."""
+    """The documentation strings of :data:`CORPUS_MODULES` (modules, their public classes, functions, methods),
+    read from the standard library's source files: nothing is imported (a module of the same name in the working
+    directory is never run); modules written in C, which have no source file, are left out."""
+    import ast
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs: dict[str, None] = {}
 
-    def add(obj) -> None:
-        with warnings.catch_warnings():  # some modules warn when their documentation is read (typing.io)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            d = inspect.getdoc(obj)
+    def add(node) -> None:
+        d = ast.get_docstring(node, clean=True)
         if d:
             docs.setdefault(d, None)
 
     for name in CORPUS_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
+        base = stdlib.joinpath(*name.split("."))
+        path = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+        if path is None:
             continue
-        add(mod)
-        for attr, obj in sorted(vars(mod).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-                continue
-            if inspect.isclass(obj) or inspect.isfunction(obj):
-                add(obj)
-                if inspect.isclass(obj):
-                    for a2, o2 in sorted(vars(obj).items()):
-                        if not a2.startswith("_") and inspect.isfunction(o2):
-                            add(o2)
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        add(tree)
+        defs = sorted((n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                       and not n.name.startswith("_")), key=lambda n: n.name)
+        for node in defs:
+            add(node)
+            if isinstance(node, ast.ClassDef):
+                for sub in sorted((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                   and not n.name.startswith("_")), key=lambda n: n.name):
+                    add(sub)
     return "\n\n".join(docs)
+
+
+# Reading and tokenizing a data file holds the text and its token ids (8 bytes each, about a token per 4
+# characters) at once, with the tokenizer's chunks beside them: about 4 bytes of memory per byte of the file
+MEMORY_PER_DATA_BYTE = 4
 
 
 def read_text(path: str | Path) -> str:
@@ -66,6 +75,13 @@ def read_text(path: str | Path) -> str:
         raise DataError(f"data path {p} is a directory; give a .txt or .jsonl file")
     if not p.is_file():
         raise DataError(f"data file {p} does not exist")
+    from megatrain.runtime.store import available_host_bytes
+
+    size, free = p.stat().st_size, available_host_bytes()
+    if size * MEMORY_PER_DATA_BYTE > free:
+        raise DataError(f"data file {p} is {size / 2**30:.2f} GiB; reading and tokenizing it takes about "
+                        f"{MEMORY_PER_DATA_BYTE}x that ({size * MEMORY_PER_DATA_BYTE / 2**30:.1f} GiB), more than the "
+                        f"{free / 2**30:.1f} GiB of memory available: give a part of it")
     try:
         raw = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -95,8 +111,35 @@ def build_tokenizer(text: str, vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
+    tok.train_from_iterator(_pieces(text, 1), trainer=trainer)
     return tok
+
+
+def _pieces(text: str, size: int):
+    """``text`` in pieces of at least ``size`` characters, cut after a blank line (one piece where there is none)."""
+    start = 0
+    while start < len(text):
+        cut = text.find("\n\n", start + size)
+        end = len(text) if cut < 0 else cut + 2
+        yield text[start:end]
+        start = end
+
+
+def encode(tok, text: str, piece_chars: int = 1 << 20) -> torch.Tensor:
+    """``text``'s token ids (int64), encoded a piece of about ``piece_chars`` characters at a time (cut after blank
+    lines): the tokenizer never holds the whole text as one string's encoding (a 20 MB text took 3.5 GB that way)."""
+    import numpy as np
+
+    parts = []
+    batch: list[str] = []
+    for piece in _pieces(text, piece_chars):
+        batch.append(piece)
+        if len(batch) == 8:
+            parts += [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(batch)]
+            batch = []
+    if batch:
+        parts += [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(batch)]
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.long)
 
 
 class TokenStream:

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import torch
 
-from megatrain.data import DataError, TokenStream, build_tokenizer, default_corpus, read_text
+from megatrain.data import DataError, TokenStream, build_tokenizer, default_corpus, encode, read_text
+from megatrain.rundir import RunDirectory, StopSignals, save_whole, write_whole
 from megatrain.runtime import train_state
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
 STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
 RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed")  # what is trained on, and in which order
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", type(None): "null"}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+MAX_SKIPPED = 10  # with on_nonfinite "skip": this many steps in a row without an update stop the run
 MIN_VOCAB = 257  # the byte-level BPE's initial alphabet and its one special token
 
 TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
@@ -55,7 +57,11 @@ class TrainConfig:
     device: str | None = None  # default: cuda when present, else cpu
     out: str | None = None  # default: megatrain-runs/<UTC time>
     save_every: int = 0  # also save the training state every this many steps (0: at the end only)
-    resume: str | None = None  # an earlier run's directory: go on from the training state it saved
+    on_nonfinite: str = "stop"  # a step whose loss or gradient norm is not finite applies no update; then "stop"
+    # (save nothing more, say where the last state is) or "skip" (go on with the next batch; stop after
+    # MAX_SKIPPED in a row)
+    trust_remote_code: bool = False  # run the Python files of a model directory whose config names them (auto_map)
+    resume: str | None = None  # an earlier run's directory: go on from the training state it saved (a flag only)
 
     @property
     def warmup_steps(self) -> int:
@@ -83,8 +89,14 @@ class TrainConfig:
                     gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            raise ValueError(f"clip must be a finite number > 0, or null for no clipping, got {self.clip}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"need 0 <= warmup ({self.warmup_steps}) < steps ({self.steps})")
 
@@ -96,10 +108,25 @@ class TrainConfig:
             allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
             if v is None and type(None) in allowed:
                 continue
-            if isinstance(v, bool) or not any(isinstance(v, int if a is float else a) or isinstance(v, a)
-                                              for a in allowed if a is not type(None)):
+            kinds = [a for a in allowed if a is not type(None)]
+            if (isinstance(v, bool) and bool not in allowed) or not any(
+                    isinstance(v, int if a is float else a) or isinstance(v, a) for a in kinds):
                 names = " or ".join(_TYPE_NAMES[a] for a in allowed)
                 raise ValueError(f"{f.name} must be {names}, got {v!r}")
+
+
+def _yaml_loader():
+    """YAML's safe loader, reading ``1e-3`` as a number (YAML 1.1, which PyYAML implements, wants ``1.0e-3``)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    return Loader
 
 
 def load_yaml(path: str) -> dict:
@@ -108,18 +135,28 @@ def load_yaml(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"config file {p} does not exist")
-    d = yaml.safe_load(p.read_text()) or {}
+    try:
+        d = yaml.load(p.read_text(encoding="utf-8"), Loader=_yaml_loader()) or {}
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        raise ValueError(f"{p} is not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{p}: expected a mapping of option names to values, got a {type(d).__name__}")
     d = {str(k).replace("-", "_"): v for k, v in d.items()}  # the flags' spelling works too
     names = {f.name for f in dataclasses.fields(TrainConfig)}
+    if "resume" in d:
+        raise ValueError(f"{p}: 'resume' is a flag only (megatrain train --resume RUN_DIR goes on with that run's own "
+                         f"config, checked against it); a config file cannot name it")
     unknown = sorted(set(d) - names)
     if unknown:
-        raise ValueError(f"{p}: unknown keys {unknown}; known: {sorted(names)}")
+        raise ValueError(f"{p}: unknown keys {unknown}; known: {sorted(names - {'resume'})}")
     return d
 
 
-def _model_config(name: str, vocab: int, seq: int):
+def _model_config(name: str, vocab: int, seq: int, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     from megatrain.planner.graph import PRESETS
@@ -133,15 +170,47 @@ def _model_config(name: str, vocab: int, seq: int):
     d = Path(name)
     if not (d / "config.json").is_file():
         raise ValueError(f"model {name!r} is neither tiny-llama, a preset, nor a directory with config.json")
-    return AutoConfig.from_pretrained(d, local_files_only=True), d
+    try:
+        raw = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{d / 'config.json'} is not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{d / 'config.json'}: expected an object of fields, got a {type(raw).__name__}")
+    if raw.get("auto_map") and not trust_remote_code:
+        raise ValueError(f"model {d} names Python code of its own in config.json (auto_map); megatrain runs no code "
+                         f"from a model directory unless asked: pass --trust-remote-code if you trust it")
+    try:
+        cfg = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise ValueError(f"{d / 'config.json'} is not a model config transformers reads "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return cfg, d
+
+
+def _check_model_size(model_cfg) -> None:
+    """The sizes that decide how much building the model takes, refused in one line where absurd (before any of
+    it is built: a model config asking for 10**8 layers would otherwise fill the host with layer objects)."""
+    from megatrain.planner.graph import config_size
+
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        config_size({key: getattr(model_cfg, key, None)}, key)
 
 
 def _tokenizer(model_dir: Path | None, text: str, vocab: int):
     if model_dir is not None and (model_dir / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        return read_tokenizer(model_dir / "tokenizer.json")
     return build_tokenizer(text, vocab)
+
+
+def read_tokenizer(path: Path):
+    """A ``tokenizer.json``, or one line saying why it cannot be read."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+        raise ValueError(f"{path} cannot be read as a tokenizer ({str(e).splitlines()[0] if str(e) else e!r})") \
+            from None
 
 
 def _prepare(cfg: TrainConfig):
@@ -151,20 +220,20 @@ def _prepare(cfg: TrainConfig):
 
     import megatrain
 
-    model_cfg, model_dir = _model_config(cfg.model, cfg.vocab, cfg.seq)
+    model_cfg, model_dir = _model_config(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
+    _check_model_size(model_cfg)
     text = default_corpus() if cfg.data is None else read_text(cfg.data)
     source = "the default corpus" if cfg.data is None else cfg.data
     if not text.strip():
         raise DataError(f"{source} holds no text")
     if cfg.resume:  # the tokenizer the run began with, not one trained again
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(Path(cfg.resume) / "tokenizer.json"))
+        tok = read_tokenizer(Path(cfg.resume) / "tokenizer.json")
     else:
         tok = _tokenizer(model_dir, text, min(cfg.vocab, model_cfg.vocab_size) if model_dir else cfg.vocab)
     if tok.get_vocab_size() > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, the model's vocabulary {model_cfg.vocab_size}")
-    ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
+    ids = encode(tok, text)
+    del text
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
         if began.get("data_sha256") != _digest(ids):
@@ -172,7 +241,8 @@ def _prepare(cfg: TrainConfig):
                             f"{began.get('data_tokens', 0):,} then)")
     stream = TokenStream(ids, cfg.seq, seed=cfg.seed, source=source)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa",
+                                                 trust_remote_code=cfg.trust_remote_code)
     weights = model_dir if model_dir is not None and any(model_dir.glob("model*.safetensors")) else None
     optim = megatrain.OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip,
                                   warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.lr / 10)
@@ -185,24 +255,53 @@ def _prepare(cfg: TrainConfig):
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
     if cfg.resume:
         extra = train_state.read_manifest(sm.captured, Path(cfg.resume) / STATE_DIR)["extra"]
-        if "data_rng" not in extra:
-            raise ValueError(f"{cfg.resume}/{STATE_DIR} does not say where the data stood (saved by another "
-                             f"program than megatrain train?)")
-        stream.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(extra["data_rng"])), dtype=torch.uint8))
+        _restore_data_order(stream, extra, f"{cfg.resume}/{STATE_DIR}")
     return model_cfg, tok, ids, stream, source, sm, sm.schedule_for(cfg.batch, cfg.seq)
 
 
-def _diverged(step: int, bad: dict, out: Path) -> str:
-    """What to say when a step's loss or gradient norm is not finite: the run stops there, saving nothing more
-    (the weights now hold the step's update), and points at the last state saved."""
-    what = " and ".join(f"{k} {v}" for k, v in bad.items())
-    manifest = out / STATE_DIR / train_state.MANIFEST
-    saved = json.loads(manifest.read_text())["step"] if manifest.is_file() else None
-    return (f"step {step}: {what}; stopped, and nothing more is saved (metrics up to this step are in "
-            f"{out}/metrics.jsonl). "
-            + (f"The training state of step {saved} is in {out}/{STATE_DIR}: go on from it with, e.g., a lower "
-               f"learning rate: megatrain train --resume {out} --lr ..." if saved is not None else
-               "No training state was saved before it (--save-every N saves one every N steps)."))
+def _restore_data_order(stream: TokenStream, extra: dict, where: str) -> None:
+    """Put the batch sampler where the saved state says; one line where that cannot be read."""
+    if "data_rng" not in extra:
+        raise ValueError(f"{where} does not say where the data stood (saved by another program than megatrain "
+                         f"train?)")
+    want = stream.gen.get_state().numel()
+    try:
+        raw = base64.b64decode(extra["data_rng"], validate=True)
+    except (ValueError, TypeError):
+        raw = None
+    if raw is None or len(raw) != want:
+        raise ValueError(f"{where}: 'data_rng' is not the state of a random generator ({want} bytes, base64); "
+                         f"a damaged or hand-edited training state")
+    try:
+        stream.gen.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    except RuntimeError as e:
+        raise ValueError(f"{where}: 'data_rng' is not a usable generator state ({e})") from None
+
+
+def _last_state(out: Path, cfg: TrainConfig) -> tuple[Path, int] | None:
+    """(run directory, step) of the newest training state this run can go on from: its own, else the one it
+    resumed from."""
+    for run_dir in (out, *((Path(cfg.resume),) if cfg.resume else ())):
+        try:
+            d = train_state.find(run_dir / STATE_DIR)
+            return run_dir, int(json.loads((d / train_state.MANIFEST).read_text())["step"])
+        except (ValueError, OSError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _nonfinite_message(step: int, stats, out: Path, cfg: TrainConfig, why: str) -> str:
+    """What to say when a run stops on steps whose loss or gradient norm is not finite (none of them was applied):
+    the step, and the training state to go on from."""
+    what = " and ".join(f"{k} {v}" for k, v in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
+                        if v is not None and not math.isfinite(v))
+    last = _last_state(out, cfg)
+    where = ("No training state was saved before it (--save-every N saves one every N steps)." if last is None else
+             f"The last training state saved is step {last[1]}'s, in {last[0]}/{STATE_DIR}"
+             + (" (the weights this step started from)" if last[1] == step - 1 else "")
+             + f": go on from it with, e.g., a lower learning rate: megatrain train --resume {last[0]} --lr ...")
+    return (f"step {step}: {what}; no update was applied, and the run stops ({why}); nothing more is saved "
+            f"(metrics up to this step are in {out}/metrics.jsonl). {where}")
 
 
 def _digest(ids: torch.Tensor) -> str:
@@ -223,12 +322,17 @@ def _save_state(sm, stream: TokenStream, out: Path, say) -> None:
 def resume_config(run_dir: str, **overrides) -> TrainConfig:
     """The config of the run in ``run_dir``, to go on from the training state it saved, with ``overrides``:
     anything but what decides the model and the data stream (:data:`RESUME_FIXED`), e.g. more steps, another
-    learning rate, another plan."""
+    learning rate, another plan. Partial state directories that killed saves left there are removed."""
     d = Path(run_dir)
-    for need in (RUN_FILE, "tokenizer.json", f"{STATE_DIR}/state.json"):
+    for need in (RUN_FILE, "tokenizer.json"):
         if not (d / need).is_file():
             raise ValueError(f"cannot resume from {d}: it holds no {need} (a run directory of megatrain train "
                              f"that saved its training state has one)")
+    train_state.remove_stale(d / STATE_DIR)
+    try:
+        state = train_state.find(d / STATE_DIR)
+    except ValueError as e:
+        raise ValueError(f"cannot resume from {d}: {e}") from None
     fixed = [k for k in RESUME_FIXED if k in overrides]
     if fixed:
         raise ValueError(f"a resumed run trains the same model on the same data in the same order: "
@@ -240,7 +344,14 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
         raise ValueError(f"cannot resume from {d}: its {RUN_FILE} does not hold a config this megatrain reads "
                          f"({type(e).__name__}: {e})") from None
     cfg = TrainConfig(**{**began, "out": None, **overrides, "resume": str(d)})
-    done = json.loads((d / STATE_DIR / "state.json").read_text()).get("step", 0)
+    try:
+        done = json.loads((state / train_state.MANIFEST).read_text())["step"]
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ValueError(f"cannot resume from {d}: {state / train_state.MANIFEST} is not readable "
+                         f"({type(e).__name__}: {e})") from None
+    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+        raise ValueError(f"cannot resume from {d}: {state / train_state.MANIFEST}: 'step' must be a count of steps "
+                         f"(an integer >= 0), got {done!r}")
     if done >= cfg.steps:
         raise ValueError(f"{d} already took {done} of its {cfg.steps} steps: pass --steps N with N > {done} to go "
                          f"further")
@@ -248,35 +359,38 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
 
 
 def run(cfg: TrainConfig) -> dict:
-    """Train; returns the summary (also written to ``<out>/summary.json``)."""
+    """Train; returns the summary (also written to ``<out>/summary.json``). SIGINT / SIGTERM stop the run after
+    the step in flight, with the weights and the training state saved (the summary's ``exit_code``: 130 / 143)."""
+    cfg.check()
+    out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    run_dir = RunDirectory(out)
+    try:
+        with StopSignals() as signals:
+            try:
+                prepared = _prepare(cfg)
+            except BaseException:
+                run_dir.abandon()  # nothing is written before this point
+                raise
+            return _train(cfg, out, prepared, signals)
+    finally:
+        run_dir.close()
+
+
+def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
+    from tqdm import tqdm
+
     from megatrain.planner.dump import plot
     from megatrain.planner.simulate import simulate
 
-    cfg.check()
-    out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output path {out} exists and is not a directory; choose another --out")
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"output directory {out} is not empty; choose another --out")
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"output directory {out} cannot be created ({e.strerror})") from None
-    try:
-        model_cfg, tok, ids, stream, source, sm, schedule = _prepare(cfg)
-    except BaseException:
-        if created:
-            out.rmdir()  # still empty: nothing is written before this point
-        raise
-    (out / RUN_FILE).write_text(json.dumps({"config": dataclasses.asdict(cfg), "data_tokens": ids.numel(),
-                                             "data_sha256": _digest(ids)}, indent=1))
-    (out / "schedule.txt").write_text(schedule.to_text())
+    model_cfg, tok, ids, stream, source, sm, schedule = prepared
+    write_whole(out / RUN_FILE, json.dumps({"config": dataclasses.asdict(cfg), "data_tokens": ids.numel(),
+                                            "data_sha256": _digest(ids)}, indent=1))
+    write_whole(out / "schedule.txt", schedule.to_text())
     c = schedule.config
     plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
          title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
          budget_nbytes=schedule.config.budget_bytes)
-    tok.save(str(out / "tokenizer.json"))
+    save_whole(out / "tokenizer.json", tok.save)
     n_params = sm.graph.n_params
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
           f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
@@ -284,50 +398,76 @@ def run(cfg: TrainConfig) -> dict:
           f"updated on the device ({len(c.resident_opt)} keeping their state there), {len(c.saved_acts)} keeping "
           f"their activations; "
           + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
-    from tqdm import tqdm
-
+    sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
     log = (out / "metrics.jsonl").open("w")
-    history = []
+    history, skipped, in_row = [], 0, 0
+    saved_at = None
     t_start = time.perf_counter()
     start = sm.step
-    bar = tqdm(range(start, cfg.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
-               mininterval=1.0, initial=start, total=cfg.steps)
-    for _ in bar:
-        st = sm.train_step(stream.batch(cfg.batch))
-        rec = {"step": st.step, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm, "tokens": st.tokens,
-               "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds}
-        history.append(rec)
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-        bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
-        bad = {k: v for k, v in (("loss", st.loss), ("gradient norm", st.grad_norm))
-               if v is not None and not math.isfinite(v)}
-        if bad:
-            bar.close()
-            log.close()
-            sm.wait()
-            raise ValueError(_diverged(st.step, bad, out))
-        if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
-            _save_state(sm, stream, out, lambda m: tqdm.write(m, file=sys.stderr))
-    bar.close()
-    log.close()
+    bar = tqdm(desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0, initial=start,
+               total=cfg.steps)
+    say = lambda m: tqdm.write(m, file=sys.stderr)  # noqa: E731
+    try:
+        while sm.step < cfg.steps and signals.requested is None:
+            st = sm.train_step(stream.batch(cfg.batch))
+            rec = {"step": st.step + st.skipped, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
+                   "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds}
+            if st.skipped:
+                rec["skipped"] = True
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if st.skipped:
+                skipped, in_row = skipped + 1, in_row + 1
+                if cfg.on_nonfinite == "stop" or in_row >= MAX_SKIPPED:
+                    why = ("--on-nonfinite stop" if cfg.on_nonfinite == "stop" else
+                           f"{MAX_SKIPPED} steps in a row were skipped")
+                    raise ValueError(_nonfinite_message(st.step + 1, st, out, cfg, why))
+                say(f"step {st.step + 1}: loss {st.loss}, gradient norm {st.grad_norm}: not finite, no update "
+                    f"applied; the next batch is tried ({skipped} skipped so far)")
+                continue
+            in_row = 0
+            history.append(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+            if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
+                _save_state(sm, stream, out, say)
+                saved_at = st.step
+    finally:
+        bar.close()
+        log.close()
     sm.wait()  # the last step's updates, which may run on after its train_step returned
     wall = time.perf_counter() - t_start
+    if signals.requested is not None:
+        say(f"{signals.requested.name} after step {sm.step}: saving the weights and the training state, then "
+            f"stopping (a second one stops at once)")
     _save_weights(sm, model_cfg, out)  # the smaller file first: it survives a disk that fills up with the state
-    _save_state(sm, stream, out, lambda m: print(m, file=sys.stderr, flush=True))
-    first, last = history[0]["loss"], sum(h["loss"] for h in history[-5:]) / min(5, len(history))
+    if saved_at != sm.step:
+        _save_state(sm, stream, out, lambda m: print(m, file=sys.stderr, flush=True))
+    done = len(history)
+    first = history[0]["loss"] if history else float("nan")
+    last = sum(h["loss"] for h in history[-5:]) / min(5, done) if history else float("nan")
     summary = {
         "model": cfg.model, "params": n_params, "device": str(sm.device), "steps": cfg.steps,
         "tokens_per_step": cfg.batch * cfg.seq, "first_loss": first, "final_loss_avg_last5": last,
-        "loss_drop_pct": 100 * (first - last) / first, "wall_s": wall,
-        "tokens_per_s": (cfg.steps - start) * cfg.batch * cfg.seq / wall, "out": str(out), "first_step": start + 1,
-        "warmup_steps": cfg.warmup_steps, "config": dataclasses.asdict(cfg),
+        "loss_drop_pct": 100 * (first - last) / first if history else 0.0, "wall_s": wall,
+        "tokens_per_s": done * cfg.batch * cfg.seq / wall if wall > 0 else 0.0, "out": str(out),
+        "first_step": start + 1, "last_step": sm.step, "skipped_steps": skipped, "warmup_steps": cfg.warmup_steps,
+        "config": dataclasses.asdict(cfg),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if signals.requested is not None:
+        summary["stopped_by"] = signals.requested.name
+        summary["exit_code"] = signals.exit_code
+    write_whole(out / "summary.json", json.dumps(summary, indent=1))
+    files = (f"metrics {out}/metrics.jsonl, schedule {out}/schedule.png, weights {out}/model.safetensors, training "
+             f"state {out}/{STATE_DIR}/")
+    if signals.requested is not None:
+        print(f"stopped by {signals.requested.name} after step {sm.step} of {cfg.steps}: {files}; go on with: "
+              f"megatrain train --resume {out}")
+        return summary
     drop = summary["loss_drop_pct"]
     print(f"done: loss {first:.3f} -> {last:.3f} ({abs(drop):.0f}% {'lower' if drop >= 0 else 'higher'}) in "
-          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s; metrics {out}/metrics.jsonl, schedule "
-          f"{out}/schedule.png, weights {out}/model.safetensors, training state {out}/{STATE_DIR}/")
+          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s"
+          + (f", {skipped} steps skipped (not finite)" if skipped else "") + f"; {files}")
     return summary
 
 
@@ -337,5 +477,5 @@ def _save_weights(sm, model_cfg, out: Path) -> None:
 
     sd = sm.state_dict()
     unique = {n: sd[n].contiguous() for n in sm.captured.model_param_names}
-    save_file(unique, str(out / "model.safetensors"), metadata={"format": "pt"})
-    model_cfg.save_pretrained(out)
+    save_whole(out / "model.safetensors", lambda p: save_file(unique, p, metadata={"format": "pt"}))
+    save_whole(out / "config.json", lambda p: model_cfg.to_json_file(p))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -47,7 +48,9 @@ def test_yaml_config_and_flags(tmp_path):
     (["--model", "/nonexistent"], "neither tiny-llama, a preset, nor a directory with config.json"),
     (["--seq", "1"], "seq must be at least 2"),
     (["--vocab", "10"], "vocab must be at least 257"),
-    (["--lr", "-1"], "lr must be positive, got -1.0"),
+    (["--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
+    (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
+    (["--clip", "nan"], "clip must be a finite number > 0, or null for no clipping, got nan"),
     (["--device", "tpu"], "device 'tpu' is not a device name torch knows"),
     (["--data", "/"], "data path / is a directory; give a .txt or .jsonl file"),
     (["--model", "qwen2.5-72b"], "host memory: the host store of this model needs 1083.41 GiB (72.706B parameters "
@@ -164,11 +167,10 @@ def test_a_run_stopped_and_resumed_takes_the_steps_of_one_that_never_stopped(tmp
         return real_step(self, *a, **k)
 
     monkeypatch.setattr(megatrain.api.StreamedModel, "train_step", crash_at_step_6)
-    with pytest.raises(KeyboardInterrupt):
-        main(["train", *common, "--out", str(tmp_path / "broken")])
+    assert main(["train", *common, "--out", str(tmp_path / "broken")]) == 130  # stopped at once
     monkeypatch.undo()
     broken = tmp_path / "broken"
-    assert json.loads((broken / "state" / "state.json").read_text())["step"] == 4  # the last save before
+    assert _state_step(broken) == 4  # the last save before
     assert main(["train", "--resume", str(broken), "--out", str(tmp_path / "resumed")]) == 0
     assert "resuming" in capsys.readouterr().out
 
@@ -222,11 +224,21 @@ def test_resume_refuses_other_data(tmp_path, capsys):
     assert f"{data} is not the data {run} was trained on" in capsys.readouterr().err
 
 
-def test_a_run_that_diverges_stops_and_keeps_its_last_good_state(tmp_path, capsys):
+def _state_step(run):
+    from megatrain.runtime import train_state
+
+    return json.loads((train_state.find(run / "state") / "state.json").read_text())["step"]
+
+
+def _files(d):
+    return {str(f.relative_to(d)): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def test_a_run_that_diverges_stops_without_applying_the_step_and_keeps_its_last_good_state(tmp_path, capsys):
     run = tmp_path / "run"
     common = ["--batch", "4", "--seq", "32", "--warmup", "0"]
     assert main(["train", "--steps", "2", *common, "--out", str(run)]) == 0
-    good = {f.name: f.read_bytes() for f in (run / "state").iterdir()}
+    good = _files(run / "state")
     capsys.readouterr()
     # a learning rate that makes the weights overflow within a few steps
     assert main(["train", "--resume", str(run), "--steps", "30", "--lr", "1e30", "--save-every", "1",
@@ -234,16 +246,51 @@ def test_a_run_that_diverges_stops_and_keeps_its_last_good_state(tmp_path, capsy
     err = capsys.readouterr().err
     lines = [json.loads(x) for x in (tmp_path / "blown" / "metrics.jsonl").read_text().splitlines()]
     bad = lines[-1]
-    assert not all(map(math.isfinite, (bad["loss"], bad["grad_norm"]))), bad
+    assert bad["skipped"] and not all(map(math.isfinite, (bad["loss"], bad["grad_norm"]))), bad
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in lines[:-1])
-    assert f"step {bad['step']}: " in err and "stopped, and nothing more is saved" in err
-    saved = json.loads((tmp_path / "blown" / "state" / "state.json").read_text())["step"] if lines[:-1] else None
-    if saved is not None:
-        assert saved == bad["step"] - 1 and f"The training state of step {saved} is in" in err
+    assert f"step {bad['step']}: " in err and "no update was applied, and the run stops" in err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"megatrain train: step {bad['step']}")
+    saved = _state_step(tmp_path / "blown") if lines[:-1] else 2
+    assert saved == bad["step"] - 1 and f"The last training state saved is step {saved}'s" in err
+    assert "(the weights this step started from)" in err
     assert not (tmp_path / "blown" / "model.safetensors").exists()
-    assert {f.name: f.read_bytes() for f in (run / "state").iterdir()} == good  # the run resumed from: as it was
+    assert _files(run / "state") == good  # the run resumed from: as it was
     # going on from the good state with another learning rate works
     assert main(["train", "--resume", str(run), "--steps", "4", "--lr", "1e-3", "--out", str(tmp_path / "ok")]) == 0
+
+
+def test_skipping_non_finite_steps_goes_on_and_stops_after_too_many(tmp_path, capsys, monkeypatch):
+    """--on-nonfinite skip: a step whose loss is not finite applies nothing, its batch is passed over and the run
+    goes on; ten in a row stop it."""
+    import megatrain.api
+
+    real_step = megatrain.api.StreamedModel._train_step
+    calls = []
+
+    def poisoned(self, ids, *a, **k):  # the third step, and every one after the sixth, sees NaN embeddings
+        calls.append(1)
+        if len(calls) == 3 or len(calls) > 6:
+            emb = self.store.master(0)
+            kept = emb.clone()
+            emb.fill_(float("nan"))
+            try:
+                return real_step(self, ids, *a, **k)
+            finally:
+                emb.copy_(kept)
+        return real_step(self, ids, *a, **k)
+
+    monkeypatch.setattr(megatrain.api.StreamedModel, "_train_step", poisoned)
+    common = ["--batch", "4", "--seq", "32", "--warmup", "0", "--on-nonfinite", "skip"]
+    assert main(["train", "--steps", "5", *common, "--out", str(tmp_path / "a")]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 3, 4, 5] and [r.get("skipped", False) for r in lines] == [
+        False, False, True, False, False, False]
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["last_step"] == 5 and _state_step(tmp_path / "a") == 5
+    assert "1 steps skipped (not finite)" in capsys.readouterr().out
+    calls.clear()
+    assert main(["train", "--steps", "20", *common, "--out", str(tmp_path / "b")]) == 2
+    assert "10 steps in a row were skipped" in capsys.readouterr().err
 
 
 def test_a_disk_that_fills_up_while_saving_the_state_is_one_line_and_keeps_the_weights(tmp_path, capsys,
@@ -260,3 +307,161 @@ def test_a_disk_that_fills_up_while_saving_the_state_is_one_line_and_keeps_the_w
     assert "megatrain train: [Errno 28] No space left on device" in err and "Traceback" not in err
     assert (run / "model.safetensors").stat().st_size > 0  # written before the state
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_ctrl_c_finishes_the_step_saves_and_says_where(tmp_path):
+    """SIGINT sent to a running `megatrain train`: the step in flight ends, the weights and the training state are
+    saved, one line says where, the exit status is 130; the run goes on from there with --resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = ["train", "--steps", "100000", "--warmup", "0", "--batch", "4", "--seq", "32", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "SIGINT after step" in stderr
+    done = len(metrics.read_text().splitlines())
+    assert f"stopped by SIGINT after step {done} of 100000" in stdout and f"--resume {out}" in stdout
+    assert _state_step(out) == done and (out / "model.safetensors").stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT" and summary["last_step"] == done
+    assert not (out / ".lock").exists()
+    assert main(["train", "--resume", str(out), "--steps", str(done + 1), "--out", str(tmp_path / "more")]) == 0
+
+
+def test_a_second_run_into_the_same_directory_is_refused(tmp_path, capsys):
+    from megatrain.rundir import RunDirectory
+
+    out = tmp_path / "run"
+    held = RunDirectory(out)  # another run, just started (nothing written yet)
+    try:
+        assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"output directory {out} is in use by another megatrain train (process {os.getpid()})" in err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    finally:
+        held.close()
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0", "--out", str(out)]) == 0
+
+
+def test_stop_signals_stop_after_the_step_and_a_second_one_at_once():
+    import signal
+
+    from megatrain.rundir import StopSignals
+
+    with StopSignals() as s:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert s.requested is signal.SIGTERM and s.exit_code == 143
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _bad_tokenizer_dir(tmp_path):
+    run = tmp_path / "good"
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0", "--out", str(run)]) == 0
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (model / f).write_bytes((run / f).read_bytes())
+    (model / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "nope"}}')
+    return run, model
+
+
+def test_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch):
+    """Each input the issue lists, refused with one line naming it (no traceback), the run directory removed."""
+    import megatrain.data
+
+    run, model = _bad_tokenizer_dir(tmp_path)
+    capsys.readouterr()
+    bad_yaml, resume_yaml = tmp_path / "bad.yaml", tmp_path / "resume.yaml"
+    bad_yaml.write_text("steps: [1\n")
+    resume_yaml.write_text(f"resume: {run}\n")
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    cfg = json.loads((run / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoConfig": "mine.MyConfig"}}))
+    (remote / "mine.py").write_text("raise SystemExit('remote code ran')\n")
+    big = tmp_path / "big.txt"
+    big.write_text("words " * 1000)
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 100_000_000}))
+    cases = [
+        (["--config", str(bad_yaml)], f"{bad_yaml} is not valid YAML (line 2, column 1)"),
+        (["--config", str(resume_yaml)], "'resume' is a flag only"),
+        (["--model", str(model)], f"{model / 'tokenizer.json'} cannot be read as a tokenizer"),
+        (["--model", str(remote)], f"model {remote} names Python code of its own in config.json (auto_map); "
+                                   f"megatrain runs no code from a model directory unless asked"),
+        (["--model", str(huge)], "num_hidden_layers must be a positive integer of at most 4,096, got 100,000,000"),
+    ]
+    monkeypatch.setattr("megatrain.runtime.store.available_host_bytes", lambda: 20_000)
+    cases.append((["--data", str(big)], f"data file {big} is 0.00 GiB; reading and tokenizing it takes about 4x"))
+    for argv, msg in cases:
+        out = tmp_path / "out"
+        assert main(["train", *argv, "--out", str(out)]) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert not out.exists()
+    monkeypatch.undo()
+    assert megatrain.data.MEMORY_PER_DATA_BYTE == 4
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 1e-3\nweight_decay: 1E-2\nsteps: 2\nbatch: 4\nseq: 32\nwarmup: 0\n")
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--out", str(out)]) == 0
+    c = json.loads((out / "summary.json").read_text())["config"]
+    assert c["lr"] == 1e-3 and c["weight_decay"] == 1e-2
+
+
+def test_damaged_resume_files_are_one_line(tmp_path, capsys, monkeypatch):
+    from megatrain.runtime import train_state
+
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0", "--out", str(run)]) == 0
+    state = train_state.find(run / "state")
+    m = json.loads((state / "state.json").read_text())
+    capsys.readouterr()
+    for edit, msg in [
+        (dict(step="3"), "'step' must be a count of steps (an integer >= 0), got '3'"),
+        (dict(step=-7), "'step' must be a count of steps (an integer >= 0), got -7"),
+        (dict(extra={"data_rng": "not base64!"}), "'data_rng' is not the state of a random generator"),
+        (dict(extra={"data_rng": "AAAA"}), "'data_rng' is not the state of a random generator"),
+    ]:
+        (state / "state.json").write_text(json.dumps({**m, **edit}))
+        assert main(["train", "--resume", str(run), "--steps", "3", "--out", str(tmp_path / "next")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (edit, err)
+    (state / "state.json").write_text(json.dumps(m))
+    (run / "tokenizer.json").write_text("{")
+    assert main(["train", "--resume", str(run), "--steps", "3", "--out", str(tmp_path / "next")]) == 2
+    assert f"{run / 'tokenizer.json'} cannot be read as a tokenizer" in capsys.readouterr().err
+
+
+def test_a_disk_that_fills_up_while_writing_the_tokenizer_leaves_no_cut_file(tmp_path, capsys, monkeypatch):
+    import tokenizers
+
+    def full(self, path, *a, **k):
+        with open(path, "w") as f:
+            f.write('{"half": ')
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(tokenizers.Tokenizer, "save", full)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'tokenizer.json'} could not be written (No space left on device" in err and "Traceback" not in err
+    assert not (out / "tokenizer.json").exists() and not list(out.glob(".tokenizer*"))

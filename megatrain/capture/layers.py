@@ -194,7 +194,6 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
                                f"computed from an earlier block's output; only the hidden state may pass from block to "
                                f"block (the other inputs of the blocks must be computed before the first)")
         sides.update(dict.fromkeys(args))
-    prologue = _ancestors([h0, *sides], stop=block_set)
     out_node = next(n for n in graph.nodes if n.op == "output")
     logits = out_node.args[0]
     last = calls[-1]

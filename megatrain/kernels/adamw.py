@@ -25,15 +25,23 @@ def _adamw_kernel(P, M, V, G, OUT, SCALE, n, beta1, beta2, eps, decay, step_size
     m = tl.load(M + offs, mask=mask, other=0.0)
     v = tl.load(V + offs, mask=mask, other=0.0)
     g = tl.load(G + offs, mask=mask, other=0.0)
+    p0 = p
     if HAS_SCALE:  # the clip factor's inverse: the gradient divided by it as it is read
-        g = g / tl.load(SCALE)
+        s = tl.load(SCALE)
+        g = g / s
     p = p * decay
-    m = m + (1.0 - beta1) * (g - m)
-    v = v * beta2 + (1.0 - beta2) * g * g
-    p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    m1 = m + (1.0 - beta1) * (g - m)
+    v1 = v * beta2 + (1.0 - beta2) * g * g
+    p = p - step_size * (m1 / (tl.sqrt(v1) / bc2_sqrt + eps))
+    if HAS_SCALE:  # a non-finite scale marks a step that must not update (its loss or gradient norm is not
+        # finite): everything stays as it was, and OUT gets the unchanged weights
+        keep = (s == s) & (tl.abs(s) < float("inf"))
+        p = tl.where(keep, p, p0)
+        m1 = tl.where(keep, m1, m)
+        v1 = tl.where(keep, v1, v)
     tl.store(P + offs, p, mask=mask)
-    tl.store(M + offs, m, mask=mask)
-    tl.store(V + offs, v, mask=mask)
+    tl.store(M + offs, m1, mask=mask)
+    tl.store(V + offs, v1, mask=mask)
     if HAS_OUT:
         tl.store(OUT + offs, p.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
@@ -42,8 +50,8 @@ def adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
                lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int,
                grad_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:
     """One AdamW update in place of contiguous fp32 ``master``, ``exp_avg``, ``exp_avg_sq`` from ``grad``
-    (divided by the 0-dim fp32 ``grad_scale`` if given); ``step`` counts this update (1 for the first). ``out``:
-    written with the new master in its dtype."""
+    (divided by the 0-dim fp32 ``grad_scale`` if given; a non-finite ``grad_scale`` leaves all three as they are);
+    ``step`` counts this update (1 for the first). ``out``: written with the new master in its dtype."""
     n = master.numel()
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
         if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():

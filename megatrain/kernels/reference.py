@@ -47,7 +47,10 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
           betas: tuple[float, float], eps: float, weight_decay: float, step: int,
           grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments; ``step`` counts this update) of
-    fp32 tensors, the gradient divided by ``grad_scale`` if given: new (master, exp_avg, exp_avg_sq)."""
+    fp32 tensors, the gradient divided by ``grad_scale`` if given: new (master, exp_avg, exp_avg_sq). A non-finite
+    ``grad_scale`` (a step whose loss or gradient norm is not finite) changes nothing."""
+    if grad_scale is not None and not bool(torch.isfinite(grad_scale)):
+        return master.clone(), exp_avg.clone(), exp_avg_sq.clone()
     g = grad / grad_scale if grad_scale is not None else grad
     b1, b2 = betas
     m = exp_avg.lerp(g, 1 - b1)

@@ -102,6 +102,28 @@ def chain(specs: list[dict], name: str = "model") -> LayerGraph:
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
+# What capture and planning refuse before building anything: no model has come near (the largest open ones have
+# fewer than 200 layers and widths under 30,000), and a model config asking for more is a mistake that would
+# otherwise fill the host's memory with layer objects before any check runs
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 20
+
+
+def config_size(cfg: dict, key: str, default: int | None = None) -> int:
+    """A positive integer field of an HF config (``default`` where absent or null), refused in one line where it
+    is not an integer, not positive, or beyond the limits above."""
+    v = cfg.get(key)
+    if v is None and default is not None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()):
+        raise ValueError(f"model config {key} must be a positive integer, got {v!r}")
+    v = int(v)
+    limit = MAX_LAYERS if key == "num_hidden_layers" else MAX_WIDTH
+    if not 0 < v <= limit:
+        raise ValueError(f"model config {key} must be a positive integer of at most {limit:,}, got {v:,}")
+    return v
+
+
 def block_saved_bytes(hidden: int, q_dim: int, kv_dim: int, inter: int, heads: int, act_dtype_bytes: int,
                       lean: bool = False) -> int:
     """Bytes per token a Llama/Qwen2-style decoder block (RMSNorm, GQA attention with a fused kernel, SwiGLU MLP)
@@ -125,19 +147,16 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"model config is missing {missing} (needs {list(_REQUIRED)})")
-    H = int(cfg["hidden_size"])
-    inter = int(cfg["intermediate_size"])
-    n_blocks = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    V = int(cfg["vocab_size"])
-    head_dim = int(cfg.get("head_dim") or H // heads)
+    size = lambda k, default=None: config_size(cfg, k, default)  # noqa: E731
+    H = size("hidden_size")
+    inter = size("intermediate_size")
+    n_blocks = size("num_hidden_layers")
+    heads = size("num_attention_heads")
+    kv_heads = size("num_key_value_heads", heads)
+    V = size("vocab_size")
+    head_dim = size("head_dim", H // heads)
     tied = bool(cfg.get("tie_word_embeddings", False))
     qkv_bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
-    for k, v in dict(hidden_size=H, intermediate_size=inter, num_hidden_layers=n_blocks, num_attention_heads=heads,
-                     num_key_value_heads=kv_heads, vocab_size=V, head_dim=head_dim).items():
-        if v <= 0:
-            raise ValueError(f"model config {k} must be positive, got {v}")
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +47,20 @@ class HardwareSpec:
         missing = [f.name for f in fields if f.name not in d and f.default is dataclasses.MISSING]
         if unknown or missing:
             raise ValueError(f"hardware spec: unknown keys {unknown}, missing keys {missing}")
-        spec = cls(**d)
+        if not isinstance(d["name"], str):
+            raise ValueError(f"hardware spec: name must be a string, got {d['name']!r}")
         for f in names[1:]:
+            v = d.get(f, 0)
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s")
-            if not (getattr(spec, f) >= 0 if may_be_zero else getattr(spec, f) > 0):
-                raise ValueError(f"hardware spec {spec.name!r}: {f} must be positive, got {getattr(spec, f)}")
+            # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                    not (v >= 0 if may_be_zero else v > 0):
+                raise ValueError(f"hardware spec {d['name']!r}: {f} must be a finite number "
+                                 f"{'>= 0' if may_be_zero else '> 0'}, got {v!r}")
+        spec = cls(**d)
+        if spec.gpu_reserved_bytes >= spec.gpu_bytes:
+            raise ValueError(f"hardware spec {spec.name!r}: gpu_reserved_bytes ({spec.gpu_reserved_bytes}) leaves "
+                             f"nothing of gpu_bytes ({spec.gpu_bytes})")
         return spec
 
     @classmethod

@@ -7,6 +7,7 @@ failing op.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class StepOutput:
     mb_loss_sums: list[float]  # un-normalized cross-entropy sum per micro-batch
     grad_norm: float | None  # global gradient norm before clipping (None without clipping)
     lr: float
+    applied: bool = True  # False: the loss or the gradient norm was not finite and no update was applied
 
 
 class Executor:
@@ -144,6 +146,7 @@ class Executor:
                     for mb in mbs]
         self.masks = [None if d else mb.attention_mask for d, mb in zip(dense, self.mbs)]
         self.denom = denom
+        self.step_ok: bool | None = None  # whether the step's updates may run, decided at its first OPT
         lr = self._begin_step()
         self.rng.begin()
         try:
@@ -154,7 +157,7 @@ class Executor:
         for layer, k in self._resident_slots(schedule).items():
             self.resident[layer] = (k, self.store.generation)
         sums = self._loss_values()
-        return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr)
+        return StepOutput(sum(sums) / denom, sums, self.optimizer.last_grad_norm, lr, self.step_ok is not False)
 
     def _interpret(self, schedule: Schedule, tags, accesses) -> None:
         """Check each op's slot contents against the plan and issue it, in program order."""
@@ -281,7 +284,19 @@ class Executor:
         return [float(t) for t in self.loss_sums]
 
     def _end_step(self) -> None:
-        self.optimizer.end_step()
+        self.optimizer.end_step(applied=self.step_ok is not False)
+
+    def _updates_allowed(self) -> bool:
+        """Whether this step's updates may run: its loss, and with clipping its global gradient norm, finite. Decided
+        at the step's first OPT, before anything is updated (every LOSS has run by then; with clipping every
+        gradient is stored); a step that fails applies no update at all."""
+        if self.step_ok is None:
+            losses = torch.stack([torch.as_tensor(t, dtype=torch.float32).reshape(()).cpu() for t in self.loss_sums])
+            ok = bool(torch.isfinite(losses).all())
+            if self.optimizer.cfg.max_grad_norm is not None:
+                ok = ok and math.isfinite(self.optimizer.grad_norm())
+            self.step_ok = ok
+        return self.step_ok
 
     def _issue(self, op: Op) -> None:
         self._execute(op)
@@ -359,6 +374,9 @@ class Executor:
             else:
                 dst.copy_(src)
                 self.stored.add(o)
+        elif k is OpKind.OPT and not self._updates_allowed():  # nothing changes; a device update's layer keeps
+            if op.stream is Stream.COMPUTE:  # its unchanged weights for the next load, as an update would
+                self._keep(l, self._opt_block(op)[0])
         elif k is OpKind.OPT and op.stream is Stream.COMPUTE:
             self._update_on_device(op)
         elif k is OpKind.OPT:

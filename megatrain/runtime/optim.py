@@ -117,12 +117,14 @@ class HostAdamW:
         """Apply the step's clip factor (or ``coef``, given by the caller: a float, or a device tensor from
         :meth:`clip_factor`) to ``grad``: returns a 0-dim fp32 tensor for the fused kernel to divide the gradient by
         as it reads it (no extra pass over it), or None once ``grad`` is scaled in place or needs nothing."""
-        if self.cfg.max_grad_norm is None:
-            return None
-        if isinstance(coef, torch.Tensor):  # the same arithmetic as for a float, on the device
+        if isinstance(coef, torch.Tensor):  # the same arithmetic as for a float, on the device; a non-finite
+            # factor (a step that must not update) makes the fused kernel change nothing
             if self.cfg.fused:
                 return (1.0 / coef).float()
-            grad.mul_(coef.float())
+            if self.cfg.max_grad_norm is not None:
+                grad.mul_(coef.float())
+            return None
+        if self.cfg.max_grad_norm is None:
             return None
         given = coef is not None
         if not given:
@@ -209,5 +211,14 @@ class HostAdamW:
             self._device_opts[key] = (opt, p)
         return self._device_opts[key]
 
-    def end_step(self) -> None:
-        self.step_index += 1
+    def grad_norm(self) -> float:
+        """The step's global gradient norm (computed over the host gradients once per step, or as set by
+        :meth:`set_grad_norm`)."""
+        self._clip_coefficient()
+        return self.last_grad_norm
+
+    def end_step(self, applied: bool = True) -> None:
+        """End the step; one whose updates were not applied (its loss or gradient norm was not finite) does not
+        count: the learning rate schedule stays where it was."""
+        if applied:
+            self.step_index += 1

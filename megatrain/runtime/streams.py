@@ -31,19 +31,27 @@ BUFFER_POOLS = ("w", "g", "o")  # pools of buffers allocated once and rewritten 
 
 @dataclass
 class _StepState:
-    """Per step: the per-gradient norms taken on the GPU before each store; with clipping, the global norm (on the
-    device, and its copy in pinned memory with the event that marks the copy done) and the clip factor made from
-    it on the device; the parts of each tied gradient summed so far."""
+    """Per step: the per-gradient norms taken on the GPU before each store; made at the first OPT, on the device,
+    the global norm (with clipping) and the step's loss, their copy in pinned memory with the event that marks the
+    copy done, and the factor device updates scale the gradient by (the clip factor, 1 without clipping, NaN where
+    the loss or the norm is not finite: the update then changes nothing); the parts of each tied gradient summed
+    so far."""
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     coef: torch.Tensor | None = None
-    norm_host: torch.Tensor | None = None
-    norm_copied: torch.cuda.Event | None = None
+    guard_host: torch.Tensor | None = None  # pinned: (global norm or 0, the step's summed loss)
+    guard_copied: torch.cuda.Event | None = None
+    clip: bool = False
     tied_parts: dict[int, int] = field(default_factory=dict)
 
-    def norm(self) -> float:
-        """The global gradient norm (waits for its copy to the host)."""
-        self.norm_copied.synchronize()
-        return float(self.norm_host)
+    def norm(self) -> float | None:
+        """The global gradient norm (waits for its copy to the host); None without clipping."""
+        self.guard_copied.synchronize()
+        return float(self.guard_host[0]) if self.clip else None
+
+    def ok(self) -> bool:
+        """Whether the step's updates may run: its loss and global norm finite (waits for their copy)."""
+        self.guard_copied.synchronize()
+        return bool(torch.isfinite(self.guard_host).all())
 
 
 class StreamExecutor(Executor):
@@ -69,6 +77,7 @@ class StreamExecutor(Executor):
         self.tied = {o: 1 + len(self.graph.tied_to(o)) for o in range(len(self.graph)) if self.graph.tied_to(o)}
         self._timing: list = []
         self.steps_issued = 0
+        self._skipped = 0  # of which not applied (a loss or gradient norm that was not finite)
         self._step_base = 0  # steps taken before this executor's first (set_step)
         # across steps (sync_between_steps False): (step, event) of each slot's last use and of each layer's
         # latest device OPT and STORE_OPT; pinned buffers of the step before, which its copies may still read
@@ -100,10 +109,16 @@ class StreamExecutor(Executor):
         self.t0_host = time.perf_counter()
         with torch.cuda.stream(self.streams[Stream.COMPUTE]):  # inputs are moved on the compute stream
             out = super().run(schedule, mbs, denom)  # issues everything; reading the losses waits for compute
+        applied = self.st.ok()
+        if not applied:  # the device updates were issued with this step's count and changed nothing: the host's
+            # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
+            self._skipped += 1
+            for layer in schedule.config.gpu_opt:
+                if layer in self.optimizer.opts:
+                    self.optimizer.opts[layer].state[self.optimizer.params[layer]]["step"].sub_(1)
         if wait_optimizer:
             self.drain()
-        norm = self.st.norm() if self.st.norm_copied is not None else None
-        return StepOutput(out.loss, out.mb_loss_sums, norm, out.lr)
+        return StepOutput(out.loss, out.mb_loss_sums, self.st.norm(), out.lr, applied)
 
     def drain(self) -> None:
         """Wait for every queued optimizer task and every stream."""
@@ -117,7 +132,7 @@ class StreamExecutor(Executor):
         optimizer's step index follow; the ordering of this executor's own steps does not change."""
         self.drain()
         self.optimizer.step_index = steps_done
-        self._step_base = steps_done - self.steps_issued
+        self._step_base = steps_done - self.steps_issued + self._skipped
 
     def _quiesce(self) -> None:
         self.drain()
@@ -128,11 +143,11 @@ class StreamExecutor(Executor):
         # the worker runs begin/end in order with the optimizer tasks of the steps before; device updates, issued
         # by this thread, use this step's lr and clip factor directly and do not wait for the worker
         self.worker.submit(self.optimizer.begin_step)
-        self.step_lr = lr_at(self.optimizer.cfg, self._step_base + self.steps_issued)
+        self.step_lr = lr_at(self.optimizer.cfg, self._step_base + self.steps_issued - self._skipped)
         return self.step_lr
 
     def _end_step(self) -> None:
-        self.worker.submit(self.optimizer.end_step)
+        self.worker.submit(lambda st=self.st: self.optimizer.end_step(applied=st.ok()))
         self.steps_issued += 1
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -208,8 +223,8 @@ class StreamExecutor(Executor):
             prev = self.last_opt.get(self.graph.owner(op.layer))
             if prev is not None:
                 self._wait(prev)
-        if op.kind is OpKind.OPT and self.optimizer.cfg.max_grad_norm is not None and self.st.coef is None:
-            self._global_norm(gpu_deps)
+        if op.kind is OpKind.OPT and self.st.coef is None:
+            self._guard(gpu_deps)
         if op.stream is Stream.CPU:
             if op.kind is OpKind.OPT:  # the host master changes: a copy kept on the device would be stale
                 self.kept.pop(op.layer, None)
@@ -338,34 +353,44 @@ class StreamExecutor(Executor):
                 st.grad_norms.append(torch.linalg.vector_norm(src))
             self.store.grad(o).copy_(src, non_blocking=True)
             self.stored.add(o)
-        elif k is OpKind.OPT:
-            clip = self.optimizer.cfg.max_grad_norm is not None
-            if op.stream is Stream.COMPUTE:  # issued by this thread on the compute stream, after its LOAD_OPT
-                self._update_on_device(op, lr=self.step_lr, coef=st.coef if clip else None)
+        elif k is OpKind.OPT and op.stream is Stream.COMPUTE:  # issued by this thread on the compute stream,
+            # after its LOAD_OPT; the factor on the device stops a step that must not update (the fused kernel)
+            if not self.optimizer.cfg.fused and not st.ok():  # torch's AdamW would apply it: the host decides
+                self._keep(l, self._opt_block(op)[0])
                 return
-            if clip:  # a worker task: the optimizer is at this step (begin_step ran before it)
+            self._update_on_device(op, lr=self.step_lr, coef=st.coef)
+        elif k is OpKind.OPT:  # a worker task: the optimizer is at this step (begin_step ran before it)
+            if not st.ok():  # the loss or the norm is not finite: no update
+                return
+            if st.clip:
                 self.optimizer.set_grad_norm(st.norm())
             self.optimizer.step_layer(l)
         else:
             super()._execute(op)
 
-    def _global_norm(self, store_deps: list[int]) -> None:
-        """At the step's first OPT (clipping: every gradient is stored by then; ``store_deps``, the ops it waits
-        for, end the stores on each stream): the global norm from the per-gradient norms and the clip factor, on
-        the compute stream, and the norm's copy to pinned memory, on the ``d2h`` stream. The host thread does not
-        wait: device updates read the factor on the device, host updates and the step's result wait for the
-        copy."""
+    def _guard(self, store_deps: list[int]) -> None:
+        """At the step's first OPT (every LOSS has run; with clipping every gradient is stored, and ``store_deps``,
+        the ops it waits for, end the stores on each stream): on the compute stream, the global norm from the
+        per-gradient norms, the step's loss, and the factor device updates scale the gradient by (the clip factor,
+        or 1; NaN where either is not finite); their copy to pinned memory on the ``d2h`` stream. The host thread
+        does not wait: device updates read the factor on the device, host updates and the step's result wait for
+        the copy."""
         st, compute = self.st, self.streams[Stream.COMPUTE]
+        st.clip = self.optimizer.cfg.max_grad_norm is not None
         for d in store_deps:
             compute.wait_event(self.events[d])
         with torch.cuda.stream(compute):
             for n in st.grad_norms:  # made on the stream of their store
                 n.record_stream(compute)
-            total = (torch.linalg.vector_norm(torch.stack(st.grad_norms)) if st.grad_norms
-                     else torch.zeros((), device=self.device))
-            st.coef = self.optimizer.clip_factor(total)
-        st.norm_host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        st.norm_copied = self._to_pinned(total, st.norm_host, compute)
+            zero = torch.zeros((), device=self.device)
+            total = (torch.linalg.vector_norm(torch.stack(st.grad_norms)) if st.clip and st.grad_norms else zero)
+            loss = torch.stack([t.float().reshape(()) for t in self.loss_sums]).sum()
+            guard = torch.stack([total.float(), loss])
+            coef = self.optimizer.clip_factor(total) if st.clip else torch.ones((), dtype=torch.float64,
+                                                                                  device=self.device)
+            st.coef = torch.where(torch.isfinite(guard).all(), coef, float("nan"))
+        st.guard_host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        st.guard_copied = self._to_pinned(guard, st.guard_host, compute)
 
     # ---- measurement --------------------------------------------------------------------------------------
     def timeline(self):

@@ -177,6 +177,28 @@ def test_adamw_matches_torch_adamw_over_steps(scaled):
     assert torch.equal(out, mine[0].to(low))  # rounded to nearest even, as a cast on the device
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_adamw_with_a_non_finite_scale_changes_nothing(bad):
+    """A step whose loss or gradient norm is not finite passes a non-finite scale: master and moments keep their
+    bits (the gradient here is non-finite too), and the 16-bit copy is the unchanged master rounded."""
+    from megatrain.kernels import adamw_step
+
+    n = 3000
+    state = [rand(n, dtype=torch.float32, seed=s) for s in (1, 2)] + [rand(n, dtype=torch.float32, seed=3).abs()]
+    before = [t.clone() for t in state]
+    grad = rand(n, dtype=torch.float32, seed=4)
+    grad[7] = float("nan")
+    low = torch.bfloat16 if DEV == "cuda" else torch.float16
+    out = torch.empty(n, dtype=low, device=DEV)
+    scale = torch.tensor(bad, device=DEV)
+    adamw_step(*state, grad, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=3, grad_scale=scale, out=out)
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+    assert torch.equal(out, before[0].to(low))
+    ref = reference.adamw(*before, grad, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=3,
+                          grad_scale=scale)
+    assert all(torch.equal(a, b) for a, b in zip(ref, before))
+
+
 def test_adamw_refuses_what_it_cannot_update():
     from megatrain.kernels import adamw_step
 

@@ -104,7 +104,11 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
      "but gpu_opt_every=0"),  # the cpu's default: no device updates
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--gpu-opt-every", "2", "--resident-opt", "-2"], "resident_opt must be a count >= 0"),
-    (["--host-gib", "-3"], "--host-gib must be positive, got -3.0"),
+    (["--host-gib", "-3"], "--host-gib must be a finite number of GiB > 0, got -3.0"),
+    (["--host-gib", "inf"], "--host-gib must be a finite number of GiB > 0, got inf"),
+    (["--budget-gib", "nan"], "--budget-gib must be a finite number of GiB > 0, got nan"),
+    (["--budget-gib", "inf"], "--budget-gib must be a finite number of GiB > 0, got inf"),
+    (["--budget-gib", "0"], "--budget-gib must be a finite number of GiB > 0, got 0.0"),
     (["--host-gib", "100"], "113.48 GiB, the h200 host has 100.00 GiB"),
 ])
 def test_plan_cli_refuses_with_one_clear_message(tmp_path, capsys, argv, msg):
@@ -164,3 +168,32 @@ def test_viz_draws_simulated_and_measured_on_one_picture(tmp_path, capsys):
     assert names == {"simulated", "measured"} and sim_text
     assert (out / "timelines.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["viz", "--out", str(out)]) == 2
+
+
+def test_bad_model_and_hardware_fields_are_one_line(tmp_path, capsys):
+    """Fields of the wrong type or an absurd size are refused before anything is built (a config asking for 10**8
+    layers used to grow past 6 GB), and a rate of Infinity before the simulator (inf x 0 = NaN there: a search that
+    never ended)."""
+    import json
+
+    from megatrain.planner.graph import PRESETS
+    from megatrain.planner.hardware import PRESETS as HW
+
+    base = dict(PRESETS["qwen2.5-0.5b"], model_type="qwen2")
+    cases = [(dict(num_hidden_layers=100_000_000), "num_hidden_layers must be a positive integer of at most 4,096, "
+                                                   "got 100,000,000"),
+             (dict(hidden_size=[896]), "hidden_size must be a positive integer, got [896]"),
+             (dict(vocab_size=None), "vocab_size must be a positive integer, got None"),
+             (dict(intermediate_size="abc"), "intermediate_size must be a positive integer, got 'abc'")]
+    for edit, msg in cases:
+        cfg = tmp_path / "config.json"
+        cfg.write_text(json.dumps({**base, **edit}))
+        assert main(["plan", "--config", str(cfg), "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+    spec = {**HW["h200"].to_dict(), "h2d_bytes_per_s": float("inf")}
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps(spec))  # json writes Infinity, which json reads back
+    assert main(["plan", "--hardware", str(hw), "--out", str(tmp_path / "x")]) == 2
+    assert "h2d_bytes_per_s must be a finite number > 0, got inf" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

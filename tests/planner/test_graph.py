@@ -50,7 +50,7 @@ def test_hardware_from_json(tmp_path):
     p.write_text(json.dumps({**d, "name": "mine", "h2d_bytes_per_s": 10e9}))
     assert hardware(str(p)).h2d_bytes_per_s == 10e9
     p.write_text(json.dumps({**d, "h2d_bytes_per_s": 0}))
-    with pytest.raises(ValueError, match="h2d_bytes_per_s must be positive"):
+    with pytest.raises(ValueError, match="h2d_bytes_per_s must be a finite number > 0, got 0"):
         hardware(str(p))
     with pytest.raises(ValueError, match="unknown hardware"):
         hardware("tpu")

@@ -174,3 +174,30 @@ def test_progress_counts_every_parameter_once(tmp_path, monkeypatch):
     sm.save_state(tmp_path / "s")
     train_state.load(sm.store, tmp_path / "s", progress=count("state"))
     assert counts == {"store": n, "init": n, "checkpoint": n, "state": n}
+
+
+def test_batches_of_other_integer_widths_train_as_int64_and_bad_batches_are_one_line():
+    data = torch.randint(0, 97, (4, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(data)
+    mask[1, 8:] = 0
+    runs = []
+    for ids_dtype, mask_dtype in ((torch.int64, torch.int64), (torch.int32, torch.bool), (torch.uint8, torch.int32)):
+        sm = megatrain.compile(hf_model("llama"), device="cpu", n_mb=2)
+        runs.append(sm.train_step(data.to(ids_dtype), mask.to(mask_dtype)).loss)
+    assert runs[0] == runs[1] == runs[2]
+    sm = megatrain.compile(hf_model("llama"), device="cpu", n_mb=2)
+    for args, msg in [
+        ((torch.zeros(0, 8, dtype=torch.long),), "the batch is empty (input_ids of shape (0, 8))"),
+        ((data, torch.ones(4, 1, dtype=torch.long)), "attention_mask must have input_ids' shape (4, 12), got (4, 1)"),
+        ((data, None, data[:, :5]), "labels must have input_ids' shape (4, 12), got (4, 5)"),
+        ((data.tolist(),), "input_ids must be a torch.Tensor, got list"),
+        ((data.float(),), "input_ids must be an integer tensor, got torch.float32"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            sm.train_step(*args)
+        assert str(e.value) == msg
+    assert sm.step == 0
+    with pytest.raises(ValueError, match="compile\\(\\) takes the model to train .*already a StreamedModel"):
+        megatrain.compile(sm, device="cpu")
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        megatrain.compile(hf_model("llama"), device="cpu", nonfinite="warn")

@@ -32,7 +32,8 @@ def test_stopped_and_resumed_equals_unbroken(tmp_path, plan):
     first = _compile(plan)
     for b in data[:3]:
         first.train_step(b)
-    first.save_state(tmp_path / "s", extra={"note": "three steps"})
+    saved = first.save_state(tmp_path / "s", extra={"note": "three steps"})
+    assert saved.parent == tmp_path / "s" and (tmp_path / "s" / "LATEST").read_text().strip() == saved.name
     # a new process would build the model on the meta device and compile it from the state
     with torch.device("meta"):
         meta = hf_model("llama")
@@ -47,7 +48,7 @@ def test_stopped_and_resumed_equals_unbroken(tmp_path, plan):
         assert torch.equal(whole.store.block(layer)[:3], resumed.store.block(layer)[:3])
     # the first model goes on from its own state after loading it back over later steps
     first.train_step(data[3])
-    assert json.loads((tmp_path / "s" / "state.json").read_text())["extra"] == {"note": "three steps"}
+    assert json.loads((saved / "state.json").read_text())["extra"] == {"note": "three steps"}
     assert first.load_state(tmp_path / "s") == {"note": "three steps"}
     assert [first.train_step(x).loss for x in data[3:]] == [s.loss for s in ref[3:]]
 
@@ -70,7 +71,8 @@ def test_saving_replaces_a_state_only_when_the_new_one_is_whole(tmp_path, monkey
         sm.save_state(tmp_path / "s")
     monkeypatch.undo()
     assert {f.name: f.read_bytes() for f in d.iterdir()} == before  # the old state, untouched
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["s"]  # and the partial new one removed
+    assert sorted(x.name for x in (tmp_path / "s").iterdir()) == ["LATEST", d.name]  # and the partial one removed
+    assert train_state.find(tmp_path / "s") == d
     other = tmp_path / "not-a-state"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

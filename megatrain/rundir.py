@@ -1,0 +1,135 @@
+"""A run directory that one run owns, files in it written whole or not at all, and signals that stop a run
+between steps."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import threading
+from pathlib import Path
+
+LOCK = ".lock"
+
+
+class RunDirectory:
+    """``out``, made if needed, empty, and locked for this process (an exclusive ``flock`` on ``out/.lock``, held
+    until :meth:`close`): a second run into the same directory is refused in one line, even when both start at
+    once. :meth:`abandon` removes what was made, for a run that could not start."""
+
+    def __init__(self, out: str | Path):
+        self.path = Path(out)
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"output path {self.path} exists and is not a directory; choose another --out")
+        self.created = not self.path.exists()
+        self.fd = None
+        if not self.created and any(p.name != LOCK for p in self.path.iterdir()):
+            self._refuse_taken()  # the files of another run: left as they are
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"output directory {self.path} cannot be created ({e.strerror})") from None
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            self._refuse_taken()
+        self.fd = fd
+        if any(p.name != LOCK for p in self.path.iterdir()):  # another run wrote here before it was ours
+            self.close()
+            self._refuse_taken()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+
+    def _refuse_taken(self):
+        """One line: the directory is another run's, in use now (its lock held) or finished (not empty)."""
+        lock = self.path / LOCK
+        if lock.is_file():
+            fd = os.open(lock, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                raise ValueError(f"output directory {self.path} is in use by another megatrain train"
+                                 + (f" (process {holder})" if holder else "") + "; choose another --out") from None
+            finally:
+                os.close(fd)
+        raise ValueError(f"output directory {self.path} is not empty; choose another --out")
+
+    def close(self) -> None:
+        """Release the lock (the directory stays)."""
+        if self.fd is not None:
+            (self.path / LOCK).unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+    def abandon(self) -> None:
+        """Release the lock and remove the directory if this run made it and wrote nothing into it."""
+        self.close()
+        if self.created:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
+
+def write_whole(path: str | Path, data: bytes | str) -> None:
+    """Write ``path`` through a temporary file renamed over it: a full disk or a crash leaves the old file (or
+    none), never a cut one; an error is an OSError naming the file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"{path} could not be written ({e.strerror or e})") from None
+
+
+def save_whole(path: str | Path, save) -> None:
+    """``save(tmp_path)`` (a library's writer), then the file renamed into place; as :func:`write_whole`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save(str(tmp))
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - writers of other libraries raise their own types for a full disk
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"{path} could not be written ({e.strerror or e})") from None
+        raise OSError(f"{path} could not be written ({e})") from None
+
+
+class StopSignals:
+    """While entered: SIGINT and SIGTERM ask the run to stop after the step in flight (``requested`` names the
+    signal); a second one of either stops at once (KeyboardInterrupt). Outside the main thread it does nothing."""
+
+    EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+    def __init__(self):
+        self.requested: signal.Signals | None = None
+        self._before: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.EXIT_CODES:
+                self._before[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._before.items():
+            signal.signal(s, h)
+        self._before = {}
+
+    @property
+    def exit_code(self) -> int:
+        return self.EXIT_CODES[self.requested] if self.requested is not None else 0

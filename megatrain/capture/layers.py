@@ -211,6 +211,10 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     meta_model = meta_copy(model)
     _materialize_meta_buffers(meta_model)
     meta_root = Root(meta_model, hf)
+    for n in graph.nodes:  # tensors the trace made constants (a dtype known while tracing makes torch.tensor(x,
+        # dtype=...) a value): on the root the layers' graphs are built over
+        if n.op == "get_attr" and "." not in n.target and not hasattr(meta_root, n.target):
+            meta_root.register_buffer(n.target, getattr(traced, n.target))
     head_calls = [n for n in sorted(epilogue, key=order.__getitem__) if n.op == "call_module"
                   and any(True for _ in traced.get_submodule(n.target).parameters())]
     if not head_calls:

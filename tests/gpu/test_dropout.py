@@ -17,9 +17,12 @@ pytestmark = pytest.mark.gpu
 
 
 def model(family):
+    """Dropout 0.1 everywhere but GPT-2's embedding: the resident reference runs under autocast, which leaves the
+    embedding sum in fp32, and CUDA's dropout draws other masks for an fp32 tensor than for a bf16 one (18% of the
+    elements differ, measured on the H200), so there the two runs cannot draw the same masks."""
     return hf_model(family, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=8, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False,
-                    **with_dropout(family, 0.1))
+                    **{**with_dropout(family, 0.1), **({"embd_pdrop": 0.0} if family == "gpt2" else {})})
 
 
 def streamed(m, data, saved_acts):
@@ -41,13 +44,25 @@ def test_dropout_streamed_on_cuda_matches_resident_training_with_the_same_masks(
     assert sm.schedule_for(8, 256, saved_acts="auto").config.saved_acts  # some layers did keep activations
     # a saved layer draws what a recomputed one draws: the same training, bit for bit
     assert saved_losses == losses and all(torch.equal(saved[n], got[n]) for n in got)
-    ref_model = copy.deepcopy(base).cuda()
-    seeds = LayerSeeds(ref_model, sm, device="cuda")
-    torch.manual_seed(99)
-    ref_losses, ref = resident_reference(ref_model, data, before_mb=seeds.before_mb)
-    # the bounds of test_gpu_parity: bf16 rounding apart, the same masks (other masks move the loss by ~1e-2)
+    runs = {}
+    for name, seed in (("same masks", 99), ("other masks", 7)):  # the second: a control that other masks fail
+        ref_model = copy.deepcopy(base).cuda()
+        seeds = LayerSeeds(ref_model, sm, device="cuda")
+        torch.manual_seed(seed)
+        ref_losses, ref = resident_reference(ref_model, data, before_mb=seeds.before_mb)
+        # how far the weight matrices moved apart, as a fraction of what AdamW can move an element in these steps
+        drift = max(float((got[n] - p).abs().mean()) / (LR * STEPS) for n, p in ref.items() if p.dim() == 2)
+        runs[name] = (ref_losses, ref, drift)
+    print(f"{family}: drift with the same masks {runs['same masks'][2]:.3f}, other masks {runs['other masks'][2]:.3f}")
+    ref_losses, ref, drift = runs["same masks"]
+    # the bounds of test_gpu_parity: bf16 rounding apart. An element can move by at most about lr a step whatever
+    # its gradient; on average the same masks keep the weight matrices within a small part of that (the 100M test
+    # bounds it by 0.1; measured here: OPT 0.05 with the same masks, 0.59 with others), other masks do not.
+    # Biases are left out of the mean: they hold entries whose gradient is analytically zero (the k projection's:
+    # softmax ignores a shift shared by all keys), which AdamW moves by about lr a step in the direction of each
+    # run's own rounding noise (seen: 0.39 on OPT's k_proj.bias after 3 steps)
     assert losses == pytest.approx(ref_losses, rel=5e-3)
     for n, p in ref.items():
-        d = (got[n] - p).abs()
-        assert float(d.max()) <= 2 * LR * STEPS + 1e-6, n
-        assert float(d.mean()) <= 0.1 * LR * STEPS, n
+        assert float((got[n] - p).abs().max()) <= 2 * LR * STEPS + 1e-6, n
+    assert drift <= 0.15
+    assert runs["other masks"][2] > 2 * drift

@@ -19,7 +19,7 @@ OPT = megatrain.OptimConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, warmup
 
 
 @pytest.mark.parametrize("clip", [1.0, None])
-@pytest.mark.parametrize("plan", [dict(gpu_opt_every="auto"), dict(gpu_opt_every=2, resident_opt=0),
+@pytest.mark.parametrize("plan", [dict(gpu_opt_every=1, resident_opt="auto"), dict(gpu_opt_every=2, resident_opt=0),
                                   dict(gpu_opt_every=0)])
 def test_streamed_non_finite_step_applies_nothing_and_training_goes_on(plan, clip):
     opt = dataclasses.replace(OPT, max_grad_norm=clip)

@@ -117,3 +117,16 @@ def test_refusals_name_the_construct_and_the_line():
         assert f"in {cls.__name__}.forward at test_capture_families.py:" in msg and line in msg and what in msg
         for fx_words in ("Proxy", "symbolically traced", "TraceError"):
             assert fx_words not in msg
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "falcon_alibi"])
+def test_dtype_dependent_code_follows_the_compute_dtype(family):
+    """The tracer answers a value's dtype from its example in the compute dtype, so code before the blocks that
+    builds constants from it (Gemma's embedding scale as a bf16 tensor, Falcon's mask minimum) is traced for the
+    dtype the runtime binds: bf16 training on the CPU matches fp32 to bf16's rounding."""
+    data = batches(n_steps=1)[0]
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        sm = compile_cpu(hf_model(family), n_mb=2, compute_dtype=dtype)
+        losses[dtype] = sm.train_step(*data).loss
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=2e-2)

@@ -305,7 +305,7 @@ def _nonfinite_message(step: int, stats, out: Path, cfg: TrainConfig, why: str) 
 
 
 def _digest(ids: torch.Tensor) -> str:
-    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(memoryview(ids.numpy()).cast("B")).hexdigest()  # no copy of the ids
 
 
 def _save_state(sm, stream: TokenStream, out: Path, say) -> None:

@@ -25,17 +25,11 @@ def op_ranges(executor):
     """Every op ``executor`` issues wrapped in a profiler range named after it (benchmark instrumentation)."""
     from torch.profiler import record_function
 
-    issue = executor._issue
-
-    def labelled(op):
-        with record_function(f"{op.kind.value} L{op.layer} mb{op.mb}"):
-            issue(op)
-
-    executor._issue = labelled
+    executor.on_op = lambda op: record_function(f"{op.kind.value} L{op.layer} mb{op.mb}")
     try:
         yield
     finally:
-        del executor._issue
+        executor.on_op = None
 
 
 def slow_issues(prof, rows: int, min_ms: float = 1.0) -> list[str]:
@@ -115,7 +109,7 @@ def main():
             print(f"step: {st.seconds:.3f} s on the host, loss {st.loss:.4f}")
             if streaming:
                 print("  host issue s by kind: " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in sorted(sm.executor.host_issue_s.items(), key=lambda kv: -kv[1])))
+                    f"{k} {v:.3f}" for k, v in sorted(sm.executor.timer.host_issue_s.items(), key=lambda kv: -kv[1])))
         sm.wait()
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))

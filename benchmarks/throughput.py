@@ -244,10 +244,11 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
     }
-    if hasattr(sm.executor, "host_issue_s"):  # the last step's host thread: issuing ops, and waiting within that
-        res["host_issue_s"] = dict(sm.executor.host_issue_s)
-        res["host_wait_s"] = sm.executor.host_wait_s
-        res["host_loss_wait_s"] = sm.executor.host_loss_wait_s
+    timer = getattr(sm.executor, "timer", None)
+    if timer is not None:  # the last step's host thread: issuing ops, and waiting within that
+        res["host_issue_s"] = dict(timer.host_issue_s)
+        res["host_wait_s"] = timer.host_wait_s
+        res["host_loss_wait_s"] = timer.host_loss_wait_s
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
                f"-s{c.weight_slots}-saved{len(c.saved_acts)}"

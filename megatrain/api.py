@@ -21,7 +21,8 @@ from megatrain.planner.passes import build_schedule
 from megatrain.planner.search import check_resident
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
-from megatrain.runtime.executor import IGNORE_INDEX, Executor, MicroBatch, StepOutput
+from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
+from megatrain.runtime.ops import IGNORE_INDEX
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig

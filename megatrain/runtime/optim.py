@@ -63,75 +63,37 @@ class HostAdamW:
             opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                             "exp_avg": store.row(layer, "exp_avg"), "exp_avg_sq": store.row(layer, "exp_avg_sq")}
             self.opts[layer] = opt
-        names = store.captured.model_param_names
-        self.grad_views = [store.param_view(n, "grad") for n in names]
         self.step_index = 0
-        self._coef: float | None = None
-        self._norm_override: float | None = None
-        self.last_grad_norm: float | None = None
         self.threads = cfg.threads  # may be changed between steps (benchmarks sweep it)
         self._device_opts: dict[tuple, tuple[torch.optim.AdamW, torch.nn.Parameter]] = {}  # device updates
         self._grad_scales: dict[str, torch.Tensor] = {}  # per device: the fused kernel's 1 / clip factor
 
     def begin_step(self) -> float:
         """Start an optimizer step; returns its learning rate."""
-        self._coef = None
-        self._norm_override = None
-        self.last_grad_norm = None
         lr = lr_at(self.cfg, self.step_index)
         for opt in self.opts.values():
             opt.param_groups[0]["lr"] = lr
         return lr
 
-    def set_grad_norm(self, total: float) -> None:
-        """The step's global gradient norm, computed elsewhere (the streaming executor sums per-layer norms taken
-        on the GPU); spares the host a pass over every gradient."""
-        self._norm_override = float(total)
+    def clip_factor(self, total_norm: torch.Tensor) -> torch.Tensor:
+        """The factor gradients of global norm ``total_norm`` (an fp32 tensor) are scaled by, on its device:
+        max_norm / (norm + 1e-6), at most 1, in fp32, as torch.nn.utils.clip_grad_norm_ computes it."""
+        return torch.clamp(self.cfg.max_grad_norm / (total_norm + 1e-6), max=1.0)
 
-    def _clip_coefficient(self) -> float:
-        if self._coef is None and self._norm_override is not None:
-            self.last_grad_norm = self._norm_override
-            self._coef = self.clip_factor(self._norm_override)
-        if self._coef is None:
-            # per parameter, in the model's order, as torch.nn.utils.clip_grad_norm_ groups it
-            norms = torch.stack([torch.linalg.vector_norm(g, 2) for g in self.grad_views])
-            total = torch.linalg.vector_norm(norms, 2)
-            self.last_grad_norm = float(total)
-            if self.cfg.max_grad_norm is None:
-                self._coef = 1.0
-            else:  # as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
-                self._coef = float(torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0))
-        return self._coef
-
-    def clip_factor(self, total_norm: float | torch.Tensor) -> float | torch.Tensor:
-        """The factor a gradient of global norm ``total_norm`` is scaled by: max_norm / (norm + 1e-6), at most 1
-        (as torch.nn.utils.clip_grad_norm_); 1 without clipping. For a tensor norm, a float64 tensor on its
-        device (no host sync), equal to what the float computes."""
-        if self.cfg.max_grad_norm is None:
-            return 1.0
-        if isinstance(total_norm, torch.Tensor):
-            return (self.cfg.max_grad_norm / (total_norm.double() + 1e-6)).clamp(max=1.0)
-        return min(1.0, self.cfg.max_grad_norm / (float(total_norm) + 1e-6))
-
-    def _grad_scale(self, grad: torch.Tensor, coef: float | torch.Tensor | None = None) -> torch.Tensor | None:
-        """Apply the step's clip factor (or ``coef``, given by the caller: a float, or a device tensor from
-        :meth:`clip_factor`) to ``grad``: returns a 0-dim fp32 tensor for the fused kernel to divide the gradient by
-        as it reads it (no extra pass over it), or None once ``grad`` is scaled in place or needs nothing."""
-        if isinstance(coef, torch.Tensor):  # the same arithmetic as for a float, on the device; a non-finite
-            # factor (a step that must not update) makes the fused kernel change nothing
+    def _grad_scale(self, grad: torch.Tensor, coef: float | torch.Tensor) -> torch.Tensor | None:
+        """Apply the step's clip factor ``coef`` (a float, or a 0-dim tensor on ``grad``'s device) to ``grad``: for
+        the fused kernels a 0-dim fp32 tensor holding 1 / coef, which they divide the gradient by as they read it
+        (no extra pass over it; a NaN factor, a step that must not update, makes the Triton kernel change nothing);
+        otherwise ``grad`` is scaled in place (returns None)."""
+        if isinstance(coef, torch.Tensor):  # a device update: the factor stays on the device
             if self.cfg.fused:
-                return (1.0 / coef).float()
-            if self.cfg.max_grad_norm is not None:
-                grad.mul_(coef.float())
+                return (1.0 / coef.double()).float()  # as a float factor's 1 / coef below
+            grad.mul_(coef)
             return None
-        if self.cfg.max_grad_norm is None:
+        if coef == 1.0:
             return None
-        given = coef is not None
-        if not given:
-            coef = self._clip_coefficient()
-        if (given or self._norm_override is not None) and self.cfg.fused and coef != 1.0:
-            # the scalar is filled in place: a new CUDA tensor from a Python number would be a copy from pageable
-            # memory, which waits for the whole compute stream
+        if self.cfg.fused:  # the scalar is filled in place: a new CUDA tensor from a Python number would be a
+            # copy from pageable memory, which waits for the whole compute stream
             key = str(grad.device)
             if key not in self._grad_scales:
                 self._grad_scales[key] = torch.empty((), dtype=torch.float32, device=grad.device)
@@ -139,31 +101,27 @@ class HostAdamW:
         grad.mul_(coef)
         return None
 
-    def step_layer(self, layer: int) -> None:
-        """AdamW on one layer's host block. Needs every gradient of the step in the store when clipping."""
+    def step_layer(self, layer: int, coef: float = 1.0) -> None:
+        """AdamW on one layer's host block, its gradient scaled by ``coef`` (the step's clip factor).""" 
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
         grad = self.store.grad(layer)
         opt = self.opts[layer]
-        self._torch_step(opt, self.params[layer], grad, self._grad_scale(grad))
+        self._torch_step(opt, self.params[layer], grad, self._grad_scale(grad, coef))
         self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
-    def step_layer_on(self, layer: int, block: torch.Tensor, lr: float | None = None,
-                      coef: float | torch.Tensor | None = None, out: torch.Tensor | None = None) -> bool:
+    def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,
+                      out: torch.Tensor | None = None) -> bool:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
-        same hyper-parameters, step count and clip factor as :meth:`step_layer`; the caller copies master and
-        moments (and the bf16 shadow, if any) back to the store.
-
-        ``lr`` and ``coef`` (the step's clip factor, see :meth:`clip_factor`; a device tensor spares the host a
-        wait for the gradient norm) default to the current step's as
-        :meth:`begin_step` and the gradient norm set them; a caller issuing device updates while the host still
-        works on the previous step's passes them (the layer's own step count is this layer's alone).
+        same hyper-parameters and step count as :meth:`step_layer`, learning rate ``lr`` (the step's: the host may
+        still work on the previous step's updates) and clip factor ``coef`` (a device tensor spares the host a
+        wait for the gradient norm); the caller copies master and moments (and the bf16 shadow, if any) back to
+        the store.
 
         On a GPU (with ``fused``) the update is one Triton pass (``kernels.adamw_step``), which also writes the new
         master in ``out``'s dtype into ``out`` if given; returns whether it did (else the caller rounds it)."""
         master, exp_avg, exp_avg_sq, grad = block
         host_step = self.opts[layer].state[self.params[layer]]["step"]
-        lr = self.opts[layer].param_groups[0]["lr"] if lr is None else lr
         scale = self._grad_scale(grad, coef)
         if block.is_cuda and self.cfg.fused:
             from megatrain.kernels.adamw import adamw_step

@@ -212,7 +212,7 @@ def test_a_new_plan_frees_the_buffers_of_the_one_before():
     sm = compile_cpu(hf_model("llama"), optim=OPT, n_mb=2, weight_slots="all", gpu_opt_every=1)
     host = compile_cpu(hf_model("llama"), optim=OPT, n_mb=2)
     sm.train_step(*data[0])
-    ex = sm.executor
+    ex = sm.executor.dev
     assert len(ex.w) == len(sm.graph) and len(ex.o) > 1 and len(ex.kept_buf) > 1
     sm.train_step(*data[1], weight_slots=2, gpu_opt_every=2)
     gpu_opt = sm.schedule_for(6, 12, weight_slots=2, gpu_opt_every=2).config.gpu_opt
@@ -388,14 +388,14 @@ def test_weights_kept_after_a_device_update_serve_the_next_load_until_the_host_c
     sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every=2, resident_opt=0)
     dev = set(sm.schedule_for(6, 12).config.gpu_opt)
     sm.train_step(*data[0])
-    assert dev and set(sm.executor.kept) == dev
+    assert dev and set(sm.executor.dev.kept) == dev
     for layer in dev:  # fp32 compute on the CPU: the kept copy is the updated master itself
-        assert torch.equal(sm.executor.kept_weights(layer), sm.store.master(layer))
+        assert torch.equal(sm.executor.dev.kept_weights(layer), sm.store.master(layer))
     new = {n: t.clone() * 0.5 for n, t in sm.state_dict().items()}
     sm.store.load_state(new)
-    assert all(sm.executor.kept_weights(layer) is None for layer in dev)
+    assert all(sm.executor.dev.kept_weights(layer) is None for layer in dev)
     ref = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2)
     ref.store.load_state(new)
     # a step's loss is computed from the weights it loads: the halved ones, not the kept copies
     assert sm.train_step(*data[1]).loss == ref.train_step(*data[1]).loss
-    assert set(sm.executor.kept) == dev  # and this step's device updates keep theirs again
+    assert set(sm.executor.dev.kept) == dev  # and this step's device updates keep theirs again

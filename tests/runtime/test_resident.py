@@ -25,9 +25,9 @@ def _train(data, **plan):
 
 
 def _slot_state(sm, layer):
-    k, _ = sm.executor.resident[layer]
+    k, _ = sm.executor.dev.resident[layer]
     n = sm.graph[layer].params
-    return sm.executor.o[k][: len(ROWS) * n].view(len(ROWS), n)
+    return sm.executor.dev.o[k][: len(ROWS) * n].view(len(ROWS), n)
 
 
 @pytest.mark.parametrize("clip", [1.0, None])
@@ -73,7 +73,7 @@ def test_reading_the_weights_mid_run_and_switching_plans_lose_nothing():
     assert not ran[2].config.continues and ran[2].config.resident_opt != ran[1].config.resident_opt
     losses.append(sm.train_step(*data[3], resident_opt=0).loss)  # nothing kept: every state from the host
     losses.append(sm.train_step(*data[4]).loss)  # and back to the first plan
-    assert not sm.executor.resident or ran[-1].config.resident_opt
+    assert not sm.executor.dev.resident or ran[-1].config.resident_opt
     assert losses == host_losses
     ref = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2)
     ref.train_step(*data[0])
@@ -88,11 +88,11 @@ def test_weights_loaded_from_outside_replace_the_masters_of_a_resident_state():
     data = batches(n_steps=3)
     sm, _ = _train(data[:1], gpu_opt_every=1)
     host, _ = _train(data[:1], gpu_opt_every=1, resident_opt=0)
-    assert sm.executor.resident and not host.executor.resident
+    assert sm.executor.dev.resident and not host.executor.dev.resident
     new = {n: t.clone() * 0.5 for n, t in host.state_dict().items()}
     for m in (sm, host):
         m.store.load_state(new)
-    assert not sm.executor.resident
+    assert not sm.executor.dev.resident
     assert all(torch.equal(new[n], t) for n, t in sm.state_dict().items())  # nothing written over them
     for layer in sm.schedule_for(6, 12).config.gpu_opt:  # the moments of the step before survive
         assert torch.equal(sm.store.block(layer)[1:3], host.store.block(layer)[1:3])

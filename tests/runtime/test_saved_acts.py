@@ -58,9 +58,9 @@ def test_a_saved_layer_runs_its_forward_once_per_micro_batch(saved):
     # embedding and final norm recompute in their backward; the blocks only where not saved; the head's LOSS
     # runs once per micro-batch
     assert calls == {0: 4, **{b: 2 if saved else 4 for b in blocks}, 4: 4, 5: 2}
-    ex = sm.executor
-    assert not ex.saved  # every kept graph was consumed by its backward and dropped
-    assert not [t for t in ex.act.values() if t.grad_fn is not None or t.requires_grad]
+    st = sm.executor.st  # the last step's
+    assert not st.saved  # every kept graph was consumed by its backward and dropped
+    assert not [t for t in st.act.values() if t.grad_fn is not None or t.requires_grad]
 
 
 def test_saved_acts_option_is_checked():

@@ -31,7 +31,8 @@ def test_layers_that_differ_get_their_own_template():
 def test_binding_is_zero_copy():
     sm = compile_cpu(hf_model("qwen2"), n_mb=1)
     seg = sm.captured.segments[2]
-    slot = torch.randn(sm.executor.slot_numel)
+    numel = max(sm.graph.weight_params(i) for i in range(len(sm.graph)))
+    slot = torch.randn(numel)
     seen = {}
     hook = seg.template.self_attn.q_proj.register_forward_pre_hook(
         lambda mod, args: seen.update(w=mod.weight))  # returns None: leaves the input alone
@@ -39,8 +40,8 @@ def test_binding_is_zero_copy():
         views = bind(seg, slot)
         x = torch.randn(1, 4, 64)
         side = {}
-        _, side = sm.executor.runner.run(0, torch.randn(sm.executor.slot_numel), (torch.zeros(1, 4, dtype=torch.long),
-                                                                                   torch.ones(1, 4, dtype=torch.long)))
+        _, side = sm.executor.runner.run(0, torch.randn(numel), (torch.zeros(1, 4, dtype=torch.long),
+                                                                 torch.ones(1, 4, dtype=torch.long)))
         sm.executor.runner.run(2, slot, x, side)
     finally:
         hook.remove()
@@ -54,10 +55,10 @@ def test_binding_is_zero_copy():
 def test_no_autograd_graph_outlives_a_layer():
     sm = compile_cpu(hf_model("llama"), n_mb=2, host_checkpoints=2)
     sm.train_step(torch.randint(0, 97, (4, 8)))
-    ex = sm.executor
-    live = [t for t in ex.act.values() if t.grad_fn is not None or t.requires_grad]
-    assert not live
-    assert all(not w.requires_grad and w.grad is None for w in ex.w + ex.g)
+    st, dev = sm.executor.st, sm.executor.dev
+    live = [t for t in st.act.values() if t.grad_fn is not None or t.requires_grad]
+    assert not live and not st.saved
+    assert all(not w.requires_grad and w.grad is None for w in dev.w + dev.g)
 
 
 def test_executor_refuses_a_slot_overwritten_too_early():

@@ -1,0 +1,131 @@
+"""What lives on the compute device from one step to the next: the slots a schedule uses, the weights device updates
+left there, the optimizer states kept there, and the sums of tied gradients."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatrain.ir import Op, Schedule
+from megatrain.planner.cost import slot_params
+from megatrain.planner.graph import LayerGraph
+from megatrain.runtime.store import ROWS, HostStore
+
+
+class DeviceState:
+    """``w`` / ``g`` / ``o``: the weight (compute dtype), gradient (fp32) and optimizer (fp32, ``ROWS`` rows) slots,
+    each as large as the largest layer a schedule puts in it. ``kept``: owner -> (its weights in the compute dtype
+    as its last device update left them, the store generation they belong to). ``resident``: owner -> (the
+    optimizer slot holding its current master weights and moments, the store generation); the host block holds an
+    older copy. ``quiesce()`` waits until no earlier op can touch a device buffer (the issuer's)."""
+
+    def __init__(self, graph: LayerGraph, store: HostStore, device: torch.device, dtype: torch.dtype,
+                 quiesce: Callable[[], None]):
+        self.graph, self.store, self.device, self.dtype, self.quiesce = graph, store, device, dtype, quiesce
+        self.w: list[torch.Tensor] = []
+        self.g: list[torch.Tensor] = []
+        self.o: list[torch.Tensor] = []
+        self.kept: dict[int, tuple[torch.Tensor, int]] = {}
+        self.kept_buf: dict[int, torch.Tensor] = {}
+        self.resident: dict[int, tuple[int, int]] = {}
+        self.tied_sums: dict[int, torch.Tensor] = {}  # owner -> its tied gradient's parts summed
+        self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
+
+    # ---- slots ------------------------------------------------------------------------------------------------
+    def fit(self, schedule: Schedule) -> None:
+        """Allocate the slots ``schedule`` uses; a slot a later schedule needs larger is replaced once nothing uses
+        it. Slots beyond what the schedule uses, and weights kept for layers it does not update on the device, are
+        freed first (once nothing uses them): another plan's buffers would otherwise stay allocated next to this
+        one's (measured: a 7B plan for 32K tokens left too little device memory for the 131K-token plan after
+        it)."""
+        sizes = self.slot_numels(schedule)
+        extra = [p for p in ("w", "g", "o") if len(getattr(self, p)) > len(sizes[p])]
+        stale = [l for l in self.kept_buf if l not in schedule.config.gpu_opt]
+        if extra or stale:
+            self.quiesce()
+            for p in extra:
+                del getattr(self, p)[len(sizes[p]):]
+            for l in stale:
+                del self.kept_buf[l]
+                self.kept.pop(l, None)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32)):
+            slots: list[torch.Tensor] = getattr(self, pool)
+            for k, n in enumerate(sizes[pool]):
+                if k < len(slots) and slots[k].numel() >= n:
+                    continue
+                if k < len(slots):
+                    self.quiesce()  # nothing may still use the old buffer
+                    slots[k] = torch.empty(n, dtype=dtype, device=self.device)
+                else:
+                    slots.append(torch.empty(n, dtype=dtype, device=self.device))
+
+    def slot_numels(self, schedule: Schedule) -> dict[str, list[int]]:
+        """Elements of each weight, gradient and optimizer slot (``ROWS`` rows) ``schedule`` uses."""
+        cached = self._numels.get(id(schedule))
+        if cached is not None and cached[0] is schedule:
+            return cached[1]
+        params = slot_params(self.graph, schedule)
+        out = {"w": params["w"], "g": params["g"], "o": [n * len(ROWS) for n in params["o"]]}
+        self._numels[id(schedule)] = (schedule, out)
+        return out
+
+    def weights(self, op: Op) -> torch.Tensor:
+        """The weights ``op``'s layer reads, in its weight slot."""
+        return self.w[op.slot("w")][: self.graph.weight_params(op.layer)]
+
+    def opt_block(self, op: Op) -> torch.Tensor:
+        """The (4, n) block of ``op``'s optimizer slot, contiguous like the host block (copies need no staging)."""
+        return self.state_block(self.graph.owner(op.layer), op.slot("o"))
+
+    def state_block(self, owner: int, k: int) -> torch.Tensor:
+        n = self.graph[owner].params
+        return self.o[k][: len(ROWS) * n].view(len(ROWS), n)
+
+    def tied_sum(self, owner: int, numel: int) -> torch.Tensor:
+        """The buffer a tied gradient's parts are summed in on the device before it goes to the host."""
+        buf = self.tied_sums.get(owner)
+        if buf is None or buf.numel() != numel:
+            buf = self.tied_sums[owner] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return buf
+
+    # ---- weights left by device updates -------------------------------------------------------------------
+    def kept_weights(self, owner: int) -> torch.Tensor | None:
+        """The layer's weights as its last device update left them, if the host master is still those."""
+        kept = self.kept.get(owner)
+        if kept is None or kept[1] != self.store.generation:
+            return None
+        return kept[0]
+
+    def keeps(self, owners) -> bool:
+        """Whether every one of ``owners`` (at least one) has its weights kept on the device."""
+        owners = tuple(owners)
+        return bool(owners) and all(self.kept_weights(o) is not None for o in owners)
+
+    def kept_buffer(self, layer: int, numel: int) -> torch.Tensor:
+        """Where a device update of ``layer`` leaves its new weights in the compute dtype."""
+        buf = self.kept_buf.get(layer)
+        if buf is None or buf.numel() != numel:
+            buf = self.kept_buf[layer] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return buf
+
+    def keep(self, layer: int, master: torch.Tensor, written: bool = False) -> None:
+        """The updated ``master`` kept on the device in the compute dtype; ``written``: the update wrote it."""
+        buf = self.kept_buffer(layer, master.numel())
+        if not written:
+            buf.copy_(master)  # rounded to the compute dtype as a load would (to nearest even)
+        self.kept[layer] = (buf, self.store.generation)
+
+    # ---- optimizer states kept on the device -----------------------------------------------------------------
+    def write_back(self, states: dict[int, tuple[int, int]], store_state: Callable) -> None:
+        """Copy each of ``states`` (owner -> (slot, generation)) that belongs to the store's current generation to
+        its host block with ``store_state(owner, block)``, once every update is done, and wait for the copies."""
+        states = {l: k for l, (k, gen) in states.items() if gen == self.store.generation}
+        if not states:
+            return
+        self.quiesce()
+        for l, k in states.items():
+            store_state(l, self.state_block(l, k))
+        self.quiesce()

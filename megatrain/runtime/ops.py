@@ -1,0 +1,314 @@
+"""What each op of a schedule does: one handler per (op kind, stream), used by both issuers.
+
+A handler is ``handler(ex, op, st)``: ``ex`` the executor (device state, host store, optimizer, templates, and the
+issuer's copies: ``ex.to_host``, ``ex.to_device``, ``ex.keep_alive``, ``ex.non_blocking``), ``op`` the op, ``st``
+the step's :class:`~megatrain.runtime.step.StepState`. The program-order issuer calls it in program order; the
+stream issuer calls it on the op's CUDA stream (a ``cpu`` op on the optimizer worker) once the op's dependencies
+are met. Nothing else in the runtime does an op's work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.ir import Op, OpKind, Stream
+from megatrain.planner.cost import OPT_STATE_ROWS
+from megatrain.runtime.grad_sink import GradSink, sink_to
+from megatrain.runtime.kernel_rewrite import keep_less
+from megatrain.runtime.step import StepState
+
+IGNORE_INDEX = -100
+
+
+# ---- weights and activations -----------------------------------------------------------------------------------
+def load_weights(ex, op: Op, st: StepState) -> None:
+    """The layer's weights into its weight slot: the copy a device update left on the device, or from the host
+    (the fp32 master, cast where it lands, or the bf16 shadow); all three hold the same values in the compute
+    dtype."""
+    o = ex.graph.owner(op.layer)
+    src = ex.dev.kept_weights(o)
+    if src is None:
+        src = ex.store.shadow(o) if st.schedule.config.wire_bytes_per_param == 2 else ex.store.master(o)
+    ex.dev.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=ex.non_blocking)
+
+
+def save_act(ex, op: Op, st: StepState) -> None:
+    st.host_act[(op.layer, op.mb)] = ex.to_host(st.act[op.slot("a")])
+
+
+def load_act(ex, op: Op, st: StepState) -> None:
+    st.act[op.slot("a")] = ex.to_device(st.host_act.pop((op.layer, op.mb)))
+
+
+# ---- compute -------------------------------------------------------------------------------------------------
+def forward(ex, op: Op, st: StepState) -> None:
+    """The layer's forward for one micro-batch, without autograd; a layer in ``saved_acts`` keeps what its backward
+    needs instead (:func:`_forward_saved`)."""
+    ex.rng.seed(op.layer, op.mb)
+    if op.layer in st.schedule.config.saved_acts:
+        return _forward_saved(ex, op, st)
+    with torch.no_grad():
+        if op.layer == 0:
+            mb = st.mbs[op.mb]
+            h, st.side[op.mb] = ex.runner.run(0, ex.dev.weights(op), (mb.input_ids, st.masks[op.mb]))
+        else:
+            h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb])
+    st.act[op.slot("y")] = h
+
+
+def _forward_saved(ex, op: Op, st: StepState) -> None:
+    """The forward of a layer in ``saved_acts``: with autograd on, keeping what its backward needs. The weights it
+    saves are views of this weight slot, which other layers overwrite before the backward: they are saved as their
+    place in the layer's weights and found again in the slot the BWD reads (:class:`WeightRef`); activations stay
+    as they are (on the device, until the BWD)."""
+    flat = ex.dev.weights(op)
+    x = st.act[op.slot("x")].detach().requires_grad_()
+    views: list = []
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(WeightRef.packer(flat), ex.unpack), \
+            keep_less(st.schedule.config.saved_lean):
+        out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
+    st.saved[(op.layer, op.mb)] = (out, x, views)
+    st.act[op.slot("y")] = out.detach()
+
+
+def loss(ex, op: Op, st: StepState) -> None:
+    """Forward and backward of the head and the loss for one micro-batch: the loss sum, the head's gradient into its
+    gradient slot, the gradient of its input in place of the input."""
+    ex.rng.seed(op.layer, op.mb)
+    if ex.head_loss is not None:
+        return _fused_loss(ex, op, st)
+    x = st.act[op.slot("x")].detach().requires_grad_()
+    views: list = []
+    with torch.enable_grad():
+        logits = ex.runner.run(op.layer, ex.dev.weights(op), x, st.side[op.mb], grad_views=views)
+        labels = st.mbs[op.mb].next_labels
+        loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        sink = _grad_sink(ex, op)
+        dx, *dws = _grads(sink, loss_sum / st.denom, [x, *(v for *_, v in views)])
+    st.loss_sums[op.mb] = loss_sum.detach()
+    _accumulate(sink, views, dws)
+    st.act[op.slot("x")] = dx
+
+
+def _fused_loss(ex, op: Op, st: StepState) -> None:
+    from megatrain.kernels.linear_ce import linear_cross_entropy_forward
+    from megatrain.runtime.templates import bind
+
+    seg = ex.captured.segments[op.layer]
+    spec = ex.head_loss
+    ref = next(r for r in seg.params if r.name == spec.weight_name)
+    weight = bind(seg, ex.dev.weights(op))[spec.weight_name]  # (V, H)
+    g = ex.dev.g[op.slot("g")]
+    if op.mb == 0:
+        g[: ex.graph.weight_params(op.layer)].zero_()
+    grad_w = g[ref.offset: ref.offset + weight.numel()].view(weight.shape)
+    x = st.act[op.slot("x")]
+    loss_sum, dh, _ = linear_cross_entropy_forward(x.reshape(-1, x.shape[-1]), weight,
+                                                   st.mbs[op.mb].next_labels.reshape(-1), st.denom,
+                                                   grad_weight=grad_w, softcap=spec.softcap)
+    st.loss_sums[op.mb] = loss_sum * st.denom
+    st.act[op.slot("x")] = dh.view_as(x)
+
+
+def backward(ex, op: Op, st: StepState) -> None:
+    """The layer's backward for one micro-batch (its forward run again from the checkpoint first, unless it kept its
+    activations): weight gradients accumulated in the gradient slot, the input's gradient in place of the input."""
+    ex.rng.seed(op.layer, op.mb)
+    sink = _grad_sink(ex, op)
+    if op.layer in st.schedule.config.saved_acts:
+        out, x, views = st.saved.pop((op.layer, op.mb))
+        ex.bwd_weights = ex.dev.weights(op)
+        try:
+            dx, *dws = _grads(sink, out, [x, *(v for *_, v in views)], st.act[op.slot("dy")])
+        finally:
+            ex.bwd_weights = None
+        st.act[op.slot("x")] = dx
+        _accumulate(sink, views, dws)
+        return
+    flat = ex.dev.weights(op)
+    dy = st.act[op.slot("dy")]
+    views: list = []
+    with torch.enable_grad():
+        if op.layer == 0:
+            mb = st.mbs[op.mb]
+            h, _ = ex.runner.run(0, flat, (mb.input_ids, st.masks[op.mb]), grad_views=views)
+            dws = _grads(sink, h, [v for *_, v in views], dy)
+        else:
+            x = st.act[op.slot("x")].detach().requires_grad_()
+            out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
+            dx, *dws = _grads(sink, out, [x, *(v for *_, v in views)], dy)
+            st.act[op.slot("x")] = dx
+    _accumulate(sink, views, dws)
+    if op.layer == 0:
+        st.side.pop(op.mb, None)
+
+
+def _grad_sink(ex, op: Op) -> GradSink:
+    """Where the backward of ``op`` puts its parameter gradients: the fp32 gradient slot, which the first
+    micro-batch writes instead of adding to (cleared first where the layer's parameters do not tile it)."""
+    g = ex.dev.g[op.slot("g")]
+    first = op.mb == 0
+    numel = ex.graph.weight_params(op.layer)
+    if first and not ex.runner.tiles(op.layer, numel):  # gaps, shared or unused spans: clear, then add
+        g[:numel].zero_()
+        first = False
+    return GradSink(g, accumulate=not first)
+
+
+def _grads(sink: GradSink, out, inputs: list, dy=None) -> tuple:
+    """``autograd.grad`` of ``out`` (against ``dy``) for ``inputs``, the templates' linears sending their weight
+    gradients to ``sink``; None for an input the output does not depend on (or whose gradient went there)."""
+    with sink_to(sink):
+        return torch.autograd.grad(out, inputs, dy, allow_unused=True)
+
+
+def _accumulate(sink: GradSink, views: list, grads) -> None:
+    """The gradients autograd returned (compute dtype) into the sink's slot, next to those its linears wrote."""
+    for (off, n, _), dw in zip(views, grads):
+        sink.put(off, n, dw)
+
+
+class WeightRef:
+    """A weight tensor autograd saved in a forward (see :func:`_forward_saved`): where it lies in the layer's flat
+    weights (element offset, shape, strides), to be viewed again in whichever slot holds them later."""
+
+    __slots__ = ("offset", "shape", "stride")
+
+    def __init__(self, offset: int, shape: tuple, stride: tuple):
+        self.offset, self.shape, self.stride = offset, shape, stride
+
+    @staticmethod
+    def packer(flat: torch.Tensor):
+        """A pack hook: tensors on ``flat``'s storage become references into it, others are kept as they are."""
+        ptr, base = flat.untyped_storage().data_ptr(), flat.storage_offset()
+
+        def pack(t: torch.Tensor):
+            if t.device == flat.device and t.untyped_storage().data_ptr() == ptr:
+                return WeightRef(t.storage_offset() - base, tuple(t.shape), t.stride())
+            return t
+
+        return pack
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided(self.shape, self.stride, flat.storage_offset() + self.offset)
+
+
+# ---- gradients -------------------------------------------------------------------------------------------------
+def _add_part(ex, op: Op, st: StepState, src: torch.Tensor, into: torch.Tensor) -> bool:
+    """Put ``op``'s gradient ``src`` into ``into``, where its owner's gradient is gathered: written by the first
+    part, added by the next (a tied gradient has a part per layer that reads the weights, the owner's own last).
+    True once the gradient is complete."""
+    o = ex.graph.owner(op.layer)
+    done = st.tied_parts.get(o, 0)
+    if done:
+        into.add_(src)
+    else:
+        into.copy_(src)
+    st.tied_parts[o] = done + 1
+    return done + 1 == 1 + len(ex.graph.tied_to(o))
+
+
+def _take_norms(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
+    """With clipping: the L2 norm of each of ``owner``'s parameters' gradients in ``grad`` (its whole gradient), as
+    torch.nn.utils.clip_grad_norm_ takes them (one foreach kernel where the device has one)."""
+    if not st.clip:
+        return
+    spans = ex.param_spans[owner]
+    views = [grad[off: off + n] for _, off, n in spans]
+    norms = torch._foreach_norm(views) if grad.is_cuda else [torch.linalg.vector_norm(v) for v in views]
+    st.param_norms.update(zip((name for name, _, _ in spans), norms))
+
+
+def store_grad_to_host(ex, op: Op, st: StepState) -> None:
+    """The layer's gradient (summed over the micro-batches in its slot) to its owner's host gradient; a tied
+    gradient's parts are summed on the device first, and the sum goes to the host once."""
+    o = ex.graph.owner(op.layer)
+    n = ex.store.grad(o).numel()
+    src = ex.dev.g[op.slot("g")][:n]
+    if ex.graph.tied_to(o):
+        buf = ex.dev.tied_sum(o, n)
+        if not _add_part(ex, op, st, src, buf):
+            return
+        src = buf
+    _take_norms(ex, st, o, src)
+    ex.store.grad(o).copy_(src, non_blocking=ex.non_blocking)
+
+
+def store_grad_to_state(ex, op: Op, st: StepState) -> None:
+    """A device update's gradient into the gradient row of its optimizer slot (a tied gradient's parts summed
+    there)."""
+    src = ex.dev.g[op.slot("g")][: ex.graph.weight_params(op.layer)]
+    row = ex.dev.opt_block(op)[3]
+    if _add_part(ex, op, st, src, row):
+        _take_norms(ex, st, ex.graph.owner(op.layer), row)
+
+
+def guard(ex, st: StepState) -> None:
+    """At the step's first OPT (every LOSS has run; with clipping every gradient is stored): on the device, the
+    global gradient norm (the per-parameter norms in the model's order, as torch.nn.utils.clip_grad_norm_ takes
+    it), the step's loss, and the factor device updates scale the gradient by: the clip factor (1 without
+    clipping), NaN where the norm or the loss is not finite, which makes a device update change nothing."""
+    dev = ex.device
+    norms = [st.param_norms[n] for n in ex.captured.model_param_names if n in st.param_norms]
+    for n in norms:
+        ex.keep_alive(n)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=dev)
+    loss = torch.stack([torch.as_tensor(t, device=dev).float().reshape(()) for t in st.loss_sums]).sum()
+    coef = ex.optimizer.clip_factor(total) if st.clip else torch.ones((), device=dev)
+    ok = torch.isfinite(total) & torch.isfinite(loss)
+    st.coef = torch.where(ok, coef, float("nan"))
+    st.guard = torch.stack([total, loss, st.coef])
+
+
+# ---- updates ---------------------------------------------------------------------------------------------------
+def update_on_host(ex, op: Op, st: StepState) -> None:
+    """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update."""
+    if not st.ok():
+        return
+    ex.optimizer.step_layer(op.layer, coef=st.coef_value())
+
+
+def update_on_device(ex, op: Op, st: StepState) -> None:
+    """AdamW on the layer's optimizer slot, its new weights kept on the device in the compute dtype (written by the
+    update where it can). The factor on the device stops a step that must not update (the Triton kernel); torch's
+    AdamW, which would apply it, is not called for such a step (the host decides)."""
+    block = ex.dev.opt_block(op)
+    if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
+        ex.dev.keep(op.layer, block[0])
+        return
+    written = ex.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef,
+                                         out=ex.dev.kept_buffer(op.layer, block.shape[1]))
+    ex.dev.keep(op.layer, block[0], written)
+
+
+def load_state(ex, op: Op, st: StepState) -> None:
+    """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
+    for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G."""
+    block, host = ex.dev.opt_block(op), ex.store.block(op.layer)
+    for r in range(OPT_STATE_ROWS):
+        ex.before_row(op.layer, r)
+        block[r].copy_(host[r], non_blocking=ex.non_blocking)
+
+
+def store_state(ex, op: Op, st: StepState) -> None:
+    """Updated master weights and moments back to the host block (and the bf16 shadow, where there is one)."""
+    ex.store_state(op.layer, ex.dev.opt_block(op))
+
+
+HANDLERS = {
+    (OpKind.LOAD_W, Stream.H2D): load_weights,
+    (OpKind.LOAD_W, Stream.COMPUTE): load_weights,
+    (OpKind.FWD, Stream.COMPUTE): forward,
+    (OpKind.LOSS, Stream.COMPUTE): loss,
+    (OpKind.BWD, Stream.COMPUTE): backward,
+    (OpKind.SAVE_ACT, Stream.D2H): save_act,
+    (OpKind.LOAD_ACT, Stream.H2D): load_act,
+    (OpKind.STORE_G, Stream.D2H): store_grad_to_host,
+    (OpKind.STORE_G, Stream.COMPUTE): store_grad_to_state,
+    (OpKind.OPT, Stream.CPU): update_on_host,
+    (OpKind.OPT, Stream.COMPUTE): update_on_device,
+    (OpKind.LOAD_OPT, Stream.H2D): load_state,
+    (OpKind.STORE_OPT, Stream.D2H): store_state,
+}

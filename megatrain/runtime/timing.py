@@ -1,0 +1,96 @@
+"""Timing the ops the streaming executor issues: CUDA events around GPU ops, the host clock around worker tasks, and
+the host thread's own time; the last step as a :class:`~megatrain.planner.simulate.Timeline`, the simulator's
+format."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future
+
+import torch
+
+from megatrain.ir import Op, Schedule
+from megatrain.planner.graph import LayerGraph
+
+
+class OpTimer:
+    def __init__(self, graph: LayerGraph, compute: torch.cuda.Stream):
+        self.graph, self.compute = graph, compute
+        self.schedule: Schedule | None = None
+        self._timing: list = []
+        self.host_issue_s: dict[str, float] = {}  # the last step's host time issuing ops, by kind (waits included)
+        self.host_wait_s = 0.0  # of which: waiting for optimizer tasks
+        self.host_loss_wait_s = 0.0  # after issuing: waiting for the losses
+
+    def begin(self, schedule: Schedule) -> None:
+        self.schedule, self._timing = schedule, []
+        self.host_issue_s, self.host_wait_s, self.host_loss_wait_s = {}, 0.0, 0.0
+        self.t0_event = torch.cuda.Event(enable_timing=True)
+        self.t0_event.record(self.compute)
+        self.t0_host = time.perf_counter()
+
+    @contextlib.contextmanager
+    def issuing(self, op: Op):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host_issue_s[op.kind.value] = self.host_issue_s.get(op.kind.value, 0.0) + time.perf_counter() - t
+
+    def waited(self, fut: Future) -> None:
+        """Wait for an optimizer task, counting the time the host thread spends on it."""
+        if not fut.done():
+            t = time.perf_counter()
+            fut.result()
+            self.host_wait_s += time.perf_counter() - t
+        fut.result()
+
+    def loss_wait(self, wait) -> None:
+        t = time.perf_counter()
+        wait()
+        self.host_loss_wait_s = time.perf_counter() - t
+
+    @contextlib.contextmanager
+    def on_stream(self, op: Op, stream: torch.cuda.Stream):
+        """Around a GPU op issued on ``stream``: yields the event that marks its end."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield end
+        end.record(stream)
+        self._timing.append((op, (start, end)))
+
+    def task(self, op: Op, handler, ex, st, deps: list[Future], events: list[torch.cuda.Event]):
+        """The worker's task for a ``cpu`` op: wait for the ops it depends on, run it, return its host times."""
+
+        def run():
+            for f in deps:
+                f.result()
+            for e in events:
+                e.synchronize()
+            start = time.perf_counter()
+            handler(ex, op, st)
+            return start, time.perf_counter()
+
+        return run
+
+    def record_task(self, op: Op, fut: Future) -> None:
+        self._timing.append((op, fut))
+
+    def timeline(self):
+        """The last step: start and end of every op, seconds from the step's start (waits for the worker)."""
+        from megatrain.planner.cost import device_memory
+        from megatrain.planner.simulate import Timeline
+
+        ops, starts, ends = [], [], []
+        for op, t in sorted(self._timing, key=lambda x: x[0].id):
+            if isinstance(t, Future):
+                a, b = t.result()
+                a, b = a - self.t0_host, b - self.t0_host
+            else:
+                a, b = self.t0_event.elapsed_time(t[0]) / 1e3, self.t0_event.elapsed_time(t[1]) / 1e3
+            ops.append(op)
+            starts.append(a)
+            ends.append(b)
+        return Timeline(source="measured", ops=tuple(ops), start_s=starts, end_s=ends,
+                        reserved_nbytes=device_memory(self.graph, self.schedule).total_nbytes, n_steps=1)

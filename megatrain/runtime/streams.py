@@ -112,6 +112,8 @@ class StreamExecutor(Executor):
         for. A host-to-device copy queues behind the copies already waiting on the copy engine: on the compute
         stream it waited for the step's first optimizer-state loads (0.3 s measured on the H200); issued here,
         before them, it goes first."""
+        if t.device.type != "cpu":
+            return t.to(self.device)
         h2d, compute = self.streams[Stream.H2D], self.streams[Stream.COMPUTE]
         with torch.cuda.stream(h2d):
             out = t.pin_memory().to(self.device, non_blocking=True)

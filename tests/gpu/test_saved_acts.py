@@ -1,6 +1,7 @@
 """Saved activations on the GPU (bf16, Triton kernels, streaming executor): the same training as recomputing, and
 the bytes the planner counts are the bytes the device holds."""
 
+import contextlib
 import copy
 import dataclasses
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import megatrain
+from megatrain.ir import OpKind
 from megatrain.planner.graph import block_saved_bytes
 
 from ..runtime.models import hf_model
@@ -77,14 +79,17 @@ def test_saved_bytes_measured_are_what_the_device_holds_and_near_the_formula(att
     formula = block_saved_bytes(H, H, kv * H // heads, inter, heads, 2, lean=lean)
     ex = sm.executor
     deltas = []
-    fwd = ex._forward_saved
 
-    def measured_forward(op):
+    @contextlib.contextmanager
+    def measured_forward(op):  # around each saved forward: what it left allocated, its output aside
+        if op.kind is not OpKind.FWD or op.layer not in ex.st.schedule.config.saved_acts:
+            yield
+            return
         before = torch.cuda.memory_allocated()
-        fwd(op)
-        deltas.append(torch.cuda.memory_allocated() - before - ex.act[op.slot("y")].untyped_storage().nbytes())
+        yield
+        deltas.append(torch.cuda.memory_allocated() - before - ex.st.act[op.slot("y")].untyped_storage().nbytes())
 
-    ex._forward_saved = measured_forward
+    ex.on_op = measured_forward
     sm.train_step(torch.randint(0, 97, (B, T), device="cuda"))
     assert sm.schedule_for(B, T).config.saved_lean == lean
     print(f"{attn}{' lean' if lean else ''}: saved bytes per token: measured {per_token}, formula {formula}; allocated per saved forward "

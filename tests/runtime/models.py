@@ -112,3 +112,20 @@ def compile_cpu(model, **kw):
 
     kw.setdefault("saved_acts", 0)
     return megatrain.compile(model, device="cpu", **kw)
+
+
+def watch_steps(sm):
+    """After each op the executor issues: (activations holding an autograd graph, forwards kept for a backward).
+    Returns the list it fills."""
+    import contextlib
+
+    seen = []
+
+    @contextlib.contextmanager
+    def after(op):
+        yield
+        st = sm.executor.st
+        seen.append(([t for t in st.act.values() if t.grad_fn is not None or t.requires_grad], dict(st.saved)))
+
+    sm.executor.on_op = after
+    return seen

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from .models import TinyGPT, compile_cpu, hf_model
+from .models import TinyGPT, compile_cpu, hf_model, watch_steps
 from .test_parity import OPT, batches, check, reference_train
 
 
@@ -54,13 +54,14 @@ def test_a_saved_layer_runs_its_forward_once_per_micro_batch(saved):
         return run(i, *a, **k)
 
     sm.executor.runner.run = counting
+    seen = watch_steps(sm)
     sm.train_step(torch.randint(0, 97, (4, 8)))
     # embedding and final norm recompute in their backward; the blocks only where not saved; the head's LOSS
     # runs once per micro-batch
     assert calls == {0: 4, **{b: 2 if saved else 4 for b in blocks}, 4: 4, 5: 2}
-    st = sm.executor.st  # the last step's
-    assert not st.saved  # every kept graph was consumed by its backward and dropped
-    assert not [t for t in st.act.values() if t.grad_fn is not None or t.requires_grad]
+    assert not seen[-1][1]  # every kept graph was consumed by its backward and dropped
+    assert max(len(kept) for _, kept in seen) == (6 if saved else 0)  # 3 blocks x 2 micro-batches at the turn
+    assert not any(live for live, _ in seen)  # an activation between ops holds no graph
 
 
 def test_saved_acts_option_is_checked():

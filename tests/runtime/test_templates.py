@@ -11,7 +11,7 @@ from megatrain.capture import CaptureError, capture
 from megatrain.runtime.executor import ExecutionError
 from megatrain.runtime.templates import bind
 
-from .models import TinyGPT, compile_cpu, hf_model
+from .models import TinyGPT, compile_cpu, hf_model, watch_steps
 
 
 def test_decoder_blocks_share_one_weightless_template():
@@ -54,10 +54,12 @@ def test_binding_is_zero_copy():
 
 def test_no_autograd_graph_outlives_a_layer():
     sm = compile_cpu(hf_model("llama"), n_mb=2, host_checkpoints=2)
+    seen = watch_steps(sm)
     sm.train_step(torch.randint(0, 97, (4, 8)))
+    assert len(seen) == len(sm.schedule_for(4, 8).ops)
+    assert not any(live or kept for live, kept in seen)  # after every op, in every activation slot
     st, dev = sm.executor.st, sm.executor.dev
-    live = [t for t in st.act.values() if t.grad_fn is not None or t.requires_grad]
-    assert not live and not st.saved
+    assert not st.act and not st.saved  # and none outlives the step
     assert all(not w.requires_grad and w.grad is None for w in dev.w + dev.g)
 
 

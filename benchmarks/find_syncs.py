@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from megatrain.api import gpu_opt_every
+from megatrain.cli import gpu_opt_every
 
 
 def main():

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatrain.api import gpu_opt_every, saved_acts
+from megatrain.cli import gpu_opt_every, saved_acts
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from megatrain.api import gpu_opt_every, resident_opt, saved_acts
+from megatrain.cli import gpu_opt_every, resident_opt, saved_acts
 
 
 def main():

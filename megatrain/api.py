@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatrain.ir import Schedule, ScheduleConfig
+from megatrain.ir import Schedule
 from megatrain.capture import Captured, capture
 from megatrain.planner.cost import device_memory, fmt_bytes
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import check_resident
+from megatrain.planner.search import check_resident, plan
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
@@ -72,30 +72,6 @@ class PlanOptions:
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
         check_resident(self.gpu_opt_every, self.resident_opt)  # a PlanError, which is a ValueError
-
-
-def _int_or_auto(value: str | int, name: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}") from None
-
-
-def gpu_opt_every(value: str | int) -> int | str:
-    """Parse a ``gpu_opt_every`` option from text: an integer or 'auto' (its range is checked where it is used)."""
-    return _int_or_auto(value, "gpu_opt_every")
-
-
-def saved_acts(value: str | int) -> int | str:
-    """Parse a ``saved_acts`` option from text: an integer or 'auto' (its range is checked where it is used)."""
-    return _int_or_auto(value, "saved_acts")
-
-
-def resident_opt(value: str | int) -> int | str:
-    """Parse a ``resident_opt`` option from text: an integer or 'auto' (its range is checked where it is used)."""
-    return _int_or_auto(value, "resident_opt")
 
 
 @dataclass
@@ -186,8 +162,9 @@ class StreamedModel:
         return cont if continues else first
 
     def _plans(self, batch_size: int, seq_len: int, overrides: dict) -> tuple[Schedule, Schedule]:
-        """(schedule of a run's first step, schedule of the steps after it), both checked against the device
-        budget when first asked for."""
+        """(schedule of a run's first step, schedule of the steps after it): the plan search's choice
+        (:func:`megatrain.planner.search.plan`, the one ``megatrain plan`` runs) with the plan options as fixed
+        decisions ("auto": searched), for one step."""
         opts = replace(self.plan_options, **overrides)
         if opts.wire == "bf16" and self.compute_dtype != torch.bfloat16:
             raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is "
@@ -198,22 +175,17 @@ class StreamedModel:
             if batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
             graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
-            cfg = ScheduleConfig(
-                n_layers=len(graph), n_steps=1, n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
-                seq_len=seq_len, grad_slots=opts.grad_slots,
-                weight_slots=len(graph) if opts.weight_slots == "all" else opts.weight_slots,
-                wire_bytes_per_param=2 if opts.wire == "bf16" else 4, host_checkpoints=opts.host_checkpoints,
-                clip=clip, budget_bytes=self.hardware.budget_bytes)
-            cfg = self._decide(graph, cfg, opts)
+            auto = lambda v: None if v == "auto" else v  # noqa: E731
+            chosen = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
+                          saved_acts=opts.saved_acts, n_mb=opts.n_mb, weight_slots=opts.weight_slots,
+                          grad_slots=opts.grad_slots, wire_bytes=2 if opts.wire == "bf16" else 4,
+                          host_checkpoints=opts.host_checkpoints, gpu_opt_every=auto(opts.gpu_opt_every),
+                          resident_opt=auto(opts.resident_opt)).schedule.config
+            cfg = replace(chosen, n_steps=1)
             plans = []
             for c in ([cfg, replace(cfg, continues=True)] if cfg.gpu_opt else [cfg]):
                 s = build_schedule(graph, c)
-                mem = device_memory(graph, s)
-                if mem.total_nbytes > cfg.budget_bytes:
-                    raise ValueError(f"the schedule needs {fmt_bytes(mem.total_nbytes)} of device memory, the budget "
-                                     f"({self.hardware.name}) is {fmt_bytes(cfg.budget_bytes)}: use more "
-                                     f"micro-batches or fewer weight slots")
-                verify(s, graph)
+                verify(s, graph, self.hardware)  # the memory rule with it: the continuing step's is its own
                 plans.append(s)
             self._schedules[key] = (plans[0], plans[-1])
         return self._schedules[key]
@@ -257,31 +229,6 @@ class StreamedModel:
         m1, m2 = (self.executor.measure_saved_bytes(layer, t, lean) / t for t in (t1, t2))  # per token: a + b * t
         b = max((m2 - m1) / (t2 - t1), 0.0)
         return math.ceil(m1 + b * (seq_len - t1))
-
-    def _decide(self, graph, cfg: ScheduleConfig, opts: PlanOptions) -> ScheduleConfig:
-        """``cfg`` with the layers updated on the device and the layers that keep their activations: every k-th
-        eligible layer updated on the device, or for "auto" the candidate set (as the plan search tries them)
-        whose simulated three-step schedule, with the saved activations the option asks for, is fastest within
-        the device budget."""
-        from megatrain.planner.search import device_update_sets, resident_sets, with_saved_acts
-        from megatrain.planner.simulate import simulate
-
-        every = opts.gpu_opt_every
-        sets = [(g, r) for g in device_update_sets(graph, None if every == "auto" else every)
-                for r in resident_sets(g, opts.resident_opt, cfg.clip)]
-        with_sets = [with_saved_acts(graph, c, opts.saved_acts)  # PlanError: a ValueError
-                     for c in (replace(cfg, gpu_opt=g, resident_opt=r) for g, r in sets)]
-        if len(with_sets) == 1:
-            return with_sets[0]
-        best = None
-        for c in with_sets:
-            s = build_schedule(graph, replace(c, n_steps=3))
-            if device_memory(graph, s).total_nbytes > cfg.budget_bytes:
-                continue
-            t = simulate(s, graph, self.hardware).steady_step_s
-            if best is None or t < best[0]:
-                best = (t, c)
-        return best[1] if best is not None else with_sets[0]
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

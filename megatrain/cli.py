@@ -65,9 +65,9 @@ def _plan(args) -> int:
         fixed = dict(n_mb=args.mb, weight_slots=args.slots,
                      wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
                      host_checkpoints=args.host_checkpoints,
-                     gpu_opt_every=None if every == "auto" else _every(every),
-                     saved_acts=_saved(args.saved_acts),
-                     resident_opt=None if args.resident_opt == "auto" else _resident(args.resident_opt))
+                     gpu_opt_every=None if every == "auto" else gpu_opt_every(every),
+                     saved_acts=saved_acts(args.saved_acts),
+                     resident_opt=None if args.resident_opt == "auto" else resident_opt(args.resident_opt))
         budget = int(args.budget_gib * GiB) if args.budget_gib is not None else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
@@ -205,18 +205,20 @@ def _viz(args) -> int:
 
 
 def _count_or_auto(name: str):
-    """The argparse type of the integer-or-'auto' option ``name``: megatrain.api's parser of that name (imported
-    when used)."""
-    def parse(value: str):
-        from megatrain import api
-
-        return getattr(api, name)(value)
+    """The argparse type of the integer-or-'auto' option ``name`` (its range is checked where it is used)."""
+    def parse(value: str) -> int | str:
+        if value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}") from None
 
     parse.__name__ = name  # argparse names the option's type in its error message
     return parse
 
 
-_every, _saved, _resident = (_count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt"))
+gpu_opt_every, saved_acts, resident_opt = (_count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt"))
 
 
 def _slots(value: str):
@@ -246,13 +248,13 @@ def main(argv: list[str] | None = None) -> int:
                            ("mb", int, "micro-batches per step (2)"),
                            ("slots", _slots, "weight slots (2; all: one per layer)"),
                            ("host_checkpoints", int, "layers whose checkpoints wait on the host (0)"),
-                           ("gpu_opt_every", _every, "update every k-th layer on the GPU, not the host (0: none; "
+                           ("gpu_opt_every", gpu_opt_every, "update every k-th layer on the GPU, not the host (0: none; "
                                                      "auto: the planner's choice; default auto on a GPU, 0 on "
                                                      "the CPU)"),
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
-                           ("saved_acts", _saved, "layers (the last ones) whose backward reuses the forward's "
+                           ("saved_acts", saved_acts, "layers (the last ones) whose backward reuses the forward's "
                                                   "activations instead of recomputing them (auto: as many as fit)"),
-                           ("resident_opt", _resident, "GPU-updated layers (the first ones) whose master weights "
+                           ("resident_opt", resident_opt, "GPU-updated layers (the first ones) whose master weights "
                                                        "and moments stay on the GPU between steps (auto: the "
                                                        "planner's choice)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),

@@ -7,7 +7,7 @@ import torch
 from common import CLIP, LR, Result, base_parser, build_model, hf_config, run_peer
 
 import megatrain
-from megatrain.api import gpu_opt_every, resident_opt, saved_acts
+from megatrain.cli import gpu_opt_every, resident_opt, saved_acts
 
 
 def main():

@@ -31,7 +31,7 @@ from torch import nn
 
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, trace
-from megatrain.planner.graph import Layer, LayerGraph, block_saved_bytes
+from megatrain.planner.graph import DecoderShape, Layer, LayerGraph, layer_costs
 
 
 @dataclass
@@ -310,24 +310,14 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     vocab = int(getattr(cfg, "vocab_size", 0) or (head_w.shape[0] if head_w else 0))
     heads = getattr(cfg, "num_attention_heads", None)
     head_dim = (getattr(cfg, "head_dim", None) or hidden // heads) if heads else hidden
-    q_dim = heads * head_dim if heads else hidden
-    kv_dim = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim if heads else hidden
-    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
-    a = act_dtype_bytes
+    shape = DecoderShape(hidden=hidden, q_dim=heads * head_dim if heads else hidden,
+                         kv_dim=(getattr(cfg, "num_key_value_heads", None) or heads) * head_dim if heads else hidden,
+                         inter=int(getattr(cfg, "intermediate_size", 0) or 4 * hidden), heads=heads or 1, vocab=vocab)
     for seg in segments:
         mat = sum(_numel(r.shape) for r in seg.params if len(r.shape) >= 2) if seg.kind != "embedding" else 0
-        layers.append(Layer(
-            name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,
-            tie=seg.owner if seg.owner != seg.index else None, matmul_flops_per_token=2.0 * mat,
-            attn_flops_per_token_per_seq=2.0 * q_dim if seg.kind == "block" else 0.0,
-            act_bytes_per_token=0 if seg.kind == "head" else hidden * a,
-            work_bytes_per_token=(6 * hidden + 3 * inter) * a if seg.kind == "block" else 2 * hidden * a,
-            logit_bytes_per_token=4 * vocab if seg.kind == "head" else 0,
-            saved_bytes_per_token=block_saved_bytes(hidden, q_dim, kv_dim, inter, heads or 1, a)
-            if seg.kind == "block" else 0,
-            lean_saved_bytes_per_token=block_saved_bytes(hidden, q_dim, kv_dim, inter, heads or 1, a, lean=True)
-            if seg.kind == "block" else 0,
-        ))
+        layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,
+                            tie=seg.owner if seg.owner != seg.index else None,
+                            **layer_costs(seg.kind, shape, mat, act_dtype_bytes)))
     # in the model's parameter order (a global gradient norm sums per-parameter norms in it, as
     # torch.nn.utils.clip_grad_norm_ does)
     names = {canon: (*owner_of[canon], tuple(model.get_parameter(canon).shape)) for canon in canonical.values()

@@ -138,6 +138,48 @@ def block_saved_bytes(hidden: int, q_dim: int, kv_dim: int, inter: int, heads: i
     return (3 * hidden + 2 * q_dim + 2 * kv_dim + (2 if lean else 3) * inter) * act_dtype_bytes + 2 * 4 + 4 * heads
 
 
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes of a decoder that its layers' costs follow from."""
+
+    hidden: int
+    q_dim: int  # heads x head_dim
+    kv_dim: int  # key/value heads x head_dim
+    inter: int  # the MLP's intermediate width
+    heads: int
+    vocab: int
+
+
+def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_bytes: int) -> dict:
+    """The cost fields of a :class:`Layer` of ``kind`` (everything but its name, template, parameters and tie):
+    the one source for graphs built from a config (:func:`from_config`) and captured from a model
+    (``megatrain.capture``). ``matmul_params``: the parameters its matmuls multiply by (2 FLOPs each a token).
+
+    Activations per token in the compute dtype: a layer's output (the next layer's checkpoint) is the hidden
+    state; a block's forward builds for its backward both norm outputs and the residual (4 H), q, k and v, and
+    the MLP's gate, up and their product (3 x intermediate); the embedding its output, the final norm its input
+    and output; the head its input, its gradient and a token's fp32 log-sum-exp (logits exist one chunk of
+    :data:`LOSS_CHUNK_TOKENS` at a time, see ``cost.loss_work_nbytes``)."""
+    H, a = shape.hidden, act_dtype_bytes
+    if kind == "embedding":
+        return dict(act_bytes_per_token=H * a, work_bytes_per_token=H * a)
+    if kind == "norm":
+        return dict(act_bytes_per_token=H * a, work_bytes_per_token=2 * H * a)
+    if kind == "head":
+        return dict(matmul_flops_per_token=2.0 * matmul_params, act_bytes_per_token=0,
+                    work_bytes_per_token=2 * H * a + 8, logit_bytes_per_token=4 * shape.vocab)
+    if kind != "block":
+        raise ValueError(f"unknown layer kind {kind!r}")
+    q, kv, inter, heads = shape.q_dim, shape.kv_dim, shape.inter, shape.heads
+    return dict(
+        matmul_flops_per_token=2.0 * matmul_params,
+        # QK^T and AV: 2 matmuls x 2 FLOP per multiply-add x (seq/2 keys on average) x q_dim
+        attn_flops_per_token_per_seq=2.0 * q,
+        act_bytes_per_token=H * a, work_bytes_per_token=(4 * H + q + 2 * kv + 3 * inter) * a,
+        saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),
+        lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True))
+
+
 def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None) -> LayerGraph:
     """A LayerGraph for an HF-style decoder-only config (Llama / Qwen2 / Mistral layout: RMSNorm, GQA, SwiGLU MLP).
 
@@ -164,32 +206,16 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
     attn_w = H * q_dim + 2 * H * kv_dim + q_dim * H  # q, k, v, o projections
     mlp_w = 3 * H * inter  # gate, up, down
     block_params = attn_w + mlp_w + 2 * H + (q_dim + 2 * kv_dim if qkv_bias else 0)
+    shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=inter, heads=heads, vocab=V)
     a = act_dtype_bytes
-    # Saved for backward per token: norm outputs (2H), q, k, v, attention output, o-proj output, residual (3H + ...),
-    # gate, up, silu(gate)*up (3 * inter).
-    block_work = (4 * H + q_dim + 2 * kv_dim + 3 * inter) * a
-    layers = [
-        Layer(name="embed", kind="embedding", template="embedding", params=V * H, act_bytes_per_token=H * a,
-              work_bytes_per_token=H * a),
-    ]
+    layers = [Layer(name="embed", kind="embedding", template="embedding", params=V * H,
+                    **layer_costs("embedding", shape, 0, a))]
     for i in range(n_blocks):
-        layers.append(Layer(
-            name=f"block.{i}", kind="block", template="block", params=block_params,
-            matmul_flops_per_token=2.0 * (attn_w + mlp_w),
-            # QK^T and AV: 2 matmuls x 2 FLOP per multiply-add x (seq/2 keys on average) x q_dim
-            attn_flops_per_token_per_seq=2.0 * q_dim,
-            act_bytes_per_token=H * a, work_bytes_per_token=block_work,
-            saved_bytes_per_token=block_saved_bytes(H, q_dim, kv_dim, inter, heads, a),
-            lean_saved_bytes_per_token=block_saved_bytes(H, q_dim, kv_dim, inter, heads, a, lean=True),
-        ))
-    layers.append(Layer(name="norm", kind="norm", template="norm", params=H, act_bytes_per_token=H * a,
-                        work_bytes_per_token=2 * H * a))
-    layers.append(Layer(
-        name="head", kind="head", template="head", params=0 if tied else V * H, tie=0 if tied else None,
-        matmul_flops_per_token=2.0 * H * V, act_bytes_per_token=0,
-        # the input, its gradient, and per-token fp32 logsumexp; logits exist one chunk at a time (see loss_work_nbytes)
-        work_bytes_per_token=2 * H * a + 8, logit_bytes_per_token=4 * V,
-    ))
+        layers.append(Layer(name=f"block.{i}", kind="block", template="block", params=block_params,
+                            **layer_costs("block", shape, attn_w + mlp_w, a)))
+    layers.append(Layer(name="norm", kind="norm", template="norm", params=H, **layer_costs("norm", shape, 0, a)))
+    layers.append(Layer(name="head", kind="head", template="head", params=0 if tied else V * H,
+                        tie=0 if tied else None, **layer_costs("head", shape, H * V, a)))
     return LayerGraph(layers, name=name or cfg.get("_name_or_path") or cfg.get("model_type") or "model")
 
 

@@ -89,7 +89,7 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
 def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
                n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
-               resident_opt: int | None = None) -> list[ScheduleConfig]:
+               resident_opt: int | None = None, grad_slots: int = 2) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
     GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer). ``resident_opt``: how many
@@ -116,7 +116,7 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
                    for r in resident_sets(g, "auto" if resident_opt is None else resident_opt, clip)]
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
-                       weight_slots=k, grad_slots=2, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
+                       weight_slots=k, grad_slots=grad_slots, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
                        budget_bytes=budget, gpu_opt=g, resident_opt=r)
         for m, k, w, h, (g, r) in itertools.product(mbs, slots, wires, offload, device_sets)
     ]

@@ -197,3 +197,32 @@ def test_bad_model_and_hardware_fields_are_one_line(tmp_path, capsys):
     assert main(["plan", "--hardware", str(hw), "--out", str(tmp_path / "x")]) == 2
     assert "h2d_bytes_per_s must be a finite number > 0, got inf" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_compile_and_megatrain_plan_choose_the_same_plan(tmp_path, capsys):
+    """One planner: compile() plans a captured model with the search `megatrain plan` runs on the same config, so the
+    same request (hardware, tokens, fixed decisions; the rest searched) gets the same schedule."""
+    import json
+
+    import torch
+
+    import megatrain
+    from megatrain.planner.hardware import hardware
+
+    from ..runtime.models import hf_config, hf_model
+
+    cfg = hf_config("qwen2", num_hidden_layers=6)
+    cfg.to_json_file(tmp_path / "config.json")
+    fixed = dict(n_mb=2, weight_slots=3, host_checkpoints=1, saved_acts=0)
+    for every in ("auto", 2):
+        sm = megatrain.compile(hf_model("qwen2", num_hidden_layers=6), device="cpu", compute_dtype=torch.bfloat16,
+                               hardware=hardware("h200"), gpu_opt_every=every, **fixed)
+        mine = sm.schedule_for(8, 64).config
+        assert main(["plan", "--config", str(tmp_path / "config.json"), "--hardware", "h200", "--tokens", "512",
+                     "--seq", "64", "--mb", "2", "--slots", "3", "--wire", "fp32", "--host-checkpoints", "1",
+                     "--saved-acts", "0", "--gpu-opt-every", str(every), "--jobs", "1",
+                     "--out", str(tmp_path / f"plan-{every}")]) == 0
+        cli = json.loads((tmp_path / f"plan-{every}" / "schedule.json").read_text())["config"]
+        assert {**cli, "n_steps": 1} == mine.to_dict()
+        searched = int(re.search(r"searched\s+(\d+) candidate plan", capsys.readouterr().out).group(1))
+        assert searched > 1 if every == "auto" else searched == 1  # with a choice to make, the same one made

@@ -55,3 +55,26 @@ def test_hardware_from_json(tmp_path):
     with pytest.raises(ValueError, match="unknown hardware"):
         hardware("tpu")
     assert HardwareSpec.from_dict(d) == hardware("h200")
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3-8b"])
+def test_a_preset_graph_equals_the_graph_captured_from_the_same_config(name):
+    """One source for per-layer costs: the planner's graph of a preset (no model built) and the graph capture
+    makes of that model (built on the meta device) agree in every number; only names and template keys differ."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatrain.capture import capture
+    from megatrain.planner.graph import PRESETS, preset
+
+    kind = "llama" if name.startswith("llama") else "qwen2"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type=kind, **PRESETS[name]),
+                                                 attn_implementation="sdpa")
+    captured = capture(model, compute_dtype=torch.bfloat16).graph
+    planned = preset(name)
+    assert len(captured) == len(planned) and captured.n_params == planned.n_params
+    for a, b in zip(captured.layers, planned.layers):
+        assert dataclasses.replace(a, name="", template="") == dataclasses.replace(b, name="", template="")

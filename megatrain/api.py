@@ -232,17 +232,26 @@ class StreamedModel:
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   labels: torch.Tensor | None = None, **plan_overrides) -> StepStats:
-        """One optimizer step on a batch of sequences (B, T). ``labels`` default to ``input_ids`` with padding
-        (attention_mask == 0) ignored; as in HF, position t is trained to predict label t + 1; the loss is the sum
-        over the step's valid tokens divided by their count. Integer tensors of any width are taken (as int64).
+                   labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                   **plan_overrides) -> StepStats:
+        """One optimizer step on a batch of sequences (B, T), right-padded where ``attention_mask`` is 0. ``labels``
+        default to ``input_ids`` with padding ignored; as in HF, position t is trained to predict label t + 1; the
+        loss is the sum over the step's valid tokens divided by their count. Integer tensors of any width are taken
+        (as int64).
+
+        ``position_ids``: rows that each hold several documents, their positions restarting at 0 at each one (as HF
+        packs sequences): every document attends to itself alone and is placed as if it were a row of its own, so
+        the loss and gradients are those of the documents run one by one; labels then default to ignoring each
+        document's first token (it is not predicted from the document before). Padding at a row's end is one more
+        such document, its labels ignored.
 
         A step whose loss or global gradient norm is not finite applies no update (see ``nonfinite``)."""
         with self._lock:
-            return self._train_step(input_ids, attention_mask, labels, plan_overrides)
+            return self._train_step(input_ids, attention_mask, labels, position_ids, plan_overrides)
 
-    def _train_step(self, input_ids, attention_mask, labels, plan_overrides) -> StepStats:
-        for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels)):
+    def _train_step(self, input_ids, attention_mask, labels, position_ids, plan_overrides) -> StepStats:
+        for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels),
+                        ("position_ids", position_ids)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool and
@@ -252,13 +261,17 @@ class StreamedModel:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         if input_ids.numel() == 0:
             raise ValueError(f"the batch is empty (input_ids of shape {tuple(input_ids.shape)})")
-        for name, t in (("attention_mask", attention_mask), ("labels", labels)):
+        for name, t in (("attention_mask", attention_mask), ("labels", labels), ("position_ids", position_ids)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(t.shape)}")
         input_ids = input_ids.long()
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        if position_ids is not None:
+            position_ids = self._check_packing(position_ids.long())
         if labels is None:
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            if position_ids is not None:
+                labels = labels.masked_fill(position_ids == 0, IGNORE_INDEX)
         labels = labels.long()
         vocab = self.captured.vocab_size
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
@@ -279,8 +292,8 @@ class StreamedModel:
             raise ValueError("the batch has no token to predict (every label is ignored)")
         n = schedule.config.n_mb
         b = B // n
-        mbs = [MicroBatch(input_ids[i * b:(i + 1) * b], attention_mask[i * b:(i + 1) * b], nxt[i * b:(i + 1) * b])
-               for i in range(n)]
+        mbs = [MicroBatch(input_ids[i * b:(i + 1) * b], attention_mask[i * b:(i + 1) * b], nxt[i * b:(i + 1) * b],
+                          None if position_ids is None else position_ids[i * b:(i + 1) * b]) for i in range(n)]
         t0 = time.perf_counter()
         if self.overlap_steps and hasattr(self.executor, "drain"):
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False)
@@ -298,6 +311,19 @@ class StreamedModel:
                 raise NonFiniteStepError(f"step {self.step + 1}: {what}; no update was applied (the weights and "
                                          f"Adam moments are those after step {self.step})", stats)
         return stats
+
+    def _check_packing(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """``position_ids`` of packed rows, checked: this model keeps packed documents apart, and each row's positions
+        start at 0 and either go on by one or restart at 0."""
+        if not self.captured.packs:
+            raise ValueError(f"{self.graph.name}: this model cannot keep documents packed into one row apart "
+                             f"(position_ids given): its forward takes no position ids, or its attention mask is "
+                             f"read by more than HF's mask builders; pass one document per row, right-padded")
+        step = position_ids[:, 1:] - position_ids[:, :-1]
+        if bool((position_ids[:, 0] != 0).any()) or bool(((step != 1) & (position_ids[:, 1:] != 0)).any()):
+            raise ValueError("position_ids must start each row at 0 and then go on by 1, or restart at 0 where the "
+                             "next packed document begins")
+        return position_ids
 
     # ---- weights ------------------------------------------------------------------------------------------
     def wait(self) -> None:

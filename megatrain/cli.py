@@ -1,4 +1,4 @@
-"""Command line: ``megatrain train``, ``megatrain plan`` and ``megatrain viz``."""
+"""Command line: ``megatrain train``, ``megatrain plan``, ``megatrain export`` and ``megatrain viz``."""
 
 from __future__ import annotations
 
@@ -166,6 +166,20 @@ def _train(args) -> int:
     return summary.get("exit_code", 0)
 
 
+def _export(args) -> int:
+    from megatrain.data import DataError
+    from megatrain.export import export_run
+
+    try:
+        files = export_run(args.run, args.out, args.dtype)
+    except (ValueError, DataError, OSError) as e:
+        print(f"megatrain export: {e}", file=sys.stderr)
+        return 2
+    print(f"megatrain export: {args.out}/ ({len(files)} weight file{'s' if len(files) > 1 else ''}, config, "
+          f"tokenizer, generation config)")
+    return 0
+
+
 def _viz(args) -> int:
     from megatrain.ir import IRError, Schedule
     from megatrain.planner import hardware
@@ -239,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="train a model streamed from host memory (default: a tiny Llama, offline)")
     t.add_argument("--config", help="YAML file with any of the options below (flags override it)")
     t.add_argument("--model", help="tiny-llama (default), a preset such as qwen2.5-0.5b, or an HF model directory")
-    t.add_argument("--data", help=".txt or .jsonl (field 'text'); default: Python's own documentation")
+    t.add_argument("--data", help="a file or directory (json, jsonl, parquet, arrow, txt) or a dataset in the local HF "
+                                  "cache; default: Python's own documentation")
     for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
                            ("warmup", int, "warmup steps (a tenth of the steps, at most 30)"),
@@ -268,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
                                            "directory")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
     t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
+    t.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages"],
+                   help="the data's format (default: from the first record's fields)")
+    t.add_argument("--columns", help="the format's fields under other names, e.g. text=body,messages=conversation")
+    t.add_argument("--no-packing", dest="packing", action="store_false", default=None,
+                   help="one document per row, padded (default: documents packed into rows, each attending to "
+                        "itself alone)")
+    t.add_argument("--export-dtype", choices=["bf16", "fp32", "fp16"],
+                   help="dtype of the exported weights (default: the model's own)")
     t.add_argument("--on-nonfinite", dest="on_nonfinite", choices=["stop", "skip"],
                    help="a step whose loss or gradient norm is not finite applies no update; then stop (default) "
                         "or skip to the next batch (stopping after 10 in a row)")
@@ -309,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")
     p.set_defaults(fn=_plan)
+    e = sub.add_parser("export", help="a run's training state as an HF model directory (from_pretrained)")
+    e.add_argument("run", help="a run directory of megatrain train (or its state directory)")
+    e.add_argument("out", help="the model directory to write (new or empty)")
+    e.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="dtype of the weights (default: the run's)")
+    e.set_defaults(fn=_export)
     v = sub.add_parser("viz", help="draw simulated and measured timelines on one picture and one Chrome trace")
     v.add_argument("--schedule", help="schedule text to simulate (with --preset/--config and --hardware)")
     vsrc = v.add_mutually_exclusive_group()

@@ -3,9 +3,7 @@ from scratch on the default corpus, offline."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import hashlib
 import json
 import math
 import sys
@@ -16,30 +14,35 @@ from pathlib import Path
 
 import torch
 
-from megatrain.data import DataError, TokenStream, build_tokenizer, default_corpus, encode, read_text
-from megatrain.rundir import RunDirectory, StopSignals, save_whole, write_whole
+from megatrain.data import MIN_VOCAB, DataError
+from megatrain.inputs import data_source, model_source, tokenizer_for
+from megatrain.export import save_tokenizer
+from megatrain.rundir import RunDirectory, StopSignals, write_whole
 from megatrain.runtime import train_state
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
 STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
-RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed")  # what is trained on, and in which order
+RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing")  # what is trained
+# on, and in which order
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
 MAX_SKIPPED = 10  # with on_nonfinite "skip": this many steps in a row without an update stop the run
-MIN_VOCAB = 257  # the byte-level BPE's initial alphabet and its one special token
-
-TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+FINE_TUNE_LR = 1e-5  # the learning rate when the model brings weights (3e-3 from scratch)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: str = "tiny-llama"  # "tiny-llama", a planner preset (qwen2.5-7b, ...) or an HF model directory
-    data: str | None = None  # .txt or .jsonl; None: the default corpus (Python's own documentation)
+    data: str | None = None  # a file or directory (json, jsonl, parquet, arrow, txt), or a dataset in the local HF
+    # cache by name; None: the default corpus (Python's own documentation)
+    format: str | None = None  # text, alpaca, sharegpt or messages; None: from the first record's fields
+    columns: str | None = None  # the format's fields under other names: "text=body,messages=conversation"
+    packing: bool = True  # documents packed into rows, each attending to itself alone; False: one per row, padded
     steps: int = 300
     batch: int = 16  # sequences per step
     seq: int = 128  # tokens per sequence
-    lr: float = 3e-3
+    lr: float | None = None  # peak learning rate; None: 1e-5 where the model brings weights, else 3e-3
     warmup: int | None = None  # warmup steps, then cosine decay to lr / 10; None: a tenth of the steps, at most 30
+    # (fine-tuning a model with weights: 3% of the steps)
     weight_decay: float = 0.1
     clip: float | None = 1.0  # global-norm clipping; None: off
     mb: int = 2  # micro-batches per step
@@ -53,6 +56,7 @@ class TrainConfig:
     resident_opt: int | str = "auto"  # GPU-updated layers whose state stays on the GPU between steps ("auto": the
     # planner's)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
+    export_dtype: str | None = None  # the exported weights' dtype (bf16, fp32, fp16); None: the model's own
     seed: int = 0
     device: str | None = None  # default: cuda when present, else cpu
     out: str | None = None  # default: megatrain-runs/<UTC time>
@@ -64,8 +68,30 @@ class TrainConfig:
     resume: str | None = None  # an earlier run's directory: go on from the training state it saved (a flag only)
 
     @property
+    def fine_tune(self) -> bool:
+        """The model brings weights of its own (an HF directory with safetensors)."""
+        from megatrain.inputs import WEIGHT_FILES
+
+        return any((Path(self.model) / f).is_file() for f in WEIGHT_FILES)
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else FINE_TUNE_LR if self.fine_tune else 3e-3
+
+    @property
     def warmup_steps(self) -> int:
-        return min(30, self.steps // 10) if self.warmup is None else self.warmup
+        if self.warmup is not None:
+            return self.warmup
+        return math.ceil(0.03 * self.steps) if self.fine_tune else min(30, self.steps // 10)
+
+    def column_map(self) -> dict[str, str]:
+        """``columns`` as format field -> column; ValueError where it is not ``field=column,...``."""
+        if not self.columns:
+            return {}
+        pairs = [p.split("=", 1) for p in self.columns.split(",") if p.strip()]
+        if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+            raise ValueError(f"columns must be field=column pairs separated by commas, got {self.columns!r}")
+        return {a.strip(): b.strip() for a, b in pairs}
 
     def check(self) -> None:
         self._check_types()
@@ -79,8 +105,8 @@ class TrainConfig:
             raise ValueError(f"seq must be at least 2 (each token is predicted from the ones before it), got "
                              f"{self.seq}")
         if self.vocab < MIN_VOCAB:
-            raise ValueError(f"vocab must be at least {MIN_VOCAB} (the byte-level tokenizer's 256 bytes and "
-                             f"end-of-text), got {self.vocab}")
+            raise ValueError(f"vocab must be at least {MIN_VOCAB} (the byte-level tokenizer's 256 bytes and its "
+                             f"special tokens), got {self.vocab}")
         from megatrain.api import PlanOptions
 
         # the plan options' own checks
@@ -89,8 +115,16 @@ class TrainConfig:
                     gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
-        if not (math.isfinite(self.lr) and self.lr > 0):
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        from megatrain.data import FORMATS
+        from megatrain.export import export_dtype
+
+        if self.format is not None and self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        self.column_map()
+        if self.export_dtype is not None:
+            export_dtype(self.export_dtype)
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
@@ -156,126 +190,49 @@ def load_yaml(path: str) -> dict:
     return d
 
 
-def _model_config(name: str, vocab: int, seq: int, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
-    from megatrain.planner.graph import PRESETS
-
-    if name == "tiny-llama":
-        return AutoConfig.for_model(**TINY_LLAMA, vocab_size=vocab, max_position_embeddings=seq), None
-    if name in PRESETS:
-        cfg = dict(PRESETS[name])
-        kind = "llama" if name.startswith("llama") else "qwen2"
-        return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(seq, 4096), **cfg), None
-    d = Path(name)
-    if not (d / "config.json").is_file():
-        raise ValueError(f"model {name!r} is neither tiny-llama, a preset, nor a directory with config.json")
-    try:
-        raw = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{d / 'config.json'} is not JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{d / 'config.json'}: expected an object of fields, got a {type(raw).__name__}")
-    if raw.get("auto_map") and not trust_remote_code:
-        raise ValueError(f"model {d} names Python code of its own in config.json (auto_map); megatrain runs no code "
-                         f"from a model directory unless asked: pass --trust-remote-code if you trust it")
-    try:
-        cfg = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
-    except (ValueError, TypeError, KeyError, OSError) as e:
-        raise ValueError(f"{d / 'config.json'} is not a model config transformers reads "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    return cfg, d
-
-
-def _check_model_size(model_cfg) -> None:
-    """The sizes that decide how much building the model takes, refused in one line where absurd (before any of
-    it is built: a model config asking for 10**8 layers would otherwise fill the host with layer objects)."""
-    from megatrain.planner.graph import config_size
-
-    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        config_size({key: getattr(model_cfg, key, None)}, key)
-
-
-def _tokenizer(model_dir: Path | None, text: str, vocab: int):
-    if model_dir is not None and (model_dir / "tokenizer.json").is_file():
-        return read_tokenizer(model_dir / "tokenizer.json")
-    return build_tokenizer(text, vocab)
-
-
-def read_tokenizer(path: Path):
-    """A ``tokenizer.json``, or one line saying why it cannot be read."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
-        raise ValueError(f"{path} cannot be read as a tokenizer ({str(e).splitlines()[0] if str(e) else e!r})") \
-            from None
-
-
 def _prepare(cfg: TrainConfig):
-    """Model config, tokenizer, data and the compiled model with its schedule (with ``cfg.resume``, at the saved
-    step, the data where it was); raises on any bad input."""
+    """The model source, tokenizer, data and the compiled model with its schedule (with ``cfg.resume``, at the saved
+    step, the data where it was); raises on any bad input, before the model's memory is allocated."""
     from transformers import AutoModelForCausalLM
 
     import megatrain
+    from megatrain.export import set_special_ids
 
-    model_cfg, model_dir = _model_config(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
-    _check_model_size(model_cfg)
-    text = default_corpus() if cfg.data is None else read_text(cfg.data)
-    source = "the default corpus" if cfg.data is None else cfg.data
-    if not text.strip():
-        raise DataError(f"{source} holds no text")
-    if cfg.resume:  # the tokenizer the run began with, not one trained again
-        tok = read_tokenizer(Path(cfg.resume) / "tokenizer.json")
-    else:
-        tok = _tokenizer(model_dir, text, min(cfg.vocab, model_cfg.vocab_size) if model_dir else cfg.vocab)
-    if tok.get_vocab_size() > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, the model's vocabulary {model_cfg.vocab_size}")
-    ids = encode(tok, text)
-    del text
+    model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
+    tok, tok_from = tokenizer_for(model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code)
+    if len(tok) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary {model.config.vocab_size}")
+    if model.weights is None:  # from scratch: its special tokens are the tokenizer's
+        set_special_ids(model.config, tok)
+    data = data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format, columns=cfg.column_map(),
+                       packing=cfg.packing, eval_data=None, eval_split=0.0)
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
-        if began.get("data_sha256") != _digest(ids):
-            raise DataError(f"{source} is not the data {cfg.resume} was trained on ({ids.numel():,} tokens now, "
-                            f"{began.get('data_tokens', 0):,} then)")
-    stream = TokenStream(ids, cfg.seq, seed=cfg.seed, source=source)
+        if began.get("data_sha256") != data.digest:
+            raise DataError(f"{cfg.data or 'the default corpus'} is not the data {cfg.resume} was trained on "
+                            f"({data.tokens:,} tokens now, {began.get('data_tokens', 0):,} then)")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_cfg, attn_implementation="sdpa",
-                                                 trust_remote_code=cfg.trust_remote_code)
-    weights = model_dir if model_dir is not None and any(model_dir.glob("model*.safetensors")) else None
-    optim = megatrain.OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip,
-                                  warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.lr / 10)
+        meta = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa",
+                                                trust_remote_code=cfg.trust_remote_code)
+    optim = megatrain.OptimConfig(lr=cfg.peak_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip,
+                                  warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.peak_lr / 10)
     source_of_weights = (dict(state=Path(cfg.resume) / STATE_DIR) if cfg.resume else
-                         dict(checkpoint=weights) if weights else dict(init_seed=cfg.seed))
-    sm = megatrain.compile(model, **source_of_weights, optim=optim,
+                         dict(checkpoint=model.weights) if model.weights else dict(init_seed=cfg.seed))
+    sm = megatrain.compile(meta, **source_of_weights, optim=optim,
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
                            host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
+    if cfg.packing and not sm.captured.packs:
+        raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
+                         f"--no-packing (one document per row)")
     if cfg.resume:
         extra = train_state.read_manifest(sm.captured, Path(cfg.resume) / STATE_DIR)["extra"]
-        _restore_data_order(stream, extra, f"{cfg.resume}/{STATE_DIR}")
-    return model_cfg, tok, ids, stream, source, sm, sm.schedule_for(cfg.batch, cfg.seq)
-
-
-def _restore_data_order(stream: TokenStream, extra: dict, where: str) -> None:
-    """Put the batch sampler where the saved state says; one line where that cannot be read."""
-    if "data_rng" not in extra:
-        raise ValueError(f"{where} does not say where the data stood (saved by another program than megatrain "
-                         f"train?)")
-    want = stream.gen.get_state().numel()
-    try:
-        raw = base64.b64decode(extra["data_rng"], validate=True)
-    except (ValueError, TypeError):
-        raw = None
-    if raw is None or len(raw) != want:
-        raise ValueError(f"{where}: 'data_rng' is not the state of a random generator ({want} bytes, base64); "
-                         f"a damaged or hand-edited training state")
-    try:
-        stream.gen.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    except RuntimeError as e:
-        raise ValueError(f"{where}: 'data_rng' is not a usable generator state ({e})") from None
+        if "data_order" not in extra:
+            raise ValueError(f"{cfg.resume}/{STATE_DIR} does not say where the data stood (saved by another "
+                             f"program than megatrain train, or by an earlier megatrain)")
+        data.batches.restore(extra["data_order"], f"{cfg.resume}/{STATE_DIR}")
+    return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch, cfg.seq)
 
 
 def _last_state(out: Path, cfg: TrainConfig) -> tuple[Path, int] | None:
@@ -304,18 +261,13 @@ def _nonfinite_message(step: int, stats, out: Path, cfg: TrainConfig, why: str) 
             f"(metrics up to this step are in {out}/metrics.jsonl). {where}")
 
 
-def _digest(ids: torch.Tensor) -> str:
-    return hashlib.sha256(memoryview(ids.numpy()).cast("B")).hexdigest()  # no copy of the ids
-
-
-def _save_state(sm, stream: TokenStream, out: Path, say) -> None:
+def _save_state(sm, batches, out: Path, say) -> None:
     """Save the training state with the data order, saying so (``say``: a one-line printer) before and after: for
     a large model it takes a while (12 bytes per parameter to disk)."""
-    rng = base64.b64encode(stream.gen.get_state().numpy().tobytes()).decode()
     nbytes = 4 * len(train_state.KEPT_ROWS) * sm.graph.n_params
     say(f"step {sm.step}: saving the training state ({nbytes / 2**30:.2f} GiB) to {out}/{STATE_DIR}/")
     t0 = time.perf_counter()
-    sm.save_state(out / STATE_DIR, extra={"data_rng": rng})
+    sm.save_state(out / STATE_DIR, extra={"data_order": batches.state()})
     say(f"step {sm.step}: training state saved in {time.perf_counter() - t0:.1f} s")
 
 
@@ -324,7 +276,7 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
     anything but what decides the model and the data stream (:data:`RESUME_FIXED`), e.g. more steps, another
     learning rate, another plan. Partial state directories that killed saves left there are removed."""
     d = Path(run_dir)
-    for need in (RUN_FILE, "tokenizer.json"):
+    for need in (RUN_FILE, "tokenizer_config.json"):
         if not (d / need).is_file():
             raise ValueError(f"cannot resume from {d}: it holds no {need} (a run directory of megatrain train "
                              f"that saved its training state has one)")
@@ -382,21 +334,21 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     from megatrain.planner.dump import plot
     from megatrain.planner.simulate import simulate
 
-    model_cfg, tok, ids, stream, source, sm, schedule = prepared
-    write_whole(out / RUN_FILE, json.dumps({"config": dataclasses.asdict(cfg), "data_tokens": ids.numel(),
-                                            "data_sha256": _digest(ids)}, indent=1))
+    model, tok, tok_from, data, sm, schedule = prepared
+    write_whole(out / RUN_FILE, json.dumps({"config": dataclasses.asdict(cfg), "data_tokens": data.tokens,
+                                            "data_sha256": data.digest}, indent=1))
     write_whole(out / "schedule.txt", schedule.to_text())
     c = schedule.config
     plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
          title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
          budget_nbytes=schedule.config.budget_bytes)
-    save_whole(out / "tokenizer.json", tok.save)
+    save_tokenizer(tok, out)
     n_params = sm.graph.n_params
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
-          f"{source}: {ids.numel():,} tokens, vocab {tok.get_vocab_size()}; {cfg.steps} steps x {cfg.batch} x "
-          f"{cfg.seq} tokens, {cfg.mb} micro-batches; plan: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers "
-          f"updated on the device ({len(c.resident_opt)} keeping their state there), {len(c.saved_acts)} keeping "
-          f"their activations; "
+          f"{model.describe()}, {tok_from} ({len(tok):,} tokens); {data.description}; {cfg.steps} steps x "
+          f"{cfg.batch} x {cfg.seq} tokens, {cfg.mb} micro-batches, lr {cfg.peak_lr:g}; plan: {c.weight_slots} "
+          f"weight slots, {len(c.gpu_opt)} layers updated on the device ({len(c.resident_opt)} keeping their state "
+          f"there), {len(c.saved_acts)} keeping their activations; "
           + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
     log = (out / "metrics.jsonl").open("w")
@@ -409,7 +361,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     say = lambda m: tqdm.write(m, file=sys.stderr)  # noqa: E731
     try:
         while sm.step < cfg.steps and signals.requested is None:
-            st = sm.train_step(stream.batch(cfg.batch))
+            st = sm.train_step(**data.batches.batch(cfg.batch))
             rec = {"step": st.step + st.skipped, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
                    "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds}
             if st.skipped:
@@ -430,7 +382,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
             bar.update(1)
             bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
             if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
-                _save_state(sm, stream, out, say)
+                _save_state(sm, data.batches, out, say)
                 saved_at = st.step
     finally:
         bar.close()
@@ -440,9 +392,9 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     if signals.requested is not None:
         say(f"{signals.requested.name} after step {sm.step}: saving the weights and the training state, then "
             f"stopping (a second one stops at once)")
-    _save_weights(sm, model_cfg, out)  # the smaller file first: it survives a disk that fills up with the state
+    _save_weights(sm, model, tok, out, cfg)  # first: the smaller files survive a disk that fills up with the state
     if saved_at != sm.step:
-        _save_state(sm, stream, out, lambda m: print(m, file=sys.stderr, flush=True))
+        _save_state(sm, data.batches, out, lambda m: print(m, file=sys.stderr, flush=True))
     done = len(history)
     first = history[0]["loss"] if history else float("nan")
     last = sum(h["loss"] for h in history[-5:]) / min(5, done) if history else float("nan")
@@ -458,7 +410,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
         summary["stopped_by"] = signals.requested.name
         summary["exit_code"] = signals.exit_code
     write_whole(out / "summary.json", json.dumps(summary, indent=1))
-    files = (f"metrics {out}/metrics.jsonl, schedule {out}/schedule.png, weights {out}/model.safetensors, training "
+    files = (f"metrics {out}/metrics.jsonl, schedule {out}/schedule.png, model {out}/ (from_pretrained), training "
              f"state {out}/{STATE_DIR}/")
     if signals.requested is not None:
         print(f"stopped by {signals.requested.name} after step {sm.step} of {cfg.steps}: {files}; go on with: "
@@ -471,11 +423,11 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     return summary
 
 
-def _save_weights(sm, model_cfg, out: Path) -> None:
-    """An HF-layout directory: config.json + model.safetensors (tied names stored once)."""
-    from safetensors.torch import save_file
+def _save_weights(sm, model, tok, out: Path, cfg: TrainConfig) -> None:
+    """The trained weights as an HF model directory (megatrain.export): ``from_pretrained`` and ``AutoTokenizer``
+    read it unchanged; in ``cfg.export_dtype``, or the dtype the model came in."""
+    from megatrain.export import export_dtype, export_pretrained
 
     sd = sm.state_dict()
-    unique = {n: sd[n].contiguous() for n in sm.captured.model_param_names}
-    save_whole(out / "model.safetensors", lambda p: save_file(unique, p, metadata={"format": "pt"}))
-    save_whole(out / "config.json", lambda p: model_cfg.to_json_file(p))
+    export_pretrained({n: sd[n] for n in sm.captured.model_param_names}, model.config, tok, out,
+                      export_dtype(cfg.export_dtype or model.dtype), model.directory)

@@ -30,7 +30,7 @@ import torch.fx
 from torch import nn
 
 from megatrain.capture.blocks import find_blocks
-from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, trace
+from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
 from megatrain.planner.graph import DecoderShape, Layer, LayerGraph, layer_costs
 
 
@@ -73,6 +73,9 @@ class Captured:
     # the embedding layer reads attention_mask only through HF's mask builders, which treat None as "no padding":
     # a batch without padding can pass None and skip their check of the mask's values (a device-to-host sync)
     mask_optional: bool = False
+    # the model takes position ids, and its mask builders keep documents packed into one row apart by them (see
+    # tracer.PACKED): rows may hold several documents
+    packs: bool = False
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -253,6 +256,8 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     captured = _assemble(model, blocks_name, segs, [n.name for n in (*sides, *late)], tuple_out,
                          torch.finfo(compute_dtype).bits // 8)
     captured.mask_optional = mask_optional
+    captured.packs = mask_optional and takes_positions(model, hf) and any(is_mask_builder(n.target) for n in emb_graph.nodes
+                                                                 if n.op == "call_function")
     return captured
 
 

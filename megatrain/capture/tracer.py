@@ -1,6 +1,6 @@
 """Tracing a causal LM with ``torch.fx``: decoder blocks as leaves, static tensor metadata, errors that say where.
 
-The forward of ``(input_ids, attention_mask) -> logits`` is traced with the decoder blocks (and rotary-embedding and
+The forward of ``(input_ids, attention_mask, position_ids) -> logits`` is traced with the decoder blocks (and rotary-embedding and
 RMSNorm modules) as leaf calls, and HF's attention-mask builders (``transformers.masking_utils.create_*mask``) as leaf
 functions evaluated at run time, once per micro-batch.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import sys
 import traceback
@@ -51,7 +52,10 @@ def leaf_function(fn):
         dyn = {k: v for k, v in kwargs.items() if k not in const}
 
         def bound(*a, **k):
-            if "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:
+            if k.get("attention_mask", 0) is PACKED:  # documents packed into each row, told apart by position ids
+                # restarting at each: HF's mask builders keep them apart where no mask is given
+                k = {**k, "attention_mask": None}
+            elif "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:
                 # the runtime passes no mask only for a micro-batch without padding (see Captured.mask_optional),
                 # whose positions run 0..T-1 in every row: HF's mask builders would read them back from the device
                 # to look for packed sequences, and they use them for nothing else
@@ -80,6 +84,16 @@ def _fx_arg(v) -> bool:
 
 
 _UNKNOWN = object()
+
+
+class _Packed:
+    def __repr__(self) -> str:
+        return "PACKED"
+
+
+# passed for the attention mask of a micro-batch whose rows hold several documents each (with position ids that
+# restart at each document): the mask builders then make each document attend to itself alone
+PACKED = _Packed()
 
 
 class MetaProxy(torch.fx.Proxy):
@@ -212,15 +226,25 @@ def meta_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return __import__("copy").deepcopy(model, memo)
 
 
+def takes_positions(model: nn.Module, hf: bool) -> bool:
+    """Whether ``model`` is an HF model whose forward takes position ids."""
+    return hf and "position_ids" in inspect.signature(model.forward).parameters
+
+
 class Root(nn.Module):
-    """What is traced: ``(input_ids, attention_mask) -> logits``."""
+    """What is traced: ``(input_ids, attention_mask, position_ids) -> logits``; the position ids reach an HF model
+    whose forward takes them (``positions``), nothing else."""
 
     def __init__(self, model: nn.Module, hf: bool):
         super().__init__()
         self.m = model
         self.hf = hf
+        self.positions = takes_positions(model, hf)
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, position_ids):
+        if self.positions:
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).logits
         if self.hf:
             return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return self.m(input_ids)

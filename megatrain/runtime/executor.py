@@ -15,6 +15,7 @@ from typing import Callable, ContextManager
 import torch
 
 from megatrain.capture import Captured
+from megatrain.capture.tracer import PACKED
 from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.planner.cost import OPT_STATE_ROWS
@@ -68,14 +69,20 @@ class Executor:
         self.dev.fit(schedule)
         tags, accesses = self._slot_plan(schedule)
         self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
-        # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional):
-        # decided here, on the host copy, so the embedding layer does not read the mask back from the device
+        # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional), one
+        # of packed documents the PACKED marker: decided here, on the host copy, so the embedding layer does not
+        # read the mask back from the device
         optional = self.captured.mask_optional
-        dense = [optional and bool(mb.attention_mask.all()) for mb in mbs]
-        dev_mbs = [MicroBatch(*(self._to_device(t) for t in (mb.input_ids, mb.attention_mask, mb.next_labels)))
-                   for mb in mbs]
-        st = StepState(schedule, dev_mbs, [None if d else mb.attention_mask for d, mb in zip(dense, dev_mbs)],
-                       denom, lr=self._begin_step(), clip=self.optimizer.cfg.max_grad_norm is not None,
+        masks = [PACKED if mb.position_ids is not None else None if optional and bool(mb.attention_mask.all())
+                 else mb.attention_mask for mb in mbs]
+        dev_mbs = []
+        for mb, mask in zip(mbs, masks):
+            ids, labels = self._to_device(mb.input_ids), self._to_device(mb.next_labels)
+            pos = self._to_device(mb.position_ids) if mb.position_ids is not None else \
+                torch.arange(ids.shape[1], device=self.device).expand(ids.shape)
+            dev_mbs.append(MicroBatch(ids, self._to_device(mask) if isinstance(mask, torch.Tensor) else mask, labels,
+                                      pos))
+        st = StepState(schedule, dev_mbs, denom, lr=self._begin_step(), clip=self.optimizer.cfg.max_grad_norm is not None,
                        loss_sums=[0.0] * len(mbs))
         st.fetch = lambda: st.guard.detach().cpu()
         self.st = st

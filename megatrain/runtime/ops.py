@@ -51,7 +51,7 @@ def forward(ex, op: Op, st: StepState) -> None:
     with torch.no_grad():
         if op.layer == 0:
             mb = st.mbs[op.mb]
-            h, st.side[op.mb] = ex.runner.run(0, ex.dev.weights(op), (mb.input_ids, st.masks[op.mb]))
+            h, st.side[op.mb] = ex.runner.run(0, ex.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
         else:
             h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb])
     st.act[op.slot("y")] = h
@@ -133,7 +133,7 @@ def backward(ex, op: Op, st: StepState) -> None:
     with torch.enable_grad():
         if op.layer == 0:
             mb = st.mbs[op.mb]
-            h, _ = ex.runner.run(0, flat, (mb.input_ids, st.masks[op.mb]), grad_views=views)
+            h, _ = ex.runner.run(0, flat, (mb.input_ids, mb.attention_mask, mb.position_ids), grad_views=views)
             dws = _grads(sink, h, [v for *_, v in views], dy)
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()

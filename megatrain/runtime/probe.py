@@ -25,7 +25,7 @@ def _measure(ex, layer: int, seq_len: int, lean: bool) -> int:
     mask = None if captured.mask_optional else torch.ones_like(ids)
     first = ex.store.master(graph.owner(0)).to(device, ex.dtype)
     with torch.no_grad():
-        h, side = ex.runner.run(0, first, (ids, mask))
+        h, side = ex.runner.run(0, first, (ids, mask, torch.arange(seq_len, device=device)[None]))
     del first
     flat = ex.store.master(graph.owner(layer)).to(device, ex.dtype)
     x = h.detach().requires_grad_()

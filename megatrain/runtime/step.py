@@ -15,6 +15,8 @@ class MicroBatch:
     input_ids: torch.Tensor  # (b, T) int64
     attention_mask: torch.Tensor  # (b, T) int64, 1 = real token
     next_labels: torch.Tensor  # (b, T) int64: the label each position predicts (the next token), or -100
+    position_ids: torch.Tensor | None = None  # (b, T) int64 restarting at 0 at each document packed into a row;
+    # None: 0..T-1 in every row
 
 
 @dataclass
@@ -32,8 +34,9 @@ class StepState:
     (the schedule's activation slot indices: tensors are made fresh, the caching allocator recycles them)."""
 
     schedule: Schedule
-    mbs: list[MicroBatch]  # on the device
-    masks: list  # per micro-batch: its attention mask, or None where it has no padding and the model allows None
+    # on the device; each one's attention mask is None where it has no padding and the model allows None, PACKED
+    # (capture.tracer) where its rows hold several documents, kept apart by their position ids
+    mbs: list[MicroBatch]
     denom: int  # valid (label != -100) tokens of the whole step
     lr: float
     clip: bool  # the step's updates are scaled by the clip factor of the global gradient norm

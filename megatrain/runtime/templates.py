@@ -115,7 +115,8 @@ class LayerRunner:
 
     def run(self, i: int, flat: torch.Tensor, x, side: dict[str, object] | None = None,
             grad_views: list | None = None):
-        """Layer 0: ``x`` is (input_ids, attention_mask) and the result is (hidden, {side name: value}).
+        """Layer 0: ``x`` is (input_ids, attention_mask, position_ids) and the result is (hidden, {side name:
+        value}).
         Other layers: ``x`` is the hidden state and the result is the layer's output; ``side``: the side inputs
         the embedding layer returned for this micro-batch (blocks, and norm and head where they read any).
         ``grad_views``: see

@@ -332,3 +332,35 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
                 raise ValueError(f"{path}: checksum mismatch (CRC-32 {fut.result():08x}, the manifest says "
                                  f"{want:08x}): the file was damaged after it was saved")
     return m
+
+
+def read_masters(directory: str | Path) -> dict[str, "torch.Tensor"]:
+    """The master weights of the state :func:`find` picks in ``directory``, by parameter name (tied names once),
+    read from its files with their checksums checked, without a model: what an export needs."""
+    d = find(directory)
+    path = d / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+        params, layers = m["params"], m["layers"]
+        crcs = m.get("crc32") or {}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a training state this megatrain reads ({type(e).__name__}: {e})") from None
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise ValueError(f"{path} is not a megatrain training state of version {VERSION}")
+    rows = {}
+    for key, lay in layers.items():
+        f = d / _file(int(key))
+        n = int(lay["numel"])
+        if not f.is_file() or f.stat().st_size != n * 4 * len(KEPT_ROWS):
+            raise ValueError(f"{f}: missing or not of the layer's size (an incomplete or damaged training state)")
+        raw = bytearray(f.read_bytes())
+        if _file(int(key)) in crcs and zlib.crc32(raw) != crcs[_file(int(key))]:
+            raise ValueError(f"{f}: checksum mismatch: the file was damaged after it was saved")
+        rows[int(key)] = torch.frombuffer(raw, dtype=torch.float32)[:n]
+    out = {}
+    for name, (layer, off, shape) in params.items():
+        numel = 1
+        for s in shape:
+            numel *= s
+        out[name] = rows[int(layer)][off: off + numel].view(*shape)
+    return out

@@ -41,7 +41,8 @@ def test_binding_is_zero_copy():
         x = torch.randn(1, 4, 64)
         side = {}
         _, side = sm.executor.runner.run(0, torch.randn(numel), (torch.zeros(1, 4, dtype=torch.long),
-                                                                 torch.ones(1, 4, dtype=torch.long)))
+                                                                 torch.ones(1, 4, dtype=torch.long),
+                                                                 torch.arange(4)[None]))
         sm.executor.runner.run(2, slot, x, side)
     finally:
         hook.remove()

@@ -1,0 +1,153 @@
+"""Records -> token ids with the tokens trained on: plain text, alpaca, sharegpt and messages.
+
+Text trains on every token (an end-of-text token closes each document). Chat formats are rendered with the
+tokenizer's own chat template and train on what the assistant says (its reply and the end-of-turn token the
+template closes it with), nothing else: the prompt of each turn is the conversation so far rendered with the
+template's generation prompt, the reply is what rendering the turn adds to it; the whole conversation is tokenized
+once and each token is trained on where its characters lie in a reply. A template that does not render a
+conversation as the prompts before it plus the replies (a prefix of each other) is refused. Alpaca is one turn:
+the instruction (and its input) as the user's message, the output as the reply; without a chat template, in the
+alpaca prompt format with the loss on the response and the end-of-text token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatrain.data.errors import DataError
+
+FORMATS = ("text", "alpaca", "sharegpt", "messages")
+# the fields each format reads (a column mapping may name others)
+FIELDS = {"text": ("text",), "alpaca": ("instruction", "input", "output", "system"), "sharegpt": ("conversations",),
+          "messages": ("messages",)}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input}### Response:\n"
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    train: list[bool]  # per token: trained on (predicted from the tokens before it)
+
+
+@dataclass
+class Documents:
+    """Tokenized documents one after the other in flat arrays (no Python object per token)."""
+
+    ids: np.ndarray  # (tokens,) int32
+    train: np.ndarray  # (tokens,) bool
+    lengths: np.ndarray  # (documents,) int64
+
+    @classmethod
+    def of(cls, examples: list[Example]) -> "Documents":
+        lengths = np.array([len(e.ids) for e in examples], dtype=np.int64)
+        if not len(examples):
+            return cls(np.zeros(0, np.int32), np.zeros(0, bool), lengths)
+        return cls(np.concatenate([np.asarray(e.ids, np.int32) for e in examples]),
+                   np.concatenate([np.asarray(e.train, bool) for e in examples]), lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def select(self, docs: np.ndarray) -> "Documents":
+        """The documents at indices ``docs`` (in that order)."""
+        starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
+        lengths = self.lengths[docs]
+        idx = np.repeat(starts[docs] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + \
+            np.arange(int(lengths.sum()))
+        return Documents(self.ids[idx], self.train[idx], lengths)
+
+
+def detect(record: dict, columns: dict[str, str]) -> str:
+    """The format of ``record`` from the fields it has."""
+    has = lambda f: columns.get(f, f) in record  # noqa: E731
+    if has("messages"):
+        return "messages"
+    if has("conversations"):
+        return "sharegpt"
+    if has("instruction") and has("output"):
+        return "alpaca"
+    if has("text"):
+        return "text"
+    raise DataError(f"a record with fields {sorted(record)} is none of the formats: text ('text'), alpaca "
+                    f"('instruction', 'output'), sharegpt ('conversations'), messages ('messages'); name the "
+                    f"fields with --columns, e.g. text=body")
+
+
+def to_example(record: dict, fmt: str, tok, columns: dict[str, str]) -> Example:
+    """``record`` in format ``fmt`` as token ids and the tokens trained on; DataError naming the problem."""
+    get = lambda f: record.get(columns.get(f, f))  # noqa: E731
+    if fmt == "text":
+        text = get("text")
+        if not isinstance(text, str):
+            raise DataError(f"field {columns.get('text', 'text')!r} must be a string, got {text!r}"[:200])
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+        if not ids or ids[-1] != tok.eos_token_id:
+            ids = ids + [tok.eos_token_id]
+        return Example(ids, [True] * len(ids))
+    if fmt == "alpaca":
+        instruction, inp, output, system = (get(f) for f in FIELDS["alpaca"])
+        for name, v in (("instruction", instruction), ("output", output)):
+            if not isinstance(v, str):
+                raise DataError(f"field {columns.get(name, name)!r} must be a string, got {v!r}"[:200])
+        inp = inp if isinstance(inp, str) else ""
+        if tok.chat_template:
+            messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else [])
+            messages += [{"role": "user", "content": instruction + (f"\n\n{inp}" if inp else "")},
+                         {"role": "assistant", "content": output}]
+            return chat_example(messages, tok)
+        prompt = ALPACA_PROMPT.format(instruction=instruction, input=f"### Input:\n{inp}\n\n" if inp else "")
+        head = tok(prompt, add_special_tokens=True)["input_ids"]
+        reply = tok(output, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return Example(head + reply, [False] * len(head) + [True] * len(reply))
+    if fmt == "sharegpt":
+        turns = get("conversations")
+        if not isinstance(turns, list):
+            raise DataError(f"field {columns.get('conversations', 'conversations')!r} must be a list of turns")
+        messages = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or not isinstance(t.get("value"), str) or t.get("from") not in SHAREGPT_ROLES:
+                raise DataError(f"conversations[{i}] must be {{'from': one of {sorted(SHAREGPT_ROLES)}, 'value': "
+                                f"text}}, got {t!r}"[:300])
+            messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+        return chat_example(messages, tok)
+    if fmt == "messages":
+        messages = get("messages")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise DataError(f"field {columns.get('messages', 'messages')!r} must be a list of "
+                            f"{{'role': ..., 'content': text}}")
+        return chat_example(messages, tok)
+    raise DataError(f"unknown data format {fmt!r}; formats: {', '.join(FORMATS)}")
+
+
+def chat_example(messages: list[dict], tok) -> Example:
+    """A conversation rendered with ``tok``'s chat template, trained on the assistant's replies (see the module
+    doc)."""
+    if not tok.chat_template:
+        raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("a conversation without an assistant turn has nothing to train on")
+    render = lambda ms, prompt=False: tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=prompt)  # noqa: E731
+    full = render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt, upto = render(messages[:i], True) if i else "", render(messages[: i + 1])
+        if not (full.startswith(upto) and upto.startswith(prompt)):
+            raise DataError("the chat template does not render a conversation as each turn's prompt followed by its "
+                            "reply (the rendering of a turn is not a prefix of the next), so the assistant's tokens "
+                            "cannot be told apart")
+        end = len(upto)
+        eot = upto.rfind(tok.eos_token, len(prompt)) if tok.eos_token else -1
+        if eot >= 0:  # the reply ends with its end-of-turn token; what the template adds after it is not trained
+            end = eot + len(tok.eos_token)
+        spans.append((len(prompt), end))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    train = [any(a <= lo < b for a, b in spans) for lo, _ in enc["offset_mapping"]]
+    return Example(list(enc["input_ids"]), train)

@@ -1,0 +1,131 @@
+"""Examples -> fixed-length rows (packed, or one per row) -> batches in a seeded order, epoch after epoch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatrain.data.errors import DataError
+from megatrain.data.formats import Documents
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Rows:
+    ids: np.ndarray  # (N, T) int32 token ids
+    train: np.ndarray  # (N, T) bool: the token is trained on (predicted from the tokens before it)
+    positions: np.ndarray | None  # (N, T) int32 packed: each document's positions from 0; None: one per row
+    real: np.ndarray  # (N, T) bool: not padding
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.real.sum())
+
+
+BYTES_PER_TOKEN = 4 + 1 + 4 + 1  # a row's id, trained flag, position and padding flag
+
+
+def _check_memory(tokens: int) -> None:
+    from megatrain.runtime.store import available_host_bytes
+
+    need, free = tokens * BYTES_PER_TOKEN, available_host_bytes()
+    if free is not None and need > free // 2:
+        raise DataError(f"the data's {tokens:,} tokens take {need / 2**30:.1f} GiB as rows, more than half of the "
+                        f"{free / 2**30:.1f} GiB of memory available (the model's store needs the rest): train on "
+                        f"a part of it")
+
+
+def pack(docs: Documents, seq: int, pad_id: int) -> Rows:
+    """The documents one after the other, cut into rows of ``seq`` tokens; each document's positions start at 0 (a
+    document cut by a row's end goes on in the next row as a document of its own there), so each attends to itself
+    alone; a document's first token in a row is not trained on (nothing before it in that row predicts it). The
+    last row is padded."""
+    if not len(docs):
+        raise DataError("no documents to pack")
+    n_tokens = len(docs.ids)
+    _check_memory(n_tokens)
+    n_rows = -(-n_tokens // seq)
+    pad = n_rows * seq - n_tokens
+    starts = np.zeros(n_rows * seq, dtype=bool)
+    starts[np.concatenate([[0], np.cumsum(docs.lengths)[:-1]])] = True
+    if pad:
+        starts[n_tokens] = True  # the padding is a document of its own
+    starts = starts.reshape(n_rows, seq)
+    starts[:, 0] = True
+    idx = np.broadcast_to(np.arange(seq, dtype=np.int32), (n_rows, seq))
+    last_start = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)  # each token's document start
+    ids = np.concatenate([docs.ids, np.full(pad, pad_id, dtype=np.int32)]).reshape(n_rows, seq)
+    train = np.concatenate([docs.train, np.zeros(pad, dtype=bool)]).reshape(n_rows, seq) & ~starts
+    real = np.concatenate([np.ones(n_tokens, dtype=bool), np.zeros(pad, dtype=bool)]).reshape(n_rows, seq)
+    return Rows(ids, train, (idx - last_start).astype(np.int32), real)
+
+
+def one_per_row(docs: Documents, seq: int, pad_id: int) -> Rows:
+    """One document per row, cut to ``seq`` tokens, right-padded."""
+    if not len(docs):
+        raise DataError("no documents")
+    n = len(docs)
+    _check_memory(n * seq)
+    ids = np.full((n, seq), pad_id, dtype=np.int32)
+    train = np.zeros((n, seq), dtype=bool)
+    real = np.zeros((n, seq), dtype=bool)
+    start = 0
+    for i, length in enumerate(docs.lengths.tolist()):
+        k = min(length, seq)
+        ids[i, :k], train[i, :k], real[i, :k] = docs.ids[start: start + k], docs.train[start: start + k], True
+        start += length
+    train[:, 0] = False
+    return Rows(ids, train, None, real)
+
+
+class Batches:
+    """``rows`` in an order shuffled with ``seed`` for each epoch; :meth:`batch` takes the next rows (into the next
+    epoch where this one runs out). The place in that order (:meth:`state`) is all a resumed run needs."""
+
+    def __init__(self, rows: Rows, seed: int):
+        if not rows.train.any():
+            raise DataError("the data has no token to train on")
+        self.rows, self.seed = rows, seed
+        self.epoch, self.next = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def batch(self, size: int) -> dict[str, torch.Tensor | None]:
+        """The next ``size`` rows: input_ids, attention_mask, labels (-100 where not trained), position_ids (None
+        for rows of one document each)."""
+        take = []
+        while len(take) < size:
+            if self.next == len(self._order):
+                self.epoch, self.next = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            k = min(size - len(take), len(self._order) - self.next)
+            take.extend(self._order[self.next: self.next + k])
+            self.next += k
+        r = self.rows
+        ids = r.ids[take].astype(np.int64)
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(r.real[take].astype(np.int64)),
+                "labels": torch.from_numpy(np.where(r.train[take], ids, IGNORE_INDEX)),
+                "position_ids": None if r.positions is None else torch.from_numpy(r.positions[take].astype(np.int64))}
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "next": self.next, "rows": len(self.rows)}
+
+    def restore(self, state: dict, where: str) -> None:
+        """Go on from :meth:`state`; one line naming ``where`` if it does not fit these rows."""
+        try:
+            epoch, nxt, n = int(state["epoch"]), int(state["next"]), int(state["rows"])
+        except (KeyError, TypeError, ValueError):
+            raise DataError(f"{where}: the data order is not one this megatrain reads ({state!r})"[:300]) from None
+        if n != len(self.rows) or not (epoch >= 0 and 0 <= nxt <= n) or state.get("seed") != self.seed:
+            raise DataError(f"{where}: the data order saved ({n} rows, seed {state.get('seed')}) is not this data's "
+                            f"({len(self.rows)} rows, seed {self.seed})")
+        self.epoch, self.next = epoch, nxt
+        self._order = self._permutation(epoch)

@@ -1,0 +1,117 @@
+"""Where training data comes from: local files and directories read through HF ``datasets`` (json, jsonl,
+parquet, arrow, text), or a dataset already in the local HF cache by name; tokenized in batches, cached by
+``datasets``, never held as one string."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatrain.data.errors import DataError
+import numpy as np
+
+from megatrain.data.formats import FORMATS, Documents, detect, to_example
+
+# file suffix -> the datasets loader that reads it
+LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+
+
+def load_records(source: str, *, split: str = "train"):
+    """``source`` as an HF ``datasets.Dataset`` of records: a file, a directory's files of one kind (their suffix
+    picks the loader; text files hold one document per blank-line-separated paragraph), or the name of a dataset
+    already in the local HF cache. One line naming the source where it cannot be read."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    p = Path(source)
+    try:
+        if p.is_file() or p.is_dir():
+            files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.is_file() and f.suffix in LOADERS)
+            if not files:
+                raise DataError(f"data directory {p} holds no {'/'.join(sorted(LOADERS))} file")
+            kinds = {LOADERS.get(f.suffix) for f in files}
+            if None in kinds:
+                raise DataError(f"data file {p} has suffix {p.suffix!r}; readable: {', '.join(sorted(LOADERS))}")
+            if len(kinds) > 1:
+                raise DataError(f"data directory {p} mixes file kinds {sorted(kinds)}; give one kind")
+            kind = kinds.pop()
+            extra = {"sample_by": "paragraph"} if kind == "text" else {}
+            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split, **extra)
+        if not _in_cache(source):
+            raise DataError(f"data {source} is neither a file, a directory, nor a dataset in the local HF cache "
+                            f"({datasets.config.HF_DATASETS_CACHE})")
+        offline = datasets.config.HF_HUB_OFFLINE
+        datasets.config.HF_HUB_OFFLINE = True  # nothing is downloaded: the cached copy or an error
+        try:
+            return datasets.load_dataset(source, split=split)
+        finally:
+            datasets.config.HF_HUB_OFFLINE = offline
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable data
+        raise DataError(f"{source} {_why(e)}") from None
+
+
+def _why(e: BaseException) -> str:
+    """What the innermost of a chain of exceptions says (datasets wraps the reader's error in its own)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    if isinstance(e, UnicodeDecodeError):
+        return f"is not UTF-8 text ({e.reason} at byte {e.start})"
+    msg = str(e).splitlines()[0] if str(e) else ""
+    return f"cannot be read as training data ({type(e).__name__}: {msg[:300]})"
+
+
+def _in_cache(name: str) -> bool:
+    from datasets import config
+
+    cache = Path(config.HF_DATASETS_CACHE)
+    return any((cache / n).exists() for n in (name.replace("/", "___"), name.split("/")[-1]))
+
+
+def tokenize(records, tok, *, fmt: str | None = None, columns: dict[str, str] | None = None,
+             source: str = "data") -> Documents:
+    """Every record tokenized (:func:`~megatrain.data.formats.to_example`), in ``fmt`` (None: detected from the
+    first record), fields renamed by ``columns`` (format field -> column), as flat arrays read from the Arrow
+    table ``datasets`` keeps on disk. A record that cannot be read is one line naming it."""
+    columns = columns or {}
+    if fmt is not None and fmt not in FORMATS:
+        raise DataError(f"unknown data format {fmt!r}; formats: {', '.join(FORMATS)}")
+    if len(records) == 0:
+        raise DataError(f"{source} holds no records")
+    first = records[0]
+    if fmt is None:
+        try:
+            fmt = detect(first, columns)
+        except DataError as e:
+            raise DataError(f"{source}: {e}") from None
+
+    def convert(batch, idx):
+        ids, train = [], []
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        for row, i in zip(rows, idx):
+            try:
+                ex = to_example(row, fmt, tok, columns)
+            except DataError as e:
+                raise DataError(f"{source} record {i + 1}: {e}") from None
+            ids.append(ex.ids)
+            train.append(ex.train)
+        return {"ids": ids, "train": train}
+
+    try:
+        out = records.map(convert, batched=True, batch_size=256, with_indices=True,
+                          remove_columns=records.column_names, desc=None)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets wraps what the function raised
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, DataError):
+            raise cause from None
+        raise DataError(f"{source} {_why(e)}") from None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = out.data.table if hasattr(out.data, "table") else out.data
+    flat = {c: pa.concat_arrays([ch.flatten() for ch in table.column(c).chunks]).to_numpy(zero_copy_only=False)
+            for c in ("ids", "train")}
+    lengths = pa.concat_arrays([pc.list_value_length(ch) for ch in table.column("ids").chunks])
+    return Documents(flat["ids"].astype(np.int32), flat["train"].astype(bool), lengths.to_numpy().astype(np.int64))

@@ -1,0 +1,127 @@
+"""Trained weights as an HF model directory that ``from_pretrained`` (weights) and ``AutoTokenizer`` (tokenizer, chat
+template, special tokens) read unchanged: safetensors shards with their index, config.json in the export dtype,
+the tokenizer saved with ``save_pretrained``, generation_config.json. Every file is written whole or not at all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatrain.rundir import save_whole, write_whole
+
+SHARD_BYTES = 5 * 10**9  # as HF's save_pretrained: shards of at most 5 GB
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def export_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"export dtype must be one of bf16, fp32, fp16, got {name!r}")
+    return DTYPES[name]
+
+
+def set_special_ids(config, tok) -> None:
+    """``config``'s bos / eos / pad token ids from the tokenizer the run uses (a model built from scratch would
+    otherwise keep its config class's defaults, which name other tokens of this vocabulary)."""
+    config.bos_token_id = tok.bos_token_id
+    config.eos_token_id = tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+
+
+def generation_config(config, tok, model_dir: Path | None):
+    """The model directory's generation_config.json if it has one, else one from the tokenizer: stop at its
+    end-of-sequence token, and at the end of a chat turn (``<|im_end|>``) where its chat template has one."""
+    from transformers import GenerationConfig
+
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(model_dir)
+    eos = [tok.eos_token_id]
+    turn_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
+    if turn_end is not None and turn_end not in eos and tok.chat_template and "<|im_end|>" in tok.chat_template:
+        eos.append(turn_end)
+    return GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos if len(eos) > 1 else eos[0],
+                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+def export_pretrained(tensors: dict[str, torch.Tensor], config, tok, out: str | Path, dtype: torch.dtype,
+                      model_dir: Path | None = None) -> list[Path]:
+    """Write an HF model directory to ``out``: ``tensors`` (parameter name -> weights; tied names once) cast to
+    ``dtype`` in shards, config.json (``dtype`` recorded), the tokenizer, generation_config.json. Returns the
+    weight files."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        t = t.detach().to(dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_whole(out / name, lambda p, shard=shard: save_file(shard, p, metadata={"format": "pt"}))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for s in shards for t in s.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        write_whole(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+    config.dtype = dtype
+    save_whole(out / "config.json", config.to_json_file)
+    save_tokenizer(tok, out)
+    gen = generation_config(config, tok, model_dir)
+    save_whole(out / "generation_config.json", gen.to_json_file)
+    return [out / n for n in names]
+
+
+def save_tokenizer(tok, out: Path) -> None:
+    """``tok.save_pretrained`` into ``out`` through a temporary directory: a full disk leaves no cut file there."""
+    import os
+    import shutil
+
+    tmp = out / f".tokenizer-{os.getpid()}"
+    try:
+        tok.save_pretrained(str(tmp))
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+    except Exception as e:  # noqa: BLE001 - a tokenizer's writers raise their own types for a full disk
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"{out}: the tokenizer could not be written ({e.strerror or e})") from None
+        raise OSError(f"{out}: the tokenizer could not be written ({e})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_run(run: str | Path, out: str | Path, dtype: str | None = None) -> list[Path]:
+    """A run directory's training state (``RUN/state``, or that state directory itself) as an HF model directory in
+    ``out``: the model's config as the run built it, the run's tokenizer, the state's master weights in ``dtype``
+    (None: the dtype the run's model came in)."""
+    from megatrain.data import load_tokenizer
+    from megatrain.inputs import model_source
+    from megatrain.runtime import train_state
+    from megatrain.train import RUN_FILE, STATE_DIR, TrainConfig
+
+    run = Path(run)
+    if not (run / RUN_FILE).is_file() and (run.parent / RUN_FILE).is_file():
+        run = run.parent  # the state directory was named
+    try:
+        cfg = TrainConfig(**json.loads((run / RUN_FILE).read_text())["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{run} is not a run directory of megatrain train (its {RUN_FILE}: {type(e).__name__}: "
+                         f"{e})") from None
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty directory; choose another output directory")
+    model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
+    tok = load_tokenizer(run)
+    if model.weights is None:
+        set_special_ids(model.config, tok)
+    tensors = train_state.read_masters(run / STATE_DIR)
+    return export_pretrained(tensors, model.config, tok, out, export_dtype(dtype or cfg.export_dtype or model.dtype),
+                             model.directory)

@@ -1,0 +1,152 @@
+"""What a ``megatrain train`` run trains: the model (its config, where its weights and tokenizer come from) and the
+data (examples, rows, batches), read and checked before the model's memory is allocated."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatrain.data import (Batches, DataError, Documents, Rows, build_tokenizer, default_corpus, load_records,
+                            load_tokenizer, one_per_row, pack, to_example, tokenize)
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+@dataclass
+class ModelSource:
+    config: object  # transformers.PretrainedConfig
+    directory: Path | None  # an HF model directory, or None (tiny-llama, a preset)
+    weights: Path | None  # the directory holding safetensors weights, or None (initialized from the seed)
+    dtype: str  # the dtype its weights were saved in ("float32", "bfloat16", ...)
+
+    def describe(self) -> str:
+        return f"weights from {self.weights}" if self.weights else "weights initialized from the seed"
+
+
+def model_source(name: str, vocab: int, seq: int, trust_remote_code: bool = False) -> ModelSource:
+    """The model a run trains: tiny-llama, a planner preset, or an HF model directory (its config; its weights if
+    it has safetensors ones, refused in one line if it has only ``.bin`` ones). Remote code is never run unless
+    asked: a config naming Python files of its own is refused without ``trust_remote_code``."""
+    from transformers import AutoConfig
+
+    from megatrain.planner.graph import PRESETS, config_size
+
+    if name == "tiny-llama":
+        return ModelSource(AutoConfig.for_model(**TINY_LLAMA, vocab_size=vocab, max_position_embeddings=seq), None,
+                           None, "float32")
+    if name in PRESETS:
+        kind = "llama" if name.startswith("llama") else "qwen2"
+        cfg = AutoConfig.for_model(model_type=kind, max_position_embeddings=max(seq, 4096), **PRESETS[name])
+        return ModelSource(cfg, None, None, "bfloat16")
+    d = Path(name)
+    if not (d / "config.json").is_file():
+        raise ValueError(f"model {name!r} is neither tiny-llama, a preset, nor a directory with config.json")
+    try:
+        raw = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{d / 'config.json'} is not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{d / 'config.json'}: expected an object of fields, got a {type(raw).__name__}")
+    if raw.get("auto_map") and not trust_remote_code:
+        raise ValueError(f"model {d} names Python code of its own in config.json (auto_map); megatrain runs no code "
+                         f"from a model directory unless asked: pass --trust-remote-code if you trust it")
+    try:
+        cfg = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise ValueError(f"{d / 'config.json'} is not a model config transformers reads "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):  # before building anything of it
+        config_size({key: getattr(cfg, key, None)}, key)
+    weights = d if any((d / f).is_file() for f in WEIGHT_FILES) else None
+    if weights is None and (any(d.glob("*.bin")) or any(d.glob("*.pt")) or any(d.glob("*.pth"))):
+        raise ValueError(f"model {d} has its weights only as PyTorch pickles (.bin/.pt); megatrain reads "
+                         f"safetensors: convert them (load with from_pretrained and save_pretrained(..., "
+                         f"safe_serialization=True)); it never starts such a model from random weights")
+    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
+    return ModelSource(cfg, d, weights, dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
+
+
+@dataclass
+class DataSource:
+    """The rows a run trains on (and holds out for evaluation), and where they came from."""
+
+    batches: Batches
+    eval_rows: Rows | None
+    description: str
+    digest: str  # of the rows, their trained tokens and positions: a resumed run checks it
+    tokens: int
+
+
+def _strings(record) -> list[str]:
+    """Every string in a record (the text a tokenizer built from the data learns from)."""
+    if isinstance(record, str):
+        return [record]
+    if isinstance(record, dict):
+        return [s for v in record.values() for s in _strings(v)]
+    if isinstance(record, list):
+        return [s for v in record for s in _strings(v)]
+    return []
+
+
+def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, columns: dict[str, str],
+                packing: bool, eval_data: str | None, eval_split: float) -> DataSource:
+    """Examples of ``data`` (None: the default corpus) tokenized with ``tok``, in rows of ``seq`` tokens (packed or
+    one per row), in a seeded order; ``eval_data`` or a share ``eval_split`` of the examples held out."""
+    if data is None:
+        examples = Documents.of([to_example({"text": d}, "text", tok, {}) for d in default_corpus()])
+        what = "the default corpus"
+    else:
+        examples = tokenize(load_records(data), tok, fmt=fmt, columns=columns, source=data)
+        what = data
+    held = None
+    if eval_data is not None:
+        held = tokenize(load_records(eval_data), tok, fmt=fmt, columns=columns, source=eval_data)
+    elif eval_split > 0:
+        order = np.random.default_rng([seed, 1 << 20]).permutation(len(examples))
+        n_eval = max(1, round(eval_split * len(examples)))
+        if n_eval >= len(examples):
+            raise DataError(f"{what}: holding out {eval_split:.0%} of {len(examples)} examples leaves none to train on")
+        held = examples.select(np.sort(order[:n_eval]))
+        examples = examples.select(np.sort(order[n_eval:]))
+    arrange = pack if packing else one_per_row
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rows = arrange(examples, seq, pad)
+    eval_rows = arrange(held, seq, pad) if held is not None else None
+    h = hashlib.sha256()
+    for a in (rows.ids, rows.train, rows.positions if rows.positions is not None else np.zeros(0)):
+        h.update(np.ascontiguousarray(a).tobytes())
+    how = "packed" if packing else "one per row"
+    desc = (f"{what}: {len(examples):,} examples, {rows.tokens:,} tokens in {len(rows):,} rows of {seq} ({how})"
+            + (f", {len(held):,} held out for eval" if held is not None else ""))
+    return DataSource(Batches(rows, seed), eval_rows, desc, h.hexdigest(), rows.tokens)
+
+
+def tokenizer_for(model: ModelSource, data: str | None, vocab: int, resume: str | None, trust_remote_code: bool):
+    """The run's tokenizer: the resumed run's, the model directory's (required where the model has weights), or a
+    BPE of ``vocab`` tokens built from the data (a model trained from scratch)."""
+    if resume:
+        return load_tokenizer(resume), f"tokenizer from {resume}"
+    if model.directory is not None and (model.weights is not None or _has_tokenizer(model.directory)):
+        return load_tokenizer(model.directory, trust_remote_code=trust_remote_code), \
+            f"tokenizer from {model.directory}"
+    if data is None:
+        texts = default_corpus()
+    else:
+        texts = (s for r in load_records(data) for s in _strings(r))
+    size = min(vocab, model.config.vocab_size) if model.directory is not None else vocab
+    return build_tokenizer(texts, size), f"a {size}-token BPE built from the data"
+
+
+def _has_tokenizer(d: Path) -> bool:
+    from megatrain.data.tokenizer import TOKENIZER_FILES
+
+    return any((d / f).is_file() for f in TOKENIZER_FILES)
+
+
+__all__ = ["DataSource", "ModelSource", "data_source", "model_source", "tokenizer_for"]

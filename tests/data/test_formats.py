@@ -1,0 +1,120 @@
+"""Chat formats train on what the assistant says, nothing else; every format and file kind loads; packing keeps
+documents apart."""
+
+import json
+
+import numpy as np
+import pytest
+
+from megatrain.data import DataError, Documents, chat_example, load_records, one_per_row, pack, to_example, tokenize
+
+from .tokenizers import chatml_tokenizer, llama3_tokenizer
+
+CHAT = [{"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "It is four."},
+        {"role": "user", "content": "And the capital of France?"},
+        {"role": "assistant", "content": "Paris."}]
+
+
+def _pieces(tok, pieces):
+    """Token ids and trained flags of text pieces tokenized one by one: (text, trained) in order."""
+    ids, train = [], []
+    for text, trained in pieces:
+        got = tok(text, add_special_tokens=False)["input_ids"]
+        ids += got
+        train += [trained] * len(got)
+    return ids, train
+
+
+@pytest.mark.parametrize("which", ["chatml", "llama3"])
+def test_assistant_only_masks_equal_hand_computed_masks(which):
+    """The turns written out by hand, in the template's own text: the assistant's reply and its end-of-turn token
+    are trained on; the system turn, the user turns, the role headers and what follows an end of turn are not."""
+    if which == "chatml":
+        tok = chatml_tokenizer()
+        pieces = [("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is two plus two?"
+                   "<|im_end|>\n<|im_start|>assistant\n", False), ("It is four.<|im_end|>", True),
+                  ("\n<|im_start|>user\nAnd the capital of France?<|im_end|>\n<|im_start|>assistant\n", False),
+                  ("Paris.<|im_end|>", True), ("\n", False)]
+    else:
+        tok = llama3_tokenizer()
+        pieces = [("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is two plus two?<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n", False), ("It is four.<|eot_id|>", True),
+                  ("<|start_header_id|>user<|end_header_id|>\n\nAnd the capital of France?<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n", False), ("Paris.<|eot_id|>", True)]
+    want_ids, want_train = _pieces(tok, pieces)
+    ex = chat_example(CHAT, tok)
+    assert ex.ids == want_ids
+    assert ex.train == want_train
+    assert sum(want_train) > 0 and not all(want_train)
+    # the same through each chat format's fields
+    share = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+                               for m in CHAT]}
+    for record, fmt in (({"messages": CHAT}, "messages"), (share, "sharegpt")):
+        got = to_example(record, fmt, tok, {})
+        assert (got.ids, got.train) == (want_ids, want_train)
+
+
+def test_alpaca_with_and_without_a_chat_template():
+    tok = chatml_tokenizer()
+    rec = {"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"}
+    ex = to_example(rec, "alpaca", tok, {})
+    want = chat_example([{"role": "user", "content": "Add the numbers.\n\n2 and 2"},
+                         {"role": "assistant", "content": "4"}], tok)
+    assert (ex.ids, ex.train) == (want.ids, want.train)
+    tok.chat_template = None
+    ex = to_example(rec, "alpaca", tok, {})
+    prompt = tok("### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 2\n\n### Response:\n")["input_ids"]
+    reply = tok("4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ex.ids == prompt + reply and ex.train == [False] * len(prompt) + [True] * len(reply)
+
+
+def test_every_format_and_file_kind_loads(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = chatml_tokenizer()
+    records = {
+        "text": [{"text": "Paris is the capital of France."}, {"text": "The quick brown fox."}],
+        "alpaca": [{"instruction": "Say hi.", "input": "", "output": "Hello there."}] * 2,
+        "sharegpt": [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}] * 2,
+        "messages": [{"messages": CHAT}] * 2,
+    }
+    for fmt, recs in records.items():
+        (tmp_path / f"{fmt}.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+        docs = tokenize(load_records(str(tmp_path / f"{fmt}.jsonl")), tok, source=fmt)  # the format detected
+        want = [to_example(r, fmt, tok, {}) for r in recs]
+        assert len(docs) == 2 and docs.ids.tolist() == [i for e in want for i in e.ids]
+        assert docs.train.tolist() == [t for e in want for t in e.train]
+    pq.write_table(pa.Table.from_pylist(records["messages"]), tmp_path / "chat.parquet")
+    (tmp_path / "plain.json").write_text(json.dumps(records["text"]))
+    (tmp_path / "notes.txt").write_text("First document.\n\nSecond document,\nstill the second.\n")
+    assert len(tokenize(load_records(str(tmp_path / "chat.parquet")), tok)) == 2
+    assert len(tokenize(load_records(str(tmp_path / "plain.json")), tok)) == 2
+    assert len(tokenize(load_records(str(tmp_path / "notes.txt")), tok)) == 2  # a document per paragraph
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("\n".join(json.dumps({"body": r["text"]}) for r in records["text"]))
+    assert len(tokenize(load_records(str(renamed)), tok, columns={"text": "body"})) == 2
+    with pytest.raises(DataError, match=r"renamed.jsonl: a record with fields \['body'\] is none of the formats"):
+        tokenize(load_records(str(renamed)), tok, source=str(renamed))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl record 2: field 'messages' must be a list of"):
+        tokenize(load_records(str(bad)), tok, source=str(bad))
+
+
+def test_packed_rows_keep_documents_apart_and_hold_every_trained_token():
+    docs = Documents.of([to_example({"text": t}, "text", chatml_tokenizer(), {})
+                         for t in ("Paris is the capital of France.", "Hi.", "The quick brown fox jumps over it.")])
+    packed, single = pack(docs, 8, 0), one_per_row(docs, 32, 0)
+    assert packed.tokens == single.tokens == len(docs.ids)
+    # positions restart at each document and at each row; a document's first token in a row is not trained on
+    flat_pos = packed.positions.reshape(-1)[: len(docs.ids)]
+    starts = np.flatnonzero(flat_pos == 0)
+    doc_starts = set(np.concatenate([[0], np.cumsum(docs.lengths)[:-1]]).tolist())
+    assert doc_starts <= set(starts.tolist()) and set(range(0, len(docs.ids), 8)) <= set(starts.tolist())
+    assert not packed.train.reshape(-1)[starts].any()
+    # every other token keeps the document's flag (text: all trained)
+    others = np.setdiff1d(np.arange(len(docs.ids)), starts)
+    assert packed.train.reshape(-1)[others].all()
+    assert single.train.sum() == len(docs.ids) - len(docs)

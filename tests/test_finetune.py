@@ -1,0 +1,98 @@
+"""Fine-tuning a local HF model on chat data, and what comes out loading back into HF unchanged."""
+
+import json
+
+import pytest
+import torch
+
+from megatrain.cli import main
+
+from .data.tokenizers import chatml_tokenizer
+
+CHATS = [[{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is four."}],
+         [{"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": "Paris."}],
+         [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hello there?"},
+          {"role": "assistant", "content": "Hello, how are you today?"}]]
+
+
+def chat_model_dir(path, dtype=torch.float32):
+    """A tiny Qwen2 model with a ChatML tokenizer (eos <|im_end|>), saved as from_pretrained reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = chatml_tokenizer()
+    cfg = AutoConfig.for_model(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                               max_position_embeddings=256, tie_word_embeddings=False,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+def test_fine_tune_a_chat_model_and_load_the_export_with_hf(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatrain.runtime import train_state
+
+    chat_model_dir(tmp_path / "model")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in CHATS * 8))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--steps", "20", "--batch", "4",
+                 "--seq", "64", "--lr", "3e-3", "--export-dtype", "bf16", "--out", str(out)]) == 0
+    head = capsys.readouterr().out
+    assert f"weights from {tmp_path / 'model'}, tokenizer from {tmp_path / 'model'}" in head
+    assert "24 examples" in head and "(packed)" in head
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and tok.eos_token == "<|im_end|>"
+    assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    prompt = tok.apply_chat_template(CHATS[0][:1], add_generation_prompt=True, return_tensors="pt")
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    generated = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > prompt.shape[1]
+    masters = train_state.read_masters(out / "state")
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), masters[name].to(torch.bfloat16)), name
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 20 and losses[-1] < losses[0]
+    # the same directory again from the training state alone, in fp32
+    assert main(["export", str(out), str(tmp_path / "again"), "--dtype", "fp32"]) == 0
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert again.dtype == torch.float32
+    assert all(torch.equal(p.detach(), masters[n]) for n, p in again.named_parameters())
+    assert AutoTokenizer.from_pretrained(tmp_path / "again").chat_template == tok.chat_template
+
+
+def test_a_model_directory_without_safetensors_or_tokenizer_is_refused(tmp_path, capsys):
+    model, tok = chat_model_dir(tmp_path / "bin")
+    for f in (tmp_path / "bin").glob("*.safetensors"):
+        f.unlink()
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    chat_model_dir(tmp_path / "notok")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "notok" / f).unlink(missing_ok=True)
+    capsys.readouterr()
+    for model_dir, msg in ((tmp_path / "bin", "has its weights only as PyTorch pickles (.bin/.pt); megatrain reads "
+                                              "safetensors: convert them"),
+                           (tmp_path / "notok", "holds no tokenizer (none of tokenizer.json")):
+        assert main(["train", "--model", str(model_dir), "--steps", "2", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_default_model_exports_its_own_special_tokens(tmp_path, packing):
+    """A model trained from scratch: its config's bos / eos / pad are the tokenizer the run built (not the config
+    class's defaults, which are other tokens of this vocabulary)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    out = tmp_path / "run"
+    argv = ["train", "--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0", "--out", str(out)]
+    assert main(argv + ([] if packing else ["--no-packing"])) == 0
+    cfg, tok = AutoConfig.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token == "<|endoftext|>" and cfg.eos_token_id == tok.eos_token_id
+    assert cfg.bos_token_id == tok.bos_token_id and cfg.pad_token_id == tok.pad_token_id

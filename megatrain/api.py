@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatrain.ir import Schedule
+from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.capture import Captured, capture
 from megatrain.planner.cost import device_memory, fmt_bytes
 from megatrain.planner.graph import LayerGraph
@@ -83,6 +83,13 @@ class StepStats:
     grad_norm: float | None
     seconds: float
     skipped: bool = False  # the loss or the gradient norm was not finite: no update was applied (nonfinite="skip")
+
+
+@dataclass
+class EvalStats:
+    loss: float  # the loss summed over the batch's valid tokens, divided by their count
+    tokens: int  # valid (predicted) tokens
+    seconds: float
 
 
 class NonFiniteStepError(ValueError):
@@ -249,7 +256,36 @@ class StreamedModel:
         with self._lock:
             return self._train_step(input_ids, attention_mask, labels, position_ids, plan_overrides)
 
-    def _train_step(self, input_ids, attention_mask, labels, position_ids, plan_overrides) -> StepStats:
+    def evaluate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> "EvalStats":
+        """The loss on a batch (as :meth:`train_step` takes one) without training on it: each layer's forward and
+        the loss, dropout off, nothing updated (an evaluation schedule: forwards and EVAL ops)."""
+        with self._lock:
+            ids, mask, nxt, pos, denom = self._batch(input_ids, attention_mask, labels, position_ids)
+            schedule = self._eval_plan(*ids.shape)
+            t0 = time.perf_counter()
+            out = self.executor.run(schedule, self._micro_batches(schedule, ids, mask, nxt, pos), denom)
+            return EvalStats(out.loss, denom, time.perf_counter() - t0)
+
+    def _eval_plan(self, batch_size: int, seq_len: int) -> Schedule:
+        """The evaluation schedule for a batch shape: the training plan's micro-batches and weight slots, every
+        checkpoint on the device (an evaluation keeps none beyond the next layer)."""
+        key = ("eval", batch_size, seq_len, self.plan_options)
+        if key not in self._schedules:
+            opts = self.plan_options
+            if batch_size % opts.n_mb:
+                raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
+            cfg = ScheduleConfig(n_layers=len(self.graph), n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
+                                 seq_len=seq_len, weight_slots=len(self.graph) if opts.weight_slots == "all" else
+                                 opts.weight_slots, wire_bytes_per_param=2 if opts.wire == "bf16" else 4, clip=False,
+                                 budget_bytes=self.hardware.budget_bytes, train=False)
+            s = build_schedule(self.graph, cfg)
+            verify(s, self.graph, self.hardware)
+            self._schedules[key] = (s, s)
+        return self._schedules[key][0]
+
+    def _batch(self, input_ids, attention_mask, labels, position_ids):
+        """A batch checked and completed: (ids, mask, next labels, position ids or None, valid tokens)."""
         for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels),
                         ("position_ids", position_ids)):
             if t is not None and not isinstance(t, torch.Tensor):
@@ -279,21 +315,30 @@ class StreamedModel:
         valid = labels[labels != IGNORE_INDEX]
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
             raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX}")
+        nxt = torch.full_like(labels, IGNORE_INDEX)
+        nxt[:, :-1] = labels[:, 1:]
+        denom = int((nxt != IGNORE_INDEX).sum())
+        if denom == 0:
+            raise ValueError("the batch has no token to predict (every label is ignored)")
+        return input_ids, attention_mask, nxt, position_ids, denom
+
+    @staticmethod
+    def _micro_batches(schedule: Schedule, ids, mask, nxt, pos) -> list[MicroBatch]:
+        n = schedule.config.n_mb
+        b = len(ids) // n
+        return [MicroBatch(ids[i * b:(i + 1) * b], mask[i * b:(i + 1) * b], nxt[i * b:(i + 1) * b],
+                           None if pos is None else pos[i * b:(i + 1) * b]) for i in range(n)]
+
+    def _train_step(self, input_ids, attention_mask, labels, position_ids, plan_overrides) -> StepStats:
+        input_ids, attention_mask, nxt, position_ids, denom = self._batch(input_ids, attention_mask, labels,
+                                                                          position_ids)
         B, T = input_ids.shape
         first, cont = self._plans(B, T, plan_overrides)
         # a step after one that left every device-updated layer's new weights (and resident states) on the device
         # runs the continuing schedule (those weights are not loaded again; with clipping the other states load
         # from the forward on)
         schedule = cont if self.executor.can_continue(cont) else first
-        nxt = torch.full_like(labels, IGNORE_INDEX)
-        nxt[:, :-1] = labels[:, 1:]
-        denom = int((nxt != IGNORE_INDEX).sum())
-        if denom == 0:
-            raise ValueError("the batch has no token to predict (every label is ignored)")
-        n = schedule.config.n_mb
-        b = B // n
-        mbs = [MicroBatch(input_ids[i * b:(i + 1) * b], attention_mask[i * b:(i + 1) * b], nxt[i * b:(i + 1) * b],
-                          None if position_ids is None else position_ids[i * b:(i + 1) * b]) for i in range(n)]
+        mbs = self._micro_batches(schedule, input_ids, attention_mask, nxt, position_ids)
         t0 = time.perf_counter()
         if self.overlap_steps and hasattr(self.executor, "drain"):
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False)

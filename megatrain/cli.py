@@ -289,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--no-packing", dest="packing", action="store_false", default=None,
                    help="one document per row, padded (default: documents packed into rows, each attending to "
                         "itself alone)")
+    t.add_argument("--eval-data", dest="eval_data", help="held-out data (as --data) to report the loss on")
+    t.add_argument("--eval-split", dest="eval_split", type=float,
+                   help="or hold out this share of the data's documents (e.g. 0.01)")
+    t.add_argument("--eval-every", dest="eval_every", type=int,
+                   help="the held-out loss every N steps (default: at the end only)")
     t.add_argument("--export-dtype", choices=["bf16", "fp32", "fp16"],
                    help="dtype of the exported weights (default: the model's own)")
     t.add_argument("--on-nonfinite", dest="on_nonfinite", choices=["stop", "skip"],

@@ -38,6 +38,7 @@ class OpKind(str, enum.Enum):
     FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept (a layer in saved_acts keeps its saved
     # activations, without the weights, for its BWD)
     LOSS = "LOSS"  # compute: forward + backward of the head+loss layer for one mb
+    EVAL = "EVAL"  # compute: forward of the head+loss layer for one mb, the loss alone (an evaluation schedule)
     BWD = "BWD"  # compute: recompute forward from the checkpoint (not for a layer in saved_acts), back-propagate,
     # accumulate grads
     SAVE_ACT = "SAVE_ACT"  # d2h: checkpoint -> host
@@ -63,6 +64,7 @@ KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.LOAD_W: (Stream.H2D, Stream.COMPUTE),
     OpKind.FWD: (Stream.COMPUTE,),
     OpKind.LOSS: (Stream.COMPUTE,),
+    OpKind.EVAL: (Stream.COMPUTE,),
     OpKind.BWD: (Stream.COMPUTE,),
     OpKind.SAVE_ACT: (Stream.D2H,),
     OpKind.LOAD_ACT: (Stream.H2D,),
@@ -203,6 +205,8 @@ class ScheduleConfig:
     # in a continuing step); the runtime writes them back to the host store when the store is read or another
     # plan runs
     resident_opt: tuple[int, ...] = ()
+    # False: an evaluation: each micro-batch's forward and its loss (EVAL), no backward, no update
+    train: bool = True
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -214,6 +218,8 @@ class ScheduleConfig:
         for key in ("continues", "saved_lean"):  # likewise
             if not d[key]:
                 del d[key]
+        if d["train"]:
+            del d["train"]
         return d
 
     @classmethod
@@ -333,6 +339,8 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
         if k is OpKind.BWD:
             reads["dy"] = ("dA", st, l + 1, j)
         return reads, writes
+    if k is OpKind.EVAL:
+        return {"w": w, "x": ("A", st, l, j)}, {}
     if k is OpKind.SAVE_ACT:
         return {"a": ("A", st, l, j)}, {}
     if k is OpKind.LOAD_ACT:

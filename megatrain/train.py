@@ -22,8 +22,8 @@ from megatrain.runtime import train_state
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
 STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
-RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing")  # what is trained
-# on, and in which order
+RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing", "eval_split")  # what
+# is trained on, and in which order
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
 MAX_SKIPPED = 10  # with on_nonfinite "skip": this many steps in a row without an update stop the run
 FINE_TUNE_LR = 1e-5  # the learning rate when the model brings weights (3e-3 from scratch)
@@ -37,6 +37,9 @@ class TrainConfig:
     format: str | None = None  # text, alpaca, sharegpt or messages; None: from the first record's fields
     columns: str | None = None  # the format's fields under other names: "text=body,messages=conversation"
     packing: bool = True  # documents packed into rows, each attending to itself alone; False: one per row, padded
+    eval_data: str | None = None  # held-out data (as data) to report the loss on
+    eval_split: float = 0.0  # or this share of the data's documents held out (seeded); 0: none
+    eval_every: int = 0  # the held-out loss every this many steps (0: at the end only)
     steps: int = 300
     batch: int = 16  # sequences per step
     seq: int = 128  # tokens per sequence
@@ -120,6 +123,13 @@ class TrainConfig:
         from megatrain.data import FORMATS
         from megatrain.export import export_dtype
 
+        if not (0 <= self.eval_split < 1) or not math.isfinite(self.eval_split):
+            raise ValueError(f"eval_split must be a share of the data from 0 up to (not including) 1, got "
+                             f"{self.eval_split}")
+        if self.eval_data is not None and self.eval_split:
+            raise ValueError("give eval_data or eval_split, not both")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: at the end only), got {self.eval_every}")
         if self.format is not None and self.format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         self.column_map()
@@ -205,7 +215,7 @@ def _prepare(cfg: TrainConfig):
     if model.weights is None:  # from scratch: its special tokens are the tokenizer's
         set_special_ids(model.config, tok)
     data = data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format, columns=cfg.column_map(),
-                       packing=cfg.packing, eval_data=None, eval_split=0.0)
+                       packing=cfg.packing, eval_data=cfg.eval_data, eval_split=cfg.eval_split)
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
         if began.get("data_sha256") != data.digest:
@@ -352,7 +362,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
           + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
     log = (out / "metrics.jsonl").open("w")
-    history, skipped, in_row = [], 0, 0
+    history, skipped, in_row, evals = [], 0, 0, []
     saved_at = None
     t_start = time.perf_counter()
     start = sm.step
@@ -380,7 +390,10 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
             in_row = 0
             history.append(rec)
             bar.update(1)
-            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
+            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
+                            **({"eval": f"{evals[-1]['eval_loss']:.3f}"} if evals else {}))
+            if data.eval_rows is not None and cfg.eval_every and st.step % cfg.eval_every == 0:
+                evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log))
             if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
                 _save_state(sm, data.batches, out, say)
                 saved_at = st.step
@@ -389,6 +402,9 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
         log.close()
     sm.wait()  # the last step's updates, which may run on after its train_step returned
     wall = time.perf_counter() - t_start
+    if data.eval_rows is not None and (not evals or evals[-1]["step"] != sm.step):
+        with (out / "metrics.jsonl").open("a") as log:
+            evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log))
     if signals.requested is not None:
         say(f"{signals.requested.name} after step {sm.step}: saving the weights and the training state, then "
             f"stopping (a second one stops at once)")
@@ -404,6 +420,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
         "loss_drop_pct": 100 * (first - last) / first if history else 0.0, "wall_s": wall,
         "tokens_per_s": done * cfg.batch * cfg.seq / wall if wall > 0 else 0.0, "out": str(out),
         "first_step": start + 1, "last_step": sm.step, "skipped_steps": skipped, "warmup_steps": cfg.warmup_steps,
+        **({"eval_loss": evals[-1]["eval_loss"], "eval_losses": [(e["step"], e["eval_loss"]) for e in evals]}
+           if evals else {}),
         "config": dataclasses.asdict(cfg),
     }
     if signals.requested is not None:
@@ -417,10 +435,31 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
               f"megatrain train --resume {out}")
         return summary
     drop = summary["loss_drop_pct"]
-    print(f"done: loss {first:.3f} -> {last:.3f} ({abs(drop):.0f}% {'lower' if drop >= 0 else 'higher'}) in "
+    print(f"done: loss {first:.3f} -> {last:.3f} ({abs(drop):.0f}% {'lower' if drop >= 0 else 'higher'})"
+          + (f", held-out loss {evals[-1]['eval_loss']:.3f}" if evals else "") + f" in "
           f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s"
           + (f", {skipped} steps skipped (not finite)" if skipped else "") + f"; {files}")
     return summary
+
+
+def _evaluate(sm, rows, batch: int, log) -> dict:
+    """The loss on every held-out row (in batches of the training batch's shape; a last batch filled with rows
+    whose labels are all ignored), one metrics line."""
+    import numpy as np
+
+    from megatrain.data import Batches
+
+    order = Batches(rows, 0)
+    total, tokens, t0 = 0.0, 0, time.perf_counter()
+    for start in range(0, len(rows), batch):
+        b = order.rows_batch(np.arange(start, min(start + batch, len(rows))), batch)
+        ev = sm.evaluate(**b)
+        total += ev.loss * ev.tokens
+        tokens += ev.tokens
+    rec = {"step": sm.step, "eval_loss": total / tokens, "eval_tokens": tokens, "seconds": time.perf_counter() - t0}
+    log.write(json.dumps(rec) + "\n")
+    log.flush()
+    return rec
 
 
 def _save_weights(sm, model, tok, out: Path, cfg: TrainConfig) -> None:

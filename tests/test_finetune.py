@@ -96,3 +96,43 @@ def test_the_default_model_exports_its_own_special_tokens(tmp_path, packing):
     cfg, tok = AutoConfig.from_pretrained(out), AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|endoftext|>" and cfg.eos_token_id == tok.eos_token_id
     assert cfg.bos_token_id == tok.bos_token_id and cfg.pad_token_id == tok.pad_token_id
+
+
+def test_held_out_loss_is_the_loss_on_the_held_out_rows_only(tmp_path):
+    """--eval-split holds out documents (seeded) before packing; the reported loss is plain HF's loss on those
+    rows with the trained weights, and the training rows never include them."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatrain.inputs import data_source
+
+    texts = [f"document {i}: " + " ".join(["streaming", "layers", "through", "one", "device"][: 2 + i % 4])
+             for i in range(40)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--steps", "4", "--batch", "4", "--seq", "32", "--warmup", "0",
+                 "--vocab", "300", "--eval-split", "0.2", "--eval-every", "2", "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in lines if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    tok = AutoTokenizer.from_pretrained(out)
+    source = data_source(str(data), tok, seq=32, seed=0, fmt=None, columns={}, packing=True, eval_data=None,
+                         eval_split=0.2)
+    rows, train_rows = source.eval_rows, source.batches.rows
+    held = {tuple(r[m]) for r, m in zip(rows.ids, rows.real)}
+    assert not held & {tuple(r[m]) for r, m in zip(train_rows.ids, train_rows.real)}
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(rows)):
+            ids = torch.from_numpy(rows.ids[i: i + 1].astype(np.int64))
+            pos = torch.from_numpy(rows.positions[i: i + 1].astype(np.int64))
+            labels = torch.from_numpy(np.where(rows.train[i: i + 1], rows.ids[i: i + 1], -100).astype(np.int64))
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            total += float(torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100,
+                                                             reduction="sum"))
+            count += int((labels[0, 1:] != -100).sum())
+    assert evals[-1]["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+    assert evals[-1]["eval_tokens"] == count
+    assert json.loads((out / "summary.json").read_text())["eval_loss"] == evals[-1]["eval_loss"]

@@ -109,11 +109,20 @@ class Batches:
             k = min(size - len(take), len(self._order) - self.next)
             take.extend(self._order[self.next: self.next + k])
             self.next += k
+        return self.rows_batch(np.asarray(take), size)
+
+    def rows_batch(self, take: np.ndarray, size: int) -> dict[str, torch.Tensor | None]:
+        """Rows ``take`` as a batch of ``size`` rows (filled up with copies of the first, all of their labels
+        ignored)."""
         r = self.rows
-        ids = r.ids[take].astype(np.int64)
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(r.real[take].astype(np.int64)),
-                "labels": torch.from_numpy(np.where(r.train[take], ids, IGNORE_INDEX)),
-                "position_ids": None if r.positions is None else torch.from_numpy(r.positions[take].astype(np.int64))}
+        fill = size - len(take)
+        rows = np.concatenate([take, np.full(fill, take[0])]) if fill > 0 else take
+        ids = r.ids[rows].astype(np.int64)
+        train = r.train[rows].copy()
+        train[len(take):] = False
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(r.real[rows].astype(np.int64)),
+                "labels": torch.from_numpy(np.where(train, ids, IGNORE_INDEX)),
+                "position_ids": None if r.positions is None else torch.from_numpy(r.positions[rows].astype(np.int64))}
 
     def state(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "next": self.next, "rows": len(self.rows)}

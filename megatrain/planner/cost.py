@@ -109,6 +109,8 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
         return (2 if recomputes(cfg, op) else 1) * lay.work_bytes_per_token * t
     if op.kind is OpKind.LOSS:  # one chunk of fp32 logits and their gradient
         return lay.work_bytes_per_token * t + 2 * min(t, LOSS_CHUNK_TOKENS) * lay.logit_bytes_per_token
+    if op.kind is OpKind.EVAL:  # one chunk of fp32 logits
+        return lay.work_bytes_per_token * t + min(t, LOSS_CHUNK_TOKENS) * lay.logit_bytes_per_token
     return 0
 
 
@@ -155,10 +157,10 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
 
 def _passes(cfg: ScheduleConfig, op: Op) -> float:
     """A compute op's work in forward passes: forward 1; recompute + backward 3 (backward alone 2, for a layer in
-    ``saved_acts``); loss = forward + backward 3."""
+    ``saved_acts``); loss = forward + backward 3; an evaluation's loss 1."""
     if op.kind is OpKind.BWD:
         return 3.0 if recomputes(cfg, op) else 2.0
-    return {OpKind.FWD: 1.0, OpKind.LOSS: 3.0}.get(op.kind, 0.0)
+    return {OpKind.FWD: 1.0, OpKind.LOSS: 3.0, OpKind.EVAL: 1.0}.get(op.kind, 0.0)
 
 
 # A fused attention's backward in forward passes: it forms the probabilities again and has five products to the
@@ -197,9 +199,9 @@ def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> fl
     """Device-memory bytes a compute op reads and writes, roughly (its activations, three times in backward)."""
     lay = graph[op.layer]
     per_token = lay.work_bytes_per_token + lay.act_bytes_per_token
-    if op.kind is OpKind.LOSS:
-        per_token += lay.logit_bytes_per_token  # logits written, read for the softmax, gradient written
-        return 3.0 * per_token * cfg.mb_tokens
+    if op.kind in (OpKind.LOSS, OpKind.EVAL):  # logits written, read for the softmax (, gradient written)
+        per_token += lay.logit_bytes_per_token
+        return (3.0 if op.kind is OpKind.LOSS else 2.0) * per_token * cfg.mb_tokens
     traffic = _passes(cfg, op) * per_token * cfg.mb_tokens
     if cfg.saved_lean and op.kind is OpKind.BWD and op.layer in cfg.saved_acts:  # what it did not keep, formed
         # again from what it did: each byte written once, read from two inputs of its size
@@ -218,7 +220,7 @@ def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, laye
 def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
     """Seconds ``op`` takes with its resource to itself."""
     k = op.kind
-    if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS):
+    if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL):
         return max(compute_seconds(graph, cfg, spec, op),
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s,
                    spec.bwd_issue_s if k is OpKind.BWD else spec.fwd_issue_s)

@@ -88,13 +88,18 @@ def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
         for l in range(L - 1):
             for j in range(M):
                 emit(OpKind.FWD, st, l, j, ((OpKind.FWD, st, l - 1, j),))
+        if not cfg.train:  # an evaluation: the loss, no backward
+            for j in range(M):
+                emit(OpKind.EVAL, st, L - 1, j, ((OpKind.FWD, st, L - 2, j),))
+            continue
         for j in range(M):
             emit(OpKind.LOSS, st, L - 1, j, ((OpKind.FWD, st, L - 2, j),))
         for l in range(L - 2, -1, -1):
             for j in range(M):
                 up = (OpKind.LOSS if l + 1 == L - 1 else OpKind.BWD, st, l + 1, j)
                 emit(OpKind.BWD, st, l, j, (up, (OpKind.FWD, st, l, j)))
-    return s.with_ops(list(s.ops) + ops, f"emit_compute: {len(ops)} compute ops, {cfg.n_steps} step(s) x {M} mb")
+    what = "" if cfg.train else " (an evaluation)"
+    return s.with_ops(list(s.ops) + ops, f"emit_compute: {len(ops)} compute ops, {cfg.n_steps} step(s) x {M} mb{what}")
 
 
 def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
@@ -167,6 +172,8 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     clipping, from the second step of a run on, earlier (see below).
     """
     cfg = s.config
+    if not cfg.train:
+        return s.with_ops(s.ops, "add_optimizer: an evaluation updates nothing")
     ids, after = _Ids(s.ops), defaultdict(list)
     stores = defaultdict(list)  # (step, owner) -> STORE_G ops
     last_store: dict[tuple[int, Stream], Op] = {}  # (step, stream) -> the step's last store on that stream
@@ -308,7 +315,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     # the op after which a layer's new weights can be loaded: its OPT (on the host, or on the device, which keeps
     # the new weights there for the next step's load)
     opt_of = {(op.step, op.layer): op for op in ops if op.kind is OpKind.OPT}
-    computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS)]
+    computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL)]
     content = [(op.step, graph.owner(op.layer)) for op in computes]
     step_start: dict[int, int] = {}
     for i, op in enumerate(computes):
@@ -376,7 +383,7 @@ def _activation_uses(cfg: ScheduleConfig, graph: LayerGraph) -> Callable[[Op], l
             return [("a", (st, l, j, 0), False)]
         if op.kind is OpKind.LOAD_ACT:
             return [("a", (st, l, j, 1), True)]
-        if op.kind is OpKind.LOSS:
+        if op.kind in (OpKind.LOSS, OpKind.EVAL):
             return [("x", (st, l, j, 0), False)]
         if op.kind is OpKind.BWD:
             out = [("x", (st, l, j, copy(l, True)), False)] if l > 0 else []

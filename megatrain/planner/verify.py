@@ -17,6 +17,8 @@ from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
 
+EVALUATION_KINDS = (OpKind.LOAD_W, OpKind.FWD, OpKind.EVAL)  # what an evaluation schedule holds
+
 
 class ScheduleError(ValueError):
     def __init__(self, rule: str, op: Op | None, message: str):
@@ -82,13 +84,16 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("stream", op, f"{op.kind.value} cannot run on stream {op.stream.value}")
         if not (0 <= op.step < cfg.n_steps and 0 <= op.layer < L):
             raise ScheduleError("range", op, f"step or layer out of range ({cfg.n_steps} steps, {L} layers)")
-        has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.SAVE_ACT, OpKind.LOAD_ACT)
+        has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT)
         if has_mb != (op.mb is not None) or (has_mb and not 0 <= op.mb < cfg.n_mb):
             raise ScheduleError("range", op, f"micro-batch must be in 0..{cfg.n_mb - 1} for {op.kind.value}")
         if op.kind in (OpKind.FWD, OpKind.BWD) and op.layer == L - 1:
-            raise ScheduleError("kind", op, "the head+loss layer runs as LOSS, not FWD/BWD")
-        if op.kind is OpKind.LOSS and op.layer != L - 1:
-            raise ScheduleError("kind", op, "LOSS runs only on the last (head) layer")
+            raise ScheduleError("kind", op, "the head+loss layer runs as LOSS (or EVAL), not FWD/BWD")
+        if op.kind in (OpKind.LOSS, OpKind.EVAL) and op.layer != L - 1:
+            raise ScheduleError("kind", op, f"{op.kind.value} runs only on the last (head) layer")
+        if (op.kind is OpKind.EVAL) if cfg.train else op.kind not in EVALUATION_KINDS:
+            raise ScheduleError("kind", op, f"{op.kind.value} has no place in "
+                                            f"{'a training' if cfg.train else 'an evaluation'} schedule")
         if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT) and not 1 <= op.layer <= cfg.host_checkpoints:
             raise ScheduleError("kind", op, f"only checkpoints of layers 1..{cfg.host_checkpoints} go to host")
         if op.kind is OpKind.OPT and graph[op.layer].tie is not None:
@@ -127,6 +132,14 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
             what = "optimized" if op.kind is OpKind.OPT else "scheduled"
             raise ScheduleError("once", op, f"{op.kind.value} of layer {op.layer} {what} twice (first: '{seen[key]}')")
         seen[key] = op
+    if not cfg.train:  # an evaluation: each layer's forward of each micro-batch, the head's as EVAL
+        for st in range(cfg.n_steps):
+            for l in range(L):
+                for j in range(cfg.n_mb):
+                    k = OpKind.EVAL if l == L - 1 else OpKind.FWD
+                    if (k, st, l, j) not in seen:
+                        raise ScheduleError("complete", None, f"step {st} has no {k.value} of layer {l} mb {j}")
+        return
     for st in range(cfg.n_steps):
         for l in range(L):
             for j in range(cfg.n_mb):

@@ -82,15 +82,18 @@ class Executor:
                 torch.arange(ids.shape[1], device=self.device).expand(ids.shape)
             dev_mbs.append(MicroBatch(ids, self._to_device(mask) if isinstance(mask, torch.Tensor) else mask, labels,
                                       pos))
-        st = StepState(schedule, dev_mbs, denom, lr=self._begin_step(), clip=self.optimizer.cfg.max_grad_norm is not None,
-                       loss_sums=[0.0] * len(mbs))
+        st = StepState(schedule, dev_mbs, denom, lr=self._begin_step() if cfg.train else 0.0,
+                       clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs))
         st.fetch = lambda: st.guard.detach().cpu()
         self.st = st
-        self.rng.begin()
+        self.rng.begin(draw=cfg.train)
+        modes = self._template_modes(cfg.train)
         try:
             self._interpret(schedule, st, tags, accesses)
         finally:
             self.rng.end()
+            for template, mode in modes:
+                template.train(mode)
             # every op is issued: the step's activations go now, not when the step's last update task lets go of
             # its state (with steps overlapping, the up to one tensor per activation slot a step leaves, 6 GiB for a
             # 7B model at 32K tokens, stayed allocated under the next step's forward)
@@ -98,11 +101,24 @@ class Executor:
             st.host_act.clear()
             st.side.clear()
             st.saved.clear()
-        self._end_step(st)
+        if cfg.train:
+            self._end_step(st)
+        else:
+            self._end_evaluation()
         for layer, k in self._resident_slots(schedule).items():
             self.dev.resident[layer] = (k, self.store.generation)
         sums = self._loss_values(st)
         return StepOutput(sum(sums) / denom, sums, st.norm(), st.lr, st.ok())
+
+    def _template_modes(self, train: bool) -> list[tuple]:
+        """The templates put in training mode (dropout on) or evaluation mode for a run; their modes before."""
+        seen, modes = set(), []
+        for seg in self.captured.segments:
+            if id(seg.template) not in seen:
+                seen.add(id(seg.template))
+                modes.append((seg.template, seg.template.training))
+                seg.template.train(train)
+        return modes
 
     def _interpret(self, schedule: Schedule, st: StepState, tags, accesses) -> None:
         """Check each op's slot contents against the plan and issue it, in program order."""
@@ -250,6 +266,9 @@ class Executor:
 
     def _end_step(self, st: StepState) -> None:
         self.optimizer.end_step(applied=st.ok())
+
+    def _end_evaluation(self) -> None:
+        """After an evaluation, which takes no optimizer step."""
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """An input tensor on the compute device; from pinned memory on a GPU, so the host does not wait for the

@@ -92,6 +92,24 @@ def loss(ex, op: Op, st: StepState) -> None:
     st.act[op.slot("x")] = dx
 
 
+def evaluate(ex, op: Op, st: StepState) -> None:
+    """An evaluation's head and loss for one micro-batch: the loss sum alone, the logits formed a chunk of
+    ``LOSS_CHUNK_TOKENS`` tokens at a time (no more of them exist at once than the plan counts)."""
+    from megatrain.planner.graph import LOSS_CHUNK_TOKENS
+
+    x = st.act[op.slot("x")]
+    labels = st.mbs[op.mb].next_labels
+    flat = ex.dev.weights(op)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    with torch.no_grad():
+        for a in range(0, x.shape[1], max(1, LOSS_CHUNK_TOKENS // x.shape[0])):
+            b = a + max(1, LOSS_CHUNK_TOKENS // x.shape[0])
+            logits = ex.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb])
+            total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels[:, a:b].reshape(-1),
+                                     ignore_index=IGNORE_INDEX, reduction="sum")
+    st.loss_sums[op.mb] = total
+
+
 def _fused_loss(ex, op: Op, st: StepState) -> None:
     from megatrain.kernels.linear_ce import linear_cross_entropy_forward
     from megatrain.runtime.templates import bind
@@ -302,6 +320,7 @@ HANDLERS = {
     (OpKind.LOAD_W, Stream.COMPUTE): load_weights,
     (OpKind.FWD, Stream.COMPUTE): forward,
     (OpKind.LOSS, Stream.COMPUTE): loss,
+    (OpKind.EVAL, Stream.COMPUTE): evaluate,
     (OpKind.BWD, Stream.COMPUTE): backward,
     (OpKind.SAVE_ACT, Stream.D2H): save_act,
     (OpKind.LOAD_ACT, Stream.H2D): load_act,

@@ -49,8 +49,10 @@ class StepRng:
         self.step_seed: int | None = None
         self._saved: tuple | None = None
 
-    def begin(self) -> None:
-        self.step_seed = draw_step_seed()
+    def begin(self, draw: bool = True) -> None:
+        """Before a run: the generators' states kept, and the step's seed drawn (``draw`` False: an evaluation,
+        which has no randomness of its own and takes no number)."""
+        self.step_seed = draw_step_seed() if draw else 0
         cuda = None
         if self.device.type == "cuda":
             cuda = torch.cuda.get_rng_state(self.device)

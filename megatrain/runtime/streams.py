@@ -47,7 +47,7 @@ class StreamExecutor(Executor):
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
         self.timer = OpTimer(self.graph, self.streams[Stream.COMPUTE])
         self.steps_issued = 0
-        self._skipped = 0  # of which not applied (a loss or gradient norm that was not finite)
+        self._no_update_runs = 0  # of which no optimizer step: evaluations, steps whose loss or norm was not finite
         self._step_base = 0  # steps taken before this executor's first (set_step)
         # across steps (sync_between_steps False): (step, event, (kind, layer)) of each slot's last use; layer ->
         # (step, events) of each row's copy to the host block by its latest STORE_OPT; layer -> (step, event) of
@@ -72,7 +72,7 @@ class StreamExecutor(Executor):
             out = super().run(schedule, mbs, denom)  # issues everything; reading the losses waits for compute
         if not out.applied:  # the device updates were issued with this step's count and changed nothing: the host's
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
-            self._skipped += 1
+            self._no_update_runs += 1
             for layer in schedule.config.gpu_opt:
                 self.optimizer.opts[layer].state[self.optimizer.params[layer]]["step"].sub_(1)
         if wait_optimizer:
@@ -91,7 +91,7 @@ class StreamExecutor(Executor):
         optimizer's step index follow; the ordering of this executor's own steps does not change."""
         self.drain()
         self.optimizer.step_index = steps_done
-        self._step_base = steps_done - self.steps_issued + self._skipped
+        self._step_base = steps_done - self.steps_issued + self._no_update_runs
 
     def _quiesce(self) -> None:
         self.drain()
@@ -100,11 +100,15 @@ class StreamExecutor(Executor):
         # the worker runs begin/end in order with the optimizer tasks of the steps before; device updates, issued
         # by this thread, use this step's lr and clip factor directly and do not wait for the worker
         self.worker.submit(self.optimizer.begin_step)
-        return lr_at(self.optimizer.cfg, self._step_base + self.steps_issued - self._skipped)
+        return lr_at(self.optimizer.cfg, self._step_base + self.steps_issued - self._no_update_runs)
 
     def _end_step(self, st: StepState) -> None:
         self.worker.submit(lambda: self.optimizer.end_step(applied=st.ok()))
         self.steps_issued += 1
+
+    def _end_evaluation(self) -> None:  # a run of its own for the ordering across runs; no optimizer step
+        self.steps_issued += 1
+        self._no_update_runs += 1
 
     # ---- copies the handlers and the step make -----------------------------------------------------------
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

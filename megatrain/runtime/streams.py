@@ -207,7 +207,7 @@ class StreamExecutor(Executor):
             self._wait_for_earlier_steps(op, stream)
         with torch.cuda.stream(stream), self.timer.on_stream(op, stream) as end:
             handler(self, op, st)
-            if op.kind is OpKind.LOSS and op.mb == len(st.loss_sums) - 1:
+            if op.kind in (OpKind.LOSS, OpKind.EVAL) and op.mb == len(st.loss_sums) - 1:
                 self._copy_losses(st)
         self.events[op.id] = end
         if not self.sync_between_steps:

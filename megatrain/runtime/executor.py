@@ -111,13 +111,15 @@ class Executor:
         return StepOutput(sum(sums) / denom, sums, st.norm(), st.lr, st.ok())
 
     def _template_modes(self, train: bool) -> list[tuple]:
-        """The templates put in training mode (dropout on) or evaluation mode for a run; their modes before."""
+        """For an evaluation, the templates put in evaluation mode (dropout off); their modes before, to put back.
+        A training run leaves them as the model was when captured (a model put in eval mode trains without
+        dropout, as it would in plain PyTorch)."""
         seen, modes = set(), []
-        for seg in self.captured.segments:
+        for seg in self.captured.segments if not train else ():
             if id(seg.template) not in seen:
                 seen.add(id(seg.template))
                 modes.append((seg.template, seg.template.training))
-                seg.template.train(train)
+                seg.template.train(False)
         return modes
 
     def _interpret(self, schedule: Schedule, st: StepState, tags, accesses) -> None:

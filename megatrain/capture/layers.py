@@ -256,8 +256,8 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     captured = _assemble(model, blocks_name, segs, [n.name for n in (*sides, *late)], tuple_out,
                          torch.finfo(compute_dtype).bits // 8)
     captured.mask_optional = mask_optional
-    captured.packs = mask_optional and takes_positions(model, hf) and any(is_mask_builder(n.target) for n in emb_graph.nodes
-                                                                 if n.op == "call_function")
+    builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
+    captured.packs = mask_optional and takes_positions(model, hf) and builders
     return captured
 
 

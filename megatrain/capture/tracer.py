@@ -1,8 +1,8 @@
 """Tracing a causal LM with ``torch.fx``: decoder blocks as leaves, static tensor metadata, errors that say where.
 
-The forward of ``(input_ids, attention_mask, position_ids) -> logits`` is traced with the decoder blocks (and rotary-embedding and
-RMSNorm modules) as leaf calls, and HF's attention-mask builders (``transformers.masking_utils.create_*mask``) as leaf
-functions evaluated at run time, once per micro-batch.
+The forward of ``(input_ids, attention_mask, position_ids) -> logits`` is traced with the decoder blocks (and
+rotary-embedding and RMSNorm modules) as leaf calls, and HF's attention-mask builders
+(``transformers.masking_utils.create_*mask``) as leaf functions evaluated at run time, once per micro-batch.
 
 Code around the blocks often branches on what a tensor *is* rather than what it holds: ``attention_mask.ndim < 4``
 (GPT-2), ``causal_mask.ndim == 4`` and ``causal_mask.dtype == torch.bool`` (Falcon with ALiBi), ``*alibi.shape[1:]``.

@@ -132,7 +132,9 @@ def chat_example(messages: list[dict], tok) -> Example:
         raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError("a conversation without an assistant turn has nothing to train on")
-    render = lambda ms, prompt=False: tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=prompt)  # noqa: E731
+    def render(ms, prompt=False):
+        return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=prompt)
+
     full = render(messages)
     spans = []
     for i, m in enumerate(messages):

@@ -47,7 +47,7 @@ def _plan(args) -> int:
 
     from megatrain.planner import hardware
     from megatrain.planner.cost import device_memory, host_memory
-    from megatrain.planner.dump import plot, table, write_trace
+    from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.search import PlanError, plan
 
     try:
@@ -92,7 +92,7 @@ def _plan(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     png = plot([tl], out / "plan.png", title=f"{graph.name} on {spec.name}: {args.tokens} tokens/step, seq {args.seq}",
-               budget_nbytes=cfg.budget_bytes)
+               budget_nbytes=cfg.budget_bytes) if can_plot() else f"no plan.png ({PLOT_EXTRA})"
     trace = write_trace([tl], out / "plan.trace.json")
     (out / "schedule.txt").write_text(s.to_text())
     (out / "schedule.json").write_text(s.to_json())
@@ -186,6 +186,11 @@ def _viz(args) -> int:
     from megatrain.planner.dump import plot, write_trace
     from megatrain.planner.simulate import Timeline, simulate
 
+    from megatrain.planner.dump import PLOT_EXTRA, can_plot
+
+    if not can_plot():
+        print(f"megatrain viz: {PLOT_EXTRA}", file=sys.stderr)
+        return 2
     try:
         timelines = []
         if args.schedule:

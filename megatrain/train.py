@@ -341,7 +341,7 @@ def run(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     from tqdm import tqdm
 
-    from megatrain.planner.dump import plot
+    from megatrain.planner.dump import can_plot, plot
     from megatrain.planner.simulate import simulate
 
     model, tok, tok_from, data, sm, schedule = prepared
@@ -349,9 +349,10 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
                                             "data_sha256": data.digest}, indent=1))
     write_whole(out / "schedule.txt", schedule.to_text())
     c = schedule.config
-    plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
-         title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
-         budget_nbytes=schedule.config.budget_bytes)
+    if can_plot():  # matplotlib is an extra (megatrain[plot]); schedule.txt says the same in text
+        plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
+             title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
+             budget_nbytes=schedule.config.budget_bytes)
     save_tokenizer(tok, out)
     n_params = sm.graph.n_params
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
@@ -428,8 +429,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
         summary["stopped_by"] = signals.requested.name
         summary["exit_code"] = signals.exit_code
     write_whole(out / "summary.json", json.dumps(summary, indent=1))
-    files = (f"metrics {out}/metrics.jsonl, schedule {out}/schedule.png, model {out}/ (from_pretrained), training "
-             f"state {out}/{STATE_DIR}/")
+    files = (f"metrics {out}/metrics.jsonl, schedule {out}/schedule.{'png' if can_plot() else 'txt'}, model {out}/ "
+             f"(from_pretrained), training state {out}/{STATE_DIR}/")
     if signals.requested is not None:
         print(f"stopped by {signals.requested.name} after step {sm.step} of {cfg.steps}: {files}; go on with: "
               f"megatrain train --resume {out}")

@@ -468,3 +468,16 @@ def test_a_disk_that_fills_up_while_writing_the_tokenizer_leaves_no_cut_file(tmp
     err = capsys.readouterr().err
     assert f"{out}: the tokenizer could not be written (No space left on device" in err and "Traceback" not in err
     assert not (out / "tokenizer.json").exists() and not list(out.glob(".tokenizer*"))
+
+
+def test_without_matplotlib_a_run_writes_its_schedule_as_text(tmp_path, capsys, monkeypatch):
+    """matplotlib is an extra: without it a run writes schedule.txt and no picture, and viz says what to install."""
+    from megatrain.planner import dump
+
+    monkeypatch.setattr(dump, "can_plot", lambda: False)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0", "--out", str(out)]) == 0
+    assert (out / "schedule.txt").stat().st_size > 0 and not (out / "schedule.png").exists()
+    assert f"schedule {out}/schedule.txt" in capsys.readouterr().out
+    assert main(["viz", "--out", str(tmp_path / "v")]) == 2
+    assert "pictures need matplotlib: pip install 'megatrain[plot]'" in capsys.readouterr().err

@@ -51,8 +51,19 @@ def write_trace(timelines: list[Timeline], path: str | Path) -> Path:
     return path
 
 
+PLOT_EXTRA = "pictures need matplotlib: pip install 'megatrain[plot]'"
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is installed (it is an extra: ``megatrain[plot]``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def plot(timelines: list[Timeline], path: str | Path, title: str = "", budget_nbytes: int | None = None) -> Path:
-    """A PNG: for each timeline one lane per stream (ops coloured by kind), and device memory in use below."""
+    """A PNG: for each timeline one lane per stream (ops coloured by kind), and device memory in use below (needs
+    matplotlib: :func:`can_plot`)."""
     import matplotlib
 
     matplotlib.use("Agg")

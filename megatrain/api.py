@@ -397,7 +397,7 @@ class StreamedModel:
             self.wait()
             self.executor.sync_resident()
             opt = self.optimizer
-            steps = {l: int(o.state[opt.params[l]]["step"]) for l, o in opt.opts.items()}
+            steps = {l: opt.steps(l) for l in self.store.owners()}
             return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
 
     def load_state(self, directory: str | Path) -> dict:
@@ -409,8 +409,8 @@ class StreamedModel:
             with progress_bar("loading the training state", self.graph.n_params) as bar:
                 m = train_state.load(self.store, directory, progress=bar.update)
             opt = self.optimizer
-            for l, o in opt.opts.items():
-                o.state[opt.params[l]]["step"].fill_(float(m["optimizer_steps"][str(l)]))
+            for l in self.store.owners():
+                opt.set_steps(l, m["optimizer_steps"][str(l)])
             self.step = m["step"]
             self.executor.set_step(m["step"])
             return m["extra"]

@@ -263,7 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
                            ("warmup", int, "warmup steps (a tenth of the steps, at most 30)"),
-                           ("weight_decay", float, "AdamW weight decay (0.1)"),
+                           ("schedule", str, "learning rate after warmup: cosine_with_min_lr (default), cosine, "
+                                             "linear, constant or warmup_stable_decay, as transformers names them"),
+                           ("min_lr", float, "where cosine_with_min_lr (default lr / 10) and warmup_stable_decay "
+                                             "(default 0) end"),
+                           ("decay_steps", int, "warmup_stable_decay: the last N steps decay (default a tenth of "
+                                                "those after warmup)"),
+                           ("betas", str, "Adam's beta1,beta2 (0.9,0.95)"),
+                           ("weight_decay", float, "AdamW weight decay (0.1), not on biases and norm weights (the "
+                                                   "HF Trainer's rule) unless --decay-all"),
+                           ("freeze", str, "parameters not to train, by name patterns separated by commas, e.g. "
+                                           "'model.embed_tokens.*,model.layers.[0-3].*'"),
                            ("clip", float, "global-norm clipping threshold (1.0)"),
                            ("mb", int, "micro-batches per step (2)"),
                            ("slots", _slots, "weight slots (2; all: one per layer)"),
@@ -288,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "directory")]:
         t.add_argument(f"--{name.replace('_', '-')}", dest=name, type=typ, help=hlp)
     t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
+    t.add_argument("--decay-all", dest="decay_all", action="store_true", default=None,
+                   help="weight decay on every parameter, biases and norm weights too")
     t.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages"],
                    help="the data's format (default: from the first record's fields)")
     t.add_argument("--columns", help="the format's fields under other names, e.g. text=body,messages=conversation")
@@ -306,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or skip to the next batch (stopping after 10 in a row)")
     t.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,
                    help="run the Python files a model directory's config.json names (auto_map); off by default")
+    t.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write the metrics as TensorBoard events in <out>/tensorboard (pip install "
+                        "'megatrain[tensorboard]')")
     t.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     t.add_argument("--out", help="output directory (default: megatrain-runs/<UTC time>); must be new or empty")
     t.set_defaults(fn=_train)

@@ -44,9 +44,16 @@ class TrainConfig:
     batch: int = 16  # sequences per step
     seq: int = 128  # tokens per sequence
     lr: float | None = None  # peak learning rate; None: 1e-5 where the model brings weights, else 3e-3
-    warmup: int | None = None  # warmup steps, then cosine decay to lr / 10; None: a tenth of the steps, at most 30
-    # (fine-tuning a model with weights: 3% of the steps)
-    weight_decay: float = 0.1
+    warmup: int | None = None  # warmup steps, then the schedule; None: a tenth of the steps, at most 30 (fine-tuning
+    # a model with weights: 3% of the steps)
+    schedule: str = "cosine_with_min_lr"  # after warmup: one of transformers.get_scheduler's (optim.SCHEDULES)
+    min_lr: float | None = None  # where cosine_with_min_lr / warmup_stable_decay end; None: lr / 10 / 0
+    decay_steps: int | None = None  # warmup_stable_decay's decaying steps (None: a tenth of those after warmup)
+    betas: str = "0.9,0.95"  # Adam's beta1,beta2
+    weight_decay: float = 0.1  # on all but biases and norm weights (the HF Trainer's rule) unless decay_all
+    decay_all: bool = False
+    freeze: str | None = None  # parameters not to train: comma-separated name patterns (fnmatch), e.g.
+    # "model.embed_tokens.*,model.layers.[0-3].*"
     clip: float | None = 1.0  # global-norm clipping; None: off
     mb: int = 2  # micro-batches per step
     slots: int | str = 2  # weight slots; "all": one per layer
@@ -67,6 +74,8 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a step whose loss or gradient norm is not finite applies no update; then "stop"
     # (save nothing more, say where the last state is) or "skip" (go on with the next batch; stop after
     # MAX_SKIPPED in a row)
+    tensorboard: bool = False  # also write the metrics as TensorBoard events in <out>/tensorboard (needs the
+    # tensorboard package: megatrain[tensorboard])
     trust_remote_code: bool = False  # run the Python files of a model directory whose config names them (auto_map)
     resume: str | None = None  # an earlier run's directory: go on from the training state it saved (a flag only)
 
@@ -86,6 +95,33 @@ class TrainConfig:
         if self.warmup is not None:
             return self.warmup
         return math.ceil(0.03 * self.steps) if self.fine_tune else min(30, self.steps // 10)
+
+    @property
+    def min_lr_value(self) -> float:
+        if self.min_lr is not None:
+            return self.min_lr
+        return self.peak_lr / 10 if self.schedule == "cosine_with_min_lr" else 0.0
+
+    def beta_pair(self) -> tuple[float, float]:
+        """``betas`` as two numbers; ValueError where it is not ``beta1,beta2``."""
+        try:
+            b1, b2 = (float(x) for x in self.betas.split(","))
+        except ValueError:
+            raise ValueError(f"betas must be two numbers separated by a comma, e.g. 0.9,0.95, got {self.betas!r}") \
+                from None
+        return b1, b2
+
+    def freeze_patterns(self) -> list[str]:
+        return [p.strip() for p in (self.freeze or "").split(",") if p.strip()]
+
+    def optim_config(self):
+        """The optimizer's settings (OptimConfig checks them: schedule names, min_lr, betas)."""
+        from megatrain.runtime.optim import OptimConfig
+
+        return OptimConfig(lr=self.peak_lr, betas=self.beta_pair(), weight_decay=self.weight_decay,
+                           decay_all=self.decay_all, max_grad_norm=self.clip, warmup_steps=self.warmup_steps,
+                           total_steps=self.steps, schedule=self.schedule, min_lr=self.min_lr_value,
+                           decay_steps=self.decay_steps)
 
     def column_map(self) -> dict[str, str]:
         """``columns`` as format field -> column; ValueError where it is not ``field=column,...``."""
@@ -143,6 +179,13 @@ class TrainConfig:
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"need 0 <= warmup ({self.warmup_steps}) < steps ({self.steps})")
+        self.optim_config()
+        if self.tensorboard:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError("tensorboard: the tensorboard package is not installed (pip install "
+                                 "'megatrain[tensorboard]')")
 
     def _check_types(self) -> None:
         """Each value of the type its field declares (a YAML file can hold anything); an int serves a float."""
@@ -190,6 +233,8 @@ def load_yaml(path: str) -> dict:
     if not isinstance(d, dict):
         raise ValueError(f"{p}: expected a mapping of option names to values, got a {type(d).__name__}")
     d = {str(k).replace("-", "_"): v for k, v in d.items()}  # the flags' spelling works too
+    if isinstance(d.get("betas"), list):  # betas: [0.9, 0.95]
+        d["betas"] = ",".join(str(b) for b in d["betas"])
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     if "resume" in d:
         raise ValueError(f"{p}: 'resume' is a flag only (megatrain train --resume RUN_DIR goes on with that run's own "
@@ -224,8 +269,8 @@ def _prepare(cfg: TrainConfig):
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa",
                                                 trust_remote_code=cfg.trust_remote_code)
-    optim = megatrain.OptimConfig(lr=cfg.peak_lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.clip,
-                                  warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr=cfg.peak_lr / 10)
+    freeze(meta, cfg.freeze_patterns())
+    optim = cfg.optim_config()
     source_of_weights = (dict(state=Path(cfg.resume) / STATE_DIR) if cfg.resume else
                          dict(checkpoint=model.weights) if model.weights else dict(init_seed=cfg.seed))
     sm = megatrain.compile(meta, **source_of_weights, optim=optim,
@@ -243,6 +288,23 @@ def _prepare(cfg: TrainConfig):
                              f"program than megatrain train, or by an earlier megatrain)")
         data.batches.restore(extra["data_order"], f"{cfg.resume}/{STATE_DIR}")
     return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch, cfg.seq)
+
+
+def freeze(model, patterns: list[str]) -> int:
+    """``requires_grad=False`` on the parameters whose names match any of ``patterns`` (fnmatch); a pattern that
+    matches none is refused, naming a parameter to show what names look like. Returns how many were frozen."""
+    from fnmatch import fnmatchcase
+
+    names = [n for n, _ in model.named_parameters()]
+    for pat in patterns:
+        if not any(fnmatchcase(n, pat) for n in names):
+            raise ValueError(f"freeze: {pat!r} matches no parameter of the model (names look like {names[-1]!r})")
+    hit = [n for n in names if any(fnmatchcase(n, pat) for pat in patterns)]
+    for n in hit:
+        model.get_parameter(n).requires_grad_(False)
+    if hit and len(hit) == len(names):
+        raise ValueError(f"freeze: {', '.join(patterns)} matches every parameter of the model: nothing would train")
+    return len(hit)
 
 
 def _last_state(out: Path, cfg: TrainConfig) -> tuple[Path, int] | None:
@@ -357,11 +419,13 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     n_params = sm.graph.n_params
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
           f"{model.describe()}, {tok_from} ({len(tok):,} tokens); {data.description}; {cfg.steps} steps x "
-          f"{cfg.batch} x {cfg.seq} tokens, {cfg.mb} micro-batches, lr {cfg.peak_lr:g}; plan: {c.weight_slots} "
+          f"{cfg.batch} x {cfg.seq} tokens, {cfg.mb} micro-batches, {_schedule_text(cfg)}"
+          + (f", {_frozen_text(sm)}" if sm.captured.frozen else "") + f"; plan: {c.weight_slots} "
           f"weight slots, {len(c.gpu_opt)} layers updated on the device ({len(c.resident_opt)} keeping their state "
           f"there), {len(c.saved_acts)} keeping their activations; "
           + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
+    meter = _Meter(sm, cfg, out)
     log = (out / "metrics.jsonl").open("w")
     history, skipped, in_row, evals = [], 0, 0, []
     saved_at = None
@@ -374,11 +438,13 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
         while sm.step < cfg.steps and signals.requested is None:
             st = sm.train_step(**data.batches.batch(cfg.batch))
             rec = {"step": st.step + st.skipped, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
-                   "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds}
+                   "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds,
+                   **meter.step(st.seconds)}
             if st.skipped:
                 rec["skipped"] = True
             log.write(json.dumps(rec) + "\n")
             log.flush()
+            meter.write(rec)
             if st.skipped:
                 skipped, in_row = skipped + 1, in_row + 1
                 if cfg.on_nonfinite == "stop" or in_row >= MAX_SKIPPED:
@@ -391,13 +457,17 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
             in_row = 0
             history.append(rec)
             bar.update(1)
-            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
-                            **({"eval": f"{evals[-1]['eval_loss']:.3f}"} if evals else {}))
+            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}",
+                            **meter.postfix(rec), **({"eval": f"{evals[-1]['eval_loss']:.3f}"} if evals else {}))
             if data.eval_rows is not None and cfg.eval_every and st.step % cfg.eval_every == 0:
                 evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log))
+                meter.write(evals[-1])
             if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
                 _save_state(sm, data.batches, out, say)
                 saved_at = st.step
+    except BaseException:
+        meter.close()
+        raise
     finally:
         bar.close()
         log.close()
@@ -406,6 +476,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     if data.eval_rows is not None and (not evals or evals[-1]["step"] != sm.step):
         with (out / "metrics.jsonl").open("a") as log:
             evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log))
+        meter.write(evals[-1])
+    meter.close()
     if signals.requested is not None:
         say(f"{signals.requested.name} after step {sm.step}: saving the weights and the training state, then "
             f"stopping (a second one stops at once)")
@@ -421,6 +493,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
         "loss_drop_pct": 100 * (first - last) / first if history else 0.0, "wall_s": wall,
         "tokens_per_s": done * cfg.batch * cfg.seq / wall if wall > 0 else 0.0, "out": str(out),
         "first_step": start + 1, "last_step": sm.step, "skipped_steps": skipped, "warmup_steps": cfg.warmup_steps,
+        **meter.summary(done * cfg.batch * cfg.seq / wall if wall > 0 else 0.0),
         **({"eval_loss": evals[-1]["eval_loss"], "eval_losses": [(e["step"], e["eval_loss"]) for e in evals]}
            if evals else {}),
         "config": dataclasses.asdict(cfg),
@@ -438,9 +511,75 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     drop = summary["loss_drop_pct"]
     print(f"done: loss {first:.3f} -> {last:.3f} ({abs(drop):.0f}% {'lower' if drop >= 0 else 'higher'})"
           + (f", held-out loss {evals[-1]['eval_loss']:.3f}" if evals else "") + f" in "
-          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s"
+          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s ({summary['mfu']:.1%} model FLOPs utilization of "
+          f"the {sm.hardware.name} spec's {summary['mfu_against_flops_per_s'] / 1e12:g} TFLOP/s)"
           + (f", {skipped} steps skipped (not finite)" if skipped else "") + f"; {files}")
     return summary
+
+
+class _Meter:
+    """Per-step figures besides the loss: model FLOPs utilization against the planner's hardware spec, host
+    memory (resident), the GPU's peak allocation in the step; and the TensorBoard writer, where asked for."""
+
+    def __init__(self, sm, cfg: TrainConfig, out: Path):
+        self.sm = sm
+        self.tokens_per_step = cfg.batch * cfg.seq
+        self.flops = sm.graph.train_flops(self.tokens_per_step, cfg.seq)
+        self.rate = sm.hardware.matmul_flops_per_s
+        self.cuda = sm.device.type == "cuda"
+        self.host_peak = self.gpu_peak = 0.0
+        self.tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(sm.device)
+
+    def step(self, seconds: float) -> dict:
+        from megatrain.runtime.store import host_rss_bytes
+
+        rec = {"mfu": self.flops / seconds / self.rate if seconds > 0 else 0.0}
+        rss = host_rss_bytes()
+        if rss is not None:
+            rec["host_rss_gib"] = rss / 2**30
+            self.host_peak = max(self.host_peak, rec["host_rss_gib"])
+        if self.cuda:
+            rec["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.sm.device) / 2**30
+            self.gpu_peak = max(self.gpu_peak, rec["gpu_peak_gib"])
+            torch.cuda.reset_peak_memory_stats(self.sm.device)
+        return rec
+
+    @staticmethod
+    def postfix(rec: dict) -> dict:
+        return {"gpu": f"{rec['gpu_peak_gib']:.1f}G"} if "gpu_peak_gib" in rec else {}
+
+    def write(self, rec: dict) -> None:
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k not in ("step", "skipped") and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{'eval' if k.startswith('eval') else 'train'}/{k}", v, rec["step"])
+
+    def summary(self, tokens_per_s: float) -> dict:
+        return {"mfu": tokens_per_s / self.tokens_per_step * self.flops / self.rate,
+                "mfu_against_flops_per_s": self.rate, "host_rss_peak_gib": self.host_peak,
+                **({"gpu_peak_gib": self.gpu_peak} if self.cuda else {})}
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _schedule_text(cfg: TrainConfig) -> str:
+    o = cfg.optim_config()
+    end = f" to {o.min_lr:g}" if o.schedule_name in ("cosine_with_min_lr", "warmup_stable_decay") else ""
+    return f"lr {o.lr:g} ({o.warmup_steps} warmup steps, then {o.schedule_name}{end})"
+
+
+def _frozen_text(sm) -> str:
+    names = sm.captured.model_param_names
+    n = sum(math.prod(names[p][2]) for p in sm.captured.frozen)
+    return f"{len(sm.captured.frozen)} parameters frozen ({n / 1e6:.2f}M weights)"
 
 
 def _evaluate(sm, rows, batch: int, log) -> dict:

@@ -55,11 +55,24 @@ def test_yaml_config_and_flags(tmp_path):
     (["--device", "tpu"], "device 'tpu' is not a device name torch knows"),
     (["--model", "qwen2.5-72b"], "host memory: the host store of this model needs 1083.41 GiB (72.706B parameters "
                                  "x 16 bytes"),
+    (["--schedule", "polynomial"], "schedule must be one of cosine_with_min_lr, cosine, linear, constant, "
+                                   "warmup_stable_decay, got 'polynomial'"),
+    (["--schedule", "linear", "--min-lr", "1e-4"], "the linear schedule has none"),
+    (["--betas", "0.9"], "betas must be two numbers separated by a comma"),
+    (["--betas", "0.9,1.5"], "betas must be two numbers in [0, 1)"),
+    (["--freeze", "transformer.*"], "freeze: 'transformer.*' matches no parameter of the model (names look like"),
+    (["--freeze", "model.*,lm_head.*"], "matches every parameter of the model: nothing would train"),
+    (["--tensorboard"], "tensorboard: the tensorboard package is not installed"),
 ])
 def test_bad_input_is_refused_with_one_message(tmp_path, capsys, monkeypatch, argv, msg):
     import megatrain.api
 
     monkeypatch.setattr(megatrain.api, "available_host_bytes", lambda: 64 << 30)  # any machine's answer
+    if "--tensorboard" in argv:  # as on a machine without the package
+        import importlib.util
+
+        find = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find(n, *a))
     out = tmp_path / "run"
     assert main(["train", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -481,3 +494,41 @@ def test_without_matplotlib_a_run_writes_its_schedule_as_text(tmp_path, capsys, 
     assert f"schedule {out}/schedule.txt" in capsys.readouterr().out
     assert main(["viz", "--out", str(tmp_path / "v")]) == 2
     assert "pictures need matplotlib: pip install 'megatrain[plot]'" in capsys.readouterr().err
+
+
+def test_optimizer_options_metrics_and_tensorboard(tmp_path, capsys):
+    """--schedule / --warmup / --betas / --freeze reach the run; each metrics line has MFU and host memory, and
+    --tensorboard writes the same numbers as events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM
+
+    frozen = "model.embed_tokens.*,model.layers.0.*"
+    runs = {}
+    for lr in ("1e-3", "3e-3"):
+        out = tmp_path / f"run-{lr}"
+        assert main(["train", "--steps", "4", "--batch", "4", "--seq", "32", "--lr", lr, "--warmup", "1",
+                     "--schedule", "linear", "--betas", "0.8,0.9", "--freeze", frozen, "--tensorboard",
+                     "--out", str(out)]) == 0
+        runs[lr] = out
+    printed = capsys.readouterr().out
+    assert "lr 0.003 (1 warmup steps, then linear)" in printed and "parameters frozen" in printed
+    out = runs["3e-3"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # linear after one warmup step: transformers' (steps - s) / (steps - warmup) at step s
+    assert [r["lr"] for r in lines] == pytest.approx([3e-3, 3e-3, 3e-3 * 2 / 3, 3e-3 / 3])
+    assert all(r["mfu"] > 0 and r["host_rss_gib"] > 0.1 for r in lines)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["betas"] == "0.8,0.9" and 0 < summary["mfu"] < 1e3
+    ea = EventAccumulator(str(out / "tensorboard"))
+    ea.Reload()
+    assert [e.value for e in ea.Scalars("train/loss")] == pytest.approx([r["loss"] for r in lines], rel=1e-6)
+    assert [e.step for e in ea.Scalars("train/mfu")] == [1, 2, 3, 4]
+    # frozen parameters are the seed's in both runs; the others were trained at two rates and differ
+    from fnmatch import fnmatchcase
+
+    models = [AutoModelForCausalLM.from_pretrained(runs[lr]) for lr in ("1e-3", "3e-3")]
+    a, b = (m.state_dict() for m in models)
+    tied = models[0].config.tie_word_embeddings  # the head is the (frozen) embedding
+    for n in a:
+        expect_same = any(fnmatchcase(n, p) for p in frozen.split(",")) or (tied and n == "lm_head.weight")
+        assert torch.equal(a[n], b[n]) == expect_same, n

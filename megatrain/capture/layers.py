@@ -73,6 +73,9 @@ class Captured:
     # the embedding layer reads attention_mask only through HF's mask builders, which treat None as "no padding":
     # a batch without padding can pass None and skip their check of the mask's values (a device-to-host sync)
     mask_optional: bool = False
+    frozen: frozenset[str] = frozenset()  # parameters with requires_grad=False: no gradient, never updated
+    no_decay: frozenset[str] = frozenset()  # parameters the HF Trainer's rule exempts from weight decay (biases,
+    # norm weights)
     # the model takes position ids, and its mask builders keep documents packed into one row apart by them (see
     # tracer.PACKED): rows may hold several documents
     packs: bool = False
@@ -333,7 +336,13 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     graph = LayerGraph(layers, name=getattr(cfg, "model_type", None) or type(model).__name__)
     for seg in segments:
         seg.tuple_out = tuple_out and seg.kind == "block"
-    return Captured(graph, segments, side_names, names, tied_names, hidden, vocab)
+    from megatrain.runtime.optim import no_decay_names
+
+    frozen = frozenset(n for n in names if not model.get_parameter(n).requires_grad)
+    if len(frozen) == len(names):
+        raise CaptureError("every parameter of the model has requires_grad=False: there is nothing to train")
+    return Captured(graph, segments, side_names, names, tied_names, hidden, vocab, frozen=frozen,
+                    no_decay=frozenset(no_decay_names(model)) & frozenset(names))
 
 
 def _only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:

@@ -87,6 +87,11 @@ class LayerGraph:
     def n_params(self) -> int:
         return sum(lay.params for lay in self.layers)
 
+    def train_flops(self, tokens: int, seq_len: int) -> float:
+        """Model FLOPs of a training step over ``tokens`` tokens in sequences of ``seq_len``: forward and backward
+        (twice the forward), not counting recomputation -- what model FLOPs utilization divides by time."""
+        return 3.0 * tokens * sum(lay.flops_per_token(seq_len) for lay in self.layers)
+
     def templates(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for i, lay in enumerate(self.layers):

@@ -49,10 +49,12 @@ class Executor:
         self.head_loss = head_loss  # HeadLossSpec: the head runs as the fused linear + cross-entropy kernel
         self.dev = DeviceState(self.graph, store, self.device, compute_dtype, self._quiesce)
         self.rng = StepRng(self.device)  # each (layer, micro-batch) draws from its own seed (runtime/rng.py)
-        # owner layer -> (parameter name, offset, elements) of each parameter it holds, in the model's order
-        self.param_spans: dict[int, list[tuple[str, int, int]]] = {}
+        # owner layer -> (parameter name, offset, elements) of each parameter it holds that takes a gradient, in the
+        # model's order (the global norm leaves frozen ones out, as clip_grad_norm_ over the model does)
+        self.param_spans: dict[int, list[tuple[str, int, int]]] = {o: [] for o in store.owners()}
         for name, (owner, off, shape) in captured.model_param_names.items():
-            self.param_spans.setdefault(owner, []).append((name, off, int(torch.Size(shape).numel())))
+            if name not in captured.frozen:
+                self.param_spans[owner].append((name, off, int(torch.Size(shape).numel())))
         store.before_load.append(self._release_resident)  # new masters from outside: the moments stay current
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
         self._homes: dict[int, tuple] = {}  # id(schedule) -> (schedule, its resident layers' optimizer slots)

@@ -152,7 +152,7 @@ def backward(ex, op: Op, st: StepState) -> None:
         if op.layer == 0:
             mb = st.mbs[op.mb]
             h, _ = ex.runner.run(0, flat, (mb.input_ids, mb.attention_mask, mb.position_ids), grad_views=views)
-            dws = _grads(sink, h, [v for *_, v in views], dy)
+            dws = _grads(sink, h, [v for *_, v in views], dy) if views else ()  # none: all frozen
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()
             out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
@@ -231,9 +231,9 @@ def _add_part(ex, op: Op, st: StepState, src: torch.Tensor, into: torch.Tensor) 
 def _take_norms(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
     """With clipping: the L2 norm of each of ``owner``'s parameters' gradients in ``grad`` (its whole gradient), as
     torch.nn.utils.clip_grad_norm_ takes them (one foreach kernel where the device has one)."""
-    if not st.clip:
-        return
     spans = ex.param_spans[owner]
+    if not st.clip or not spans:
+        return
     views = [grad[off: off + n] for _, off, n in spans]
     norms = torch._foreach_norm(views) if grad.is_cuda else [torch.linalg.vector_norm(v) for v in views]
     st.param_norms.update(zip((name for name, _, _ in spans), norms))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from megatrain.runtime.store import HostStore
+
+
+# learning-rate schedules by their names in transformers.get_scheduler
+SCHEDULES = ("cosine_with_min_lr", "cosine", "linear", "constant", "warmup_stable_decay")
+_DECAYING = ("cosine_with_min_lr", "cosine", "linear", "warmup_stable_decay")
+_WITH_MIN_LR = ("cosine_with_min_lr", "warmup_stable_decay")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,11 +23,16 @@ class OptimConfig:
     lr: float = 3e-4  # peak learning rate
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.1  # decoupled (AdamW), applied to every parameter
+    weight_decay: float = 0.1  # decoupled (AdamW); not on biases and norm weights unless ``decay_all``
+    decay_all: bool = False  # weight decay on every parameter (default: the HF Trainer's rule, see no_decay_names)
     max_grad_norm: float | None = 1.0  # clip by the exact global norm; None: no clipping
     warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr
-    total_steps: int | None = None  # cosine decay to min_lr over these steps; None: constant after warmup
-    min_lr: float = 0.0
+    total_steps: int | None = None  # the steps the schedule spans; None: constant after warmup
+    schedule: str | None = None  # after warmup, transformers.get_scheduler's schedule of this name (SCHEDULES);
+    # None: cosine_with_min_lr where total_steps is given, else constant
+    min_lr: float = 0.0  # where cosine_with_min_lr and warmup_stable_decay end
+    decay_steps: int | None = None  # warmup_stable_decay: the last steps, which decay (None: a tenth of the steps
+    # after warmup)
     fused: bool = True  # torch's fused AdamW kernel on the host, megatrain's Triton one for device updates (False:
     # torch's per-tensor loop on both)
     threads: int | None = None  # host threads for the update (None: torch's setting); fewer than the cores leaves
@@ -28,51 +41,158 @@ class OptimConfig:
     def __post_init__(self):
         if not self.lr > 0:
             raise ValueError(f"learning rate must be positive, got {self.lr}")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be positive, got {self.eps}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.warmup_steps < 0 or (self.total_steps is not None and self.total_steps <= self.warmup_steps):
             raise ValueError(f"need 0 <= warmup_steps ({self.warmup_steps}) < total_steps ({self.total_steps})")
+        name = self.schedule_name
+        if name not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+        if name in _DECAYING and self.total_steps is None:
+            raise ValueError(f"the {name} schedule decays over total_steps, which is not given")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be from 0 up to the peak lr ({self.lr}), got {self.min_lr}")
+        if self.min_lr and name not in _WITH_MIN_LR:
+            raise ValueError(f"min_lr ({self.min_lr}) is where {' and '.join(_WITH_MIN_LR)} end; the {name} "
+                             f"schedule has none")
+        if self.decay_steps is not None and name != "warmup_stable_decay":
+            raise ValueError(f"decay_steps is warmup_stable_decay's; the {name} schedule has none")
+        if name == "warmup_stable_decay" and not 0 < self.wsd_decay_steps <= self.total_steps - self.warmup_steps:
+            raise ValueError(f"decay_steps must be from 1 to the {self.total_steps - self.warmup_steps} steps after "
+                             f"warmup, got {self.wsd_decay_steps}")
+
+    @property
+    def schedule_name(self) -> str:
+        if self.schedule is not None:
+            return self.schedule
+        return "cosine_with_min_lr" if self.total_steps is not None else "constant"
+
+    @property
+    def wsd_decay_steps(self) -> int:
+        if self.decay_steps is not None:
+            return self.decay_steps
+        return max(1, math.ceil(0.1 * (self.total_steps - self.warmup_steps)))
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine decay to ``min_lr``."""
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup from ``lr / warmup_steps`` (not from 0,
+    where transformers' schedules start: a step at learning rate 0 would only move the moments), then the named
+    schedule's value at ``step`` as transformers.get_scheduler computes it."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.total_steps is None:
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    return cfg.lr * _schedule_factor(cfg)(step)
+
+
+@functools.lru_cache(maxsize=16)
+def _schedule_factor(cfg: OptimConfig) -> Callable[[int], float]:
+    """transformers' multiplier of the peak learning rate at a step, for ``cfg``'s schedule."""
+    from transformers import get_scheduler
+
+    name = cfg.schedule_name
+    kwargs = ({"min_lr": cfg.min_lr} if name == "cosine_with_min_lr" else
+              {"num_decay_steps": cfg.wsd_decay_steps, "min_lr_ratio": cfg.min_lr / cfg.lr}
+              if name == "warmup_stable_decay" else {})
+    holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+    sched = get_scheduler(name, holder, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.total_steps,
+                          scheduler_specific_kwargs=kwargs)
+    return sched.lr_lambdas[0]
+
+
+# parameter names the HF Trainer leaves out of weight decay (besides those of nn.LayerNorm modules)
+NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+
+
+def no_decay_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s parameters the HF Trainer applies no weight decay to: biases and norm weights (by their
+    names) and the parameters of ``nn.LayerNorm`` modules."""
+    import re
+
+    patterns = [re.compile(p) for p in NO_DECAY_PATTERNS]
+    out = set()
+    for mod_name, mod in model.named_modules():
+        for p_name, _ in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if isinstance(mod, torch.nn.LayerNorm) or any(p.search(full.lower()) for p in patterns):
+                out.add(full)
+    return out
+
+
+def update_ranges(captured, layer: int, decay_all: bool = False) -> list[tuple[int, int, bool]]:
+    """The spans of owner ``layer``'s flat block the optimizer updates: (start, end, weight decay applies),
+    neighbouring parameters of one kind merged; frozen parameters (``requires_grad=False``) are in none."""
+    spans = sorted((off, off + math.prod(shape), name) for name, (owner, off, shape)
+                   in captured.model_param_names.items() if owner == layer)
+    out: list[tuple[int, int, bool]] = []
+    for a, b, name in spans:
+        if name in captured.frozen:
+            continue
+        decay = decay_all or name not in captured.no_decay
+        if out and out[-1][1] == a and out[-1][2] == decay:
+            out[-1] = (out[-1][0], b, decay)
+        else:
+            out.append((a, b, decay))
+    return out
 
 
 class HostAdamW:
-    """One ``torch.optim.AdamW`` per owning layer over the store's flat master row, with its moments living in the
-    store's exp_avg / exp_avg_sq rows (the optimizer allocates nothing)."""
+    """One ``torch.optim.AdamW`` per owning layer over views of the store's flat master row, its moments living in
+    the store's exp_avg / exp_avg_sq rows (the optimizer allocates nothing): one parameter group per span of
+    :func:`update_ranges` (weight decay or none; frozen parameters are in none). A layer with nothing to update
+    has no optimizer."""
 
     def __init__(self, store: HostStore, cfg: OptimConfig):
         self.store, self.cfg = store, cfg
         self.opts: dict[int, torch.optim.AdamW] = {}
-        self.params: dict[int, torch.Tensor] = {}  # the view objects the optimizers hold (a new view would not do)
+        self.ranges: dict[int, list[tuple[int, int, bool]]] = {}
+        self.params: dict[int, list[torch.Tensor]] = {}  # the view objects the optimizers hold (new views would not
+        # do), one per range
         for layer in store.owners():
-            p = self.params[layer] = store.master(layer)
-            opt = torch.optim.AdamW([p], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+            ranges = self.ranges[layer] = update_ranges(store.captured, layer, cfg.decay_all)
+            if not ranges:
+                continue
+            master, exp_avg, exp_avg_sq = (store.row(layer, r) for r in ("master", "exp_avg", "exp_avg_sq"))
+            views = self.params[layer] = [master[a:b] for a, b, _ in ranges]
+            opt = torch.optim.AdamW([{"params": [v], "weight_decay": self._decay(d)} for v, (_, _, d)
+                                     in zip(views, ranges)], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                     fused=cfg.fused or None)
-            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                            "exp_avg": store.row(layer, "exp_avg"), "exp_avg_sq": store.row(layer, "exp_avg_sq")}
+            for v, (a, b, _) in zip(views, ranges):
+                opt.state[v] = {"step": torch.zeros((), dtype=torch.float32, device=v.device),
+                                "exp_avg": exp_avg[a:b], "exp_avg_sq": exp_avg_sq[a:b]}
             self.opts[layer] = opt
         self.step_index = 0
         self.threads = cfg.threads  # may be changed between steps (benchmarks sweep it)
         self._device_opts: dict[tuple, tuple[torch.optim.AdamW, torch.nn.Parameter]] = {}  # device updates
         self._grad_scales: dict[str, torch.Tensor] = {}  # per device: the fused kernel's 1 / clip factor
 
+    def _decay(self, applies: bool) -> float:
+        return self.cfg.weight_decay if applies else 0.0
+
+    # ---- Adam's step count, one per layer (each range's optimizer state holds a copy) ----------------------
+    def _counts(self, layer: int) -> list[torch.Tensor]:
+        opt = self.opts.get(layer)
+        return [opt.state[v]["step"] for v in self.params[layer]] if opt is not None else []
+
+    def steps(self, layer: int) -> int:
+        """The updates layer ``layer`` has had (0 for a layer with nothing to update)."""
+        counts = self._counts(layer)
+        return int(counts[0]) if counts else 0
+
+    def set_steps(self, layer: int, n: int) -> None:
+        for c in self._counts(layer):
+            c.fill_(float(n))
+
     def begin_step(self) -> float:
         """Start an optimizer step; returns its learning rate."""
         lr = lr_at(self.cfg, self.step_index)
         for opt in self.opts.values():
-            opt.param_groups[0]["lr"] = lr
+            for group in opt.param_groups:
+                group["lr"] = lr
         return lr
 
     def clip_factor(self, total_norm: torch.Tensor) -> torch.Tensor:
@@ -102,12 +222,15 @@ class HostAdamW:
         return None
 
     def step_layer(self, layer: int, coef: float = 1.0) -> None:
-        """AdamW on one layer's host block, its gradient scaled by ``coef`` (the step's clip factor).""" 
+        """AdamW on one layer's host block, its gradient scaled by ``coef`` (the step's clip factor)."""
+        opt = self.opts.get(layer)
+        if opt is None:
+            return
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
         grad = self.store.grad(layer)
-        opt = self.opts[layer]
-        self._torch_step(opt, self.params[layer], grad, self._grad_scale(grad, coef))
+        views = self.params[layer]
+        self._torch_step(opt, views, [grad[a:b] for a, b, _ in self.ranges[layer]], self._grad_scale(grad, coef))
         self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,
@@ -118,43 +241,57 @@ class HostAdamW:
         wait for the gradient norm); the caller copies master and moments (and the bf16 shadow, if any) back to
         the store.
 
-        On a GPU (with ``fused``) the update is one Triton pass (``kernels.adamw_step``), which also writes the new
-        master in ``out``'s dtype into ``out`` if given; returns whether it did (else the caller rounds it)."""
+        On a GPU (with ``fused``) the update is one Triton pass per range (``kernels.adamw_step``), which also
+        writes the new master in ``out``'s dtype into ``out`` if given and the ranges cover the whole block;
+        returns whether it did (else the caller rounds it)."""
+        ranges = self.ranges[layer]
+        if not ranges:
+            return False
         master, exp_avg, exp_avg_sq, grad = block
-        host_step = self.opts[layer].state[self.params[layer]]["step"]
+        step = self.steps(layer) + 1
         scale = self._grad_scale(grad, coef)
+        whole = ranges[0][0] == 0 and ranges[-1][1] == block.shape[1] and all(
+            x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
         if block.is_cuda and self.cfg.fused:
             from megatrain.kernels.adamw import adamw_step
 
             cfg = self.cfg
-            adamw_step(master, exp_avg, exp_avg_sq, grad, lr=lr, betas=cfg.betas, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, step=int(host_step) + 1, grad_scale=scale, out=out)
-            host_step.add_(1)  # the host's count stays the one truth, whichever side updates the layer
-            return out is not None
+            for a, b, decay in ranges:
+                adamw_step(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], lr=lr, betas=cfg.betas,
+                           eps=cfg.eps, weight_decay=self._decay(decay), step=step, grad_scale=scale,
+                           out=out[a:b] if out is not None and whole else None)
+            self.set_steps(layer, step)  # the host's count stays the one truth, whichever side updates the layer
+            return out is not None and whole
         opt, p = self._device_opt(layer, block.device)
         state = opt.state[p]
-        state["step"].fill_(float(host_step))
-        state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
         opt.param_groups[0]["lr"] = lr
-        p.data = master
         try:
-            self._torch_step(opt, p, grad, scale)
+            for a, b, decay in ranges:
+                state["step"].fill_(float(step - 1))
+                state["exp_avg"], state["exp_avg_sq"] = exp_avg[a:b], exp_avg_sq[a:b]
+                opt.param_groups[0]["weight_decay"] = self._decay(decay)
+                p.data = master[a:b]
+                self._torch_step(opt, [p], [grad[a:b]], scale)
         finally:
             p.data = torch.empty(0, device=block.device)
             state["exp_avg"] = state["exp_avg_sq"] = None
-        host_step.add_(1)
+        self.set_steps(layer, step)
         return False
 
     @staticmethod
-    def _torch_step(opt: torch.optim.AdamW, p: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """``opt.step()`` with ``grad`` as ``p``'s gradient, divided by ``scale`` in the fused kernel if given."""
-        p.grad = grad
+    def _torch_step(opt: torch.optim.AdamW, params: list[torch.Tensor], grads: list[torch.Tensor],
+                    scale: torch.Tensor | None) -> None:
+        """``opt.step()`` with ``grads`` as ``params``' gradients, divided by ``scale`` in the fused kernel if
+        given."""
+        for p, g in zip(params, grads):
+            p.grad = g
         if scale is not None:
             opt.grad_scale = scale
         try:
             opt.step()
         finally:
-            p.grad = None
+            for p in params:
+                p.grad = None
             if scale is not None:
                 del opt.grad_scale
 
@@ -163,17 +300,10 @@ class HostAdamW:
         if key not in self._device_opts:
             p = torch.nn.Parameter(torch.empty(0, device=device))
             cfg = self.cfg
-            opt = torch.optim.AdamW([p], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                    fused=cfg.fused or None)
+            opt = torch.optim.AdamW([p], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=cfg.fused or None)
             opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=device)}
             self._device_opts[key] = (opt, p)
         return self._device_opts[key]
-
-    def grad_norm(self) -> float:
-        """The step's global gradient norm (computed over the host gradients once per step, or as set by
-        :meth:`set_grad_norm`)."""
-        self._clip_coefficient()
-        return self.last_grad_norm
 
     def end_step(self, applied: bool = True) -> None:
         """End the step; one whose updates were not applied (its loss or gradient norm was not finite) does not

@@ -38,6 +38,16 @@ def available_host_bytes(root: Path = Path("/")) -> int | None:
     return min(found) if found else None
 
 
+def host_rss_bytes(root: Path = Path("/")) -> int | None:
+    """This process's resident host memory (``/proc/self/statm``), None where it cannot be read (not Linux)."""
+    import os
+
+    try:
+        return int((root / "proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def store_nbytes(captured: Captured, *, shadow: bool = False) -> int:
     """Host bytes a :class:`HostStore` of ``captured`` takes: four fp32 rows per owned parameter, and with ``shadow``
     the bf16 copy of the masters a bf16 wire sends."""

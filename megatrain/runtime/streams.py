@@ -74,7 +74,7 @@ class StreamExecutor(Executor):
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
             self._no_update_runs += 1
             for layer in schedule.config.gpu_opt:
-                self.optimizer.opts[layer].state[self.optimizer.params[layer]]["step"].sub_(1)
+                self.optimizer.set_steps(layer, self.optimizer.steps(layer) - 1)
         if wait_optimizer:
             self.drain()
         return out

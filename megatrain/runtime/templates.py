@@ -50,8 +50,9 @@ class _Binding:
     for one call and puts the weightless originals back after it: what ``torch.func.functional_call`` does, without
     walking the module tree on every call (the per-call cost of a compute op's host side)."""
 
-    def __init__(self, seg: Segment):
+    def __init__(self, seg: Segment, frozen: frozenset[str] = frozenset()):
         self.entries = []
+        self.frozen: set[int] = set()  # offsets of parameters that take no gradient
         for ref in seg.params:
             path, _, attr = ref.name.rpartition(".")
             mod = seg.template.get_submodule(path) if path else seg.template
@@ -61,6 +62,8 @@ class _Binding:
             for d in ref.shape:
                 n *= d
             self.entries.append((mod, attr, ref.offset, n, tuple(ref.shape)))
+            if ref.model_name in frozen:
+                self.frozen.add(ref.offset)
         # the template's linears send their weight gradients to the executor's sink (grad_sink.py): where their
         # weight and bias lie in the layer's weights, set while bound for a backward
         where = {(id(mod), attr): off for mod, attr, off, _, _ in self.entries}
@@ -71,6 +74,7 @@ class _Binding:
         # the parameters follow each other from offset 0 without gaps or overlaps, up to ``end``
         self.contiguous = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])) and (not spans or
                                                                                             spans[0][0] == 0)
+        self.contiguous &= not self.frozen  # frozen parameters leave their gradient spans unwritten
         self.end = spans[-1][0] + spans[-1][1] if spans else 0
 
     @contextlib.contextmanager
@@ -78,7 +82,8 @@ class _Binding:
         """Bind views of ``flat``. With ``grad_views`` (a list) each view is a leaf that requires grad, appended
         with its (offset, numel): gradients can then be taken per parameter and added straight into a gradient
         slot, instead of autograd building each parameter's gradient as a zero-filled block-sized tensor and
-        summing them (one block-sized write and add per parameter)."""
+        summing them (one block-sized write and add per parameter). Frozen parameters are bound as plain views and
+        take no gradient."""
         saved = []
         sinks = self.sinks if grad_views is not None else ()
         try:
@@ -87,7 +92,7 @@ class _Binding:
             for mod, attr, off, n, shape in self.entries:
                 saved.append((mod, attr, mod._parameters[attr]))
                 view = flat[off: off + n].view(shape)
-                if grad_views is not None:
+                if grad_views is not None and off not in self.frozen:
                     view = view.detach().requires_grad_()
                     grad_views.append((off, n, view))
                 mod._parameters[attr] = view
@@ -106,7 +111,7 @@ class LayerRunner:
         self.captured = captured
         for seg in captured.segments:
             grad_sink.install(seg.template)
-        self.bindings = [_Binding(seg) for seg in captured.segments]
+        self.bindings = [_Binding(seg, captured.frozen) for seg in captured.segments]
         seen = set()
         for seg in captured.segments:
             if id(seg.template) not in seen:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import megatrain
 
-from ..runtime.models import hf_model
+from ..runtime.models import hf_model, hf_param_groups
 from ..runtime.test_parity import batches as make_batches
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +20,7 @@ def resident_reference(model, batches, before_mb=None):
     """Plain PyTorch on the GPU: bf16 autocast, fp32 AdamW, clipping; ``before_mb(step, mb)`` before each
     micro-batch's forward."""
     model = model.cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(hf_param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), fused=True)
     losses = []
     for step, (ids, mask, labels) in enumerate(batches):
         ids, mask, labels = ids.cuda(), mask.cuda(), labels.cuda()

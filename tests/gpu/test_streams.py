@@ -72,6 +72,25 @@ def test_device_updates_match_host_updates(clip):
         assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
 
 
+def test_frozen_parameters_on_device_updates():
+    """Frozen parameters (part of block 0, all of block 1) with every second layer updated on the GPU: the Triton
+    AdamW runs per span of trainable parameters (with or without weight decay); frozen ones keep their bits, the
+    rest agree with all updates on the host as in the test above."""
+    model = small("qwen2")
+    for p in (*model.model.layers[0].self_attn.q_proj.parameters(), *model.model.layers[1].parameters()):
+        p.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = batches(n_steps=3)
+    ref_losses, _, ref_sd = train(copy.deepcopy(model), False, data, clip=0.5, n_mb=2, gpu_opt_every=0)
+    losses, _, sd = train(copy.deepcopy(model), True, data, clip=0.5, n_mb=2, gpu_opt_every=2)
+    assert losses == pytest.approx(ref_losses, rel=2e-3)
+    for n, p in ref_sd.items():
+        if n.startswith(("model.layers.0.self_attn.q_proj.", "model.layers.1.")):
+            assert torch.equal(sd[n], before[n]) and torch.equal(p, before[n]), n
+        else:
+            assert float((sd[n] - p).abs().max()) <= 2 * 1e-3 * 3, n
+
+
 @pytest.mark.parametrize("gpu_opt_every", [0, 2])
 def test_bf16_wire_equals_fp32_wire(gpu_opt_every):
     """The bf16 shadow (host-rounded, or GPU-rounded after a device update) against the fp32 master cast on the

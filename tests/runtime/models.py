@@ -8,6 +8,17 @@ from torch import nn
 
 VOCAB = 97
 
+
+def hf_param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """torch.optim parameter groups of ``model``'s trainable parameters as the HF Trainer forms them: weight decay on
+    all but biases and norm weights (transformers' own rule), or with ``decay_all`` on every parameter."""
+    from transformers import Trainer
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = {n for n, _ in params} if decay_all else set(Trainer.get_decay_parameter_names(None, model))
+    return [{"params": [p for n, p in params if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
+
 FAMILIES = {
     "llama": dict(model_type="llama"),
     "qwen2": dict(model_type="qwen2"),

@@ -29,7 +29,7 @@ def snapshot(sm):
     sm.executor.sync_resident()
     blocks = {l: sm.store.block(l)[:3].clone().view(torch.int32) for l in sm.store.owners()}
     opt = sm.optimizer
-    steps = {l: float(o.state[opt.params[l]]["step"]) for l, o in opt.opts.items()}
+    steps = {l: opt.steps(l) for l in sm.store.owners()}
     return blocks, steps, opt.step_index, sm.step
 
 

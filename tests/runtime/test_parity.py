@@ -15,7 +15,7 @@ import megatrain
 from megatrain.ir import OpKind, Stream
 from megatrain.planner.passes import build_schedule
 
-from .models import FAMILIES, VOCAB, TinyGPT, compile_cpu, hf_model
+from .models import FAMILIES, VOCAB, TinyGPT, compile_cpu, hf_model, hf_param_groups
 
 # fused=False: the same per-element AdamW arithmetic as the reference's torch.optim.AdamW on CPU, so parameters
 # stay equal even where a gradient is rounding noise (k-projection biases: analytically zero gradient) and
@@ -40,10 +40,11 @@ def batches(n_steps=3, B=6, T=12, seed=1, vocab=VOCAB):
 
 
 def reference_train(model, data, n_mb, hf=True, opt_cfg=OPT, before_mb=None):
-    """Plain PyTorch: AdamW + LambdaLR with the same warmup/cosine rule, grad accumulation, clip_grad_norm_.
+    """Plain PyTorch: AdamW (no weight decay on biases and norm weights, by transformers' rule) + LambdaLR with the
+    same warmup/cosine rule, grad accumulation, clip_grad_norm_.
     ``before_mb(step, mb)`` runs before each micro-batch's forward."""
-    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps,
-                            weight_decay=opt_cfg.weight_decay)
+    opt = torch.optim.AdamW(hf_param_groups(model, opt_cfg.weight_decay, opt_cfg.decay_all), lr=opt_cfg.lr,
+                            betas=opt_cfg.betas, eps=opt_cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: megatrain.runtime.optim.lr_at(opt_cfg, s) / opt_cfg.lr)
     losses, norms = [], []
     for step, (ids, mask, labels) in enumerate(data):

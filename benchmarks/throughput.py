@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from megatrain.cli import gpu_opt_every, resident_opt, saved_acts
+from megatrain.cli import gpu_opt_every, grad_kept, resident_opt, saved_acts
 
 
 def main():
@@ -46,6 +46,11 @@ def main():
                     help="layers that keep their activations, no recompute (auto: as many as fit; 0: none)")
     ap.add_argument("--resident-opt", type=resident_opt, default="auto",
                     help="GPU-updated layers whose state stays on the GPU between steps (auto: the planner's)")
+    ap.add_argument("--grad-kept", type=grad_kept, default="auto",
+                    help="host-updated layers whose gradient stays on the GPU until the update pass (auto: as many "
+                         "as fit)")
+    ap.add_argument("--grad-host-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="allow bf16 gradients on the host where no plan with fp32 ones fits")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-clip", action="store_true")
@@ -81,7 +86,8 @@ def main():
                            streams=not args.sync and args.device != "cpu",
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
-                           wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt)
+                           wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt,
+                           grad_kept=args.grad_kept, grad_host_dtype=args.grad_host_dtype)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
@@ -89,7 +95,8 @@ def main():
     n = sm.graph.n_params
     results, failed = [], []
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
-            "saved_acts": args.saved_acts, "resident_opt": args.resident_opt}
+            "saved_acts": args.saved_acts, "resident_opt": args.resident_opt, "grad_kept": args.grad_kept,
+            "grad_host_dtype": args.grad_host_dtype}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         if hasattr(sm.executor, "sync_between_steps"):
@@ -219,7 +226,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     c = sched.config
     graph = sm.graph_for(sched)  # with the saved bytes per token measured on this device
     three = build_schedule(graph, ScheduleConfig.from_dict({**c.to_dict(), "n_steps": 3}))
-    from megatrain.planner.cost import compute_flops
+    from megatrain.planner.cost import compute_flops, host_memory
 
     hw_flops = sum(compute_flops(graph, c, op) for op in sched.ops)  # recompute included
     sim = simulate(three, graph, spec)
@@ -229,7 +236,9 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),
-        "resident_opt": list(c.resident_opt),
+        "resident_opt": list(c.resident_opt), "grad_kept": list(c.grad_kept), "grad_host_bytes": c.grad_host_bytes,
+        "planned_host_gib": sum(host_memory(graph, sched).values()) / (1 << 30),
+        "planned_host_bytes_per_param": sum(host_memory(graph, sched).values()) / n,
         "saved_lean": c.saved_lean,
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),

@@ -14,7 +14,7 @@ from torch import nn
 
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.capture import Captured, capture
-from megatrain.planner.cost import device_memory, fmt_bytes
+from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_params
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
@@ -26,8 +26,8 @@ from megatrain.runtime.ops import IGNORE_INDEX
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
-from megatrain.runtime.store import (HostStore, available_host_bytes, check_checkpoint, progress_bar,
-                                     store_nbytes)
+from megatrain.runtime.store import (HostStore, available_host_bytes, check_checkpoint, grad_host_dtype,
+                                     progress_bar, store_nbytes)
 
 
 # Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)
@@ -52,10 +52,17 @@ class PlanOptions:
     resident_opt: int | str = "auto"  # of the layers updated on the GPU, how many (the first ones) keep their
     # master weights and moments there between steps instead of sending them to the host and back every step
     # (state_dict() writes them back); "auto": the simulation's choice (see megatrain.planner.search.resident_sets)
+    grad_kept: int | str = "auto"  # of the layers updated on the host, how many (the first ones) keep their
+    # gradient on the device until the update pass instead of in a host buffer of their own (with clipping); "auto":
+    # as many as the device memory holds, before saved activations (see megatrain.planner.search.with_grad_kept)
+    grad_host_dtype: str = "fp32"  # "bf16" allows gradients to go to the host in bf16 where no plan with fp32 ones
+    # fits the host memory
 
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
             raise ValueError(f"wire must be 'fp32' or 'bf16', got {self.wire!r}")
+        if self.grad_host_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"grad_host_dtype must be 'fp32' or 'bf16', got {self.grad_host_dtype!r}")
         for name in ("n_mb", "grad_slots"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -67,7 +74,8 @@ class PlanOptions:
         if w != "all" and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
         for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes"),
-                           ("resident_opt", "every device update's state goes back to the host each step")):
+                           ("resident_opt", "every device update's state goes back to the host each step"),
+                           ("grad_kept", "every gradient goes to the host during the backward")):
             v = getattr(self, name)
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
@@ -124,6 +132,7 @@ class StreamedModel:
             self.kernels = use_kernels(captured)
             head_loss = head_loss_spec(captured)
         self.device, self.compute_dtype, self.plan_options, self.hardware = device, compute_dtype, plan, hardware
+        self.measure_host = False  # check plans' host buffers against the memory the machine has available
         self.optimizer = HostAdamW(store, optim)
         if streams:
             from megatrain.runtime.streams import StreamExecutor
@@ -184,7 +193,8 @@ class StreamedModel:
             graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
             auto = lambda v: None if v == "auto" else v  # noqa: E731
             chosen = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
-                          saved_acts=opts.saved_acts, n_mb=opts.n_mb, weight_slots=opts.weight_slots,
+                          saved_acts=opts.saved_acts, grad_kept=opts.grad_kept, grad_host_dtype=opts.grad_host_dtype,
+                          n_mb=opts.n_mb, weight_slots=opts.weight_slots,
                           grad_slots=opts.grad_slots, wire_bytes=2 if opts.wire == "bf16" else 4,
                           host_checkpoints=opts.host_checkpoints, gpu_opt_every=auto(opts.gpu_opt_every),
                           resident_opt=auto(opts.resident_opt)).schedule.config
@@ -194,8 +204,24 @@ class StreamedModel:
                 s = build_schedule(graph, c)
                 verify(s, graph, self.hardware)  # the memory rule with it: the continuing step's is its own
                 plans.append(s)
+            self._check_grad_buffers(plans[0], batch_size, seq_len)
             self._schedules[key] = (plans[0], plans[-1])
         return self._schedules[key]
+
+    def _check_grad_buffers(self, schedule: Schedule, batch_size: int, seq_len: int) -> None:
+        """Refuse, before a plan's first step allocates them, host gradient buffers that this machine's host memory
+        cannot hold besides what is allocated already (the plan was made for the host memory free before the
+        store; a later plan may need more buffers than the ones before)."""
+        if not self.measure_host:
+            return
+        numels = slot_params(self.graph, schedule)["h"]
+        extra = self.store.grads.extra_nbytes(numels, grad_host_dtype(schedule.config))
+        free = available_host_bytes()
+        if free is not None and extra > free:
+            raise ValueError(f"host memory: the plan for {batch_size} x {seq_len}-token sequences needs "
+                             f"{fmt_bytes(extra)} more of host gradient buffers, and this machine has "
+                             f"{fmt_bytes(free)} available (a plan with more gradients kept on the GPU, or "
+                             f"grad_host_dtype='bf16', needs less)")
 
     def planning_graph(self, seq_len: int):
         """The layer graph the planner gets for sequences of ``seq_len`` tokens: the captured one, with each
@@ -424,11 +450,13 @@ class StreamedModel:
                 p.copy_(sd[name])
 
     def memory_report(self, batch_size: int | None = None, seq_len: int | None = None) -> dict[str, int]:
-        """Bytes by kind: host store rows; with a batch shape, the device slots and working set of its schedule."""
+        """Bytes by kind: host store rows; with a batch shape, the host gradient buffers, device slots and working
+        set of its schedule."""
         out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
         if batch_size and seq_len:
-            mem = max((device_memory(self.graph_for(s), s) for s in self._plans(batch_size, seq_len, {})),
-                      key=lambda m: m.total_nbytes)
+            plans = self._plans(batch_size, seq_len, {})
+            out["host.gradients"] = max(host_memory(self.graph_for(s), s)["gradients"] for s in plans)
+            mem = max((device_memory(self.graph_for(s), s) for s in plans), key=lambda m: m.total_nbytes)
             out.update({f"device.{p}_slots": v for p, v in mem.pool_nbytes.items()})
             out["device.working_set"] = mem.workspace_nbytes
             out["device.kept_weights"] = mem.kept_nbytes
@@ -502,7 +530,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
                 f"the {fmt_bytes(spec.host_bytes)} of host memory the hardware spec {spec.name!r} gives")
         raise ValueError(
             f"host memory: the host store of this model needs {fmt_bytes(need)} ({n / 1e9:.3f}B parameters x "
-            f"{need // n} bytes: fp32 master weights, two Adam moments and the gradient"
+            f"{need // n} bytes: fp32 master weights and two Adam moments"
             f"{', and the bf16 copy a bf16 wire sends' if opts.wire == 'bf16' else ''}), more than {have}")
     with progress_bar(f"host store ({fmt_bytes(need)}{', pinned' if dev.type == 'cuda' else ''})", n) as bar:
         store = HostStore(cap, pin=dev.type == "cuda", progress=bar.update)
@@ -519,6 +547,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         raise ValueError("streams=True needs a CUDA device")
     sm = StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels, use_streams)
     sm.nonfinite = nonfinite
+    sm.measure_host = host_free is not None
     if state is not None:
         sm.load_state(state)
     return sm

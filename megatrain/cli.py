@@ -46,7 +46,8 @@ def _plan(args) -> int:
     from tqdm import tqdm
 
     from megatrain.planner import hardware
-    from megatrain.planner.cost import device_memory, host_memory
+    from megatrain.planner.cost import device_memory, grad_placement, host_memory
+    from megatrain.planner.search import largest_on_host
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.search import PlanError, plan
 
@@ -67,7 +68,8 @@ def _plan(args) -> int:
                      host_checkpoints=args.host_checkpoints,
                      gpu_opt_every=None if every == "auto" else gpu_opt_every(every),
                      saved_acts=saved_acts(args.saved_acts),
-                     resident_opt=None if args.resident_opt == "auto" else resident_opt(args.resident_opt))
+                     resident_opt=None if args.resident_opt == "auto" else resident_opt(args.resident_opt),
+                     grad_host_dtype=args.grad_host_dtype)
         budget = int(args.budget_gib * GiB) if args.budget_gib is not None else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
@@ -83,7 +85,8 @@ def _plan(args) -> int:
                 bar.update(done - bar.n)
 
             p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
-                     n_steps=args.steps, workers=jobs, progress=progress, **fixed)
+                     n_steps=args.steps, workers=jobs, progress=progress, grad_kept=grad_kept(args.grad_kept),
+                     **fixed)
         searched_s = time.perf_counter() - t0
     except (PlanError, ValueError) as e:
         print(f"megatrain plan: {e}", file=sys.stderr)
@@ -97,7 +100,9 @@ def _plan(args) -> int:
     (out / "schedule.txt").write_text(s.to_text())
     (out / "schedule.json").write_text(s.to_json())
     mem = device_memory(graph, s)
-    host = host_memory(graph, cfg)
+    host = host_memory(graph, s)
+    grads = grad_placement(graph, s)
+    largest = largest_on_host(graph, s, spec.host_bytes)
     steady = tl.steady_step_s
     flops_6nt = 6 * graph.n_params * args.tokens
     lines = [
@@ -106,7 +111,7 @@ def _plan(args) -> int:
         f"host {spec.host_bytes / GiB:.0f} GiB",
         f"batch      {args.tokens} tokens/step = {_n(cfg.n_mb, 'micro-batch')} x {cfg.mb_tokens} tokens "
         f"(seq {args.seq})",
-        f"plan       {cfg.weight_slots} weight slots, {cfg.grad_slots} gradient slots, "
+        f"plan       {cfg.weight_slots} weight slots, {mem.slot_count['g']} gradient slots, "
         f"{mem.slot_count['a']} activation slots; weights on the wire as "
         f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
         f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host; optimizer "
@@ -127,12 +132,17 @@ def _plan(args) -> int:
         f"(weights {mem.pool_nbytes['w'] / GiB:.2f}, gradients {mem.pool_nbytes['g'] / GiB:.2f}, "
         f"activations {mem.pool_nbytes['a'] / GiB:.2f}, "
         + (f"optimizer {mem.pool_nbytes['o'] / GiB:.2f}, " if mem.pool_nbytes['o'] else "")
+        + (f"kept gradients {mem.pool_nbytes['k'] / GiB:.2f}, " if mem.pool_nbytes['k'] else "")
         + (f"updated weights kept {mem.kept_nbytes / GiB:.2f}, " if mem.kept_nbytes else "")
         + (f"saved activations {mem.saved_nbytes / GiB:.2f}, " if mem.saved_nbytes else "")
         + f"working set {mem.workspace_nbytes / GiB:.2f})",
+        f"gradients  {grads}",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
-        + f") of {spec.host_bytes / GiB:.0f} GiB: {'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}",
+        + f") of {spec.host_bytes / GiB:.0f} GiB: "
+        f"{'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}; "
+        f"{sum(host.values()) / graph.n_params:.2f} bytes per parameter all in",
+        f"largest    {largest}",
         f"searched   {_n(len(p.tried), 'candidate plan')} in {searched_s:.1f} s ({on})",
         f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
     ]
@@ -237,7 +247,8 @@ def _count_or_auto(name: str):
     return parse
 
 
-gpu_opt_every, saved_acts, resident_opt = (_count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt"))
+gpu_opt_every, saved_acts, resident_opt, grad_kept = (
+    _count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt", "grad_kept"))
 
 
 def _slots(value: str):
@@ -287,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                            ("resident_opt", resident_opt, "GPU-updated layers (the first ones) whose master weights "
                                                        "and moments stay on the GPU between steps (auto: the "
                                                        "planner's choice)"),
+                           ("grad_kept", grad_kept, "host-updated layers (the first ones) whose gradient stays on "
+                                                 "the GPU until the update pass (auto: as many as fit)"),
+                           ("grad_host_dtype", str, "gradients on the host: fp32 (default), or bf16 allowed where "
+                                                    "no plan with fp32 ones fits the host memory"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)"),
                            ("save_every", int, "also save the training state (weights, Adam moments, step, data "
@@ -352,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
                         "moments there between steps (no trip over the bus); auto (default): all of them with "
                         "clipping (no device memory more), without it none, half or all, whichever the simulation "
                         "finds fastest")
+    p.add_argument("--grad-kept", default="auto", metavar="N|auto",
+                   help="layers updated on the host whose gradient stays on the GPU until the update pass (the first "
+                        "N that can; auto: as many as the device memory holds, before saved activations): host "
+                        "memory for gradients only as they pass through")
+    p.add_argument("--grad-host-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="gradients on the host in fp32 (default), or allow bf16 where no plan with fp32 fits")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     p.add_argument("--jobs", type=int, help="processes the search runs on (default: one per CPU core)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")

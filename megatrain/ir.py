@@ -14,6 +14,11 @@ role    meaning
 ``y``   activation slot FWD writes the layer's output into
 ``dy``  activation slot holding the gradient of the layer's output (read)
 ``a``   activation slot a SAVE_ACT reads or a LOAD_ACT writes
+``o``   optimizer slot holding a device-updated layer's master weights, moments and gradient
+``k``   kept-gradient slot: a NORM copies a complete gradient there (in the host buffers' dtype) from its
+        gradient slot, which is then free; the layer's STORE_G in the update pass reads it
+``h``   host gradient buffer (pinned host memory): a STORE_G to the host writes the layer's gradient into it,
+        the layer's host OPT reads it
 ======  =============================================================================
 
 Text form of one op (one line, parsed back by :meth:`Op.from_str`)::
@@ -43,8 +48,12 @@ class OpKind(str, enum.Enum):
     # accumulate grads
     SAVE_ACT = "SAVE_ACT"  # d2h: checkpoint -> host
     LOAD_ACT = "LOAD_ACT"  # h2d: host checkpoint -> activation slot
-    STORE_G = "STORE_G"  # d2h: gradient slot -> host gradient of the layer that owns the weights; compute (a layer
+    STORE_G = "STORE_G"  # d2h: gradient slot -> a host gradient buffer, for the layer that owns the weights (a
+    # tied layer's part is added to its owner's on the device; the owner's store sends the sum); compute (a layer
     # updated on the device): gradient slot -> the gradient row of the layer's optimizer slot
+    NORM = "NORM"  # compute: the L2 norm of each of a layer's parameters' gradients, and the gradient copied from
+    # its gradient slot into a kept-gradient slot, for a layer whose gradient stays on the device until the update
+    # pass (ScheduleConfig.grad_kept)
     OPT = "OPT"  # cpu: AdamW on the layer's host block; compute: AdamW on the block in an optimizer slot
     LOAD_OPT = "LOAD_OPT"  # h2d: the layer's master weights and moments -> optimizer slot
     STORE_OPT = "STORE_OPT"  # d2h: updated master and moments -> the layer's host block
@@ -69,13 +78,14 @@ KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.SAVE_ACT: (Stream.D2H,),
     OpKind.LOAD_ACT: (Stream.H2D,),
     OpKind.STORE_G: (Stream.D2H, Stream.COMPUTE),
+    OpKind.NORM: (Stream.COMPUTE,),
     OpKind.OPT: (Stream.CPU, Stream.COMPUTE),
     OpKind.LOAD_OPT: (Stream.H2D,),
     OpKind.STORE_OPT: (Stream.D2H,),
 }
 
-ROLES = ("w", "g", "x", "y", "dy", "a", "o")
-SLOT_POOL = {"w": "w", "g": "g", "x": "a", "y": "a", "dy": "a", "a": "a", "o": "o"}  # role -> pool it indexes
+ROLES = ("w", "g", "x", "y", "dy", "a", "o", "k", "h")
+SLOT_POOL = {"w": "w", "g": "g", "x": "a", "y": "a", "dy": "a", "a": "a", "o": "o", "k": "k", "h": "h"}  # its pool
 
 _OP_RE = re.compile(
     r"^(?P<id>\d+) (?P<kind>[A-Z_]+) s(?P<step>\d+) L(?P<layer>\d+)(?: m(?P<mb>\d+))? @(?P<stream>[a-z0-9]+)"
@@ -170,7 +180,9 @@ class Op:
             raise IRError(f"not an op: {d!r} ({e})") from None
 
 
-TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt")  # ScheduleConfig's layer sets
+TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept")  # ScheduleConfig's layer sets
+# ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
+QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "grad_host_bytes": 4, "host_grad_slots": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +219,17 @@ class ScheduleConfig:
     resident_opt: tuple[int, ...] = ()
     # False: an evaluation: each micro-batch's forward and its loss (EVAL), no backward, no update
     train: bool = True
+    # layers updated on the host whose gradient stays on the device until the update pass (with clipping): after
+    # its backward a NORM takes its norms and moves it to a kept-gradient slot (in the host buffers' dtype), and it
+    # goes to a host buffer just ahead of its update. Device memory until then instead of a host buffer for the
+    # whole update pass
+    grad_kept: tuple[int, ...] = ()
+    grad_host_bytes: int = 4  # gradients leaving the gradient slots (host buffers, kept-gradient slots): 4 fp32, 2
+    # bf16 (rounded on the device from the fp32 sum, after its norms are taken; the host update reads it back in
+    # fp32)
+    # host gradient buffers that take turns where gradients pass through on their way to an update (without
+    # clipping, and the gradients of grad_kept): a store into one waits for the update that read it before
+    host_grad_slots: int = 2
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -215,11 +238,9 @@ class ScheduleConfig:
                 d[key] = list(getattr(self, key))
             else:
                 del d[key]
-        for key in ("continues", "saved_lean"):  # likewise
-            if not d[key]:
+        for key, default in QUIET_DEFAULTS.items():  # likewise
+            if d[key] == default:
                 del d[key]
-        if d["train"]:
-            del d["train"]
         return d
 
     @classmethod
@@ -307,13 +328,16 @@ class Schedule:
 
 def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
                   shared: Callable[[int], bool] = lambda layer: False,
-                  resident: Callable[[int], bool] = lambda layer: False) -> tuple[dict[str, tuple], dict[str, tuple]]:
+                  resident: Callable[[int], bool] = lambda layer: False,
+                  kept: Callable[[int], bool] = lambda layer: False) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(reads, writes): slot role -> the content an op expects to find / leaves behind.
 
     Contents: ``("W", step, owner layer)`` weights; ``("A", step, layer, mb)`` the checkpoint at a layer's input;
     ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs;
     ``("S", step, layer)`` a layer's master weights and moments in an optimizer slot, ``("SG", step, layer)`` the
-    same with the step's gradient, ``("U", step, layer)`` after its device update.
+    same with the step's gradient, ``("U", step, layer)`` after its device update; ``("HG", step, layer)`` a
+    layer's gradient in a host buffer, ``("K", step, layer)`` in a kept-gradient slot (``kept(layer)``: the layer
+    is in ``grad_kept``).
     ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied); ``shared(layer)``: another layer
     reads this owner's weights (a tied head), whose gradient part reaches the optimizer slot first, as
     ``("SG", step, owner, "part")``; the owner's own part completes it. ``resident(layer)``: the layer's state stays
@@ -352,8 +376,14 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
             return {"g": ("G", st, l, n_mb), "o": state}, {"o": ("SG", st, o, "part")}
         before = ("SG", st, o, "part") if shared(o) else state
         return {"g": ("G", st, l, n_mb), "o": before}, {"o": ("SG", st, o)}
-    if k is OpKind.STORE_G:
-        return {"g": ("G", st, l, n_mb)}, {}
+    if k is OpKind.STORE_G and kept(l):  # from its kept-gradient slot, in the update pass
+        return {"k": ("K", st, l)}, {"h": ("HG", st, l)}
+    if k is OpKind.STORE_G:  # to a host buffer; a tied layer's part is added to its owner's on the device
+        return {"g": ("G", st, l, n_mb)}, ({} if owner(l) != l else {"h": ("HG", st, l)})
+    if k is OpKind.NORM:
+        return {"g": ("G", st, l, n_mb)}, {"k": ("K", st, l)}
+    if k is OpKind.OPT and op.stream is Stream.CPU:
+        return {"h": ("HG", st, l)}, {}
     if k is OpKind.LOAD_OPT:
         return {}, {"o": ("U", st - 1, l) if resident(l) else ("S", st, l)}
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:

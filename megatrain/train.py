@@ -65,6 +65,9 @@ class TrainConfig:
     # count, the last ones; "auto": as many as the device memory holds)
     resident_opt: int | str = "auto"  # GPU-updated layers whose state stays on the GPU between steps ("auto": the
     # planner's)
+    grad_kept: int | str = "auto"  # host-updated layers whose gradient stays on the GPU until the update pass
+    # ("auto": as many as fit)
+    grad_host_dtype: str = "fp32"  # or "bf16": gradients may go to the host in bf16 where fp32 ones do not fit
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     export_dtype: str | None = None  # the exported weights' dtype (bf16, fp32, fp16); None: the model's own
     seed: int = 0
@@ -151,7 +154,8 @@ class TrainConfig:
         # the plan options' own checks
         every = "auto" if self.gpu_opt_every is None else self.gpu_opt_every
         PlanOptions(n_mb=self.mb, host_checkpoints=self.host_checkpoints, weight_slots=self.slots,
-                    gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt)
+                    gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt,
+                    grad_kept=self.grad_kept, grad_host_dtype=self.grad_host_dtype)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -277,7 +281,8 @@ def _prepare(cfg: TrainConfig):
                            device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
                            host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
-                           saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt)
+                           saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt, grad_kept=cfg.grad_kept,
+                           grad_host_dtype=cfg.grad_host_dtype)
     if cfg.packing and not sm.captured.packs:
         raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
                          f"--no-packing (one document per row)")
@@ -422,7 +427,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
           f"{cfg.batch} x {cfg.seq} tokens, {cfg.mb} micro-batches, {_schedule_text(cfg)}"
           + (f", {_frozen_text(sm)}" if sm.captured.frozen else "") + f"; plan: {c.weight_slots} "
           f"weight slots, {len(c.gpu_opt)} layers updated on the device ({len(c.resident_opt)} keeping their state "
-          f"there), {len(c.saved_acts)} keeping their activations; "
+          f"there), {len(c.grad_kept)} keeping their gradients there until the update, {len(c.saved_acts)} keeping "
+          f"their activations; host {_host_text(sm, schedule)}; "
           + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
     meter = _Meter(sm, cfg, out)
@@ -457,8 +463,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
             in_row = 0
             history.append(rec)
             bar.update(1)
-            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}",
-                            **meter.postfix(rec), **({"eval": f"{evals[-1]['eval_loss']:.3f}"} if evals else {}))
+            bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", **meter.postfix(rec),
+                            **({"eval": f"{evals[-1]['eval_loss']:.3f}"} if evals else {}))
             if data.eval_rows is not None and cfg.eval_every and st.step % cfg.eval_every == 0:
                 evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log))
                 meter.write(evals[-1])
@@ -511,15 +517,17 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     drop = summary["loss_drop_pct"]
     print(f"done: loss {first:.3f} -> {last:.3f} ({abs(drop):.0f}% {'lower' if drop >= 0 else 'higher'})"
           + (f", held-out loss {evals[-1]['eval_loss']:.3f}" if evals else "") + f" in "
-          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s ({summary['mfu']:.1%} model FLOPs utilization of "
-          f"the {sm.hardware.name} spec's {summary['mfu_against_flops_per_s'] / 1e12:g} TFLOP/s)"
+          f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s"
+          + (f" ({summary['mfu']:.1%} model FLOPs utilization of the {sm.hardware.name} spec's "
+             f"{summary['mfu_against_flops_per_s'] / 1e12:g} TFLOP/s)" if "mfu" in summary else "")
           + (f", {skipped} steps skipped (not finite)" if skipped else "") + f"; {files}")
     return summary
 
 
 class _Meter:
-    """Per-step figures besides the loss: model FLOPs utilization against the planner's hardware spec, host
-    memory (resident), the GPU's peak allocation in the step; and the TensorBoard writer, where asked for."""
+    """Per-step figures besides the loss: on a GPU, model FLOPs utilization against the planner's hardware spec
+    (its measured matmul rate; the cpu spec's rate is a placeholder, not a measurement, so there is none on the CPU)
+    and the GPU's peak allocation in the step; host memory resident; and the TensorBoard writer, where asked for."""
 
     def __init__(self, sm, cfg: TrainConfig, out: Path):
         self.sm = sm
@@ -539,7 +547,7 @@ class _Meter:
     def step(self, seconds: float) -> dict:
         from megatrain.runtime.store import host_rss_bytes
 
-        rec = {"mfu": self.flops / seconds / self.rate if seconds > 0 else 0.0}
+        rec = {"mfu": self.flops / seconds / self.rate if seconds > 0 else 0.0} if self.cuda else {}
         rss = host_rss_bytes()
         if rss is not None:
             rec["host_rss_gib"] = rss / 2**30
@@ -550,10 +558,6 @@ class _Meter:
             torch.cuda.reset_peak_memory_stats(self.sm.device)
         return rec
 
-    @staticmethod
-    def postfix(rec: dict) -> dict:
-        return {"gpu": f"{rec['gpu_peak_gib']:.1f}G"} if "gpu_peak_gib" in rec else {}
-
     def write(self, rec: dict) -> None:
         if self.tb is not None:
             for k, v in rec.items():
@@ -561,13 +565,25 @@ class _Meter:
                     self.tb.add_scalar(f"{'eval' if k.startswith('eval') else 'train'}/{k}", v, rec["step"])
 
     def summary(self, tokens_per_s: float) -> dict:
-        return {"mfu": tokens_per_s / self.tokens_per_step * self.flops / self.rate,
-                "mfu_against_flops_per_s": self.rate, "host_rss_peak_gib": self.host_peak,
-                **({"gpu_peak_gib": self.gpu_peak} if self.cuda else {})}
+        out = {"host_rss_peak_gib": self.host_peak}
+        if self.cuda:
+            out.update(mfu=tokens_per_s / self.tokens_per_step * self.flops / self.rate,
+                       mfu_against_flops_per_s=self.rate, gpu_peak_gib=self.gpu_peak)
+        return out
+
+    def postfix(self, rec: dict) -> dict:
+        return {"mfu": f"{rec['mfu']:.1%}", "gpu": f"{rec['gpu_peak_gib']:.1f}G"} if "mfu" in rec else {}
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _host_text(sm, schedule) -> str:
+    from megatrain.planner.cost import host_memory
+
+    host = sum(host_memory(sm.graph_for(schedule), schedule).values())
+    return f"{host / 2**30:.2f} GiB ({host / sm.graph.n_params:.1f} bytes per parameter)"
 
 
 def _schedule_text(cfg: TrainConfig) -> str:

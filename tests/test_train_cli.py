@@ -53,8 +53,8 @@ def test_yaml_config_and_flags(tmp_path):
     (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
     (["--clip", "nan"], "clip must be a finite number > 0, or null for no clipping, got nan"),
     (["--device", "tpu"], "device 'tpu' is not a device name torch knows"),
-    (["--model", "qwen2.5-72b"], "host memory: the host store of this model needs 1083.41 GiB (72.706B parameters "
-                                 "x 16 bytes"),
+    (["--model", "qwen2.5-72b"], "host memory: the host store of this model needs 812.56 GiB (72.706B parameters "
+                                 "x 12 bytes"),
     (["--schedule", "polynomial"], "schedule must be one of cosine_with_min_lr, cosine, linear, constant, "
                                    "warmup_stable_decay, got 'polynomial'"),
     (["--schedule", "linear", "--min-lr", "1e-4"], "the linear schedule has none"),
@@ -497,8 +497,8 @@ def test_without_matplotlib_a_run_writes_its_schedule_as_text(tmp_path, capsys, 
 
 
 def test_optimizer_options_metrics_and_tensorboard(tmp_path, capsys):
-    """--schedule / --warmup / --betas / --freeze reach the run; each metrics line has MFU and host memory, and
-    --tensorboard writes the same numbers as events."""
+    """--schedule / --warmup / --betas / --freeze reach the run; each metrics line has the host memory (and on a GPU
+    MFU and the GPU's peak), and --tensorboard writes the same numbers as events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
 
@@ -516,13 +516,13 @@ def test_optimizer_options_metrics_and_tensorboard(tmp_path, capsys):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # linear after one warmup step: transformers' (steps - s) / (steps - warmup) at step s
     assert [r["lr"] for r in lines] == pytest.approx([3e-3, 3e-3, 3e-3 * 2 / 3, 3e-3 / 3])
-    assert all(r["mfu"] > 0 and r["host_rss_gib"] > 0.1 for r in lines)
+    assert all(r["host_rss_gib"] > 0.1 and "mfu" not in r for r in lines)  # MFU on a GPU only (a measured spec)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["betas"] == "0.8,0.9" and 0 < summary["mfu"] < 1e3
+    assert summary["config"]["betas"] == "0.8,0.9" and summary["host_rss_peak_gib"] >= lines[-1]["host_rss_gib"]
     ea = EventAccumulator(str(out / "tensorboard"))
     ea.Reload()
     assert [e.value for e in ea.Scalars("train/loss")] == pytest.approx([r["loss"] for r in lines], rel=1e-6)
-    assert [e.step for e in ea.Scalars("train/mfu")] == [1, 2, 3, 4]
+    assert [e.step for e in ea.Scalars("train/host_rss_gib")] == [1, 2, 3, 4]
     # frozen parameters are the seed's in both runs; the others were trained at two rates and differ
     from fnmatch import fnmatchcase
 

@@ -39,6 +39,15 @@ def base_parser(doc: str | None = None, several_mb: bool = False) -> argparse.Ar
     return ap
 
 
+# from the models' published config.json files
+EXTRA_SHAPES = {
+    "gemma-2-9b": ("gemma2", dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                                  query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                                  final_logit_softcapping=30.0, tie_word_embeddings=True)),
+}
+
+
 def hf_config(preset: str, seq: int, layers: int | None = None):
     """The preset's HF config; ``layers``: that many decoder blocks instead of the preset's."""
     from transformers import AutoConfig
@@ -48,6 +57,10 @@ def hf_config(preset: str, seq: int, layers: int | None = None):
     if layers is not None and layers < 1:
         raise ValueError(f"layers={layers}: a model needs at least one decoder block")
     kind = "llama" if preset.startswith("llama") else "qwen2"
+    if preset in EXTRA_SHAPES:  # shapes the planner has no preset for (another architecture)
+        kind, shape = EXTRA_SHAPES[preset]
+        return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(8192, seq),
+                                    **{**shape, **({"num_hidden_layers": layers} if layers else {})})
     if preset == "tiny":  # for smoke runs on a CPU machine
         return AutoConfig.for_model(model_type="qwen2", hidden_size=64, intermediate_size=160,
                                     num_hidden_layers=layers or 2,

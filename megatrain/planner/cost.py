@@ -12,8 +12,9 @@ from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner.graph import LOSS_CHUNK_TOKENS, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
-GRAD_BYTES = 4  # gradients are accumulated and stored in fp32
-HOST_BYTES_PER_PARAM = 4 + 4 + 4 + 4  # fp32 master, exp_avg, exp_avg_sq, gradient
+GRAD_BYTES = 4  # gradients are accumulated in fp32 (on the host: ScheduleConfig.grad_host_bytes)
+STORE_BYTES_PER_PARAM = 4 + 4 + 4  # the host store: fp32 master, exp_avg, exp_avg_sq (gradients: host buffers
+# the plan sizes, see host_memory)
 OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the gradient slot on the device)
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
@@ -21,7 +22,9 @@ OPT_STATE_ROWS = 3  # LOAD_OPT and STORE_OPT copy master, exp_avg and exp_avg_sq
 # of the next step may start once the first row is stored
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
 COMPUTE_BYTES = 2  # bf16 weights on the device; a device-updated layer keeps its new weights so, for the next step
-POOLS = ("w", "g", "a", "o")
+HOST_UPDATE_CHUNK = 1 << 26  # elements a host update reads a bf16 gradient back into fp32 at a time (256 MiB)
+POOLS = ("w", "g", "a", "o", "k")  # device slot pools
+HOST_POOLS = ("h",)  # host gradient buffers
 
 
 def fmt_bytes(n: float) -> str:
@@ -45,6 +48,7 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
         "g": max(graph.weight_params(i) for i in range(n)) * GRAD_BYTES,
         "a": max(checkpoint_nbytes(graph, cfg, i) for i in range(1, n)),
         "o": max((graph[l].params for l in cfg.gpu_opt), default=0) * OPT_SLOT_BYTES,
+        "k": max((graph[l].params for l in cfg.grad_kept), default=0) * cfg.grad_host_bytes,
     }
 
 
@@ -66,7 +70,7 @@ def slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
 
 
 def _slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {p: [] for p in POOLS}
+    out: dict[str, list[int]] = {p: [] for p in POOLS + HOST_POOLS}
     for op in schedule.ops:
         for role, idx in op.slots:
             pool = SLOT_POOL[role]
@@ -80,9 +84,10 @@ def _slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
 
 def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     """Bytes of each slot of each pool the schedule uses, by slot index (:func:`slot_params` at each pool's bytes
-    per parameter); activation slots are all the largest checkpoint."""
+    per parameter); activation slots are all the largest checkpoint. Host gradient buffers (``h``) included."""
     cfg = schedule.config
-    per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES}
+    per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES, "h": cfg.grad_host_bytes,
+                 "k": cfg.grad_host_bytes}
     checkpoint = slot_nbytes(graph, cfg)["a"]
     return {p: [checkpoint if p == "a" else n * per_param[p] for n in sizes]
             for p, sizes in slot_params(graph, schedule).items()}
@@ -128,6 +133,12 @@ def grad_slot_count(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     return cfg.grad_slots + defers_head_store(graph, cfg)
 
 
+def tied_part(graph: LayerGraph, op: Op) -> bool:
+    """A STORE_G to the host of a layer that reads another's weights (a tied head): its part of the owner's
+    gradient is added to the owner's on the device, and the owner's store sends the sum."""
+    return op.kind is OpKind.STORE_G and op.stream is Stream.D2H and graph.owner(op.layer) != op.layer
+
+
 def weights_kept(cfg: ScheduleConfig, step: int, owner: int) -> bool:
     """Whether step ``step`` finds ``owner``'s weights on the device, left there by its device update of the step
     before (the first step of a run has no such copy and loads from the host)."""
@@ -145,7 +156,8 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     if op.kind is OpKind.LOAD_W:
         return 0 if loads_from_device(graph, cfg, op) else graph.weight_params(op.layer) * cfg.wire_bytes_per_param
     if op.kind is OpKind.STORE_G:  # on the compute stream: a device copy into the optimizer slot
-        return 0 if op.stream is Stream.COMPUTE else graph.weight_params(op.layer) * GRAD_BYTES
+        return 0 if op.stream is Stream.COMPUTE or tied_part(graph, op) else \
+            graph.weight_params(op.layer) * cfg.grad_host_bytes
     if op.kind is OpKind.LOAD_OPT:
         return graph[op.layer].params * OPT_IN_BYTES
     if op.kind is OpKind.STORE_OPT:  # plus the refreshed bf16 shadow when that is what goes on the wire
@@ -214,6 +226,8 @@ def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, laye
     t = p / spec.cpu_adam_params_per_s
     if cfg.wire_bytes_per_param == 2:  # refresh the bf16 shadow that goes on the wire
         t += p / spec.cpu_cast_params_per_s
+    if cfg.grad_host_bytes == 2:  # the bf16 gradient read back into fp32
+        t += p / spec.cpu_cast_params_per_s
     return t
 
 
@@ -230,6 +244,10 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # read from the gradient slot, write the optimizer slot
         return graph.weight_params(op.layer) * 2 * GRAD_BYTES / spec.hbm_bytes_per_s
+    if tied_part(graph, op):  # added to the owner's on the device, well under a millisecond: not modelled
+        return 0.0
+    if k is OpKind.NORM:  # the gradient read (twice: norms, copy), its copy written in the kept slot's dtype
+        return graph.weight_params(op.layer) * (2 * GRAD_BYTES + cfg.grad_host_bytes) / spec.hbm_bytes_per_s
     if k in (OpKind.STORE_G, OpKind.SAVE_ACT, OpKind.STORE_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
@@ -270,9 +288,47 @@ def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     return DeviceMemory(slot_sizes(graph, schedule), work, kept, saved)
 
 
-def host_memory(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
-    """Host bytes by kind: the store (master, moments, gradients), the bf16 shadow, offloaded checkpoints."""
-    out = {"store": graph.n_params * HOST_BYTES_PER_PARAM}
+def host_memory(graph: LayerGraph, schedule: Schedule) -> dict[str, int]:
+    """Host bytes by kind: the store (master weights and moments), the gradient buffers the schedule uses (and, for
+    bf16 ones, the fp32 buffer an update reads one back into, :data:`HOST_UPDATE_CHUNK` elements at a time), the
+    bf16 shadow, offloaded checkpoints."""
+    cfg = schedule.config
+    out = host_floor(graph, cfg)
+    numels = slot_params(graph, schedule)["h"]
+    out["gradients"] = sum(numels) * cfg.grad_host_bytes + (
+        min(max(numels, default=0), HOST_UPDATE_CHUNK) * 4 if cfg.grad_host_bytes == 2 else 0)
+    return out
+
+
+def grad_placement(graph: LayerGraph, schedule: Schedule) -> str:
+    """Where a schedule's gradients live between their backward and their update, in words."""
+    cfg = schedule.config
+    owners = [l for l in range(len(graph)) if graph[l].tie is None]
+    on_gpu = [l for l in owners if l in cfg.gpu_opt]
+    kept = list(cfg.grad_kept)
+    to_host = [l for l in owners if l not in cfg.gpu_opt and l not in cfg.grad_kept]
+    buffers = slot_sizes(graph, schedule)["h"]
+    kind = "bf16" if cfg.grad_host_bytes == 2 else "fp32"
+
+    def params(layers: list[int]) -> str:
+        return f"{sum(graph[l].params for l in layers) / 1e9:.2f}B params"
+
+    parts = []
+    if on_gpu:
+        parts.append(f"{len(on_gpu)} layers' ({params(on_gpu)}) into their optimizer slots on the device")
+    if kept:
+        parts.append(f"{len(kept)} layers' ({params(kept)}) kept on the GPU until their update in {kind} "
+                     f"({fmt_bytes(sum(slot_sizes(graph, schedule)['k']))} of kept-gradient slots), then through the "
+                     f"host buffers in turn")
+    if to_host:
+        when = "during the backward, held until the update pass" if cfg.clip else "as they are complete"
+        parts.append(f"{len(to_host)} layers' ({params(to_host)}) to host buffers {when}")
+    return "; ".join(parts) + f"; {len(buffers)} host buffers ({kind}), {fmt_bytes(sum(buffers))}"
+
+
+def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
+    """The host bytes of :func:`host_memory` that do not depend on the ops: store, shadow, checkpoints."""
+    out = {"store": graph.n_params * STORE_BYTES_PER_PARAM}
     if cfg.wire_bytes_per_param == 2:
         out["bf16_shadow"] = graph.n_params * 2
     out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb

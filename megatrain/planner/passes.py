@@ -137,26 +137,45 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
 def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
     """STORE_G of each layer right after its last micro-batch's backward (a tied head stores into its owner): to
     the host (d2h), or, for a layer updated on the device, into its optimizer slot (a copy on the compute stream).
-    The head's goes in right before the embedding's when ``cost.defers_head_store``."""
+    The head's goes in right before the embedding's when ``cost.defers_head_store``. A layer in ``grad_kept``
+    gets a NORM there instead; its store goes into the update pass (:func:`add_optimizer`)."""
     cfg = s.config
     ids, after = _Ids(s.ops), defaultdict(list)
     last, head = cfg.n_mb - 1, len(graph) - 1
-    on_gpu = set(cfg.gpu_opt)
+    on_gpu, kept = set(cfg.gpu_opt), set(cfg.grad_kept)
+    check_grad_kept(graph, cfg)
     defer = defers_head_store(graph, cfg)
     held = {}  # step -> the head's deferred store
     for op in s.ops:
         if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == last:
-            stream = C if graph.owner(op.layer) in on_gpu else D2H
-            store = Op(ids(), OpKind.STORE_G, stream, op.step, op.layer, deps=(op.id,))
+            if op.layer in kept:
+                store = Op(ids(), OpKind.NORM, C, op.step, op.layer, deps=(op.id,))
+            else:
+                stream = C if graph.owner(op.layer) in on_gpu else D2H
+                store = Op(ids(), OpKind.STORE_G, stream, op.step, op.layer, deps=(op.id,))
             if defer and op.layer == head:
                 held[op.step] = store
                 continue
             if op.layer == 0 and op.step in held:
                 after[op.id].append(held.pop(op.step))
             after[op.id].append(store)
-    n = sum(len(v) for v in after.values())
+    n = sum(len(v) for v in after.values()) - len(kept) * cfg.n_steps
     where = "; the head's after the embedding's backward" if defer else ""
+    if kept:
+        where += f"; layers {sorted(kept)} keep theirs on the device (NORM)"
     return s.with_ops(_insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores{where}")
+
+
+def check_grad_kept(graph: LayerGraph, cfg: ScheduleConfig) -> None:
+    """Refuse ``grad_kept`` layers that cannot keep their gradient on the device until the update pass: it is for
+    layers updated on the host, that own their weights and share them with none, with clipping (without it each
+    update follows its gradient anyway)."""
+    kept = cfg.grad_kept
+    bad = sorted(l for l in kept if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l)
+                 or l in cfg.gpu_opt)
+    if bad or len(set(kept)) != len(kept) or (kept and not (cfg.clip and cfg.train)):
+        raise ValueError(f"grad_kept {list(kept)}: each layer at most once, only with clipping, and only layers "
+                         f"updated on the host that own their weights and share them with none (not {bad})")
 
 
 def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
@@ -179,9 +198,13 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     last_store: dict[tuple[int, Stream], Op] = {}  # (step, stream) -> the step's last store on that stream
     first_bwd = {}  # (step, layer) -> the layer's first backward op (BWD or LOSS of micro-batch 0)
     first_fwd = {}  # (step, layer) -> the layer's first forward op
+    norms = {}  # (step, layer) -> the NORM of a gradient kept on the device
     for op in s.ops:
         if op.kind is OpKind.STORE_G:
             stores[(op.step, graph.owner(op.layer))].append(op)
+            last_store[(op.step, op.stream)] = op
+        elif op.kind is OpKind.NORM:
+            norms[(op.step, op.layer)] = op
             last_store[(op.step, op.stream)] = op
         elif op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == 0:
             first_bwd[(op.step, op.layer)] = op
@@ -233,11 +256,20 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         else:  # host updates in layer order (the next forward's); device updates, whose new weights stay on the
             # device, in the order the next backward loads their state back (backward_order)
             owners = [l for l in owners if l not in on_gpu] + backward_order
+        # the kept gradients go to the host in update order, each ``host_grad_slots`` updates ahead of its own:
+        # a store into a host buffer follows the update that read it before (see assign_host_grad_slots)
+        kept = [l for l in owners if l in cfg.grad_kept]
+        kept_stores = {l: Op(ids(), OpKind.STORE_G, D2H, st, l, deps=(norms[(st, l)].id,)) for l in kept}
+        ahead = max(1, cfg.host_grad_slots)
+        after[last.id].extend(kept_stores[l] for l in kept[:ahead])
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]
             deps = tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])
             if l not in on_gpu:
-                after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=deps))
+                own = (kept_stores[l].id,) if l in kept_stores else ()
+                after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=deps + own))
+                if l in kept_stores and kept.index(l) + ahead < len(kept):
+                    after[anchor.id].append(kept_stores[kept[kept.index(l) + ahead]])
                 continue
             opt = Op(ids(), OpKind.OPT, C, st, l, deps=deps)
             after[anchor.id].append(opt)
@@ -393,22 +425,36 @@ def _activation_uses(cfg: ScheduleConfig, graph: LayerGraph) -> Callable[[Op], l
     return uses
 
 
-def _grad_uses(op: Op) -> list[tuple[str, tuple, bool]]:
-    if op.kind in (OpKind.BWD, OpKind.LOSS):
-        return [("g", (op.step, op.layer), op.mb == 0)]
+def _grad_uses(kept: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
+    def uses(op: Op) -> list[tuple[str, tuple, bool]]:
+        if op.kind in (OpKind.BWD, OpKind.LOSS):
+            return [("g", (op.step, op.layer), op.mb == 0)]
+        if op.kind is OpKind.NORM or op.kind is OpKind.STORE_G and op.layer not in kept:
+            return [("g", (op.step, op.layer), False)]
+        return []
+
+    return uses
+
+
+def _kept_uses(op: Op) -> list[tuple[str, tuple, bool]]:
+    if op.kind is OpKind.NORM:
+        return [("k", (op.step, op.layer), True)]
     if op.kind is OpKind.STORE_G:
-        return [("g", (op.step, op.layer), False)]
+        return [("k", (op.step, op.layer), False)]
     return []
 
 
 def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]], pool: int = 0,
-              limit: int | None = None) -> tuple[list[Op], int]:
+              limit: int | None = None, affinity: Callable[[tuple], object] | None = None) -> tuple[list[Op], int]:
     """Program-order slot allocation. A buffer holds its slot from the op that starts it to its last user; the op
     that next starts a buffer in that slot depends on every user of the previous one (write-after-read).
 
     Free slots are reused first-freed-first (``pool`` slots are free at the start), so a new buffer waits on the
-    readers that finished longest ago; a slot is added only when none is free. Returns the ops and slots used.
+    readers that finished longest ago; a slot is added only when none is free. With ``affinity`` (buffer key ->
+    class), a buffer takes the slot its class had last where that one is free (each layer's gradient in the same
+    host buffer step after step, so buffers are sized for one layer each). Returns the ops and slots used.
     """
+    last_of: dict[object, int] = {}  # affinity class -> the slot it had last
     all_uses = [uses(op) for op in ops]
     last_user: dict[tuple, int] = {}
     for op, u in zip(ops, all_uses):
@@ -427,7 +473,11 @@ def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]]
         roles, deps = [], []
         for role, key, starts in u:
             if starts:
-                if free:
+                mine = last_of.get(affinity(key)) if affinity is not None else None
+                if mine is not None and mine in free:
+                    free.remove(mine)
+                    k = mine
+                elif free:
                     k = free.popleft()
                 else:
                     k, n_slots = n_slots, n_slots + 1
@@ -437,6 +487,8 @@ def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]]
                 prev_users[k] = []
                 slot_of[key] = k
                 used.add(k)
+                if affinity is not None:
+                    last_of[affinity(key)] = k
             if key not in slot_of:
                 raise AssertionError(f"op {op} uses buffer {key} before anything starts it")
             k = slot_of[key]
@@ -456,13 +508,45 @@ def assign_activation_slots(s: Schedule, graph: LayerGraph) -> Schedule:
 
 
 def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
+    """Gradient slots (``grad_slots``: the backward's fp32 sums), and a kept-gradient slot for each gradient that
+    stays on the device until the update pass, from its NORM to its STORE_G."""
     k = grad_slot_count(graph, s.config)
-    ops, n = _allocate(list(s.ops), _grad_uses, pool=k, limit=k)
-    return s.with_ops(ops, f"assign_grad_slots: {n} of {k} gradient slots")
+    kept = set(s.config.grad_kept)
+    ops, n = _allocate(list(s.ops), _grad_uses(kept), pool=k, limit=k)
+    note = f"assign_grad_slots: {n} of {k} gradient slots"
+    if kept:
+        kept_ops, m = _allocate([op for op in ops if op.kind in (OpKind.NORM, OpKind.STORE_G) and op.layer in kept],
+                                _kept_uses, affinity=lambda key: key[1])
+        by_id = {op.id: op for op in kept_ops}
+        ops = [by_id.get(op.id, op) for op in ops]
+        note += f", {m} kept-gradient slots"
+    return s.with_ops(ops, note)
+
+
+def _host_grad_uses(graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
+    def uses(op: Op) -> list[tuple[str, tuple, bool]]:
+        if op.kind is OpKind.STORE_G and op.stream is D2H and graph.owner(op.layer) == op.layer:
+            return [("h", (op.step, op.layer), True)]
+        if op.kind is OpKind.OPT and op.stream is CPU:
+            return [("h", (op.step, op.layer), False)]
+        return []
+
+    return uses
+
+
+def assign_host_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
+    """Host gradient buffers for the gradients that go to the host: each from its STORE_G to the OPT that reads
+    it. With clipping a gradient stored during the backward holds its buffer until the update pass (one buffer per
+    such layer); gradients that pass through (without clipping, or kept on the device until the update pass) take
+    turns in ``host_grad_slots`` buffers."""
+    cfg = s.config
+    ops, n = _allocate(list(s.ops), _host_grad_uses(graph), pool=cfg.host_grad_slots, affinity=lambda key: key[1])
+    kind = "bf16" if cfg.grad_host_bytes == 2 else "fp32"
+    return s.with_ops(ops, f"assign_host_grad_slots: {n} host gradient buffers ({kind})")
 
 
 PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_opt_slots,
-          assign_weight_slots, assign_activation_slots, assign_grad_slots)
+          assign_weight_slots, assign_activation_slots, assign_grad_slots, assign_host_grad_slots)
 
 
 def relabel_saved(s: Schedule, cfg: ScheduleConfig) -> Schedule:

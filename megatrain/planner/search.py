@@ -6,11 +6,13 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
-from megatrain.planner.cost import HOST_BYTES_PER_PARAM, device_memory, host_memory, slot_nbytes, workspace_nbytes
+from megatrain.planner.cost import (STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes, host_floor,
+                                    host_memory, slot_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved
@@ -66,12 +68,11 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
         raise PlanError(f"tokens per step ({tokens}) must be a multiple of the sequence length ({seq_len})")
     if budget > spec.gpu_bytes:
         raise PlanError(f"GPU budget {_gib(budget)} exceeds the {spec.name}'s {_gib(spec.gpu_bytes)}")
-    host = graph.n_params * HOST_BYTES_PER_PARAM
+    host = graph.n_params * STORE_BYTES_PER_PARAM
     if host > spec.host_bytes:
         raise PlanError(
-            f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {HOST_BYTES_PER_PARAM} B "
-            f"(fp32 master, exp_avg, exp_avg_sq, gradient) = {_gib(host)}, the {spec.name} host has "
-            f"{_gib(spec.host_bytes)}")
+            f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {STORE_BYTES_PER_PARAM} B "
+            f"(fp32 master, exp_avg, exp_avg_sq) = {_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}")
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
                               host_checkpoints=len(graph) - 2, budget_bytes=budget)
@@ -89,11 +90,14 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
 def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
                n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
-               resident_opt: int | None = None, grad_slots: int = 2) -> list[ScheduleConfig]:
+               resident_opt: int | None = None, grad_slots: int = 2,
+               grad_host_dtype: str = "fp32") -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
     GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer). ``resident_opt``: how many
-    of the device updates keep their state on the device (see :func:`resident_sets`; None: search)."""
+    of the device updates keep their state on the device (see :func:`resident_sets`; None: search).
+    ``grad_host_dtype``: "bf16" lets gradients go to the host in bf16 (each candidate also so; a plan with fp32
+    gradients is preferred wherever one fits)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -114,12 +118,59 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     check_resident(gpu_opt_every, resident_opt)
     device_sets = [(g, r) for g in device_update_sets(graph, gpu_opt_every)
                    for r in resident_sets(g, "auto" if resident_opt is None else resident_opt, clip)]
+    if grad_host_dtype not in GRAD_HOST_BYTES:
+        raise PlanError(f"grad_host_dtype must be 'fp32' or 'bf16', got {grad_host_dtype!r}")
+    grads = [4] if grad_host_dtype == "fp32" else [4, 2]
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
                        weight_slots=k, grad_slots=grad_slots, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
-                       budget_bytes=budget, gpu_opt=g, resident_opt=r)
-        for m, k, w, h, (g, r) in itertools.product(mbs, slots, wires, offload, device_sets)
+                       budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b)
+        for m, k, w, h, (g, r), b in itertools.product(mbs, slots, wires, offload, device_sets, grads)
     ]
+
+
+GRAD_HOST_BYTES = {"fp32": 4, "bf16": 2}
+# Share of the device memory a plan leaves free that gradients kept on the device until the update pass may take
+# ("auto"): their slots are allocated once, in a few large blocks, so they need less room for the caching
+# allocator than the activations, which fill what they leave (SAVED_FILL)
+KEPT_FILL = 0.95
+
+
+def grad_kept_eligible(graph: LayerGraph, cfg: ScheduleConfig) -> list[int]:
+    """Layers whose gradient can stay on the device until the update pass (``ScheduleConfig.grad_kept``): updated
+    on the host, owning their weights and sharing them with none; none without clipping (each update then follows
+    its gradient)."""
+    if not (cfg.clip and cfg.train):
+        return []
+    return [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l) and l not in cfg.gpu_opt]
+
+
+def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
+                   base: Schedule | None = None) -> ScheduleConfig:
+    """``cfg`` with the layers whose gradient stays on the device until the update pass: the first ``choice`` of
+    :func:`grad_kept_eligible` (in layer order), or for "auto" as many as :data:`KEPT_FILL` of the device memory
+    the plan without them leaves free holds -- a gradient kept there is 4 bytes per parameter of host memory the
+    plan does not need (the host buffers of kept gradients take turns). Host memory is what bounds the model a
+    machine can train, so kept gradients come before saved activations, which take what they leave. ``base``: the
+    schedule of ``cfg`` without kept gradients and saved activations, where the caller has it."""
+    able = grad_kept_eligible(graph, cfg)
+    if choice != "auto":
+        if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
+            raise PlanError(f"grad_kept must be 'auto' or a count of layers >= 0, got {choice!r}")
+        return replace(cfg, grad_kept=tuple(able[:choice]))
+    if not able:
+        return cfg
+    if base is None:
+        base = build_schedule(graph, unsaved(replace(cfg, grad_kept=())))
+    spare = (cfg.budget_bytes - device_memory(graph, base).total_nbytes) * KEPT_FILL
+    out = []
+    for l in able:
+        need = graph.weight_params(l) * cfg.grad_host_bytes  # its kept-gradient slot
+        if need > spare:
+            break
+        spare -= need
+        out.append(l)
+    return replace(cfg, grad_kept=tuple(out))
 
 
 def check_resident(gpu_opt_every: int | str | None, resident_opt: int | str | None) -> None:
@@ -217,21 +268,40 @@ def with_saved_acts(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
     return full if fits else lean
 
 
-def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str,
+def choose_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) -> Schedule:
+    """The schedule of ``cfg`` (without saved activations) with its kept gradients chosen by
+    :func:`with_grad_kept`; for "auto", its estimate checked against the device budget with the slots the
+    allocator gives them, and halved until it fits."""
+    base = build_schedule(graph, unsaved(replace(cfg, grad_kept=())))
+    kept = with_grad_kept(graph, cfg, choice, base).grad_kept
+    while kept:
+        with_kept = build_schedule(graph, unsaved(replace(cfg, grad_kept=kept)))
+        if choice != "auto" or device_memory(graph, with_kept).total_nbytes <= cfg.budget_bytes:
+            return with_kept
+        kept = kept[: len(kept) // 2]
+    return base
+
+
+def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
          cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None]:
-    """One candidate of :func:`plan`: its config with the saved activations chosen, the outcome, and its rank (None
-    where it cannot run). Checks what is cheap first, builds the schedule once, checks it against the device budget
-    and simulates it. Module level, so that worker processes can run it."""
-    host = sum(host_memory(graph, cfg).values())
+    """One candidate of :func:`plan`: its config with the kept gradients and saved activations chosen, the outcome,
+    and its rank (None where it cannot run). Checks what is cheap first, builds the schedule (once, twice with kept
+    gradients), checks it against the device budget and the host memory, and simulates it. Module level, so that
+    worker processes can run it."""
+    host = sum(host_floor(graph, cfg).values())
     if host > spec.host_bytes:
         return cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}", None
     need = _min_device_nbytes(graph, cfg)
     if need > budget:
         return cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}", None
-    base = build_schedule(graph, unsaved(cfg))  # the one build of this candidate (its ops, every choice of saved)
-    try:  # a count of saved layers that this candidate's offloaded checkpoints leave too few layers for
+    try:  # a count of kept gradients or saved layers this candidate cannot take
+        base = choose_grad_kept(graph, cfg, grad_kept)  # its ops, for every choice of saved activations
+        cfg = base.config
+        host = sum(host_memory(graph, base).values())
+        if host > spec.host_bytes:
+            return cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}", None
         cfg = with_saved_acts(graph, cfg, saved_acts, base)
-    except PlanError as e:
+    except (PlanError, ValueError) as e:
         return cfg, str(e), None
     s = relabel_saved(base, cfg)
     try:
@@ -239,13 +309,15 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     except ValueError as e:
         return cfg, str(e), None
     tl = simulate(s, graph, spec)
-    key = (round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb, cfg.weight_slots)
+    # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
+    key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
+           cfg.weight_slots)
     return cfg, f"{tl.step_s:.4f} s/step", key
 
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
-         clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", workers: int = 1,
-         progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
+         clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", grad_kept: int | str = "auto",
+         workers: int = 1, progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps, then the
     order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host,
     each with the saved activations ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises
@@ -264,7 +336,9 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     configs = candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed)
     if saved_acts != "auto" and configs:  # a count no plan can keep, even with every checkpoint on the device
         saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)
-    job = functools.partial(_try, graph, spec, budget, saved_acts)
+    if grad_kept != "auto" and (not isinstance(grad_kept, int) or isinstance(grad_kept, bool) or grad_kept < 0):
+        raise PlanError(f"grad_kept must be 'auto' or a count of layers >= 0, got {grad_kept!r}")
+    job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept)
     outcomes = []
     with contextlib.ExitStack() as stack:
         results = map(job, configs)
@@ -287,3 +361,29 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         return Plan(s, simulate(s, graph, spec), bound(s, graph, spec), graph, spec, tokens, tried)
     reasons = "; ".join(sorted({why for _, why in tried}))
     raise PlanError(f"no plan fits: {reasons}")
+
+
+def largest_on_host(graph: LayerGraph, schedule: Schedule, host_bytes: int) -> str:
+    """The largest model of ``graph``'s family (more or fewer blocks of the same shape) whose host memory fits
+    ``host_bytes`` with this plan's placements, in words: each block more at the store's 12 bytes per parameter,
+    the bf16 shadow where the wire carries it, and with clipping a host gradient buffer of its own (more blocks
+    than the device holds gradients for send theirs to the host during the backward); the other layers and the
+    turn-taking buffers as planned."""
+    cfg = schedule.config
+    blocks = [l for l in range(len(graph)) if graph[l].kind == "block" and graph[l].tie is None]
+    if not blocks:
+        return "no blocks to repeat"
+    per_block = graph[blocks[-1]].params
+    per_param = STORE_BYTES_PER_PARAM + (2 if cfg.wire_bytes_per_param == 2 else 0) + (
+        cfg.grad_host_bytes if cfg.clip else 0)
+    block_bytes = per_block * per_param
+    offloads = cfg.host_checkpoints >= len(graph) - 2  # every checkpoint on the host: a block more, one more
+    if offloads:
+        block_bytes += checkpoint_nbytes(graph, cfg, blocks[-1]) * cfg.n_mb
+    room = host_bytes - sum(host_memory(graph, schedule).values())
+    extra = math.floor(room / block_bytes) if room >= 0 else -math.ceil(-room / block_bytes)
+    n = max(0, len(blocks) + extra)
+    total = graph.n_params + (n - len(blocks)) * per_block
+    return (f"{n} blocks ({total / 1e9:.1f}B params) of this shape fit {fmt_bytes(host_bytes)} of host memory with "
+            f"this plan's placements (each block more: {per_param} bytes per parameter on the host"
+            + (", and its checkpoints" if offloads else "") + ")")

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field
 
 from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, resident_slots
-from megatrain.planner.cost import (OPT_STATE_ROWS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
-                                    transfer_nbytes, workspace_nbytes)
+from megatrain.planner.cost import (OPT_STATE_ROWS, POOLS, device_memory, duration_s, host_memory, saved_nbytes,
+                                    slot_sizes, transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -243,7 +243,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
     return Timeline(
         source="simulated", ops=ops, start_s=start, end_s=end_s,
         memory=memory_curve(schedule, graph, start, end_s),
-        reserved_nbytes=mem.total_nbytes, host_nbytes=sum(host_memory(graph, cfg).values()), n_steps=cfg.n_steps,
+        reserved_nbytes=mem.total_nbytes, host_nbytes=sum(host_memory(graph, schedule).values()), n_steps=cfg.n_steps,
     )
 
 
@@ -255,7 +255,8 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
     size = slot_sizes(graph, schedule)
     events: list[tuple[float, int]] = []
     holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
-    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.LOAD_OPT: ("o",)}
+    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.LOAD_OPT: ("o",),
+                OpKind.NORM: ("k",)}
     # a resident state's slot is in use from before the schedule to after it
     homes = {("o", k) for k in resident_slots(schedule, graph.owner).values()}
     for key in homes:
@@ -266,7 +267,7 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
             fills.add("g")
         for role, idx in op.slots:
             key = (SLOT_POOL[role], idx)
-            if key in homes:
+            if key in homes or key[0] not in POOLS:  # host gradient buffers are not device memory
                 continue
             if role in fills:
                 if key in holder:  # the old content's last read may overlap the refill (a state load a row

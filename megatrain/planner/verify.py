@@ -15,6 +15,7 @@ from megatrain.ir import (KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Sch
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.passes import check_grad_kept
 
 
 EVALUATION_KINDS = (OpKind.LOAD_W, OpKind.FWD, OpKind.EVAL)  # what an evaluation schedule holds
@@ -71,6 +72,13 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
     if len(set(resident)) != len(resident) or not set(resident) <= set(cfg.gpu_opt):
         raise ScheduleError("resident", None, f"resident_opt {list(resident)}: each layer at most once, and only "
                                               f"layers updated on the device (gpu_opt {list(cfg.gpu_opt)})")
+    try:
+        check_grad_kept(graph, cfg)
+    except ValueError as e:
+        raise ScheduleError("grad-kept", None, str(e)) from None
+    if cfg.grad_host_bytes not in (2, 4) or cfg.host_grad_slots < 1:
+        raise ScheduleError("config", None, f"grad_host_bytes must be 4 (fp32) or 2 (bf16) and host_grad_slots at "
+                                            f"least 1, got {cfg.grad_host_bytes} and {cfg.host_grad_slots}")
     homes = resident_slots(s, graph.owner)
     if len(set(homes.values())) != len(homes):
         raise ScheduleError("resident", None, f"resident layers share optimizer slots: {homes}")
@@ -106,6 +114,9 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt)")
         if op.kind is OpKind.STORE_OPT and op.layer in resident:
             raise ScheduleError("kind", op, f"layer {op.layer}'s state stays on the device (resident_opt)")
+        if op.kind is OpKind.NORM and op.layer not in cfg.grad_kept:
+            raise ScheduleError("kind", op, f"layer {op.layer}'s gradient does not stay on the device (grad_kept "
+                                            f"{list(cfg.grad_kept)}): its store takes its norms")
         if op.kind is OpKind.STORE_G and (graph.owner(op.layer) in cfg.gpu_opt) != (op.stream is Stream.COMPUTE):
             want = "into its optimizer slot (compute)" if graph.owner(op.layer) in cfg.gpu_opt else "to the host (d2h)"
             raise ScheduleError("stream", op, f"layer {op.layer}'s gradient goes {want}, not on {op.stream.value}")
@@ -151,6 +162,9 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                     raise ScheduleError("fwd-before-bwd", seen[(OpKind.BWD, st, l, j)], "its FWD may not have run")
             if (OpKind.STORE_G, st, l, None) not in seen:
                 raise ScheduleError("complete", None, f"step {st} never stores the gradient of layer {l}")
+            if l in cfg.grad_kept and (OpKind.NORM, st, l, None) not in seen:
+                raise ScheduleError("complete", None, f"step {st} never takes the norms of layer {l}'s gradient, "
+                                                      f"which stays on the device (grad_kept)")
             if graph[l].tie is None and (OpKind.OPT, st, l, None) not in seen:
                 raise ScheduleError("complete", None, f"step {st} never optimizes layer {l}")
             if l in cfg.gpu_opt:
@@ -162,14 +176,20 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                                f"never stored" if stays else f"layer {l} is updated on the device")
                         raise ScheduleError("complete", seen.get((k, st, l, None)),
                                             f"step {st} {'has no' if want else 'has a'} {k.value} of layer {l} ({why})")
-        stores = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st]
+        # where each gradient's norms are taken: its NORM where it stays on the device, else its store
+        stores = [op for op in s.ops if op.step == st and (
+            op.kind is OpKind.NORM or op.kind is OpKind.STORE_G and op.layer not in cfg.grad_kept)]
+        own = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st]
         readers = (op for op in s.ops if op.step == st and op.kind is OpKind.OPT)
         for opt in readers:
-            for g in stores:
-                if (cfg.clip or graph.owner(g.layer) == opt.layer) and not hb(g.id, opt.id):
-                    why = "clipping needs every gradient of the step" if graph.owner(g.layer) != opt.layer else \
-                        "it updates weights whose gradient"
-                    raise ScheduleError("store-before-opt", opt, f"{why}: '{g}' may not have finished")
+            for g in stores if cfg.clip else ():
+                if not hb(g.id, opt.id):
+                    raise ScheduleError("store-before-opt", opt, f"clipping needs every gradient's norms of the "
+                                                                 f"step: '{g}' may not have finished")
+            for g in own:
+                if graph.owner(g.layer) == opt.layer and not hb(g.id, opt.id):
+                    raise ScheduleError("store-before-opt", opt, f"it updates weights whose gradient '{g}' may not "
+                                                                 f"have finished")
     for op in s.ops:
         if op.kind is OpKind.LOAD_W and op.step > 0:
             o = graph.owner(op.layer)
@@ -182,7 +202,7 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
 def _contents(s: Schedule, graph: LayerGraph, op: Op) -> tuple[dict[str, tuple], dict[str, tuple]]:
     resident = set(s.config.resident_opt)
     return slot_contents(op, graph.owner, s.config.n_mb, lambda layer: bool(graph.tied_to(layer)),
-                         resident.__contains__)
+                         resident.__contains__, set(s.config.grad_kept).__contains__)
 
 
 def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
@@ -240,7 +260,7 @@ def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = No
     _check_counts(schedule, graph, hb)
     _check_slots(schedule, graph, hb)
     if spec is not None:
-        host = sum(host_memory(graph, schedule.config).values())
+        host = sum(host_memory(graph, schedule).values())
         if host > spec.host_bytes:
             raise ScheduleError("host-memory", None, f"needs {fmt_bytes(host)} of host memory, {spec.name} has "
                                 f"{fmt_bytes(spec.host_bytes)}")

@@ -10,11 +10,11 @@ import torch
 from megatrain.ir import Op, Schedule
 from megatrain.planner.cost import slot_params
 from megatrain.planner.graph import LayerGraph
-from megatrain.runtime.store import ROWS, HostStore
+from megatrain.runtime.store import OPT_SLOT_ROWS, HostStore, grad_host_dtype
 
 
 class DeviceState:
-    """``w`` / ``g`` / ``o``: the weight (compute dtype), gradient (fp32) and optimizer (fp32, ``ROWS`` rows) slots,
+    """``w`` / ``g`` / ``o``: the weight (compute dtype), gradient (fp32) and optimizer (fp32, ``OPT_SLOT_ROWS``) slots,
     each as large as the largest layer a schedule puts in it. ``kept``: owner -> (its weights in the compute dtype
     as its last device update left them, the store generation they belong to). ``resident``: owner -> (the
     optimizer slot holding its current master weights and moments, the store generation); the host block holds an
@@ -26,6 +26,7 @@ class DeviceState:
         self.w: list[torch.Tensor] = []
         self.g: list[torch.Tensor] = []
         self.o: list[torch.Tensor] = []
+        self.k: list[torch.Tensor] = []  # kept-gradient slots (fp32 or bf16, as the schedule's host gradients)
         self.kept: dict[int, tuple[torch.Tensor, int]] = {}
         self.kept_buf: dict[int, torch.Tensor] = {}
         self.resident: dict[int, tuple[int, int]] = {}
@@ -40,7 +41,7 @@ class DeviceState:
         one's (measured: a 7B plan for 32K tokens left too little device memory for the 131K-token plan after
         it)."""
         sizes = self.slot_numels(schedule)
-        extra = [p for p in ("w", "g", "o") if len(getattr(self, p)) > len(sizes[p])]
+        extra = [p for p in ("w", "g", "o", "k") if len(getattr(self, p)) > len(sizes[p])]
         stale = [l for l in self.kept_buf if l not in schedule.config.gpu_opt]
         if extra or stale:
             self.quiesce()
@@ -51,10 +52,11 @@ class DeviceState:
                 self.kept.pop(l, None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32)):
+        kept = grad_host_dtype(schedule.config)
+        for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32), ("k", kept)):
             slots: list[torch.Tensor] = getattr(self, pool)
             for k, n in enumerate(sizes[pool]):
-                if k < len(slots) and slots[k].numel() >= n:
+                if k < len(slots) and slots[k].numel() >= n and slots[k].dtype == dtype:
                     continue
                 if k < len(slots):
                     self.quiesce()  # nothing may still use the old buffer
@@ -63,12 +65,13 @@ class DeviceState:
                     slots.append(torch.empty(n, dtype=dtype, device=self.device))
 
     def slot_numels(self, schedule: Schedule) -> dict[str, list[int]]:
-        """Elements of each weight, gradient and optimizer slot (``ROWS`` rows) ``schedule`` uses."""
+        """Elements of each weight, gradient and optimizer slot (``OPT_SLOT_ROWS`` rows) ``schedule`` uses."""
         cached = self._numels.get(id(schedule))
         if cached is not None and cached[0] is schedule:
             return cached[1]
         params = slot_params(self.graph, schedule)
-        out = {"w": params["w"], "g": params["g"], "o": [n * len(ROWS) for n in params["o"]]}
+        out = {"w": params["w"], "g": params["g"], "o": [n * len(OPT_SLOT_ROWS) for n in params["o"]],
+               "k": params["k"], "h": params["h"]}
         self._numels[id(schedule)] = (schedule, out)
         return out
 
@@ -82,7 +85,7 @@ class DeviceState:
 
     def state_block(self, owner: int, k: int) -> torch.Tensor:
         n = self.graph[owner].params
-        return self.o[k][: len(ROWS) * n].view(len(ROWS), n)
+        return self.o[k][: len(OPT_SLOT_ROWS) * n].view(len(OPT_SLOT_ROWS), n)
 
     def tied_sum(self, owner: int, numel: int) -> torch.Tensor:
         """The buffer a tied gradient's parts are summed in on the device before it goes to the host."""

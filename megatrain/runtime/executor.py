@@ -24,7 +24,7 @@ from megatrain.runtime.device import DeviceState
 from megatrain.runtime.optim import HostAdamW
 from megatrain.runtime.rng import StepRng
 from megatrain.runtime.step import MicroBatch, StepOutput, StepState
-from megatrain.runtime.store import HostStore
+from megatrain.runtime.store import HostStore, grad_host_dtype
 from megatrain.runtime.templates import LayerRunner
 
 __all__ = ["ExecutionError", "Executor", "MicroBatch", "StepOutput"]
@@ -69,6 +69,7 @@ class Executor:
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
         self._settle_resident(schedule)
         self.dev.fit(schedule)
+        self.store.grads.fit(self.dev.slot_numels(schedule)["h"], grad_host_dtype(cfg), self._quiesce)
         tags, accesses = self._slot_plan(schedule)
         self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
         # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional), one
@@ -169,7 +170,9 @@ class Executor:
             return cached[1], cached[2]
         shared = lambda layer: bool(self.graph.tied_to(layer))  # noqa: E731
         resident = set(schedule.config.resident_opt).__contains__
-        tags = [slot_contents(op, self.graph.owner, schedule.config.n_mb, shared, resident) for op in schedule.ops]
+        kept = set(schedule.config.grad_kept).__contains__
+        tags = [slot_contents(op, self.graph.owner, schedule.config.n_mb, shared, resident, kept)
+                for op in schedule.ops]
         accesses: dict[tuple[str, int], list[tuple[int, bool, tuple]]] = {}
         for op in schedule.ops:
             reads, writes = tags[op.id]

@@ -240,10 +240,15 @@ def _take_norms(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
 
 
 def store_grad_to_host(ex, op: Op, st: StepState) -> None:
-    """The layer's gradient (summed over the micro-batches in its slot) to its owner's host gradient; a tied
+    """The layer's gradient (summed over the micro-batches in its slot) to its host gradient buffer, in the buffer's
+    dtype (rounded on the device where that is bf16), its norms taken first unless a NORM took them; a tied
     gradient's parts are summed on the device first, and the sum goes to the host once."""
     o = ex.graph.owner(op.layer)
-    n = ex.store.grad(o).numel()
+    n = ex.graph.weight_params(o)
+    dst = ex.store.grads.view(op.slot("h"), n) if op.slot("h") is not None else None
+    if op.slot("k") is not None:  # kept on the device until now: norms taken, in the buffer's dtype already
+        dst.copy_(ex.dev.k[op.slot("k")][:n], non_blocking=ex.non_blocking)
+        return
     src = ex.dev.g[op.slot("g")][:n]
     if ex.graph.tied_to(o):
         buf = ex.dev.tied_sum(o, n)
@@ -251,7 +256,16 @@ def store_grad_to_host(ex, op: Op, st: StepState) -> None:
             return
         src = buf
     _take_norms(ex, st, o, src)
-    ex.store.grad(o).copy_(src, non_blocking=ex.non_blocking)
+    dst.copy_(src if dst.dtype == src.dtype else src.to(dst.dtype), non_blocking=ex.non_blocking)
+
+
+def take_norms(ex, op: Op, st: StepState) -> None:
+    """NORM: the norms of a complete gradient, which then moves to its kept-gradient slot (rounded to the slot's
+    dtype), where it waits for the update pass; its gradient slot is free after."""
+    n = ex.graph.weight_params(op.layer)
+    src = ex.dev.g[op.slot("g")][:n]
+    _take_norms(ex, st, op.layer, src)
+    ex.dev.k[op.slot("k")][:n].copy_(src)
 
 
 def store_grad_to_state(ex, op: Op, st: StepState) -> None:
@@ -270,6 +284,10 @@ def guard(ex, st: StepState) -> None:
     clipping), NaN where the norm or the loss is not finite, which makes a device update change nothing."""
     dev = ex.device
     norms = [st.param_norms[n] for n in ex.captured.model_param_names if n in st.param_norms]
+    if st.clip and len(norms) != sum(len(spans) for spans in ex.param_spans.values()):
+        missing = sorted(n for spans in ex.param_spans.values() for n, _, _ in spans if n not in st.param_norms)
+        raise AssertionError(f"the global norm lacks the gradient norms of {len(missing)} parameters, e.g. "
+                             f"{missing[:3]}: no op took them before the step's first update")
     for n in norms:
         ex.keep_alive(n)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=dev)
@@ -285,7 +303,8 @@ def update_on_host(ex, op: Op, st: StepState) -> None:
     """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update."""
     if not st.ok():
         return
-    ex.optimizer.step_layer(op.layer, coef=st.coef_value())
+    ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), ex.graph.weight_params(op.layer)),
+                            coef=st.coef_value())
 
 
 def update_on_device(ex, op: Op, st: StepState) -> None:
@@ -326,6 +345,7 @@ HANDLERS = {
     (OpKind.LOAD_ACT, Stream.H2D): load_act,
     (OpKind.STORE_G, Stream.D2H): store_grad_to_host,
     (OpKind.STORE_G, Stream.COMPUTE): store_grad_to_state,
+    (OpKind.NORM, Stream.COMPUTE): take_norms,
     (OpKind.OPT, Stream.CPU): update_on_host,
     (OpKind.OPT, Stream.COMPUTE): update_on_device,
     (OpKind.LOAD_OPT, Stream.H2D): load_state,

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from megatrain.planner.cost import HOST_UPDATE_CHUNK
 from megatrain.runtime.store import HostStore
 
 
@@ -150,18 +151,22 @@ class HostAdamW:
         self.store, self.cfg = store, cfg
         self.opts: dict[int, torch.optim.AdamW] = {}
         self.ranges: dict[int, list[tuple[int, int, bool]]] = {}
+        self.chunks: dict[int, list[tuple[int, int, bool]]] = {}  # the ranges cut into HOST_UPDATE_CHUNK elements
         self.params: dict[int, list[torch.Tensor]] = {}  # the view objects the optimizers hold (new views would not
-        # do), one per range
+        # do), one per chunk: a bf16 gradient is read back into fp32 and applied a chunk at a time
         for layer in store.owners():
             ranges = self.ranges[layer] = update_ranges(store.captured, layer, cfg.decay_all)
             if not ranges:
                 continue
+            chunks = self.chunks[layer] = [(c, min(c + HOST_UPDATE_CHUNK, b), d) for a, b, d in ranges
+                                           for c in range(a, b, HOST_UPDATE_CHUNK)]
             master, exp_avg, exp_avg_sq = (store.row(layer, r) for r in ("master", "exp_avg", "exp_avg_sq"))
-            views = self.params[layer] = [master[a:b] for a, b, _ in ranges]
-            opt = torch.optim.AdamW([{"params": [v], "weight_decay": self._decay(d)} for v, (_, _, d)
-                                     in zip(views, ranges)], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+            views = self.params[layer] = [master[a:b] for a, b, _ in chunks]
+            groups = [{"params": [v for v, (_, _, d) in zip(views, chunks) if d == decay],
+                       "weight_decay": self._decay(decay)} for decay in (True, False)]
+            opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                     fused=cfg.fused or None)
-            for v, (a, b, _) in zip(views, ranges):
+            for v, (a, b, _) in zip(views, chunks):
                 opt.state[v] = {"step": torch.zeros((), dtype=torch.float32, device=v.device),
                                 "exp_avg": exp_avg[a:b], "exp_avg_sq": exp_avg_sq[a:b]}
             self.opts[layer] = opt
@@ -221,16 +226,22 @@ class HostAdamW:
         grad.mul_(coef)
         return None
 
-    def step_layer(self, layer: int, coef: float = 1.0) -> None:
-        """AdamW on one layer's host block, its gradient scaled by ``coef`` (the step's clip factor)."""
+    def step_layer(self, layer: int, grad: torch.Tensor, coef: float = 1.0) -> None:
+        """AdamW on one layer's host block with its gradient ``grad`` (a host buffer: fp32, changed in place where
+        the update scales it, or bf16, read back into fp32 first: ``GradBuffers.as_fp32``) scaled by ``coef`` (the
+        step's clip factor)."""
         opt = self.opts.get(layer)
         if opt is None:
             return
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
-        grad = self.store.grad(layer)
-        views = self.params[layer]
-        self._torch_step(opt, views, [grad[a:b] for a, b, _ in self.ranges[layer]], self._grad_scale(grad, coef))
+        views, chunks = self.params[layer], self.chunks[layer]
+        if grad.dtype == torch.float32:
+            self._torch_step(opt, views, [grad[a:b] for a, b, _ in chunks], self._grad_scale(grad, coef))
+        else:  # one chunk at a time (a parameter without a gradient is left alone by the step)
+            for v, (a, b, _) in zip(views, chunks):
+                g = self.store.grads.as_fp32(grad[a:b])
+                self._torch_step(opt, [v], [g], self._grad_scale(g, coef))
         self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,

@@ -1,4 +1,5 @@
-"""Host store: per layer one contiguous fp32 block holding master weights, exp_avg, exp_avg_sq and the gradient."""
+"""Host store: per layer one contiguous fp32 block holding master weights, exp_avg and exp_avg_sq; and the host
+gradient buffers a schedule's gradients pass through (as many and as large as its plan says)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from torch import nn
 
 from megatrain.capture import Captured
+from megatrain.planner.cost import HOST_UPDATE_CHUNK
 
-ROWS = ("master", "exp_avg", "exp_avg_sq", "grad")
+ROWS = ("master", "exp_avg", "exp_avg_sq")
+OPT_SLOT_ROWS = ROWS + ("grad",)  # a device optimizer slot's rows: the state and the step's gradient
 
 
 def available_host_bytes(root: Path = Path("/")) -> int | None:
@@ -49,8 +52,9 @@ def host_rss_bytes(root: Path = Path("/")) -> int | None:
 
 
 def store_nbytes(captured: Captured, *, shadow: bool = False) -> int:
-    """Host bytes a :class:`HostStore` of ``captured`` takes: four fp32 rows per owned parameter, and with ``shadow``
-    the bf16 copy of the masters a bf16 wire sends."""
+    """Host bytes a :class:`HostStore` of ``captured`` takes: three fp32 rows per owned parameter, and with
+    ``shadow`` the bf16 copy of the masters a bf16 wire sends (gradient buffers come with a plan: see
+    :class:`GradBuffers`)."""
     return captured.graph.n_params * (4 * len(ROWS) + (2 if shadow else 0))
 
 
@@ -123,9 +127,72 @@ def pinned_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return t
 
 
+def grad_host_dtype(cfg) -> torch.dtype:
+    """The dtype of a schedule's host gradient buffers (``ScheduleConfig.grad_host_bytes``)."""
+    return torch.bfloat16 if cfg.grad_host_bytes == 2 else torch.float32
+
+
+class GradBuffers:
+    """The host gradient buffers (the ``h`` slots of schedules): buffer k as large as the largest layer any schedule
+    run puts in it, in that schedule's dtype (fp32, or bf16 where the plan sends bf16 gradients), pinned like the
+    store. Grown as schedules need, never shrunk; :meth:`extra_nbytes` says beforehand what a schedule would add."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.bufs: list[torch.Tensor] = []
+        # where a host update reads a bf16 gradient back into fp32 (one update at a time): as large as the largest
+        # bf16 buffer
+        self.fp32: torch.Tensor = torch.empty(0)
+
+    def _missing(self, numels: list[int], dtype: torch.dtype) -> list[tuple[int, int]]:
+        return [(k, n) for k, n in enumerate(numels) if k >= len(self.bufs) or self.bufs[k].numel() < n
+                or self.bufs[k].dtype != dtype]
+
+    def _fp32_numel(self, numels: list[int], dtype: torch.dtype) -> int:
+        """Elements the fp32 read-back buffer needs beyond what it has (none for fp32 buffers): a chunk of the
+        largest buffer (the host update reads a bf16 gradient back a chunk at a time)."""
+        need = min(max(numels, default=0), HOST_UPDATE_CHUNK) if dtype != torch.float32 else 0
+        return need if need > self.fp32.numel() else 0
+
+    def extra_nbytes(self, numels: list[int], dtype: torch.dtype) -> int:
+        """Host bytes :meth:`fit` would allocate (the buffers it replaces are freed after)."""
+        return sum(n * dtype.itemsize for _, n in self._missing(numels, dtype)) + 4 * self._fp32_numel(numels, dtype)
+
+    def fit(self, numels: list[int], dtype: torch.dtype, quiesce: Callable[[], None]) -> None:
+        """Buffers for a schedule whose buffer k holds up to ``numels[k]`` elements; ``quiesce`` first waits until
+        nothing uses a buffer that is replaced."""
+        missing = self._missing(numels, dtype)
+        grow = self._fp32_numel(numels, dtype)
+        if any(k < len(self.bufs) for k, _ in missing) or (grow and self.fp32.numel()):
+            quiesce()
+        for k, n in missing:
+            buf = pinned_zeros(n, dtype=dtype) if self.pinned else torch.zeros(n, dtype=dtype)
+            if k < len(self.bufs):
+                self.bufs[k] = buf
+            else:
+                self.bufs.append(buf)
+        if grow:
+            self.fp32 = torch.empty(grow, dtype=torch.float32)
+
+    def view(self, k: int, numel: int) -> torch.Tensor:
+        return self.bufs[k][:numel]
+
+    def as_fp32(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (a chunk of at most HOST_UPDATE_CHUNK elements of a bf16 buffer) read back into the fp32
+        buffer; an fp32 one as it is."""
+        if grad.dtype == torch.float32:
+            return grad
+        return self.fp32[: grad.numel()].copy_(grad)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.bufs) + self.fp32.numel() * 4
+
+
 class HostStore:
-    """``block(l)`` is a (4, n_l) fp32 tensor for every layer that owns weights (n_l > 0), allocated in layer order,
-    pinned when CUDA is available so copies to and from the device run at full rate."""
+    """``block(l)`` is a (3, n_l) fp32 tensor for every layer that owns weights (n_l > 0), allocated in layer order,
+    pinned when CUDA is available so copies to and from the device run at full rate; ``grads``: the host gradient
+    buffers (:class:`GradBuffers`)."""
 
     def __init__(self, captured: Captured, *, pin: bool | None = None, progress: Callable[[int], None] | None = None):
         self.captured = captured
@@ -139,6 +206,7 @@ class HostStore:
                     progress(seg.numel)
             else:
                 self.blocks.append(None)
+        self.grads = GradBuffers(self.pinned)
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
         self.generation = 0  # counts loads of new weights from outside (copies made of the masters go stale)
         # called before new weights come in from outside: whoever holds a newer copy of any row (an executor
@@ -149,7 +217,7 @@ class HostStore:
         return self.block(layer)[ROWS.index(what)]
 
     def block(self, layer: int) -> torch.Tensor:
-        """The layer's (4, n) fp32 block, rows in ``ROWS`` order (master, exp_avg, exp_avg_sq, grad)."""
+        """The layer's (3, n) fp32 block, rows in ``ROWS`` order (master, exp_avg, exp_avg_sq)."""
         b = self.blocks[layer]
         if b is None:
             raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
@@ -157,9 +225,6 @@ class HostStore:
 
     def master(self, layer: int) -> torch.Tensor:
         return self.row(layer, "master")
-
-    def grad(self, layer: int) -> torch.Tensor:
-        return self.row(layer, "grad")
 
     # ---- the bf16 shadow: what goes on the wire when a plan sends weights as bf16 --------------------------
     def shadow(self, layer: int) -> torch.Tensor:
@@ -242,5 +307,6 @@ class HostStore:
 
     @property
     def nbytes(self) -> dict[str, int]:
+        """Host bytes of the store's rows (the gradient buffers: ``grads.nbytes``)."""
         per_row = sum(b.shape[1] for b in self.blocks if b is not None) * 4
         return {r: per_row for r in ROWS}

@@ -13,6 +13,7 @@ the whole device is synchronized before a step). Every op is timed (:mod:`megatr
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -24,8 +25,18 @@ from megatrain.runtime.optim import lr_at
 from megatrain.runtime.step import MicroBatch, StepOutput, StepState
 from megatrain.runtime.timing import OpTimer
 
-BUFFER_POOLS = ("w", "g", "o")  # pools of buffers allocated once and rewritten every step (activations are fresh
-# tensors, which the caching allocator keeps apart across streams)
+BUFFER_POOLS = ("w", "g", "o", "k")  # pools of buffers allocated once and rewritten every step (activations are
+# fresh tensors, which the caching allocator keeps apart across streams)
+
+
+class _Step(NamedTuple):
+    """What issuing an op of one step uses of that step: its ops' end events, slot contents, index among the steps
+    issued, and where its timings go."""
+
+    events: dict
+    tags: list
+    step: int
+    timing: list
 
 
 class StreamExecutor(Executor):
@@ -55,6 +66,10 @@ class StreamExecutor(Executor):
         self.slot_use: dict[tuple[str, int], tuple[int, torch.cuda.Event, tuple[OpKind, int]]] = {}
         self.store_opt_done: dict[int, tuple[int, list[torch.cuda.Event]]] = {}
         self.kept_done: dict[int, tuple[int, torch.cuda.Event]] = {}
+        # host gradient buffer -> (step, the optimizer task that read it last); slot -> the worker's issue of a GPU
+        # op that uses it, which the next step's writer waits for before it looks at slot_use
+        self.host_buffer_user: dict[int, tuple[int, Future]] = {}
+        self.slot_pending: dict[tuple[str, int], Future] = {}
         self.host_keep: list[torch.Tensor] = []
         self.loss_host: torch.Tensor | None = None  # pinned: the step's loss sums, copied right after its last LOSS
         self.loss_copied: torch.cuda.Event | None = None
@@ -183,60 +198,100 @@ class StreamExecutor(Executor):
             self._issue_op(op, st)
 
     def _issue_op(self, op: Op, st: StepState) -> None:
-        gpu_deps = [d for d in op.deps if st.schedule.ops[d].stream is not Stream.CPU]
-        cpu_deps = [d for d in op.deps if st.schedule.ops[d].stream is Stream.CPU]
+        # dependencies on ops the worker runs (optimizer tasks, and GPU ops it issues) are futures; on the others,
+        # events (recorded when this thread issued them)
+        later = [d for d in op.deps if d in self.futures]
         if op.kind is OpKind.LOAD_W and self.graph.owner(op.layer) in self.last_opt:  # the previous step's update
             self.timer.waited(self.last_opt[self.graph.owner(op.layer)])
         if op.kind is OpKind.OPT and st.guard is None:
-            self._guard(st, gpu_deps)
+            self._guard(st, op.deps)
         handler = ops.HANDLERS[(op.kind, op.stream)]
+        earlier = self._host_buffer_readers(op)  # an earlier step's update that may still read a host buffer
+        # this step's, as they are now: the worker may issue one of its ops after the next step's run began
+        ctx = _Step(self.events, self.tags, self.steps_issued, self.timer.records())
+        events = ctx.events
         if op.stream is Stream.CPU:
-            events, deps = [self.events[d] for d in gpu_deps], [self.futures[d] for d in cpu_deps]
-            fut = self.worker.submit(self.timer.task(op, handler, self, st, deps, events))
+            fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in later] + earlier,
+                                                     lambda: [events[d] for d in op.deps if d in events]))
             self.timer.record_task(op, fut)
             self.futures[op.id] = fut
+            for role, idx in op.slots:
+                if role == "h":
+                    self.host_buffer_user[idx] = (self.steps_issued, fut)
             if op.kind is OpKind.OPT:
                 self.last_opt[op.layer] = fut
             return
-        for d in cpu_deps:
-            self.timer.waited(self.futures[d])
+        if later and op.kind is not OpKind.LOAD_W:
+            # a GPU op that waits for an optimizer task (a gradient store into a host buffer an update still reads):
+            # the worker issues it after that task, so this thread goes on issuing (the next step's forward)
+            fut = self.worker.submit(self._issue_gpu, op, st, handler, ctx)
+            self.futures[op.id] = fut
+            for role, idx in op.slots:
+                if SLOT_POOL[role] in BUFFER_POOLS:
+                    self.slot_pending[(SLOT_POOL[role], idx)] = fut
+            return
+        for f in [self.futures[d] for d in later] + earlier:
+            self.timer.waited(f)
+        self._issue_gpu(op, st, handler, ctx)
+
+    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: "_Step") -> None:
+        """Issue a GPU op of step ``ctx`` on its stream after its dependencies' events (recorded by the issuing
+        thread, or by the worker for the ops it issued, which run before it in the worker's order)."""
         stream = self.streams[op.stream]
-        for d in gpu_deps:
-            stream.wait_event(self.events[d])
+        for d in op.deps:
+            if d in ctx.events:
+                stream.wait_event(ctx.events[d])
         if not self.sync_between_steps:
-            self._wait_for_earlier_steps(op, stream)
-        with torch.cuda.stream(stream), self.timer.on_stream(op, stream) as end:
+            self._wait_for_earlier_steps(op, stream, ctx)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream), \
+                self.timer.on_stream(op, stream, ctx.timing) as end:
             handler(self, op, st)
             if op.kind in (OpKind.LOSS, OpKind.EVAL) and op.mb == len(st.loss_sums) - 1:
                 self._copy_losses(st)
-        self.events[op.id] = end
+        ctx.events[op.id] = end
         if not self.sync_between_steps:
             for role, idx in op.slots:
                 if SLOT_POOL[role] in BUFFER_POOLS:
-                    self.slot_use[(SLOT_POOL[role], idx)] = (self.steps_issued, end, (op.kind, op.layer))
+                    self.slot_use[(SLOT_POOL[role], idx)] = (ctx.step, end, (op.kind, op.layer))
             if op.kind is OpKind.OPT:  # on the device: the kept weights are ready when it ends
-                self.kept_done[op.layer] = (self.steps_issued, end)
+                self.kept_done[op.layer] = (ctx.step, end)
 
-    def _guard(self, st: StepState, store_deps: list[int]) -> None:
+    def _host_buffer_readers(self, op: Op) -> list[Future]:
+        """The optimizer task of an earlier step that last read a host gradient buffer ``op`` writes (within a
+        step the schedule orders them)."""
+        out = []
+        for role, idx in op.slots:
+            last = self.host_buffer_user.get(idx) if role == "h" and op.kind is OpKind.STORE_G else None
+            if last is not None and last[0] < self.steps_issued:
+                out.append(last[1])
+        return out
+
+    def _guard(self, st: StepState, store_deps: tuple[int, ...]) -> None:
         """The step's guard (:func:`ops.guard`) on the compute stream once ``store_deps`` (which end the gradient
-        stores on each stream) are done, and its copy to pinned memory on the ``d2h`` stream: device updates read
-        the factor on the device, host updates and the step's result wait for the copy."""
+        stores and norms on each stream) are done, and its copy to pinned memory on the ``d2h`` stream: device
+        updates read the factor on the device, host updates and the step's result wait for the copy."""
         compute = self.streams[Stream.COMPUTE]
         for d in store_deps:
-            compute.wait_event(self.events[d])
+            if d in self.futures:  # an optimizer task or a GPU op the worker issues (none before the first OPT)
+                self.timer.waited(self.futures[d])
+            if d in self.events:
+                compute.wait_event(self.events[d])
         with torch.cuda.stream(compute):
             ops.guard(self, st)
         host = torch.empty(3, dtype=torch.float32, pin_memory=True)
         copied = self._to_pinned(st.guard, host, compute)
         st.fetch = lambda: (copied.synchronize(), host)[1]
 
-    def _wait_for_earlier_steps(self, op: Op, stream: torch.cuda.Stream) -> None:
+    def _wait_for_earlier_steps(self, op: Op, stream: torch.cuda.Stream, ctx: "_Step") -> None:
         """What the schedule of one step cannot say: a slot this op writes may still be read by an earlier step's
         op, and a layer's host copy this op loads may still be being written by an earlier step's STORE_OPT."""
-        writes = self.tags[op.id][1]
+        writes = ctx.tags[op.id][1]
         for role, idx in op.slots:
+            pending = self.slot_pending.get((SLOT_POOL[role], idx))
+            if role in writes and pending is not None and not pending.done():
+                self.timer.waited(pending)
             last = self.slot_use.get((SLOT_POOL[role], idx))
-            if role in writes and last is not None and last[0] < self.steps_issued:
+            if role in writes and last is not None and last[0] < ctx.step:
                 if op.kind is OpKind.LOAD_OPT and last[2] == (OpKind.STORE_OPT, op.layer):
                     continue  # its own state's store: each row waits for that row's (before_row)
                 stream.wait_event(last[1])
@@ -244,7 +299,7 @@ class StreamExecutor(Executor):
             o = self.graph.owner(op.layer)
             if self.dev.kept_weights(o) is not None:
                 done = self.kept_done.get(o)
-                if done is not None and done[0] < self.steps_issued:
+                if done is not None and done[0] < ctx.step:
                     stream.wait_event(done[1])
             else:  # from the host block (or its shadow), which a device update of the step before may still write
                 self._wait_for_rows(o, stream, (OPT_STATE_ROWS,))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 
@@ -51,22 +52,29 @@ class OpTimer:
         wait()
         self.host_loss_wait_s = time.perf_counter() - t
 
+    def records(self) -> list:
+        """Where the current step's timings go (a worker may time an op of this step after the next began)."""
+        return self._timing
+
     @contextlib.contextmanager
-    def on_stream(self, op: Op, stream: torch.cuda.Stream):
-        """Around a GPU op issued on ``stream``: yields the event that marks its end."""
+    def on_stream(self, op: Op, stream: torch.cuda.Stream, into: list | None = None):
+        """Around a GPU op issued on ``stream``: yields the event that marks its end; its timing goes ``into`` its
+        step's records (default: the current step's)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         yield end
         end.record(stream)
-        self._timing.append((op, (start, end)))
+        (self._timing if into is None else into).append((op, (start, end)))
 
-    def task(self, op: Op, handler, ex, st, deps: list[Future], events: list[torch.cuda.Event]):
-        """The worker's task for a ``cpu`` op: wait for the ops it depends on, run it, return its host times."""
+    def task(self, op: Op, handler, ex, st, deps: list[Future], events: Callable[[], list[torch.cuda.Event]]):
+        """The worker's task for a ``cpu`` op: wait for the ops it depends on (``deps``: worker tasks; ``events()``,
+        once they are done: the GPU ops', some of which the worker itself issued), run it, return its host
+        times."""
 
         def run():
             for f in deps:
                 f.result()
-            for e in events:
+            for e in events():
                 e.synchronize()
             start = time.perf_counter()
             handler(ex, op, st)

@@ -72,6 +72,28 @@ def test_device_updates_match_host_updates(clip):
         assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
 
 
+@pytest.mark.parametrize("gpu_opt_every", [0, 2])
+def test_gradient_placements_on_streams_train_bit_for_bit_alike(gpu_opt_every):
+    """Gradients kept on the GPU until the update pass (their stores issued by the optimizer worker after the
+    update that read the host buffer before), or each in a host buffer of its own: the same losses, norms and
+    weights, steps overlapping (the norms are taken by the same kernel on the same gradients either way)."""
+    model = small("qwen2")
+    data = batches(n_steps=4)
+    runs = {}
+    for kept in (0, "auto"):
+        opt = megatrain.OptimConfig(lr=1e-3, max_grad_norm=0.5)
+        sm = megatrain.compile(copy.deepcopy(model), device="cuda", streams=True, optim=opt, n_mb=2,
+                               gpu_opt_every=gpu_opt_every, grad_kept=kept)
+        sm.overlap_steps = True
+        stats = [sm.train_step(*[t.cuda() for t in b]) for b in data]
+        sm.executor.drain()
+        cfg = sm.schedule_for(6, 12).config
+        runs[kept] = ([s.loss for s in stats], [s.grad_norm for s in stats], sm.state_dict(), cfg)
+    assert runs[0][3].grad_kept == () and len(runs["auto"][3].grad_kept) > 2
+    assert runs[0][0] == runs["auto"][0] and runs[0][1] == runs["auto"][1]
+    assert all(torch.equal(runs[0][2][n], t) for n, t in runs["auto"][2].items())
+
+
 def test_frozen_parameters_on_device_updates():
     """Frozen parameters (part of block 0, all of block 1) with every second layer updated on the GPU: the Triton
     AdamW runs per span of trainable parameters (with or without weight decay); frozen ones keep their bits, the

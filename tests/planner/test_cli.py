@@ -1,3 +1,4 @@
+import json
 import re
 from pathlib import Path
 
@@ -10,7 +11,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 
 def test_plan_cli_matches_the_hand_derived_bound_in_the_docs(tmp_path, capsys):
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
-                 "--gpu-opt-every", "0", "--saved-acts", "0", "--out", str(tmp_path)]) == 0
+                 "--gpu-opt-every", "0", "--saved-acts", "0", "--grad-kept", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     doc_line = re.search(r"^bound .*$", DOCS.read_text(), re.M).group(0)
     cli_line = re.search(r"^bound .*$", out, re.M).group(0)
@@ -40,7 +41,7 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     """The numbers docs/planner.md quotes for --gpu-opt-every 3 on Qwen2.5-7B at 32,768 tokens (every backward
     recomputing, and every device update's state crossing the bus each step, as those numbers were made)."""
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--gpu-opt-every", "3", "--saved-acts", "0",
-                 "--resident-opt", "0", "--out", str(tmp_path)]) == 0
+                 "--resident-opt", "0", "--grad-kept", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "layers [2, 5, 8, 11, 14, 17, 20, 23, 26, 29] updated on the GPU" in out
     assert re.search(r"^predicted  4\.443 s/step", out, re.M), out
@@ -53,7 +54,7 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     # auto: the search tries every 4th, 3rd and 2nd layer (each also with the first eligible layer), all, and the
     # first 2, 4, ...: the first 20 win (the next forward starts on layers whose weights are on the device)
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--gpu-opt-every", "auto", "--saved-acts",
-                 "0", "--resident-opt", "0", "--out", str(tmp_path / "auto")]) == 0
+                 "0", "--resident-opt", "0", "--grad-kept", "0", "--out", str(tmp_path / "auto")]) == 0
     out = capsys.readouterr().out
     assert f"layers {list(range(20))} updated on the GPU" in out
     assert "optimizer 74.10" in out
@@ -79,16 +80,22 @@ def test_plan_cli_defaults_to_what_compile_does_on_the_device(tmp_path, capsys):
 
 
 def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
-    """72B needs 1,083 GiB of host store: refused on the h200 preset's 125 GiB host, planned with --host-gib."""
+    """72B needs 813 GiB of host store: refused on the h200 preset's 125 GiB host, planned with --host-gib."""
     one = ["plan", "--preset", "qwen2.5-72b", "--tokens", "16384", "--mb", "1", "--slots", "3", "--wire", "fp32",
            "--host-checkpoints", "81", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "2"]
     assert main([*one, "--out", str(tmp_path / "a")]) == 2
-    assert "1083.41 GiB, the h200 host has 125.00 GiB" in capsys.readouterr().err
+    assert "72.71B parameters x 12 B (fp32 master, exp_avg, exp_avg_sq) = 812.56 GiB, the h200 host has 125.00 GiB" \
+        in capsys.readouterr().err
     assert main([*one, "--host-gib", "1500", "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "host 1500 GiB" in out and "1 micro-batch x 16384 tokens" in out and "1 candidate plan in" in out
-    assert re.search(r"^host       1103\.7 GiB needed \(store 1083\.4, checkpoints 20\.2\) of 1500 GiB: fits$", out,
-                     re.M), out
+    # the device holds 29 layers' gradients until their update; the other 54 have host buffers of their own
+    assert re.search(r"^gradients  29 layers' \(25\.82B params\) kept on the GPU until their update in fp32 "
+                     r"\(96\.19 GiB of kept-gradient slots\).*"
+                     r"54 layers' \(46\.89B params\) to host buffers during the backward.*56 host buffers \(fp32\), "
+                     r"182\.57 GiB$", out, re.M), out
+    assert re.search(r"^host       1015\.4 GiB needed \(store 812\.6, checkpoints 20\.2, gradients 182\.6\) of "
+                     r"1500 GiB: fits; 15\.00 bytes per parameter all in$", out, re.M), out
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -109,7 +116,8 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
     (["--budget-gib", "nan"], "--budget-gib must be a finite number of GiB > 0, got nan"),
     (["--budget-gib", "inf"], "--budget-gib must be a finite number of GiB > 0, got inf"),
     (["--budget-gib", "0"], "--budget-gib must be a finite number of GiB > 0, got 0.0"),
-    (["--host-gib", "100"], "113.48 GiB, the h200 host has 100.00 GiB"),
+    (["--host-gib", "80"], "7.62B parameters x 12 B (fp32 master, exp_avg, exp_avg_sq) = 85.11 GiB, the h200 host has "
+                           "80.00 GiB"),
 ])
 def test_plan_cli_refuses_with_one_clear_message(tmp_path, capsys, argv, msg):
     assert main(["plan", *argv, "--out", str(tmp_path / "x")]) == 2
@@ -226,3 +234,38 @@ def test_compile_and_megatrain_plan_choose_the_same_plan(tmp_path, capsys):
         assert {**cli, "n_steps": 1} == mine.to_dict()
         searched = int(re.search(r"searched\s+(\d+) candidate plan", capsys.readouterr().out).group(1))
         assert searched > 1 if every == "auto" else searched == 1  # with a choice to make, the same one made
+
+
+DENSE = dict(model_type="llama", hidden_size=12288, num_attention_heads=96, num_key_value_heads=8,
+             intermediate_size=28672, vocab_size=32768, tie_word_embeddings=False)
+
+
+def test_plan_cli_puts_100b_dense_models_on_one_h200_with_a_1536_gib_host(tmp_path, capsys):
+    """On paper: 12 bytes per parameter of store and gradients kept on the GPU until their update (the rest in
+    host buffers) fit a 106B dense model with fp32 gradients; the 123B shape needs bf16 ones (refused without,
+    naming the host bytes), and without clipping gradients only pass through the host: over 130B fit."""
+    shapes = {}
+    for name, layers in (("dense-106b", 76), ("dense-123b", 88)):
+        shapes[name] = tmp_path / f"{name}.json"
+        shapes[name].write_text(json.dumps({**DENSE, "num_hidden_layers": layers}))
+    fixed = ["--tokens", "16384", "--seq", "4096", "--hardware", "h200", "--host-gib", "1536", "--mb", "4",
+             "--slots", "2", "--wire", "fp32", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "1"]
+    assert main(["plan", "--config", str(shapes["dense-106b"]), *fixed, "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "106.000B params" in out and re.search(r"^host .* of 1536 GiB: fits; 1[45]\.\d\d bytes per parameter",
+                                                  out, re.M), out
+    assert re.search(r"^gradients  \d+ layers' .* kept on the GPU until their update in fp32", out, re.M), out
+    assert main(["plan", "--config", str(shapes["dense-123b"]), *fixed, "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"no plan fits: host memory 1\d{3}\.\d\d GiB > 1536\.00 GiB", err) and len(
+        err.strip().splitlines()) == 2, err  # the progress line, then the refusal
+    assert main(["plan", "--config", str(shapes["dense-123b"]), *fixed, "--grad-host-dtype", "bf16",
+                 "--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "122.6" in out and re.search(r"^host .* of 1536 GiB: fits; 13\.\d\d bytes per parameter", out, re.M), out
+    assert re.search(r"kept on the GPU until their update in bf16 .* host buffers \(bf16\)", out), out
+    assert main(["plan", "--config", str(shapes["dense-123b"]), *fixed, "--no-clip", "--out", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"^largest    (\d+) blocks \(([\d.]+)B params\) of this shape fit 1536\.00 GiB", out, re.M)
+    assert m and float(m.group(2)) > 130 and "12 bytes per parameter on the host" in out, out
+    assert re.search(r"^host .* fits; 12\.\d\d bytes per parameter all in", out, re.M), out

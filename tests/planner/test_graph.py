@@ -78,3 +78,16 @@ def test_a_preset_graph_equals_the_graph_captured_from_the_same_config(name):
     assert len(captured) == len(planned) and captured.n_params == planned.n_params
     for a, b in zip(captured.layers, planned.layers):
         assert dataclasses.replace(a, name="", template="") == dataclasses.replace(b, name="", template="")
+
+
+def test_train_flops_are_three_forward_passes():
+    """Model FLOPs of a step (what MFU divides by time): forward and backward (twice the forward), every layer's
+    matmuls and causal attention at the sequence length; for Qwen2.5-7B at 1,024 tokens about 6 N per token plus
+    attention."""
+    g = preset("qwen2.5-7b")
+    tokens, seq = 32768, 1024
+    forward = sum(lay.matmul_flops_per_token + lay.attn_flops_per_token_per_seq * seq for lay in g.layers)
+    assert g.train_flops(tokens, seq) == 3 * forward * tokens
+    matmul_params = sum(lay.matmul_flops_per_token for lay in g.layers) / 2
+    assert g.train_flops(tokens, 1) == pytest.approx(6 * matmul_params * tokens, rel=1e-3)
+    assert 0.9 < matmul_params / g.n_params < 1.0  # the embedding's lookup is no matmul

@@ -51,15 +51,19 @@ def configs(draw, graph):
     resident = tuple(sorted(draw(st.sets(st.sampled_from(gpu_opt))) if gpu_opt else ()))
     host_checkpoints = draw(st.integers(0, len(graph) - 2))
     savable = [l for l in range(host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token]
+    clip = draw(st.booleans())
+    keepable = [l for l in eligible if l not in gpu_opt] if clip else []
     return ScheduleConfig(
         n_layers=len(graph), n_steps=draw(st.integers(1, 2)), n_mb=draw(st.integers(1, 5)),
         mb_tokens=seq * draw(st.integers(1, 4)), seq_len=seq, weight_slots=draw(st.integers(1, 4)),
         grad_slots=draw(st.integers(1, 3)), wire_bytes_per_param=draw(st.sampled_from([2, 4])),
-        host_checkpoints=host_checkpoints, clip=draw(st.booleans()),
+        host_checkpoints=host_checkpoints, clip=clip,
         budget_bytes=draw(st.integers(64 * MiB, 4096 * MiB)), gpu_opt=gpu_opt,
         saved_acts=tuple(sorted(draw(st.sets(st.sampled_from(savable))) if savable else ())),
         resident_opt=tuple(draw(st.permutations(resident))), continues=draw(st.booleans()),
         saved_lean=draw(st.booleans()),
+        grad_kept=tuple(sorted(draw(st.sets(st.sampled_from(keepable))) if keepable else ())),
+        grad_host_bytes=draw(st.sampled_from([2, 4])), host_grad_slots=draw(st.integers(1, 3)),
     )
 
 
@@ -116,9 +120,44 @@ def test_plan_fits_or_refuses_clearly(data, n_seqs, budget_mib):
         return
     verify(p.schedule, graph, SPEC)
     assert p.timeline.peak_nbytes <= p.timeline.reserved_nbytes <= budget_mib * MiB
-    assert sum(host_memory(graph, p.schedule.config).values()) <= SPEC.host_bytes
+    assert sum(host_memory(graph, p.schedule).values()) <= SPEC.host_bytes
     again = plan(graph, SPEC, n_seqs * seq, seq, budget_bytes=budget_mib * MiB, n_steps=1)
     assert again.schedule.to_text() == p.schedule.to_text()
+
+
+@given(st.data(), st.integers(1, 8), st.integers(64, 12000), st.sampled_from(["fp32", "bf16"]))
+def test_the_gradient_placements_the_search_picks_verify_fit_and_are_what_the_store_allocates(data, n_seqs,
+                                                                                            budget_mib, dtype):
+    """Random graphs, budgets and hosts: the plan's kept gradients and host buffers verify and fit the device and
+    the host, and the host bytes the plan counts for gradients are what the runtime's buffers take for it."""
+    import torch
+
+    from megatrain.planner.cost import host_floor, slot_params
+    from megatrain.runtime.store import GradBuffers, grad_host_dtype
+
+    graph = data.draw(graphs(max_layers=16))
+    seq = 128
+    store = host_floor(graph, ScheduleConfig(n_layers=len(graph)))["store"]
+    spec = dataclasses.replace(SPEC, host_bytes=store + data.draw(st.integers(0, 16 * graph.n_params)))
+    try:
+        p = plan(graph, spec, n_seqs * seq, seq, budget_bytes=budget_mib * MiB, n_steps=1, grad_host_dtype=dtype,
+                 clip=data.draw(st.booleans()))
+    except PlanError as e:
+        assert "GiB" in str(e) and ("budget" in str(e) or "host" in str(e))
+        return
+    s, cfg = p.schedule, p.schedule.config
+    verify(s, graph, spec)
+    assert device_memory(graph, s).total_nbytes <= cfg.budget_bytes
+    host = host_memory(graph, s)
+    assert sum(host.values()) <= spec.host_bytes
+    assert dtype == "bf16" or cfg.grad_host_bytes == 4
+    buffers = GradBuffers(pinned=False)
+    numels = slot_params(graph, s)["h"]
+    assert buffers.extra_nbytes(numels, grad_host_dtype(cfg)) == host["gradients"]
+    if host["gradients"] <= 1 << 24:  # small enough to allocate here: fit() allocates exactly that
+        buffers.fit(numels, grad_host_dtype(cfg), lambda: None)
+        assert buffers.nbytes == host["gradients"]
+        assert all(b.dtype == (torch.bfloat16 if cfg.grad_host_bytes == 2 else torch.float32) for b in buffers.bufs)
 
 
 @given(st.data(), st.integers(1, 8))
@@ -203,7 +242,7 @@ def test_tiny_budget_is_refused_before_anything_is_built():
 
     with pytest.raises(PlanError, match=r"GPU budget 1.00 GiB is too small for one layer.*needs 4.23 GiB"):
         plan(preset("qwen2.5-7b"), SPEC, 32768, 1024, budget_bytes=1 << 30)
-    with pytest.raises(PlanError, match=r"does not fit host memory.*1083.41 GiB.*125.00 GiB"):
+    with pytest.raises(PlanError, match=r"does not fit host memory.*x 12 B.*812.56 GiB.*125.00 GiB"):
         plan(preset("qwen2.5-72b"), SPEC, 32768, 1024)
     with pytest.raises(PlanError, match="multiple of the sequence length"):
         plan(preset("qwen2.5-0.5b"), SPEC, 1000, 1024)

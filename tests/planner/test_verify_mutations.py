@@ -277,3 +277,89 @@ def test_a_resident_state_overwritten_or_missing_is_caught():
     first = Schedule(cont.ops, dataclasses.replace(cont.config, continues=False), cont.provenance)
     err = _broken(first, "complete")
     assert "has no LOAD_OPT" in str(err)
+
+
+# ---- gradient placements: host gradient buffers (h), gradients kept on the device (NORM, k) -----------------
+def _kept_schedule(**kw) -> Schedule:
+    # layers 1..3 (blocks) keep their gradient on the device; the tied embedding and head cannot
+    return _schedule(grad_kept=(1, 2, 3), **kw)
+
+
+def test_kept_gradients_build_and_verify():
+    s = _kept_schedule()
+    norms = [op for op in s.ops if op.kind is OpKind.NORM]
+    assert sorted((op.step, op.layer) for op in norms) == [(st, l) for st in range(2) for l in (1, 2, 3)]
+    for st in range(2):  # each kept gradient's store comes after its norm, in the update pass, before its update
+        first_opt = min(op.id for op in s.ops if op.kind is OpKind.OPT and op.step == st)
+        last_bwd = max(op.id for op in s.ops if op.kind is OpKind.BWD and op.step == st)
+        for l in (1, 2, 3):
+            store = _find(s, OpKind.STORE_G, step=st, layer=l)
+            assert last_bwd < store.id and store.slot("k") is not None and store.slot("g") is None
+            assert _find(s, OpKind.NORM, step=st, layer=l).id in store.deps
+        assert sum(1 for op in s.ops if op.kind is OpKind.STORE_G and op.step == st and op.id < first_opt
+                   and op.layer in (1, 2, 3)) == 2  # two host buffers ahead of the updates, no more
+    # the embedding, block 4 and the final norm store theirs during the backward, each into a buffer of its own;
+    # the three kept gradients take turns in two more (the third in the buffer the embedding's update read)
+    assert len({op.slot("h") for op in s.ops if op.kind is OpKind.OPT}) == 5
+    assert _find(s, OpKind.STORE_G, step=0, layer=3).slot("h") == _find(s, OpKind.OPT, step=0, layer=0).slot("h")
+
+
+def test_a_missing_norm_is_caught():
+    s = _kept_schedule()
+    norm = _find(s, OpKind.NORM, step=0, layer=2)
+    _broken(renumber(s, [op for op in s.ops if op.id != norm.id]), "complete")
+
+
+def test_a_norm_of_a_layer_not_kept_is_caught():
+    s = _kept_schedule()
+    norm = _find(s, OpKind.NORM, step=0, layer=2)
+    err = _broken(Schedule(s.ops, dataclasses.replace(s.config, grad_kept=(1, 3)), s.provenance), "kind")
+    assert "does not stay on the device" in str(err) and str(norm.id) in str(err)
+
+
+def test_an_update_before_every_norm_is_taken_is_caught():
+    """The last norm (layer 1's) and its store moved after the first update, which no longer waits for it."""
+    s = _kept_schedule()
+    opt = min((op for op in s.ops if op.kind is OpKind.OPT and op.step == 0), key=lambda op: op.id)
+    norm = _find(s, OpKind.NORM, step=0, layer=1)
+    store = _find(s, OpKind.STORE_G, step=0, layer=1)
+    assert norm.id in opt.deps and norm.id in store.deps and store.id < opt.id
+    early = dataclasses.replace(opt, deps=tuple(d for d in opt.deps if d != norm.id))
+    ops = [early if op.id == opt.id else op for op in s.ops if op.id not in (norm.id, store.id)]
+    at = next(i for i, op in enumerate(ops) if op.id == opt.id) + 1
+    ops[at:at] = [norm, store]
+    assert "clipping needs every gradient's norms" in str(_broken(renumber(s, ops), "store-before-opt"))
+
+
+def test_a_kept_gradient_read_from_the_wrong_slot_is_caught():
+    s = _kept_schedule()
+    a, b = (_find(s, OpKind.STORE_G, step=0, layer=l) for l in (1, 2))
+    _broken(_replace(s, a, slots=tuple(("k", b.slot("k")) if r == "k" else (r, i) for r, i in a.slots)),
+            "slot-content")
+
+
+def test_a_host_buffer_overwritten_before_its_update_read_it_is_caught():
+    s = _kept_schedule()
+    # the third kept store reuses the buffer of the first kept update: without that dependency it may overwrite
+    # the gradient the update still reads
+    store = _find(s, OpKind.STORE_G, step=0, layer=3)
+    reader = next(s.ops[d] for d in store.deps if s.ops[d].kind is OpKind.OPT)
+    assert reader.slot("h") == store.slot("h")
+    err = _broken(_replace(s, store, deps=tuple(d for d in store.deps if d != reader.id)), "slot-overwritten")
+    assert "missing dependency" in str(err)
+
+
+def test_an_update_reading_another_layers_host_buffer_is_caught():
+    s = _schedule()
+    a, b = (_find(s, OpKind.OPT, step=0, layer=l) for l in (1, 2))
+    _broken(_replace(s, a, slots=(("h", b.slot("h")),)), "slot-content")
+
+
+def test_kept_gradients_take_only_layers_updated_on_the_host_without_ties():
+    for bad in ((0,), (6,)):  # the tied embedding, the tied head
+        with pytest.raises(ValueError, match="grad_kept"):
+            build_schedule(G, config(G, n_mb=3, grad_kept=bad))
+    with pytest.raises(ValueError, match="only with clipping"):
+        build_schedule(G, config(G, n_mb=3, grad_kept=(1,), clip=False))
+    with pytest.raises(ValueError, match="grad_kept"):
+        build_schedule(G, config(G, n_mb=3, grad_kept=(1,), gpu_opt=(1,)))

@@ -140,3 +140,25 @@ def watch_steps(sm):
 
     sm.executor.on_op = after
     return seen
+
+
+def record_grads(sm) -> dict:
+    """Parameter name -> its gradient (fp32) as it reaches its host buffer in the steps that follow (the last
+    step's): the buffers take turns, so they need not hold it after the step."""
+    import contextlib
+
+    from megatrain.ir import OpKind, Stream
+
+    graph, names, out = sm.graph, sm.captured.model_param_names, {}
+
+    @contextlib.contextmanager
+    def after(op):
+        yield
+        if op.kind is OpKind.STORE_G and op.stream is Stream.D2H and graph.owner(op.layer) == op.layer:
+            buf = sm.store.grads.view(op.slot("h"), graph.weight_params(op.layer)).float()
+            for name, (layer, off, shape) in names.items():
+                if layer == op.layer:
+                    out[name] = buf[off: off + math.prod(shape)].view(shape).clone()
+
+    sm.executor.on_op = after
+    return out

@@ -6,14 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from .models import compile_cpu, hf_model
+from .models import compile_cpu, hf_model, record_grads
 from .test_parity import OPT
 
 NO_CLIP = dataclasses.replace(OPT, max_grad_norm=None)
-
-
-def _grads(sm):
-    return {n: sm.store.param_view(n, "grad").clone() for n in sm.captured.model_param_names}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
@@ -27,18 +23,19 @@ def test_packed_documents_equal_documents_one_by_one(family):
     mask[0, -2:] = 0
     one = compile_cpu(hf_model(family), optim=NO_CLIP, n_mb=1)
     assert one.captured.packs
+    g_packed = record_grads(one)
     st_packed = one.train_step(packed, mask, position_ids=pos)
-    g_packed = _grads(one)
     rows = torch.zeros(3, T, dtype=torch.long)  # the same documents, one per row, right-padded
     rmask = torch.zeros_like(rows)
     for i, d in enumerate(docs):
         rows[i, : len(d)] = d
         rmask[i, : len(d)] = 1
     other = compile_cpu(hf_model(family), optim=NO_CLIP, n_mb=1)
+    g_rows = record_grads(other)
     st_rows = other.train_step(rows, rmask)
     assert st_packed.tokens == st_rows.tokens == sum(len(d) - 1 for d in docs)
     assert st_packed.loss == pytest.approx(st_rows.loss, rel=1e-6)
-    g_rows = _grads(other)
+    assert set(g_packed) == set(g_rows) == set(one.captured.model_param_names)
     for n, a in g_packed.items():
         b = g_rows[n]
         assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()) + 1e-12, n

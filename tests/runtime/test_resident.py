@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatrain.ir import OpKind
-from megatrain.runtime.store import ROWS
+from megatrain.runtime.store import OPT_SLOT_ROWS
 
 from .models import compile_cpu, hf_model
 from .test_parity import OPT, batches
@@ -27,7 +27,7 @@ def _train(data, **plan):
 def _slot_state(sm, layer):
     k, _ = sm.executor.dev.resident[layer]
     n = sm.graph[layer].params
-    return sm.executor.dev.o[k][: len(ROWS) * n].view(len(ROWS), n)
+    return sm.executor.dev.o[k][: len(OPT_SLOT_ROWS) * n].view(len(OPT_SLOT_ROWS), n)
 
 
 @pytest.mark.parametrize("clip", [1.0, None])

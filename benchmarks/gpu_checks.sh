@@ -8,7 +8,10 @@
 #   7b      Qwen2.5-7B at 32,768 tokens likewise (fewer variants: the model takes a minute to build);
 #   syncs   where a steady step makes the host wait for the device (Qwen2.5-0.5B);
 #   profile torch.profiler over one 1.5B step: host time by operator;
-#   all     all of them in turn (over ten minutes).
+#   lean    the host-lean store: Qwen2.5-7B, Llama-3.1-8B and Gemma-2-9B shapes at 32,768 tokens with clipping,
+#           fp32 gradients and an fp32 wire (12 host bytes per parameter and the gradient buffers), 1 + 3 timed steps;
+#           each with a host budget of about 12.4 bytes per parameter, which keeps the gradients on the GPU;
+#   all     all of them in turn (over ten minutes; not lean: its models take a call of their own).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
 #   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out all
 set -uo pipefail
@@ -24,8 +27,15 @@ stage() {  # stage NAME SECONDS CMD...
     echo "== $name: exit $? ($(tail -n 1 "$out/$name.log"))"
 }
 if [[ $part == tests || $part == all ]]; then
-    stage tests 240 python3 -m pytest -q -s tests/gpu tests/kernels
+    stage tests 240 python3 -m pytest -q -s -o faulthandler_timeout=60 tests/gpu tests/kernels
 fi
+for m in qwen2.5-7b:240:--host-gib=88 llama-3-8b:270:--host-gib=93.5 gemma-2-9b:300:--host-gib=106; do
+    IFS=: read -r preset secs extra <<< "$m"
+    if [[ $part == lean || $part == "lean-$preset" ]]; then
+        stage "lean-$preset" "$secs" python3 benchmarks/throughput.py --preset "$preset" --batch 32 --mb 4 \
+            --slots 3 --gpu-opt-every auto --wire fp32 --steps 3 ${extra/=/ } --json "$out/lean-$preset.json"
+    fi
+done
 if [[ $part == kernels || $part == all ]]; then
     stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"
 fi

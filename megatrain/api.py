@@ -18,7 +18,7 @@ from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_p
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import check_resident, plan
+from megatrain.planner.search import GiB, check_resident, plan
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
@@ -57,6 +57,9 @@ class PlanOptions:
     # as many as the device memory holds, before saved activations (see megatrain.planner.search.with_grad_kept)
     grad_host_dtype: str = "fp32"  # "bf16" allows gradients to go to the host in bf16 where no plan with fp32 ones
     # fits the host memory
+    host_budget_gib: float | None = None  # host memory the plan may use (the store, its buffers and host
+    # checkpoints), GiB: a plan leaves the rest to other work; None: what the machine has available (or the hardware
+    # spec's, where one is given)
 
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
@@ -80,6 +83,9 @@ class PlanOptions:
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
         check_resident(self.gpu_opt_every, self.resident_opt)  # a PlanError, which is a ValueError
+        h = self.host_budget_gib
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or h <= 0):
+            raise ValueError(f"host_budget_gib must be a finite number of GiB > 0, got {h!r}")
 
 
 @dataclass
@@ -511,6 +517,13 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     except TypeError as e:
         known = ", ".join(f.name for f in fields(PlanOptions))
         raise ValueError(f"unknown plan option ({e}); plan options are: {known}") from None
+    if opts.host_budget_gib is not None:
+        asked = int(opts.host_budget_gib * GiB)
+        if asked > spec.host_bytes:
+            raise ValueError(f"host_budget_gib={opts.host_budget_gib:g} is more than the "
+                             f"{fmt_bytes(spec.host_bytes)} of host memory "
+                             f"{'this machine has available' if host_free is not None else 'the hardware spec gives'}")
+        spec = replace(spec, host_bytes=asked)
     if opts.wire == "bf16" and dtype != torch.bfloat16:
         raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is {dtype}")
     use_kernels = dev.type == "cuda" if kernels is None else kernels
@@ -526,7 +539,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         train_state.read_manifest(cap, state)  # the same
     need, n = store_nbytes(cap, shadow=opts.wire == "bf16"), cap.graph.n_params
     if need > spec.host_bytes:
-        have = (f"the {fmt_bytes(spec.host_bytes)} this machine has available" if host_free is not None else
+        have = (f"the {fmt_bytes(spec.host_bytes)} host_budget_gib allows" if opts.host_budget_gib is not None else
+                f"the {fmt_bytes(spec.host_bytes)} this machine has available" if host_free is not None else
                 f"the {fmt_bytes(spec.host_bytes)} of host memory the hardware spec {spec.name!r} gives")
         raise ValueError(
             f"host memory: the host store of this model needs {fmt_bytes(need)} ({n / 1e9:.3f}B parameters x "

@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "the GPU until the update pass (auto: as many as fit)"),
                            ("grad_host_dtype", str, "gradients on the host: fp32 (default), or bf16 allowed where "
                                                     "no plan with fp32 ones fits the host memory"),
+                           ("host_gib", float, "host memory the plan may use, GiB (default: what the machine has "
+                                               "available)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)"),
                            ("save_every", int, "also save the training state (weights, Adam moments, step, data "

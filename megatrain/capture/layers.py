@@ -89,10 +89,16 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def _materialize_meta_buffers(module: nn.Module) -> None:
-    """Buffers of a model built on the meta device (rotary tables) hold no values; rebuild each owning module from
-    its config on the CPU and take its buffers."""
+    """Buffers of a model built on the meta device (rotary tables, embedding scales) hold no values; rebuild each
+    owning module from its config on the CPU and take its buffers, or a scalar buffer from the number the module
+    keeps beside it (HF's scaled embeddings: ``embed_scale`` and ``scalar_embed_scale``)."""
     for name, mod in module.named_modules():
         meta = [b for b, t in mod._buffers.items() if t is not None and t.is_meta]
+        for b in list(meta):
+            value = getattr(mod, f"scalar_{b}", None)
+            if mod._buffers[b].dim() == 0 and isinstance(value, (int, float)) and not isinstance(value, bool):
+                mod._buffers[b] = torch.tensor(value, dtype=mod._buffers[b].dtype)
+                meta.remove(b)
         if not meta:
             continue
         config = getattr(mod, "config", None)
@@ -164,6 +170,13 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     (or its path), where :func:`~megatrain.capture.blocks.find_blocks` would not find it. Raises
     :class:`CaptureError` naming what was not understood."""
     hf = hasattr(model, "config") and hasattr(model, "get_output_embeddings")
+    if any(b.is_meta for b in model.buffers()):
+        # built on the meta device: constants the trace computes from buffers (a scale cast to the compute dtype)
+        # need their values, so a copy with its buffers rebuilt is traced
+        if isinstance(blocks, nn.ModuleList):
+            blocks = next((n for n, m in model.named_modules() if m is blocks), blocks)
+        model = meta_copy(model)
+        _materialize_meta_buffers(model)
     blocks_name, block_list = find_blocks(model, blocks)
     traced = trace(model, block_list, blocks_name, hf, compute_dtype)
     graph = traced.graph

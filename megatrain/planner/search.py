@@ -311,15 +311,38 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     tl = simulate(s, graph, spec)
     # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
     key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
-           cfg.weight_slots)
+           cfg.weight_slots, host)
     return cfg, f"{tl.step_s:.4f} s/step", key
+
+
+# Plans whose simulated steady step is within this share of the fastest one's count as equally fast; among them the
+# one needing the least host memory is taken (host memory is what bounds the model a machine trains, and a plan
+# that leaves it free leaves room for the rest of the process)
+HOST_LEAN_SLACK = 0.01
+
+
+def rank(keys: list[tuple | None]) -> list[int]:
+    """Indices of the runnable candidates (their :func:`_try` key not None), best first: the fastest by simulated
+    steady-state step, except that among those within :data:`HOST_LEAN_SLACK` of it (with the same gradient dtype
+    on the host) the one needing the least host memory comes first."""
+    able = [(key, i) for i, key in enumerate(keys) if key is not None]
+    if not able:
+        return []
+    best = min(able)[0]
+
+    def order(item):
+        key, i = item
+        near = key[0] == best[0] and key[1] <= best[1] * (1 + HOST_LEAN_SLACK)
+        return (not near, key[-1] if near else 0, key, i)
+
+    return [i for _, i in sorted(able, key=order)]
 
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
          clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", grad_kept: int | str = "auto",
          workers: int = 1, progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
-    """The fastest schedule (by simulated steady-state step time, then time over ``n_steps`` steps, then the
-    order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host,
+    """The fastest schedule (by simulated steady-state step time, the leanest on host memory among those within
+    :data:`HOST_LEAN_SLACK` of it, then time over ``n_steps`` steps, then the order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host,
     each with the saved activations ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises
     :class:`PlanError` before building anything when nothing can fit.
 
@@ -350,7 +373,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             if progress is not None:
                 progress(len(outcomes), len(configs))
     tried: list[tuple[ScheduleConfig, str]] = [(cfg, why) for cfg, why, _ in outcomes]
-    for _, i in sorted((key, i) for i, (_, _, key) in enumerate(outcomes) if key is not None):
+    for i in rank([key for _, _, key in outcomes]):
         cfg = outcomes[i][0]
         s = build_schedule(graph, cfg)
         try:

@@ -224,7 +224,7 @@ class StreamExecutor(Executor):
         if later and op.kind is not OpKind.LOAD_W:
             # a GPU op that waits for an optimizer task (a gradient store into a host buffer an update still reads):
             # the worker issues it after that task, so this thread goes on issuing (the next step's forward)
-            fut = self.worker.submit(self._issue_gpu, op, st, handler, ctx)
+            fut = self.worker.submit(self._issue_gpu, op, st, handler, ctx, True)
             self.futures[op.id] = fut
             for role, idx in op.slots:
                 if SLOT_POOL[role] in BUFFER_POOLS:
@@ -234,15 +234,16 @@ class StreamExecutor(Executor):
             self.timer.waited(f)
         self._issue_gpu(op, st, handler, ctx)
 
-    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: "_Step") -> None:
+    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: "_Step", in_worker: bool = False) -> None:
         """Issue a GPU op of step ``ctx`` on its stream after its dependencies' events (recorded by the issuing
-        thread, or by the worker for the ops it issued, which run before it in the worker's order)."""
+        thread, or by the worker for the ops it issued, which run before it in the worker's order). ``in_worker``:
+        the optimizer worker issues it."""
         stream = self.streams[op.stream]
         for d in op.deps:
             if d in ctx.events:
                 stream.wait_event(ctx.events[d])
         if not self.sync_between_steps:
-            self._wait_for_earlier_steps(op, stream, ctx)
+            self._wait_for_earlier_steps(op, stream, ctx, in_worker)
         with torch.cuda.device(self.device), torch.cuda.stream(stream), \
                 self.timer.on_stream(op, stream, ctx.timing) as end:
             handler(self, op, st)
@@ -282,12 +283,14 @@ class StreamExecutor(Executor):
         copied = self._to_pinned(st.guard, host, compute)
         st.fetch = lambda: (copied.synchronize(), host)[1]
 
-    def _wait_for_earlier_steps(self, op: Op, stream: torch.cuda.Stream, ctx: "_Step") -> None:
+    def _wait_for_earlier_steps(self, op: Op, stream: torch.cuda.Stream, ctx: "_Step", in_worker: bool) -> None:
         """What the schedule of one step cannot say: a slot this op writes may still be read by an earlier step's
-        op, and a layer's host copy this op loads may still be being written by an earlier step's STORE_OPT."""
+        op, and a layer's host copy this op loads may still be being written by an earlier step's STORE_OPT. An op
+        the worker issues does not wait for the worker's pending ops: those submitted before it have run (the
+        worker runs its queue in order), and the one found may be itself or a later one."""
         writes = ctx.tags[op.id][1]
         for role, idx in op.slots:
-            pending = self.slot_pending.get((SLOT_POOL[role], idx))
+            pending = None if in_worker else self.slot_pending.get((SLOT_POOL[role], idx))
             if role in writes and pending is not None and not pending.done():
                 self.timer.waited(pending)
             last = self.slot_use.get((SLOT_POOL[role], idx))

@@ -130,3 +130,24 @@ def test_dtype_dependent_code_follows_the_compute_dtype(family):
         sm = compile_cpu(hf_model(family), n_mb=2, compute_dtype=dtype)
         losses[dtype] = sm.train_step(*data).loss
     assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_a_scaled_embedding_built_on_meta_gets_its_scale(family, dtype):
+    """HF's scaled embeddings keep their scale in a buffer, which a model built on the meta device holds no value
+    in: the capture takes it from the number the module keeps beside it, so the model trains as one built with
+    real buffers does (the same weights, the same loss; a scale of 1 or garbage would give another). In bf16 the
+    trace casts the scale to bf16 as a constant, computed from the rebuilt buffer."""
+    from transformers import AutoModelForCausalLM
+
+    from .models import hf_config
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    on_meta = compile_cpu(meta, init_seed=0, compute_dtype=dtype)
+    real = hf_model(family)
+    real.load_state_dict(on_meta.state_dict())
+    assert real.model.embed_tokens.embed_scale.item() == pytest.approx(64 ** 0.5)
+    data = batches(n_steps=1)[0]
+    assert on_meta.train_step(*data).loss == compile_cpu(real, compute_dtype=dtype).train_step(*data).loss

@@ -69,6 +69,14 @@ def test_the_limit_is_exact_and_the_plan_gets_this_machines_host_memory(monkeypa
     # a spec given is taken at its word: its host memory is the limit, whatever the machine reports (a VM whose
     # memory grows as it is used reports too little at first)
     assert megatrain.compile(model, device="cpu", hardware="cpu").hardware == PRESETS["cpu"]
+    # a host budget the user sets is the plan's limit, and refused where the machine has less
+    assert megatrain.compile(model, device="cpu", host_budget_gib=need / GiB).hardware.host_bytes == need
+    with pytest.raises(ValueError, match=r"host memory: .* more than the .* host_budget_gib allows"):
+        megatrain.compile(model, device="cpu", host_budget_gib=(need - 4096) / GiB)
+    with pytest.raises(ValueError, match=r"host_budget_gib=.* is more than the .* this machine has available"):
+        megatrain.compile(model, device="cpu", host_budget_gib=2 * need / GiB)
+    with pytest.raises(ValueError, match="host_budget_gib must be a finite number of GiB > 0, got nan"):
+        megatrain.compile(model, device="cpu", host_budget_gib=float("nan"))
     small = dataclasses.replace(PRESETS["cpu"], name="small", host_bytes=need - 1)
     with pytest.raises(ValueError, match=r"more than the .* of host memory the hardware spec 'small' gives"):
         megatrain.compile(model, device="cpu", hardware=small)

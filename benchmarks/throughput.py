@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--grad-host-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="allow bf16 gradients on the host where no plan with fp32 ones fits")
     ap.add_argument("--host-gib", type=float, help="host memory the plan may use (default: what the machine has)")
+    ap.add_argument("--gpu-gib", type=float,
+                    help="device memory the plan may fill, the allocator capped to it (default: the card's)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-clip", action="store_true")
@@ -89,7 +91,7 @@ def main():
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
                            wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt,
                            grad_kept=args.grad_kept, grad_host_dtype=args.grad_host_dtype,
-                           host_budget_gib=args.host_gib)
+                           host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start

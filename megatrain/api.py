@@ -60,6 +60,9 @@ class PlanOptions:
     host_budget_gib: float | None = None  # host memory the plan may use (the store, its buffers and host
     # checkpoints), GiB: a plan leaves the rest to other work; None: what the machine has available (or the hardware
     # spec's, where one is given)
+    device_budget_gib: float | None = None  # device memory the plan may fill, GiB, and on a GPU the cap of torch's
+    # caching allocator for this process (a 24, 48 or 80 GB card's plan on a larger one); None: the card's, less the
+    # hardware spec's reserve
 
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16"):
@@ -83,9 +86,11 @@ class PlanOptions:
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
         check_resident(self.gpu_opt_every, self.resident_opt)  # a PlanError, which is a ValueError
-        h = self.host_budget_gib
-        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or h <= 0):
-            raise ValueError(f"host_budget_gib must be a finite number of GiB > 0, got {h!r}")
+        for name in ("host_budget_gib", "device_budget_gib"):
+            h = getattr(self, name)
+            if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or
+                                  h <= 0):
+                raise ValueError(f"{name} must be a finite number of GiB > 0, got {h!r}")
 
 
 @dataclass
@@ -507,8 +512,6 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     host_free = available_host_bytes() if hardware is None else None  # a spec given is taken at its word
     if host_free is not None:  # plan with this machine's host memory, not the preset's
         spec = replace(spec, host_bytes=host_free)
-    if dev.type == "cuda":
-        _check_device_memory(dev, spec)
     if "gpu_opt_every" not in plan:  # on the H200 faster at every size measured (docs/benchmarks.md); on the CPU
         # a "device" update is a host update by another path
         plan["gpu_opt_every"] = "auto" if dev.type == "cuda" else 0
@@ -524,6 +527,14 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
                              f"{fmt_bytes(spec.host_bytes)} of host memory "
                              f"{'this machine has available' if host_free is not None else 'the hardware spec gives'}")
         spec = replace(spec, host_bytes=asked)
+    if opts.device_budget_gib is not None:
+        budget = int(opts.device_budget_gib * GiB)
+        if budget > spec.budget_bytes:
+            raise ValueError(f"device_budget_gib={opts.device_budget_gib:g} is more than the "
+                             f"{fmt_bytes(spec.budget_bytes)} the hardware spec {spec.name!r} plans with")
+        spec = replace(spec, gpu_bytes=budget + spec.gpu_reserved_bytes)  # its budget_bytes: the one asked for
+    if dev.type == "cuda":
+        _check_device_memory(dev, spec)
     if opts.wire == "bf16" and dtype != torch.bfloat16:
         raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is {dtype}")
     use_kernels = dev.type == "cuda" if kernels is None else kernels
@@ -559,6 +570,10 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     use_streams = dev.type == "cuda" if streams is None else streams
     if use_streams and dev.type != "cuda":
         raise ValueError("streams=True needs a CUDA device")
+    if dev.type == "cuda" and opts.device_budget_gib is not None:  # the caching allocator keeps to the budget too:
+        # the run behaves as on a card of that size
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(spec.budget_bytes / total, dev)
     sm = StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels, use_streams)
     sm.nonfinite = nonfinite
     sm.measure_host = host_free is not None

@@ -57,7 +57,8 @@ def _plan(args) -> int:
         for flag in ("host_gib", "budget_gib"):
             v = getattr(args, flag)
             if v is not None and not (math.isfinite(v) and v > 0):
-                raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of GiB > 0, got {v}")
+                name = {"budget_gib": "gpu-gib"}.get(flag, flag.replace("_", "-"))
+                raise ValueError(f"--{name} must be a finite number of GiB > 0, got {v}")
         if args.host_gib is not None:
             spec = dataclasses.replace(spec, host_bytes=int(args.host_gib * GiB))
         every = args.gpu_opt_every
@@ -304,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "no plan with fp32 ones fits the host memory"),
                            ("host_gib", float, "host memory the plan may use, GiB (default: what the machine has "
                                                "available)"),
+                           ("gpu_gib", float, "device memory the plan may fill, GiB, with torch's allocator capped to "
+                                              "it: a smaller card's plan (default: the card's, less a reserve)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)"),
                            ("save_every", int, "also save the training state (weights, Adam moments, step, data "
@@ -348,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32768, help="tokens per optimizer step")
     p.add_argument("--seq", type=int, default=1024, help="sequence length")
     p.add_argument("--hardware", default="h200", help="hardware preset (h200, h100, cpu) or a JSON spec file")
-    p.add_argument("--budget-gib", type=float, help="device memory the plan may use (default: the card's less reserve)")
+    p.add_argument("--gpu-gib", "--budget-gib", dest="budget_gib", type=float,
+                   help="device memory the plan may fill (default: the card's less reserve)")
     p.add_argument("--host-gib", type=float, help="host memory the plan may use (default: the hardware spec's)")
     p.add_argument("--mb", type=int, help="fix the number of micro-batches")
     p.add_argument("--slots", type=_slots, help="fix the number of weight slots (all: one per layer)")

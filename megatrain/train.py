@@ -69,6 +69,7 @@ class TrainConfig:
     # ("auto": as many as fit)
     grad_host_dtype: str = "fp32"  # or "bf16": gradients may go to the host in bf16 where fp32 ones do not fit
     host_gib: float | None = None  # host memory the plan may use (default: what the machine has available)
+    gpu_gib: float | None = None  # device memory the plan may fill, the allocator capped to it (default: the card's)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     export_dtype: str | None = None  # the exported weights' dtype (bf16, fp32, fp16); None: the model's own
     seed: int = 0
@@ -156,7 +157,8 @@ class TrainConfig:
         every = "auto" if self.gpu_opt_every is None else self.gpu_opt_every
         PlanOptions(n_mb=self.mb, host_checkpoints=self.host_checkpoints, weight_slots=self.slots,
                     gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt,
-                    grad_kept=self.grad_kept, grad_host_dtype=self.grad_host_dtype, host_budget_gib=self.host_gib)
+                    grad_kept=self.grad_kept, grad_host_dtype=self.grad_host_dtype, host_budget_gib=self.host_gib,
+                    device_budget_gib=self.gpu_gib)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -283,7 +285,8 @@ def _prepare(cfg: TrainConfig):
                            host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt, grad_kept=cfg.grad_kept,
-                           grad_host_dtype=cfg.grad_host_dtype, host_budget_gib=cfg.host_gib)
+                           grad_host_dtype=cfg.grad_host_dtype, host_budget_gib=cfg.host_gib,
+                           device_budget_gib=cfg.gpu_gib)
     if cfg.packing and not sm.captured.packs:
         raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
                          f"--no-packing (one document per row)")

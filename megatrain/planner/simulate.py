@@ -101,6 +101,10 @@ class Bound:
     critical_path_s: float
     n_steps: int
     last_step_busy_s: dict[str, float] | None = None  # the last step's ops alone: a steady step's work
+    # from the end of one step's last gradient to the end of the next one's: the work that must run between them on
+    # each resource (what follows the first gradient and precedes the next backward: with clipping every update,
+    # and the next forward), the busiest one's, plus the next backward; (seconds, that resource); None: one step
+    chain: tuple[float, str] | None = None
 
     @property
     def per_step_busy_s(self) -> dict[str, float]:
@@ -111,14 +115,23 @@ class Bound:
         return {r: v / self.n_steps for r, v in self.busy_s.items()}
 
     @property
+    def roofline_s(self) -> float:
+        """The busiest resource's seconds in a steady step."""
+        return max(self.per_step_busy_s.values())
+
+    @property
     def limiter(self) -> str:
+        """The resource whose work bounds the step, or "backward+R" where the chain does (R: the resource busiest
+        between the backwards)."""
+        if self.chain is not None and self.chain[0] > self.roofline_s:
+            return f"backward+{self.chain[1]}"
         busy = self.per_step_busy_s
         return max(busy, key=lambda r: busy[r])
 
     @property
     def step_s(self) -> float:
-        """Roofline per step: the busiest resource's seconds in a steady step."""
-        return max(self.per_step_busy_s.values())
+        """The roofline or the chain between two steps' backwards, the longer."""
+        return max(self.roofline_s, self.chain[0] if self.chain is not None else 0.0)
 
     @property
     def makespan_s(self) -> float:
@@ -158,7 +171,52 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         last_on[op.stream] = op.id
     busy["pcie"] = nbytes / spec.duplex_bytes_per_s
     last["pcie"] = last_nbytes / spec.duplex_bytes_per_s
-    return Bound(busy, max(finish, default=0.0), cfg.n_steps, last)
+    return Bound(busy, max(finish, default=0.0), cfg.n_steps, last, _chain(schedule, graph, spec))
+
+
+def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> tuple[float, str] | None:
+    """The shortest, over consecutive steps k, k+1, of: the work on the busiest resource among the ops that follow
+    step k's last gradient op (BWD or NORM on the compute stream) and precede step k+1's first BWD, through
+    dependencies and stream order, plus step k+1's compute from that BWD to its last gradient op. Each resource runs
+    its ops one at a time at their modelled durations, so no step's last gradient can follow the one before sooner.
+    With exact clipping every update of step k is in that window (the next forward waits for them): the bound the
+    roofline misses where the host update pass, not a resource's total, is what a step waits for."""
+    cfg, ops = schedule.config, schedule.ops
+    if cfg.n_steps < 2 or not cfg.train:
+        return None
+    dur = [duration_s(graph, cfg, spec, op) for op in ops]
+    preds: list[list[int]] = []
+    last_on: dict[Stream, int] = {}
+    for op in ops:  # ops are in an order that respects both
+        preds.append(list(op.deps) + ([last_on[op.stream]] if op.stream in last_on else []))
+        last_on[op.stream] = op.id
+    grads = [[op.id for op in ops if op.step == k and op.stream is Stream.COMPUTE
+              and op.kind in (OpKind.BWD, OpKind.NORM)] for k in range(cfg.n_steps)]
+    if not all(grads):
+        return None
+    best = None
+    for k in range(cfg.n_steps - 1):
+        first, nxt = grads[k][-1], min(i for i in grads[k + 1] if ops[i].kind is OpKind.BWD)
+        after = [False] * len(ops)
+        after[first] = True
+        for op in ops[first + 1: nxt]:
+            after[op.id] = any(after[p] for p in preds[op.id])
+        before = [False] * len(ops)
+        before[nxt] = True
+        for i in range(nxt, first, -1):
+            if before[i]:
+                for p in preds[i]:
+                    before[p] = True
+        busy = dict.fromkeys(RESOURCES, 0.0)
+        for i in range(first + 1, nxt):
+            if after[i] and before[i]:
+                busy[ops[i].stream.value] += dur[i]
+                busy["pcie"] += transfer_nbytes(graph, cfg, ops[i]) / spec.duplex_bytes_per_s
+        backward = sum(dur[i] for i in range(nxt, grads[k + 1][-1] + 1) if ops[i].stream is Stream.COMPUTE)
+        r = max(busy, key=lambda x: busy[x])
+        if best is None or busy[r] + backward < best[0]:
+            best = (busy[r] + backward, r)
+    return best
 
 
 def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timeline:

@@ -25,12 +25,20 @@ def _initializer(model: nn.Module):
     return reset
 
 
+def _unset(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether any element of ``t`` is NaN (the fill an initializer did not overwrite), a chunk at a time."""
+    flat = t.reshape(-1)
+    return any(bool(torch.isnan(flat[i: i + chunk]).any()) for i in range(0, flat.numel(), chunk))
+
+
 @torch.no_grad()
 def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: int,
                 progress: Callable[[int], None] | None = None) -> None:
     """Fill the master weights with the model's own initializer. Each layer draws from its own seed
-    (``seed * 1_000_003 + layer``) so the result does not depend on how many layers exist before it; each module is
-    materialized on the CPU alone, so peak memory is the store plus one module."""
+    (``seed * 1_000_003 + layer``) so the result does not depend on how many layers exist before it. Each module is
+    built on the CPU alone, its fp32 parameters as views of the store's master weights, so the initializer writes
+    them in place (a 256,000-row embedding needs no second copy); parameters in another dtype are initialized in it
+    and copied."""
     init = _initializer(model)
     for seg in captured.segments:
         if not seg.numel:
@@ -41,18 +49,30 @@ def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: in
             path, _, pname = ref.model_name.rpartition(".")
             by_module.setdefault(path, []).append(pname)
         for path, pnames in by_module.items():
-            mod = meta_copy(model.get_submodule(path)).to_empty(device="cpu")
-            for p in mod.parameters(recurse=False):
-                p.fill_(float("nan"))
-                if hasattr(p, "_is_hf_initialized"):
-                    del p._is_hf_initialized
-            if hasattr(mod, "_is_hf_initialized"):
-                del mod._is_hf_initialized
+            mod = meta_copy(model.get_submodule(path))
+            views = {}
+            for name, p in list(mod.named_parameters()):
+                owner, _, pname = name.rpartition(".")
+                view = store.param_view(f"{path}.{pname}" if path else pname) if not owner and pname in pnames \
+                    else None
+                if view is not None and view.dtype == p.dtype and view.shape == p.shape:
+                    views[pname] = data = view
+                else:
+                    data = torch.empty_like(p, device="cpu")
+                data.fill_(float("nan"))
+                mod.get_submodule(owner)._parameters[pname] = nn.Parameter(data, requires_grad=p.requires_grad)
+            for sub in mod.modules():
+                for b, t in list(sub._buffers.items()):
+                    if t is not None and t.is_meta:
+                        sub._buffers[b] = torch.empty_like(t, device="cpu")
+                if hasattr(sub, "_is_hf_initialized"):
+                    del sub._is_hf_initialized
             init(mod)
             for pname in pnames:
                 value = getattr(mod, pname)
-                if torch.isnan(value).any():
+                if _unset(value):
                     raise ValueError(f"the initializer left {path}.{pname} unset ({type(mod).__name__})")
-                store.param_view(f"{path}.{pname}" if path else pname).copy_(value)
+                if pname not in views or value.data_ptr() != views[pname].data_ptr():
+                    store.param_view(f"{path}.{pname}" if path else pname).copy_(value)
         if progress is not None:
             progress(seg.numel)

@@ -17,10 +17,22 @@ def test_plan_cli_matches_the_hand_derived_bound_in_the_docs(tmp_path, capsys):
     cli_line = re.search(r"^bound .*$", out, re.M).group(0)
     assert cli_line == doc_line
     hand = float(re.search(r"\*\*Bound = ([\d.]+) s/step", DOCS.read_text()).group(1))
-    assert f"bound      {hand:.3f} s/step (compute-bound" in out
+    assert f"bound      {hand:.3f} s/step (backward+cpu-bound" in out
     for name in ("plan.png", "plan.trace.json", "schedule.txt", "schedule.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_cli_on_a_24_gib_budget_gives_the_docs_chain_bound(tmp_path, capsys):
+    """docs/planner.md derives the bound of Qwen2.5-7B at 32,768 tokens on a 24 GiB device budget by hand: the
+    backward plus the host update pass that follows it."""
+    assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
+                 "--gpu-gib", "24", "--mb", "4", "--slots", "3", "--wire", "fp32", "--host-checkpoints", "29",
+                 "--gpu-opt-every", "auto", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "budget 24.0 GiB" in out and "layers [0, 1] updated on the GPU" in out
+    hand = re.search(r"\*\*Bound = ([\d.]+) s/step, backward\+cpu\*\*; the\nsimulation", DOCS.read_text())
+    assert f"bound      {hand.group(1)} s/step (backward+cpu-bound" in out
 
 
 def test_plan_cli_trace_has_every_op(tmp_path, capsys):
@@ -45,12 +57,12 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "layers [2, 5, 8, 11, 14, 17, 20, 23, 26, 29] updated on the GPU" in out
     assert re.search(r"^predicted  4\.443 s/step", out, re.M), out
-    assert re.search(r"^bound      3\.032 s/step \(compute-bound.*cpu 2\.007\)", out, re.M), out
+    assert re.search(r"^bound      4\.144 s/step \(backward\+cpu-bound.*cpu 2\.007\)", out, re.M), out
     assert "optimizer 31.26" in out
     s = (tmp_path / "schedule.txt").read_text()
     assert "LOAD_OPT" in s and "STORE_OPT" in s and "OPT s0 L2 @compute" in s and "STORE_G s0 L2 @compute" in s
     text = DOCS.read_text()
-    assert "4.443 s, the cpu stream down\nto 2.007 s" in text
+    assert "4.443 s, the cpu stream down\nto 2.007 s (bound 4.144 s" in text
     # auto: the search tries every 4th, 3rd and 2nd layer (each also with the first eligible layer), all, and the
     # first 2, 4, ...: the first 20 win (the next forward starts on layers whose weights are on the device)
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--gpu-opt-every", "auto", "--saved-acts",
@@ -101,7 +113,7 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
 @pytest.mark.parametrize("argv,msg", [
     (["--preset", "qwen2.5-72b"], "does not fit host memory"),
     (["--gpu-opt-every", "-1"], "gpu_opt_every must be >= 0"),
-    (["--budget-gib", "1"], "too small for one layer"),
+    (["--gpu-gib", "1"], "too small for one layer"),
     (["--tokens", "1000"], "multiple of the sequence length"),
     (["--preset", "gpt-5"], "unknown model preset"),
     (["--mb", "5"], "cannot split 32 sequences evenly"),
@@ -113,9 +125,9 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
     (["--gpu-opt-every", "2", "--resident-opt", "-2"], "resident_opt must be a count >= 0"),
     (["--host-gib", "-3"], "--host-gib must be a finite number of GiB > 0, got -3.0"),
     (["--host-gib", "inf"], "--host-gib must be a finite number of GiB > 0, got inf"),
-    (["--budget-gib", "nan"], "--budget-gib must be a finite number of GiB > 0, got nan"),
-    (["--budget-gib", "inf"], "--budget-gib must be a finite number of GiB > 0, got inf"),
-    (["--budget-gib", "0"], "--budget-gib must be a finite number of GiB > 0, got 0.0"),
+    (["--gpu-gib", "nan"], "--gpu-gib must be a finite number of GiB > 0, got nan"),
+    (["--gpu-gib", "inf"], "--gpu-gib must be a finite number of GiB > 0, got inf"),
+    (["--gpu-gib", "0"], "--gpu-gib must be a finite number of GiB > 0, got 0.0"),
     (["--host-gib", "80"], "7.62B parameters x 12 B (fp32 master, exp_avg, exp_avg_sq) = 85.11 GiB, the h200 host has "
                            "80.00 GiB"),
 ])

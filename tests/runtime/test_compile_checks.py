@@ -77,6 +77,12 @@ def test_the_limit_is_exact_and_the_plan_gets_this_machines_host_memory(monkeypa
         megatrain.compile(model, device="cpu", host_budget_gib=2 * need / GiB)
     with pytest.raises(ValueError, match="host_budget_gib must be a finite number of GiB > 0, got nan"):
         megatrain.compile(model, device="cpu", host_budget_gib=float("nan"))
+    # a device budget likewise: what the plans fill, within what the spec plans with
+    assert megatrain.compile(model, device="cpu", device_budget_gib=0.5).hardware.budget_bytes == GiB // 2
+    with pytest.raises(ValueError, match=r"device_budget_gib=1e\+06 is more than the .* the hardware spec 'cpu'"):
+        megatrain.compile(model, device="cpu", device_budget_gib=1e6)
+    with pytest.raises(ValueError, match="device_budget_gib must be a finite number of GiB > 0, got 0"):
+        megatrain.compile(model, device="cpu", device_budget_gib=0)
     small = dataclasses.replace(PRESETS["cpu"], name="small", host_bytes=need - 1)
     with pytest.raises(ValueError, match=r"more than the .* of host memory the hardware spec 'small' gives"):
         megatrain.compile(model, device="cpu", hardware=small)

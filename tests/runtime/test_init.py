@@ -30,6 +30,48 @@ def test_seeded_init_is_deterministic_per_layer_and_follows_the_architecture():
     assert torch.equal(deeper["model.layers.1.mlp.down_proj.weight"], a["model.layers.1.mlp.down_proj.weight"])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_seeded_init_writes_the_store_in_place_with_the_values_of_whole_modules(family, monkeypatch):
+    """Each fp32 parameter is initialized as a view of the store (no second copy of a large embedding), with the
+    values the initializer gives a module materialized on its own under the same seed (the reference below)."""
+    from megatrain.runtime import init as init_mod
+
+    model = meta_model(family)
+    ptrs = set()
+    real_init = init_mod._initializer(model)
+
+    def spy(mod):
+        real_init(mod)
+        ptrs.update(p.data_ptr() for p in mod.parameters())
+
+    monkeypatch.setattr(init_mod, "_initializer", lambda m: spy)
+    sm = compile_cpu(model, init_seed=5)
+    for name in sm.captured.model_param_names:
+        assert sm.store.param_view(name).data_ptr() in ptrs, name  # written where it lives
+    # the reference: every module materialized whole on the CPU, initialized, its values read
+    expected = {}
+    with torch.no_grad():
+        for seg in sm.captured.segments:
+            if not seg.numel:  # a tied head: its weight is the embedding's, initialized there
+                continue
+            torch.manual_seed(5 * 1_000_003 + seg.index)
+            done = set()
+            for ref in seg.params:
+                path = ref.model_name.rpartition(".")[0]
+                if path in done:
+                    continue
+                done.add(path)
+                mod = megatrain.capture.meta_copy(model.get_submodule(path)).to_empty(device="cpu")
+                real_init(mod)
+                for n, p in mod.named_parameters(recurse=False):
+                    full = f"{path}.{n}" if path else n
+                    if full in sm.captured.model_param_names or full in sm.captured.tied_names:
+                        expected[sm.captured.tied_names.get(full, full)] = p.detach().clone()
+    assert expected.keys() == sm.captured.model_param_names.keys()
+    for name, value in expected.items():
+        assert torch.equal(sm.store.param_view(name), value), name
+
+
 def test_seeded_init_trains():
     sm = compile_cpu(meta_model(), init_seed=0, optim=megatrain.OptimConfig(lr=3e-3), n_mb=2)
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(0))

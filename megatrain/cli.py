@@ -26,7 +26,8 @@ def _model(args):
         cfg = _read_json(p, "model config")
         if not isinstance(cfg, dict):
             raise ValueError(f"model config {p}: expected an object of fields, got a {type(cfg).__name__}")
-        return from_config(cfg, name=p.parent.name or p.stem)
+        # a checkpoint directory's config.json: the directory's name; another file: its own
+        return from_config(cfg, name=(p.parent.name if p.name == "config.json" else p.stem) or p.stem)
     return preset(args.preset)
 
 
@@ -105,9 +106,10 @@ def _plan(args) -> int:
     grads = grad_placement(graph, s)
     largest = largest_on_host(graph, s, spec.host_bytes)
     steady = tl.steady_step_s
-    flops_6nt = 6 * graph.n_params * args.tokens
+    flops_6nt = 6 * graph.active_params * args.tokens
     lines = [
-        f"model      {graph.name}: {len(graph)} layers, {graph.n_params / 1e9:.3f}B params",
+        f"model      {graph.name}: {len(graph)} layers, {graph.n_params / 1e9:.3f}B params"
+        + (f" ({graph.active_params / 1e9:.3f}B active per token: the N of 6NT)" if graph.is_moe else ""),
         f"hardware   {spec.name}: {spec.gpu_bytes / GiB:.0f} GiB device, budget {cfg.budget_bytes / GiB:.1f} GiB, "
         f"host {spec.host_bytes / GiB:.0f} GiB",
         f"batch      {args.tokens} tokens/step = {_n(cfg.n_mb, 'micro-batch')} x {cfg.mb_tokens} tokens "

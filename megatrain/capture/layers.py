@@ -20,7 +20,9 @@ The user's model is only read.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
+import inspect
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +33,8 @@ from torch import nn
 
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
-from megatrain.planner.graph import DecoderShape, Layer, LayerGraph, layer_costs
+from megatrain.planner.graph import (DecoderShape, Layer, LayerGraph, latent_attention, layer_costs, moe_block,
+                                     moe_of)
 
 
 @dataclass
@@ -91,7 +94,10 @@ def meta_copy(module: nn.Module) -> nn.Module:
 def _materialize_meta_buffers(module: nn.Module) -> None:
     """Buffers of a model built on the meta device (rotary tables, embedding scales) hold no values; rebuild each
     owning module from its config on the CPU and take its buffers, or a scalar buffer from the number the module
-    keeps beside it (HF's scaled embeddings: ``embed_scale`` and ``scalar_embed_scale``)."""
+    keeps beside it (HF's scaled embeddings: ``embed_scale`` and ``scalar_embed_scale``). A module that keeps no
+    config of its own but is built from one (DeepSeek-V3's router: ``e_score_correction_bias``) is rebuilt from the
+    model's."""
+    root_config = getattr(module, "config", None)
     for name, mod in module.named_modules():
         meta = [b for b, t in mod._buffers.items() if t is not None and t.is_meta]
         for b in list(meta):
@@ -102,6 +108,8 @@ def _materialize_meta_buffers(module: nn.Module) -> None:
         if not meta:
             continue
         config = getattr(mod, "config", None)
+        if config is None and root_config is not None and _built_from_config(type(mod)):
+            config = root_config
         if config is None:
             raise CaptureError(f"buffers {meta} of '{name}' ({type(mod).__name__}) are on the meta device and the "
                                f"module has no config to rebuild them from; build the model with real buffers")
@@ -109,6 +117,18 @@ def _materialize_meta_buffers(module: nn.Module) -> None:
             fresh = type(mod)(config=config)
         for b in meta:
             mod._buffers[b] = fresh._buffers[b]
+
+
+def _built_from_config(cls: type) -> bool:
+    """Whether ``cls(config=...)`` is how the class is built: its constructor takes a config and nothing else it
+    needs."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    need = [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return need == ["config"]
 
 
 def _structure_key(mod: nn.Module) -> str:
@@ -334,11 +354,27 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     shape = DecoderShape(hidden=hidden, q_dim=heads * head_dim if heads else hidden,
                          kv_dim=(getattr(cfg, "num_key_value_heads", None) or heads) * head_dim if heads else hidden,
                          inter=int(getattr(cfg, "intermediate_size", 0) or 4 * hidden), heads=heads or 1, vocab=vocab)
+    cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    moe, mla = moe_of(cfg_dict), latent_attention(cfg_dict)
+    if mla is not None:
+        shape = dataclasses.replace(shape, q_dim=mla[0], kv_dim=mla[1])
+    blocks_seen = 0
     for seg in segments:
         mat = sum(_numel(r.shape) for r in seg.params if len(r.shape) >= 2) if seg.kind != "embedding" else 0
+        seg_shape, inactive = shape, 0
+        if seg.kind == "block":
+            if moe is not None and blocks_seen in moe.layers:  # a token's matmuls use its top-k experts only
+                mat += moe.top_k * 3 * hidden * moe.expert_inter - moe.expert_params(hidden)
+                inactive = moe.inactive_params(hidden)
+                seg_shape = dataclasses.replace(shape, inter=moe_block(moe, hidden)[2])
+            elif moe is not None:
+                seg_shape = dataclasses.replace(shape, inter=moe.dense_inter)
+            blocks_seen += 1
+        costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes)
+        if seg.kind == "block" and mla is not None:
+            costs["attn_flops_per_token_per_seq"] = float(mla[2])
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,
-                            tie=seg.owner if seg.owner != seg.index else None,
-                            **layer_costs(seg.kind, shape, mat, act_dtype_bytes)))
+                            tie=seg.owner if seg.owner != seg.index else None, inactive_params=inactive, **costs))
     # in the model's parameter order (a global gradient norm sums per-parameter norms in it, as
     # torch.nn.utils.clip_grad_norm_ does)
     names = {canon: (*owner_of[canon], tuple(model.get_parameter(canon).shape)) for canon in canonical.values()

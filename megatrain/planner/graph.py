@@ -33,6 +33,9 @@ class Layer:
     # the same when the plan has saved layers keep less (ScheduleConfig.saved_lean): products that are cheap to
     # form again (the kernel MLP's silu(gate) * up) are recomputed in the backward instead. 0: no such variant
     lean_saved_bytes_per_token: int = 0
+    # of ``params``, those a token's compute does not touch: a mixture-of-experts block's experts beyond its top-k
+    # (on average over tokens); 0 for a dense layer
+    inactive_params: int = 0
 
     def saved_bytes(self, lean: bool) -> int:
         """Bytes per token this layer keeps as a saved layer, lean (``ScheduleConfig.saved_lean``) or not."""
@@ -86,6 +89,15 @@ class LayerGraph:
     @property
     def n_params(self) -> int:
         return sum(lay.params for lay in self.layers)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's compute uses (a mixture of experts' top-k share of its experts): the N of 6NT."""
+        return self.n_params - sum(lay.inactive_params for lay in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(lay.inactive_params for lay in self.layers)
 
     def train_flops(self, tokens: int, seq_len: int) -> float:
         """Model FLOPs of a training step over ``tokens`` tokens in sequences of ``seq_len``: forward and backward
@@ -185,11 +197,110 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True))
 
 
+@dataclass(frozen=True)
+class MoE:
+    """The mixture-of-experts part of a decoder config: which blocks route their tokens to experts, and how."""
+
+    experts: int  # routed experts per MoE block
+    top_k: int  # experts each token goes to
+    expert_inter: int  # one expert's intermediate width (gate, up, down)
+    shared_inter: int  # the shared experts' intermediate width, together (0: none)
+    layers: frozenset[int]  # MoE blocks; the others have a dense MLP of width dense_inter
+    dense_inter: int
+    expert_bias: bool = False  # GPT-OSS: router and experts with biases
+    shared_gate: bool = False  # Qwen2-MoE: a sigmoid gate (hidden -> 1) on the shared expert
+
+    def expert_params(self, hidden: int) -> int:
+        """The routed experts' parameters in one MoE block."""
+        return self.experts * (3 * hidden * self.expert_inter + ((2 * self.expert_inter + hidden)
+                                                                  if self.expert_bias else 0))
+
+    def inactive_params(self, hidden: int) -> int:
+        """The routed experts' parameters in one MoE block that a token is not routed to."""
+        return self.expert_params(hidden) * (self.experts - self.top_k) // self.experts
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token")
+
+
+def moe_of(cfg: dict) -> MoE | None:
+    """The MoE part of an HF config (Qwen2-MoE / Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3, Llama 4), None for a
+    dense one. Which blocks are MoE follows each family's modeling code: ``mlp_only_layers`` and
+    ``decoder_sparse_step`` (Qwen), ``first_k_dense_replace`` and ``moe_layer_freq`` (DeepSeek),
+    ``interleave_moe_layer_step`` (Llama 4); every block otherwise."""
+    experts = next((cfg[k] for k in _EXPERT_KEYS if cfg.get(k)), None)
+    if experts is None:
+        return None
+    size = lambda k, default=None: config_size(cfg, k, default)  # noqa: E731
+    experts = size(next(k for k in _EXPERT_KEYS if cfg.get(k)))
+    top = next((k for k in _TOPK_KEYS if cfg.get(k)), None)
+    if top is None:
+        raise ValueError(f"model config has {experts} experts but no {' / '.join(_TOPK_KEYS)}")
+    top_k = size(top)
+    if top_k > experts:
+        raise ValueError(f"model config routes each token to {top_k} experts of {experts}")
+    n = size("num_hidden_layers")
+    mtype = str(cfg.get("model_type", ""))
+    expert_inter = size("moe_intermediate_size", cfg.get("intermediate_size"))
+    dense_inter = size("intermediate_size_mlp" if cfg.get("intermediate_size_mlp") else "intermediate_size")
+    shared = 0
+    if cfg.get("shared_expert_intermediate_size"):
+        shared = size("shared_expert_intermediate_size")
+    elif cfg.get("n_shared_experts"):
+        shared = size("n_shared_experts") * expert_inter
+    elif mtype.startswith("llama4"):
+        shared = expert_inter
+    if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:
+        step = size("decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        layers = {l for l in range(n) if l not in dense and (l + 1) % step == 0}
+    elif "first_k_dense_replace" in cfg:
+        first, freq = int(cfg.get("first_k_dense_replace") or 0), size("moe_layer_freq", 1)
+        layers = {l for l in range(n) if l >= first and l % freq == 0}
+    elif cfg.get("interleave_moe_layer_step"):
+        step = size("interleave_moe_layer_step")
+        layers = set(range(step - 1, n, step))
+    else:
+        layers = set(range(n))
+    return MoE(experts=experts, top_k=top_k, expert_inter=expert_inter, shared_inter=shared,
+               layers=frozenset(layers), dense_inter=dense_inter, expert_bias=mtype == "gpt_oss",
+               shared_gate=bool(cfg.get("shared_expert_intermediate_size")))
+
+
+def moe_block(moe: MoE, hidden: int) -> tuple[int, int, int]:
+    """One MoE block's MLP part: (its parameters, the parameters a token's matmuls multiply by -- the router, its
+    top-k experts and the shared ones --, the intermediate width a token's activations have: its k routed copies
+    and the shared experts')."""
+    router = hidden * moe.experts + (moe.experts if moe.expert_bias else 0)
+    shared = 3 * hidden * moe.shared_inter + (hidden if moe.shared_gate else 0)
+    params = router + moe.expert_params(hidden) + shared
+    active = hidden * moe.experts + moe.top_k * 3 * hidden * moe.expert_inter + shared
+    return params, active, moe.top_k * moe.expert_inter + moe.shared_inter
+
+
+def latent_attention(cfg: dict) -> tuple[int, int, int] | None:
+    """For multi-head latent attention (DeepSeek: ``kv_lora_rank`` set): (the queries' and keys' width, heads x
+    (qk_nope_head_dim + qk_rope_head_dim); the values' width, heads x v_head_dim; attention's FLOPs per token per
+    token of sequence, QK^T over the first and AV over the second at 2 FLOPs per multiply-add over seq / 2 keys).
+    None for other attention."""
+    if not cfg.get("kv_lora_rank"):
+        return None
+    heads = config_size(cfg, "num_attention_heads")
+    qk = heads * (config_size(cfg, "qk_rope_head_dim") + config_size(cfg, "qk_nope_head_dim"))
+    v = heads * config_size(cfg, "v_head_dim")
+    return qk, v, qk + v
+
+
 def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None) -> LayerGraph:
-    """A LayerGraph for an HF-style decoder-only config (Llama / Qwen2 / Mistral layout: RMSNorm, GQA, SwiGLU MLP).
+    """A LayerGraph for an HF-style decoder-only config (Llama / Qwen2 / Mistral layout: RMSNorm, GQA, SwiGLU MLP;
+    mixtures of experts as :func:`moe_of` reads them, DeepSeek's multi-head latent attention).
 
     Keys read: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-    vocab_size, head_dim, tie_word_embeddings, attention_bias (Qwen2 sets q/k/v biases).
+    vocab_size, head_dim, tie_word_embeddings, attention_bias (Qwen2 sets q/k/v biases); the MoE keys of
+    :func:`moe_of`; q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim (MLA).
+    A MoE block's parameters are all its experts'; its FLOPs and activations those of the experts a token is
+    routed to (top-k), the shared experts and the router.
     """
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
@@ -203,21 +314,45 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
     V = size("vocab_size")
     head_dim = size("head_dim", H // heads)
     tied = bool(cfg.get("tie_word_embeddings", False))
-    qkv_bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
+    mtype = str(cfg.get("model_type", ""))
+    qkv_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", mtype in ("qwen2", "qwen2_moe"))))
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    moe = moe_of(cfg)
 
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    attn_w = H * q_dim + 2 * H * kv_dim + q_dim * H  # q, k, v, o projections
-    mlp_w = 3 * H * inter  # gate, up, down
-    block_params = attn_w + mlp_w + 2 * H + (q_dim + 2 * kv_dim if qkv_bias else 0)
-    shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=inter, heads=heads, vocab=V)
+    mla = latent_attention(cfg)
+    if mla is not None:
+        q_dim, kv_dim, attn_dims = mla
+        rope, nope, v_head = size("qk_rope_head_dim"), size("qk_nope_head_dim"), size("v_head_dim")
+        q_lora, kv_lora = cfg.get("q_lora_rank"), size("kv_lora_rank")
+        q_w = (H * q_lora + q_lora * q_dim) if q_lora else H * q_dim
+        attn_w = q_w + H * (kv_lora + rope) + kv_lora * heads * (nope + v_head) + heads * v_head * H
+        attn_extra = (q_lora or 0) + kv_lora  # their norms
+    else:
+        q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+        attn_w = H * q_dim + 2 * H * kv_dim + q_dim * H  # q, k, v, o projections
+        attn_extra = (q_dim + 2 * kv_dim if qkv_bias else 0) + (H if qkv_bias and mtype == "gpt_oss" else 0) \
+            + (heads if mtype == "gpt_oss" else 0) + (2 * head_dim if mtype.startswith("qwen3") else 0) \
+            + (q_dim + kv_dim if mtype == "olmoe" else 0)  # GPT-OSS's sinks; Qwen3's and OLMoE's q/k norms
+        attn_dims = 2 * q_dim
     a = act_dtype_bytes
     layers = [Layer(name="embed", kind="embedding", template="embedding", params=V * H,
-                    **layer_costs("embedding", shape, 0, a))]
+                    **layer_costs("embedding", DecoderShape(H, q_dim, kv_dim, inter, heads, V), 0, a))]
     for i in range(n_blocks):
-        layers.append(Layer(name=f"block.{i}", kind="block", template="block", params=block_params,
-                            **layer_costs("block", shape, attn_w + mlp_w, a)))
+        inactive = 0
+        if moe is not None and i in moe.layers:
+            mlp_params, mlp_active, width = moe_block(moe, H)
+            template, inactive = "moe-block", moe.inactive_params(H)
+        else:
+            width = moe.dense_inter if moe is not None else inter
+            mlp_params = mlp_active = 3 * H * width
+            template = "block"
+        shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=width, heads=heads, vocab=V)
+        costs = layer_costs("block", shape, attn_w + mlp_active, a)
+        costs["attn_flops_per_token_per_seq"] = float(attn_dims)
+        layers.append(Layer(name=f"block.{i}", kind="block", template=template,
+                            params=attn_w + mlp_params + 2 * H + attn_extra, inactive_params=inactive, **costs))
+    shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=inter, heads=heads, vocab=V)
     layers.append(Layer(name="norm", kind="norm", template="norm", params=H, **layer_costs("norm", shape, 0, a)))
     layers.append(Layer(name="head", kind="head", template="head", params=0 if tied else V * H,
                         tie=0 if tied else None, **layer_costs("head", shape, H * V, a)))
@@ -240,6 +375,18 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-72b": _cfg(8192, 29568, 80, 64, 8, 152064, False),
     "llama-3-8b": _cfg(4096, 14336, 32, 32, 8, 128256, False, bias=False),
     "llama-3-70b": _cfg(8192, 28672, 80, 64, 8, 128256, False, bias=False),
+    # mixtures of experts
+    "qwen3-30b-a3b": _cfg(2048, 6144, 48, 32, 4, 151936, False, bias=False, head_dim=128, model_type="qwen3_moe",
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "qwen3-235b-a22b": _cfg(4096, 12288, 94, 64, 4, 151936, False, bias=False, head_dim=128,
+                            model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=1536),
+    "mixtral-8x22b": _cfg(6144, 16384, 56, 48, 8, 32768, False, bias=False, model_type="mixtral",
+                          num_local_experts=8, num_experts_per_tok=2),
+    "gpt-oss-120b": _cfg(2880, 2880, 36, 64, 8, 201088, False, head_dim=64, model_type="gpt_oss",
+                         num_local_experts=128, num_experts_per_tok=4),
+    "olmoe-1b-7b": _cfg(2048, 1024, 16, 16, 16, 50304, False, bias=False, model_type="olmoe", num_experts=64,
+                        num_experts_per_tok=8),
 }
 
 

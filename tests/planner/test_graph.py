@@ -16,7 +16,8 @@ def test_preset_parameter_counts(name, params):
 def test_every_preset_builds_a_chain_with_shared_block_template():
     for name in PRESETS:
         g = preset(name)
-        blocks = g.templates()["block"]
+        templates = g.templates()
+        blocks = templates.get("block", []) + templates.get("moe-block", [])  # dense, MoE, or a mix of the two
         assert len(blocks) == PRESETS[name]["num_hidden_layers"]
         assert list(g.g.successors(0)) == [1] and g[len(g) - 1].kind == "head"
 

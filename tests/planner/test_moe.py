@@ -1,0 +1,92 @@
+"""Mixtures of experts in the planner: a block's bytes are all its experts', its FLOPs and activations those of the
+experts a token is routed to; the graph from a config and the graph captured from the HF model agree."""
+
+import re
+
+import pytest
+import torch
+
+from megatrain.capture import capture
+from megatrain.cli import main
+from megatrain.planner.graph import from_config, moe_of, preset
+
+TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+            max_position_embeddings=128)
+FAMILIES = {  # every MoE layout the planner reads: dense layers mixed in, shared experts, biases, latent attention
+    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      head_dim=16, mlp_only_layers=[1]),
+    "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+    "llama4_text": dict(intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2, head_dim=16),
+    "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+}
+COST_FIELDS = ("kind", "params", "inactive_params", "matmul_flops_per_token", "attn_flops_per_token_per_seq",
+               "act_bytes_per_token", "work_bytes_per_token", "saved_bytes_per_token")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_captured_graph_of_a_moe_model_is_the_config_graph(family):
+    """Parameters counted from the HF model's own modules (built on the meta device; DeepSeek's router buffer
+    rebuilt from the model's config) equal the config formulas layer by layer, and so do the costs: a MoE block's
+    FLOPs use its top-k experts, the router and the shared experts only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, **{**TINY, **FAMILIES[family]})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    captured = capture(model).graph
+    formula = from_config(cfg.to_dict(), act_dtype_bytes=4)  # capture's default compute dtype: fp32
+    assert [tuple(getattr(lay, f) for f in COST_FIELDS) for lay in captured.layers] == \
+        [tuple(getattr(lay, f) for f in COST_FIELDS) for lay in formula.layers]
+    assert captured.n_params == sum(p.numel() for p in model.parameters())
+    moe = moe_of(cfg.to_dict())
+    blocks = [lay for lay in formula.layers if lay.kind == "block"]
+    assert [i for i, lay in enumerate(blocks) if lay.inactive_params] == sorted(moe.layers)
+    # an MoE block's matmuls: attention and the router, plus top-k of the experts (and shared ones), not all E
+    one = blocks[sorted(moe.layers)[0]]
+    assert one.matmul_flops_per_token < 2 * (one.params - one.inactive_params) + 1
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("gpt-oss-120b", 116.83e9, 5.13e9 + 201088 * 2880),  # the model card's active count leaves the embedding out
+    ("qwen3-235b-a22b", 235.09e9, 22.2e9), ("qwen3-30b-a3b", 30.53e9, 3.35e9), ("mixtral-8x22b", 140.63e9, 39.16e9),
+    ("olmoe-1b-7b", 6.92e9, 1.28e9)])
+def test_moe_presets_have_their_published_sizes(name, total, active):
+    g = preset(name)
+    assert g.n_params == pytest.approx(total, rel=2e-3)
+    assert g.active_params == pytest.approx(active, rel=1e-2)
+    # FLOPs per token follow the active parameters: 2 per matmul weight (the embedding is a lookup)
+    matmul = sum(lay.matmul_flops_per_token for lay in g.layers) / 2
+    assert matmul == pytest.approx(g.active_params - g[0].params, rel=1e-3)
+
+
+def test_plan_of_the_olmoe_shape_counts_every_expert_and_computes_the_routed_ones(tmp_path, capsys):
+    shape = __import__("pathlib").Path(__file__).resolve().parents[2] / "tests" / "data" / "olmoe-1b-7b.json"
+    assert main(["plan", "--config", str(shape), "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
+                 "--mb", "4", "--slots", "3", "--wire", "fp32", "--host-checkpoints", "0", "--gpu-opt-every", "0",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "19 layers, 6.919B params (1.282B active per token: the N of 6NT)" in out
+    tps = int(re.search(r"^predicted .*\(([\d,]+) tokens/s", out, re.M).group(1).replace(",", ""))
+    assert tps < 60_000  # the dense reading (0.575B params) predicted 126,404
+
+
+def test_gpt_oss_120b_on_one_h200_with_1536_gib_needs_bf16_host_gradients(tmp_path, capsys):
+    """On paper, with the host-lean store: fp32 host gradients do not fit 1,536 GiB (refused with the bytes), bf16
+    ones do, and the plan says where they live and what a parameter costs the host."""
+    argv = ["plan", "--preset", "gpt-oss-120b", "--tokens", "32768", "--seq", "4096", "--hardware", "h200",
+            "--host-gib", "1536", "--mb", "4", "--slots", "3", "--wire", "fp32", "--host-checkpoints", "0",
+            "--gpu-opt-every", "0", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert re.search(r"no plan fits: host memory 1[67]\d\d\.\d\d GiB > 1536\.00 GiB", capsys.readouterr().err)
+    assert main(argv + ["--grad-host-dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    host = re.search(r"^host .* of 1536 GiB: fits; ([\d.]+) bytes per parameter all in", out, re.M)
+    assert host and float(host.group(1)) < 14
+    assert re.search(r"^gradients .*\(bf16\)", out, re.M)

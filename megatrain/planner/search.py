@@ -7,6 +7,7 @@ import contextlib
 import functools
 import itertools
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -382,8 +383,20 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             tried[i] = (cfg, str(e))
             continue
         return Plan(s, simulate(s, graph, spec), bound(s, graph, spec), graph, spec, tokens, tried)
-    reasons = "; ".join(sorted({why for _, why in tried}))
-    raise PlanError(f"no plan fits: {reasons}")
+    raise PlanError(no_fit_message([why for _, why in tried], spec,
+                                   bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16"))
+
+
+def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool) -> str:
+    """Why no candidate fits, in one line: where every one needs more host memory than there is, the least any
+    needs (and that bf16 host gradients need less, where they were not allowed); otherwise every distinct
+    reason."""
+    host = [float(m.group(1)) for why in reasons if (m := re.match(r"host memory ([\d.]+) GiB > ", why))]
+    if reasons and len(host) == len(reasons):
+        hint = "" if bf16_tried else "; gradients on the host in bf16 (grad_host_dtype='bf16') need less"
+        return (f"no plan fits: host memory {min(host):.2f} GiB > {_gib(spec.host_bytes)} (the least any of "
+                f"{len(reasons)} candidate plans needs{hint})")
+    return "no plan fits: " + "; ".join(sorted(set(reasons)))
 
 
 def largest_on_host(graph: LayerGraph, schedule: Schedule, host_bytes: int) -> str:

@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages"],
                    help="the data's format (default: from the first record's fields)")
     t.add_argument("--columns", help="the format's fields under other names, e.g. text=body,messages=conversation")
+    t.add_argument("--streaming", dest="streaming", action="store_true", default=None,
+                   help="read --data as training goes, never whole (a corpus larger than memory): rows shuffled "
+                        "through a buffer, epochs in the stream's order; held-out data with --eval-data")
     t.add_argument("--no-packing", dest="packing", action="store_false", default=None,
                    help="one document per row, padded (default: documents packed into rows, each attending to "
                         "itself alone)")

@@ -12,6 +12,7 @@ import numpy as np
 
 from megatrain.data import (Batches, DataError, Documents, Rows, build_tokenizer, default_corpus, load_records,
                             load_tokenizer, one_per_row, pack, to_example, tokenize)
+from megatrain.data.stream import BUFFER_ROWS, StreamBatches
 
 TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -76,7 +77,7 @@ def model_source(name: str, vocab: int, seq: int, trust_remote_code: bool = Fals
 class DataSource:
     """The rows a run trains on (and holds out for evaluation), and where they came from."""
 
-    batches: Batches
+    batches: Batches | StreamBatches
     eval_rows: Rows | None
     description: str
     digest: str  # of the rows, their trained tokens and positions: a resumed run checks it
@@ -95,9 +96,13 @@ def _strings(record) -> list[str]:
 
 
 def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, columns: dict[str, str],
-                packing: bool, eval_data: str | None, eval_split: float) -> DataSource:
+                packing: bool, eval_data: str | None, eval_split: float, streaming: bool = False) -> DataSource:
     """Examples of ``data`` (None: the default corpus) tokenized with ``tok``, in rows of ``seq`` tokens (packed or
-    one per row), in a seeded order; ``eval_data`` or a share ``eval_split`` of the examples held out."""
+    one per row), in a seeded order; ``eval_data`` or a share ``eval_split`` of the examples held out.
+    ``streaming``: read as training goes (:mod:`megatrain.data.stream`), never whole."""
+    if streaming:
+        return _streamed(data, tok, seq=seq, seed=seed, fmt=fmt, columns=columns, packing=packing,
+                         eval_data=eval_data, eval_split=eval_split)
     if data is None:
         examples = Documents.of([to_example({"text": d}, "text", tok, {}) for d in default_corpus()])
         what = "the default corpus"
@@ -127,9 +132,44 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
     return DataSource(Batches(rows, seed), eval_rows, desc, h.hexdigest(), rows.tokens)
 
 
-def tokenizer_for(model: ModelSource, data: str | None, vocab: int, resume: str | None, trust_remote_code: bool):
+def _streamed(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, columns: dict[str, str],
+              packing: bool, eval_data: str | None, eval_split: float) -> DataSource:
+    if data is None:
+        raise DataError("streaming reads a data source given with --data; the default corpus is small enough to "
+                        "hold")
+    if eval_split:
+        raise DataError("a streamed data source has no held-out share (its size is not known before it is read): "
+                        "give the held-out data with --eval-data")
+    load_records(data, streaming=True)  # readable, before anything else is built
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batches = StreamBatches(lambda: load_records(data, streaming=True), tok, seq=seq, pad_id=pad, packing=packing,
+                            seed=seed, fmt=fmt, columns=columns, source=data)
+    eval_rows = None
+    if eval_data is not None:
+        held = tokenize(load_records(eval_data), tok, fmt=fmt, columns=columns, source=eval_data)
+        eval_rows = (pack if packing else one_per_row)(held, seq, pad)
+    h = hashlib.sha256(json.dumps({"stream": str(Path(data).resolve()) if Path(data).exists() else data,
+                                   "sizes": _sizes(Path(data)), "seq": seq, "packing": packing}).encode())
+    how = "packed" if packing else "one per row"
+    desc = (f"{data}: streamed, in rows of {seq} ({how}), shuffled through {BUFFER_ROWS:,} rows"
+            + (f"; {len(eval_rows):,} rows of {eval_data} held out for eval" if eval_rows is not None else ""))
+    return DataSource(batches, eval_rows, desc, h.hexdigest(), 0)
+
+
+def _sizes(p: Path) -> list[int]:
+    """The sizes of a local source's files (what a resumed run finds changed), none for a cached dataset."""
+    if p.is_file():
+        return [p.stat().st_size]
+    if p.is_dir():
+        return [f.stat().st_size for f in sorted(p.iterdir()) if f.is_file()]
+    return []
+
+
+def tokenizer_for(model: ModelSource, data: str | None, vocab: int, resume: str | None, trust_remote_code: bool,
+                  streaming: bool = False):
     """The run's tokenizer: the resumed run's, the model directory's (required where the model has weights), or a
-    BPE of ``vocab`` tokens built from the data (a model trained from scratch)."""
+    BPE of ``vocab`` tokens built from the data (a model trained from scratch; read as a stream with
+    ``streaming``)."""
     if resume:
         return load_tokenizer(resume), f"tokenizer from {resume}"
     if model.directory is not None and (model.weights is not None or _has_tokenizer(model.directory)):
@@ -138,7 +178,7 @@ def tokenizer_for(model: ModelSource, data: str | None, vocab: int, resume: str 
     if data is None:
         texts = default_corpus()
     else:
-        texts = (s for r in load_records(data) for s in _strings(r))
+        texts = (s for r in load_records(data, streaming=streaming) for s in _strings(r))
     size = min(vocab, model.config.vocab_size) if model.directory is not None else vocab
     return build_tokenizer(texts, size), f"a {size}-token BPE built from the data"
 

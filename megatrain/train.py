@@ -22,8 +22,9 @@ from megatrain.runtime import train_state
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
 STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
-RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing", "eval_split")  # what
-# is trained on, and in which order
+# what is trained on, and in which order
+RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing", "eval_split",
+                "streaming")
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
 MAX_SKIPPED = 10  # with on_nonfinite "skip": this many steps in a row without an update stop the run
 FINE_TUNE_LR = 1e-5  # the learning rate when the model brings weights (3e-3 from scratch)
@@ -37,6 +38,7 @@ class TrainConfig:
     format: str | None = None  # text, alpaca, sharegpt or messages; None: from the first record's fields
     columns: str | None = None  # the format's fields under other names: "text=body,messages=conversation"
     packing: bool = True  # documents packed into rows, each attending to itself alone; False: one per row, padded
+    streaming: bool = False  # read the data as training goes (a corpus larger than memory), shuffled in a buffer
     eval_data: str | None = None  # held-out data (as data) to report the loss on
     eval_split: float = 0.0  # or this share of the data's documents held out (seeded); 0: none
     eval_every: int = 0  # the held-out loss every this many steps (0: at the end only)
@@ -261,13 +263,14 @@ def _prepare(cfg: TrainConfig):
     from megatrain.export import set_special_ids
 
     model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
-    tok, tok_from = tokenizer_for(model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code)
+    tok, tok_from = tokenizer_for(model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code, cfg.streaming)
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary {model.config.vocab_size}")
     if model.weights is None:  # from scratch: its special tokens are the tokenizer's
         set_special_ids(model.config, tok)
     data = data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format, columns=cfg.column_map(),
-                       packing=cfg.packing, eval_data=cfg.eval_data, eval_split=cfg.eval_split)
+                       packing=cfg.packing, eval_data=cfg.eval_data, eval_split=cfg.eval_split,
+                       streaming=cfg.streaming)
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
         if began.get("data_sha256") != data.digest:

@@ -210,7 +210,7 @@ def test_a_run_stopped_and_resumed_takes_the_steps_of_one_that_never_stopped(tmp
 
 @pytest.mark.parametrize("argv,msg", [
     (["--batch", "8"], "a resumed run trains the same model on the same data in the same order: model, data, "
-                       "batch, seq, vocab, seed, format, columns, packing, eval_split cannot change, and batch was "
+                       "batch, seq, vocab, seed, format, columns, packing, eval_split, streaming cannot change, and batch was "
                        "given"),
     (["--seed", "1", "--seq", "64"], "and seq, seed was given"),
     (["--config", "x.yaml"], "--resume goes on with the run's own config; --config cannot change it"),

@@ -84,6 +84,20 @@ def one_per_row(docs: Documents, seq: int, pad_id: int) -> Rows:
     return Rows(ids, train, None, real)
 
 
+def rows_batch(r: Rows, take: np.ndarray, size: int) -> dict[str, torch.Tensor | None]:
+    """Rows ``take`` of ``r`` as a batch of ``size`` rows (filled up with copies of the first, all of their labels
+    ignored): input_ids, attention_mask, labels (-100 where not trained), position_ids (None for rows of one
+    document each)."""
+    fill = size - len(take)
+    rows = np.concatenate([take, np.full(fill, take[0])]) if fill > 0 else take
+    ids = r.ids[rows].astype(np.int64)
+    train = r.train[rows].copy()
+    train[len(take):] = False
+    return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(r.real[rows].astype(np.int64)),
+            "labels": torch.from_numpy(np.where(train, ids, IGNORE_INDEX)),
+            "position_ids": None if r.positions is None else torch.from_numpy(r.positions[rows].astype(np.int64))}
+
+
 class Batches:
     """``rows`` in an order shuffled with ``seed`` for each epoch; :meth:`batch` takes the next rows (into the next
     epoch where this one runs out). The place in that order (:meth:`state`) is all a resumed run needs."""
@@ -112,17 +126,7 @@ class Batches:
         return self.rows_batch(np.asarray(take), size)
 
     def rows_batch(self, take: np.ndarray, size: int) -> dict[str, torch.Tensor | None]:
-        """Rows ``take`` as a batch of ``size`` rows (filled up with copies of the first, all of their labels
-        ignored)."""
-        r = self.rows
-        fill = size - len(take)
-        rows = np.concatenate([take, np.full(fill, take[0])]) if fill > 0 else take
-        ids = r.ids[rows].astype(np.int64)
-        train = r.train[rows].copy()
-        train[len(take):] = False
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(r.real[rows].astype(np.int64)),
-                "labels": torch.from_numpy(np.where(train, ids, IGNORE_INDEX)),
-                "position_ids": None if r.positions is None else torch.from_numpy(r.positions[rows].astype(np.int64))}
+        return rows_batch(self.rows, take, size)
 
     def state(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "next": self.next, "rows": len(self.rows)}

@@ -15,10 +15,11 @@ from megatrain.data.formats import FORMATS, Documents, detect, to_example
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 
 
-def load_records(source: str, *, split: str = "train"):
+def load_records(source: str, *, split: str = "train", streaming: bool = False):
     """``source`` as an HF ``datasets.Dataset`` of records: a file, a directory's files of one kind (their suffix
     picks the loader; text files hold one document per blank-line-separated paragraph), or the name of a dataset
-    already in the local HF cache. One line naming the source where it cannot be read."""
+    already in the local HF cache. ``streaming``: an iterable dataset read as it is iterated (a cached dataset:
+    its Arrow files, read in order). One line naming the source where it cannot be read."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -35,14 +36,16 @@ def load_records(source: str, *, split: str = "train"):
                 raise DataError(f"data directory {p} mixes file kinds {sorted(kinds)}; give one kind")
             kind = kinds.pop()
             extra = {"sample_by": "paragraph"} if kind == "text" else {}
-            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split, **extra)
+            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split, streaming=streaming,
+                                         **extra)
         if not _in_cache(source):
             raise DataError(f"data {source} is neither a file, a directory, nor a dataset in the local HF cache "
                             f"({datasets.config.HF_DATASETS_CACHE})")
         offline = datasets.config.HF_HUB_OFFLINE
         datasets.config.HF_HUB_OFFLINE = True  # nothing is downloaded: the cached copy or an error
         try:
-            return datasets.load_dataset(source, split=split)
+            out = datasets.load_dataset(source, split=split)
+            return out.to_iterable_dataset() if streaming else out
         finally:
             datasets.config.HF_HUB_OFFLINE = offline
     except DataError:

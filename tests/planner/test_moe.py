@@ -24,7 +24,8 @@ FAMILIES = {  # every MoE layout the planner reads: dense layers mixed in, share
                         interleave_moe_layer_step=2, head_dim=16),
     "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                         n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4,
+                        n_group=1, topk_group=1),  # MLA: as many key/value heads as query heads
 }
 COST_FIELDS = ("kind", "params", "inactive_params", "matmul_flops_per_token", "attn_flops_per_token_per_seq",
                "act_bytes_per_token", "work_bytes_per_token", "saved_bytes_per_token")

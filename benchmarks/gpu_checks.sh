@@ -11,7 +11,9 @@
 #   lean    the host-lean store: Qwen2.5-7B, Llama-3.1-8B and Gemma-2-9B shapes at 32,768 tokens with clipping,
 #           fp32 gradients and an fp32 wire (12 host bytes per parameter and the gradient buffers), 1 + 3 timed steps;
 #           each with a host budget of about 12.4 bytes per parameter, which keeps the gradients on the GPU;
-#   all     all of them in turn (over ten minutes; not lean: its models take a call of their own).
+#   budget  device budgets (--gpu-gib, the allocator capped to it): Qwen2.5-7B at 32,768 tokens with clipping at 24,
+#           48 and 80 GiB and Qwen2.5-1.5B at 16,384 tokens at 24 GiB (stages budget-<model>-<GiB>, one model each);
+#   all     all of them in turn (over ten minutes; not lean or budget: their models take calls of their own).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
 #   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out all
 set -uo pipefail
@@ -34,6 +36,13 @@ for m in qwen2.5-7b:240:--host-gib=88 llama-3-8b:270:--host-gib=93.5 gemma-2-9b:
     if [[ $part == lean || $part == "lean-$preset" ]]; then
         stage "lean-$preset" "$secs" python3 benchmarks/throughput.py --preset "$preset" --batch 32 --mb 4 \
             --slots 3 --gpu-opt-every auto --wire fp32 --steps 3 ${extra/=/ } --json "$out/lean-$preset.json"
+    fi
+done
+for m in qwen2.5-7b:32:24 qwen2.5-7b:32:48 qwen2.5-7b:32:80 qwen2.5-1.5b:16:24; do
+    IFS=: read -r preset batch gib <<< "$m"
+    if [[ $part == budget || $part == "budget-$preset-$gib" ]]; then
+        stage "budget-$preset-$gib" 280 python3 benchmarks/throughput.py --preset "$preset" --batch "$batch" --mb 4 \
+            --slots 3 --gpu-opt-every auto --steps 3 --gpu-gib "$gib" --json "$out/budget-$preset-$gib.json"
     fi
 done
 if [[ $part == kernels || $part == all ]]; then

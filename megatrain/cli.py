@@ -55,11 +55,10 @@ def _plan(args) -> int:
     try:
         graph = _model(args)
         spec = hardware(args.hardware)
-        for flag in ("host_gib", "budget_gib"):
+        for flag in ("host_gib", "gpu_gib"):
             v = getattr(args, flag)
             if v is not None and not (math.isfinite(v) and v > 0):
-                name = {"budget_gib": "gpu-gib"}.get(flag, flag.replace("_", "-"))
-                raise ValueError(f"--{name} must be a finite number of GiB > 0, got {v}")
+                raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of GiB > 0, got {v}")
         if args.host_gib is not None:
             spec = dataclasses.replace(spec, host_bytes=int(args.host_gib * GiB))
         every = args.gpu_opt_every
@@ -72,7 +71,7 @@ def _plan(args) -> int:
                      saved_acts=saved_acts(args.saved_acts),
                      resident_opt=None if args.resident_opt == "auto" else resident_opt(args.resident_opt),
                      grad_host_dtype=args.grad_host_dtype)
-        budget = int(args.budget_gib * GiB) if args.budget_gib is not None else None
+        budget = int(args.gpu_gib * GiB) if args.gpu_gib is not None else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
         jobs = args.jobs or os.cpu_count() or 1
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32768, help="tokens per optimizer step")
     p.add_argument("--seq", type=int, default=1024, help="sequence length")
     p.add_argument("--hardware", default="h200", help="hardware preset (h200, h100, cpu) or a JSON spec file")
-    p.add_argument("--gpu-gib", "--budget-gib", dest="budget_gib", type=float,
+    p.add_argument("--gpu-gib", "--budget-gib", dest="gpu_gib", type=float,
                    help="device memory the plan may fill (default: the card's less reserve)")
     p.add_argument("--host-gib", type=float, help="host memory the plan may use (default: the hardware spec's)")
     p.add_argument("--mb", type=int, help="fix the number of micro-batches")

@@ -229,11 +229,11 @@ def moe_of(cfg: dict) -> MoE | None:
     dense one. Which blocks are MoE follows each family's modeling code: ``mlp_only_layers`` and
     ``decoder_sparse_step`` (Qwen), ``first_k_dense_replace`` and ``moe_layer_freq`` (DeepSeek),
     ``interleave_moe_layer_step`` (Llama 4); every block otherwise."""
-    experts = next((cfg[k] for k in _EXPERT_KEYS if cfg.get(k)), None)
-    if experts is None:
+    key = next((k for k in _EXPERT_KEYS if cfg.get(k)), None)
+    if key is None:
         return None
     size = lambda k, default=None: config_size(cfg, k, default)  # noqa: E731
-    experts = size(next(k for k in _EXPERT_KEYS if cfg.get(k)))
+    experts = size(key)
     top = next((k for k in _TOPK_KEYS if cfg.get(k)), None)
     if top is None:
         raise ValueError(f"model config has {experts} experts but no {' / '.join(_TOPK_KEYS)}")

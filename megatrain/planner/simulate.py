@@ -153,8 +153,10 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
     begin: list[float] = []
     last_on: dict[Stream, int] = {}
     row = 1.0 / OPT_STATE_ROWS
+    durations = []
     for op in schedule.ops:
         d = duration_s(graph, cfg, spec, op)
+        durations.append(d)
         busy[op.stream.value] += d
         b = transfer_nbytes(graph, cfg, op)
         nbytes += b
@@ -171,20 +173,20 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         last_on[op.stream] = op.id
     busy["pcie"] = nbytes / spec.duplex_bytes_per_s
     last["pcie"] = last_nbytes / spec.duplex_bytes_per_s
-    return Bound(busy, max(finish, default=0.0), cfg.n_steps, last, _chain(schedule, graph, spec))
+    return Bound(busy, max(finish, default=0.0), cfg.n_steps, last, _chain(schedule, graph, spec, durations))
 
 
-def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> tuple[float, str] | None:
+def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[float]) -> tuple[float, str] | None:
     """The shortest, over consecutive steps k, k+1, of: the work on the busiest resource among the ops that follow
     step k's last gradient op (BWD or NORM on the compute stream) and precede step k+1's first BWD, through
     dependencies and stream order, plus step k+1's compute from that BWD to its last gradient op. Each resource runs
     its ops one at a time at their modelled durations, so no step's last gradient can follow the one before sooner.
     With exact clipping every update of step k is in that window (the next forward waits for them): the bound the
-    roofline misses where the host update pass, not a resource's total, is what a step waits for."""
+    roofline misses where the host update pass, not a resource's total, is what a step waits for. ``dur``: each
+    op's modelled duration."""
     cfg, ops = schedule.config, schedule.ops
     if cfg.n_steps < 2 or not cfg.train:
         return None
-    dur = [duration_s(graph, cfg, spec, op) for op in ops]
     preds: list[list[int]] = []
     last_on: dict[Stream, int] = {}
     for op in ops:  # ops are in an order that respects both

@@ -13,6 +13,8 @@
 #           each with a host budget of about 12.4 bytes per parameter, which keeps the gradients on the GPU;
 #   budget  device budgets (--gpu-gib, the allocator capped to it): Qwen2.5-7B at 32,768 tokens with clipping at 24,
 #           48 and 80 GiB and Qwen2.5-1.5B at 16,384 tokens at 24 GiB (stages budget-<model>-<GiB>, one model each);
+#   adamw   the host AdamW rate for 7B-block-sized updates: main or worker thread, thread count, pinned or not, with
+#           copies to and from the GPU running (benchmarks/host_adamw.py);
 #   all     all of them in turn (over ten minutes; not lean or budget: their models take calls of their own).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
 #   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out all
@@ -45,6 +47,9 @@ for m in qwen2.5-7b:32:24 qwen2.5-7b:32:48 qwen2.5-7b:32:80 qwen2.5-1.5b:16:24; 
             --slots 3 --gpu-opt-every auto --steps 3 --gpu-gib "$gib" --json "$out/budget-$preset-$gib.json"
     fi
 done
+if [[ $part == adamw || $part == all ]]; then
+    stage adamw 200 python3 benchmarks/host_adamw.py --json "$out/host-adamw.json"
+fi
 if [[ $part == kernels || $part == all ]]; then
     stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"
 fi

@@ -262,6 +262,16 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         res["host_issue_s"] = dict(timer.host_issue_s)
         res["host_wait_s"] = timer.host_wait_s
         res["host_loss_wait_s"] = timer.host_loss_wait_s
+        if not args.sync:  # the host AdamW rate in the running worker, from the last step's host OPT ops
+            from megatrain.ir import OpKind, Stream
+
+            tl = sm.executor.timeline()
+            spans = [(graph.weight_params(op.layer), e - s) for op, s, e in zip(tl.ops, tl.start_s, tl.end_s)
+                     if op.kind is OpKind.OPT and op.stream is Stream.CPU]
+            if spans:
+                res["host_adamw_params"] = sum(p for p, _ in spans)
+                res["host_adamw_busy_s"] = sum(d for _, d in spans)
+                res["host_adamw_params_per_s"] = res["host_adamw_params"] / max(res["host_adamw_busy_s"], 1e-9)
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
                f"-s{c.weight_slots}-saved{len(c.saved_acts)}"
@@ -287,7 +297,10 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
           f"{tokens} tokens/step, {step_s:.3f} s/step, "
           f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops_6nt']:.0f} TFLOPS(6NT); bound {b.step_s:.3f} s "
           f"({b.limiter}), simulated {sim.steady_step_s:.3f} s; GPU peak {res['gpu_peak_gib']:.1f} GiB, "
-          f"host RSS {res['host_rss_gib']:.1f} GiB")
+          f"host RSS {res['host_rss_gib']:.1f} GiB"
+          + (f"; host AdamW in the worker {res['host_adamw_params_per_s'] / 1e9:.2f} G params/s "
+             f"({res['host_adamw_params'] / 1e9:.2f}B params in {res['host_adamw_busy_s']:.3f} s)"
+             if "host_adamw_params_per_s" in res else ""))
     return res
 
 

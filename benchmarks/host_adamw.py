@@ -1,0 +1,172 @@
+"""Host AdamW rate (parameters per second) under the conditions the optimizer worker meets in a running step.
+
+torch's fused AdamW on fp32 master weights and moments reads 16 and writes 12 bytes per parameter, so on a host whose
+DRAM streams ~100 GB/s it cannot pass ~4 G params/s. This measures the rate for layer-sized blocks (a Qwen2.5-7B
+block by default) in each variant the worker may differ from a lone kernel in: the calling thread (main or a worker
+thread), its OpenMP thread count, pinned (cudaHostRegister) or pageable memory, the chunking HostAdamW applies, the
+clip factor as a grad_scale tensor, and copies to and from the GPU running meanwhile (the next step's weight loads,
+gradient stores).
+
+    PYTHONPATH=. python3 benchmarks/host_adamw.py [--numel 233000000] [--layers 6] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import threading
+import time
+
+import torch
+
+from megatrain.planner.cost import HOST_UPDATE_CHUNK
+
+
+def blocks(layers: int, numel: int, pinned: bool) -> list[torch.Tensor]:
+    """``layers`` (4, numel) fp32 blocks: master, exp_avg, exp_avg_sq, gradient."""
+    from megatrain.runtime.store import pinned_zeros
+
+    out = []
+    for _ in range(layers):
+        b = pinned_zeros(4, numel) if pinned else torch.zeros(4, numel)
+        b[0].normal_()
+        b[3].normal_()
+        out.append(b)
+    return out
+
+
+def optimizers(bs: list[torch.Tensor], chunk: int) -> list[tuple[torch.optim.AdamW, list, list]]:
+    """One AdamW per block over chunk views of its master row, moments as views of its rows (HostAdamW's layout)."""
+    out = []
+    for b in bs:
+        n = b.shape[1]
+        spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+        views = [b[0, a:e] for a, e in spans]
+        opt = torch.optim.AdamW([{"params": views, "weight_decay": 0.1}], lr=1e-4, betas=(0.9, 0.95), fused=True)
+        for v, (a, e) in zip(views, spans):
+            opt.state[v] = {"step": torch.zeros(()), "exp_avg": b[1, a:e], "exp_avg_sq": b[2, a:e]}
+        out.append((opt, views, [b[3, a:e] for a, e in spans]))
+    return out
+
+
+def step_all(opts, threads: int | None, scale: torch.Tensor | None) -> float:
+    """Seconds for one AdamW step over every block, in the calling thread."""
+    if threads:
+        torch.set_num_threads(threads)
+    t = time.perf_counter()
+    for opt, views, grads in opts:
+        for v, g in zip(views, grads):
+            v.grad = g
+        if scale is not None:
+            opt.grad_scale = scale
+        opt.step()
+        if scale is not None:
+            del opt.grad_scale
+        for v in views:
+            v.grad = None
+    return time.perf_counter() - t
+
+
+class Traffic:
+    """Copies between pinned host buffers and the GPU in a loop on side streams (both directions), as the next
+    step's weight loads and the gradient stores run while the worker updates; ``gbps`` once stopped."""
+
+    def __init__(self, gib: float, h2d: bool, d2h: bool):
+        n = int(gib * (1 << 30)) // 4
+        from megatrain.runtime.store import pinned_zeros
+
+        self.host = [pinned_zeros(n), pinned_zeros(n)]
+        self.dev = [torch.empty(n, device="cuda"), torch.empty(n, device="cuda")]
+        self.dirs = [d for d, on in (("h2d", h2d), ("d2h", d2h)) if on]
+        self.stop, self.bytes = threading.Event(), {d: 0 for d in self.dirs}
+        self.threads = [threading.Thread(target=self._loop, args=(d,), daemon=True) for d in self.dirs]
+
+    def _loop(self, d: str):
+        s = torch.cuda.Stream()
+        i = 0 if d == "h2d" else 1
+        with torch.cuda.stream(s):
+            while not self.stop.is_set():
+                if d == "h2d":
+                    self.dev[i].copy_(self.host[i], non_blocking=True)
+                else:
+                    self.host[i].copy_(self.dev[i], non_blocking=True)
+                s.synchronize()
+                self.bytes[d] += self.host[i].numel() * 4
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        dt = time.perf_counter() - self.t0
+        self.gbps = {d: b / dt / 1e9 for d, b in self.bytes.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=int, default=233_000_000, help="parameters per block (default: a 7B block)")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    n_params = args.numel * args.layers
+    cores = torch.get_num_threads()
+    results = []
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # the optimizer worker's shape: one thread, tasks in order
+
+    def run(name, opts, where="main", threads=None, scale=None, traffic=None):
+        def once():
+            return (step_all(opts, threads, scale) if where == "main"
+                    else pool.submit(step_all, opts, threads, scale).result())
+
+        once()  # warm: first touch, thread pools
+        if traffic is not None:
+            with Traffic(2.0, *traffic) as tr:
+                secs = min(once() for _ in range(args.reps))
+            gbps = tr.gbps
+        else:
+            secs, gbps = min(once() for _ in range(args.reps)), {}
+        rate = n_params / secs
+        results.append({"variant": name, "where": where, "threads": threads or cores, "seconds": secs,
+                        "params_per_s": rate, "copy_gbps": gbps})
+        print(f"{name:55s} {rate / 1e9:6.2f} G params/s  ({secs:.3f} s for {n_params / 1e9:.2f}B)"
+              + (f"  copies {', '.join(f'{k} {v:.1f} GB/s' for k, v in gbps.items())}" if gbps else ""), flush=True)
+
+    for pinned in ([False, True] if cuda else [False]):
+        bs = blocks(args.layers, args.numel, pinned)
+        mem = "pinned" if pinned else "pageable"
+        chunked, whole = optimizers(bs, HOST_UPDATE_CHUNK), optimizers(bs, args.numel)
+        run(f"{mem}, main thread, whole blocks", whole)
+        run(f"{mem}, main thread, {HOST_UPDATE_CHUNK >> 20}M chunks", chunked)
+        run(f"{mem}, worker thread, chunks", chunked, "worker")
+        for t in (cores - 1, cores // 2):
+            run(f"{mem}, worker thread, chunks, {t} threads", chunked, "worker", threads=t)
+        run(f"{mem}, worker thread, chunks, {cores} threads", chunked, "worker", threads=cores)
+        run(f"{mem}, worker thread, chunks, grad_scale", chunked, "worker", scale=torch.tensor(1.25))
+        if pinned:
+            run(f"{mem}, worker, chunks, H2D copies running", chunked, "worker", traffic=(True, False))
+            run(f"{mem}, worker, chunks, D2H copies running", chunked, "worker", traffic=(False, True))
+            run(f"{mem}, worker, chunks, H2D + D2H copies running", chunked, "worker", traffic=(True, True))
+            run(f"{mem}, worker, chunks, {cores - 1} threads, H2D + D2H running", chunked, "worker",
+                threads=cores - 1, traffic=(True, True))
+        del bs, chunked, whole
+    if cuda:  # the copies alone, for comparison
+        for traffic in ((True, False), (False, True), (True, True)):
+            with Traffic(2.0, *traffic) as tr:
+                time.sleep(2.0)
+            print(f"copies alone {traffic}: {tr.gbps}")
+            results.append({"variant": f"copies alone h2d={traffic[0]} d2h={traffic[1]}", "copy_gbps": tr.gbps})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"numel": args.numel, "layers": args.layers, "cores": cores, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -573,7 +573,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if dev.type == "cuda" and opts.device_budget_gib is not None:  # the caching allocator keeps to the budget too:
         # the run behaves as on a card of that size
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(spec.budget_bytes / total, dev)
+        torch.cuda.set_per_process_memory_fraction(spec.budget_bytes / total,
+                                                   dev.index if dev.index is not None else torch.cuda.current_device())
     sm = StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels, use_streams)
     sm.nonfinite = nonfinite
     sm.measure_host = host_free is not None

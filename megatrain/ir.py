@@ -182,7 +182,8 @@ class Op:
 
 TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept")  # ScheduleConfig's layer sets
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
-QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "grad_host_bytes": 4, "host_grad_slots": 2}
+QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "grad_host_bytes": 4, "host_grad_slots": 2,
+                  "host_grad_part": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,6 +231,24 @@ class ScheduleConfig:
     # host gradient buffers that take turns where gradients pass through on their way to an update (without
     # clipping, and the gradients of grad_kept): a store into one waits for the update that read it before
     host_grad_slots: int = 2
+    # a gradient kept on the device passes through the host buffers in parts of this many elements (the last part
+    # of a layer the rest), each part's STORE_G and OPT its own ops (``mb``: the part's index), so a host buffer is
+    # one part, not the largest layer; 0: a layer at a time
+    host_grad_part: int = 0
+
+    def part_span(self, op: "Op", numel: int) -> tuple[int, int]:
+        """The elements [lo, hi) of a layer's ``numel`` that ``op`` (a STORE_G or OPT) handles: one part, or all."""
+        if op.mb is None or op.kind not in (OpKind.STORE_G, OpKind.OPT):
+            return 0, numel
+        lo = op.mb * self.host_grad_part
+        return lo, min(lo + self.host_grad_part, numel)
+
+    def parts(self, layer: int, numel: int) -> list[int | None]:
+        """The parts a ``numel``-element gradient of ``layer`` passes through the host buffers in (the ``mb`` of
+        its STORE_G and OPT ops): [None] unless it is kept on the device and parts are in use."""
+        if not self.host_grad_part or layer not in self.grad_kept:
+            return [None]
+        return list(range(max(1, -(-numel // self.host_grad_part))))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -336,7 +355,7 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
     ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs;
     ``("S", step, layer)`` a layer's master weights and moments in an optimizer slot, ``("SG", step, layer)`` the
     same with the step's gradient, ``("U", step, layer)`` after its device update; ``("HG", step, layer)`` a
-    layer's gradient in a host buffer, ``("K", step, layer)`` in a kept-gradient slot (``kept(layer)``: the layer
+    layer's gradient in a host buffer (``("HG", step, layer, part)`` one part of it: ``ScheduleConfig.host_grad_part``), ``("K", step, layer)`` in a kept-gradient slot (``kept(layer)``: the layer
     is in ``grad_kept``).
     ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied); ``shared(layer)``: another layer
     reads this owner's weights (a tied head), whose gradient part reaches the optimizer slot first, as
@@ -376,14 +395,15 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
             return {"g": ("G", st, l, n_mb), "o": state}, {"o": ("SG", st, o, "part")}
         before = ("SG", st, o, "part") if shared(o) else state
         return {"g": ("G", st, l, n_mb), "o": before}, {"o": ("SG", st, o)}
+    hg = ("HG", st, l) if j is None else ("HG", st, l, j)  # a host buffer's content: a gradient, or a part of one
     if k is OpKind.STORE_G and kept(l):  # from its kept-gradient slot, in the update pass
-        return {"k": ("K", st, l)}, {"h": ("HG", st, l)}
+        return {"k": ("K", st, l)}, {"h": hg}
     if k is OpKind.STORE_G:  # to a host buffer; a tied layer's part is added to its owner's on the device
         return {"g": ("G", st, l, n_mb)}, ({} if owner(l) != l else {"h": ("HG", st, l)})
     if k is OpKind.NORM:
         return {"g": ("G", st, l, n_mb)}, {"k": ("K", st, l)}
     if k is OpKind.OPT and op.stream is Stream.CPU:
-        return {"h": ("HG", st, l)}, {}
+        return {"h": hg}, {}
     if k is OpKind.LOAD_OPT:
         return {}, {"o": ("U", st - 1, l) if resident(l) else ("S", st, l)}
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:

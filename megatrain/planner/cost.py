@@ -15,6 +15,10 @@ from megatrain.planner.hardware import HardwareSpec
 GRAD_BYTES = 4  # gradients are accumulated in fp32 (on the host: ScheduleConfig.grad_host_bytes)
 STORE_BYTES_PER_PARAM = 4 + 4 + 4  # the host store: fp32 master, exp_avg, exp_avg_sq (gradients: host buffers
 # the plan sizes, see host_memory)
+# host memory a training process holds besides the store, its buffers and checkpoints (the CUDA context, the
+# libraries, Python): measured on the H200 machine as peak RSS less the planned figure, 1.59-1.66 GiB in six runs
+# of 1.8B-7.6B models (docs/benchmarks.md, "The host-lean store")
+PROCESS_HOST_BYTES = int(1.7 * (1 << 30))
 OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the gradient slot on the device)
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
@@ -78,8 +82,16 @@ def _slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
             if len(sizes) <= idx:
                 sizes.extend([0] * (idx + 1 - len(sizes)))
             if pool != "a":
-                sizes[idx] = max(sizes[idx], graph.weight_params(op.layer))
+                n = op_params(graph, schedule.config, op) if pool == "h" else graph.weight_params(op.layer)
+                sizes[idx] = max(sizes[idx], n)
     return out
+
+
+def op_params(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
+    """Parameters whose gradient or update ``op`` handles: its layer's weights, or one part of them
+    (``ScheduleConfig.host_grad_part``)."""
+    lo, hi = cfg.part_span(op, graph.weight_params(op.layer))
+    return hi - lo
 
 
 def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
@@ -157,7 +169,7 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
         return 0 if loads_from_device(graph, cfg, op) else graph.weight_params(op.layer) * cfg.wire_bytes_per_param
     if op.kind is OpKind.STORE_G:  # on the compute stream: a device copy into the optimizer slot
         return 0 if op.stream is Stream.COMPUTE or tied_part(graph, op) else \
-            graph.weight_params(op.layer) * cfg.grad_host_bytes
+            op_params(graph, cfg, op) * cfg.grad_host_bytes
     if op.kind is OpKind.LOAD_OPT:
         return graph[op.layer].params * OPT_IN_BYTES
     if op.kind is OpKind.STORE_OPT:  # plus the refreshed bf16 shadow when that is what goes on the wire
@@ -221,8 +233,9 @@ def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> fl
     return traffic
 
 
-def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, layer: int) -> float:
-    p = graph[layer].params
+def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, layer: int, p: int | None = None) -> float:
+    """Seconds of a host update of ``layer`` (of ``p`` of its parameters: one part)."""
+    p = graph[layer].params if p is None else p
     t = p / spec.cpu_adam_params_per_s
     if cfg.wire_bytes_per_param == 2:  # refresh the bf16 shadow that goes on the wire
         t += p / spec.cpu_cast_params_per_s
@@ -253,7 +266,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return max(graph[op.layer].params * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
     if k is OpKind.OPT:
-        return opt_seconds(graph, cfg, spec, op.layer)
+        return opt_seconds(graph, cfg, spec, op.layer, op_params(graph, cfg, op))
     raise AssertionError(k)
 
 
@@ -327,8 +340,9 @@ def grad_placement(graph: LayerGraph, schedule: Schedule) -> str:
 
 
 def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
-    """The host bytes of :func:`host_memory` that do not depend on the ops: store, shadow, checkpoints."""
-    out = {"store": graph.n_params * STORE_BYTES_PER_PARAM}
+    """The host bytes of :func:`host_memory` that do not depend on the ops: store, shadow, checkpoints, and the
+    process's own (:data:`PROCESS_HOST_BYTES`)."""
+    out = {"store": graph.n_params * STORE_BYTES_PER_PARAM, "process": PROCESS_HOST_BYTES}
     if cfg.wire_bytes_per_param == 2:
         out["bf16_shadow"] = graph.n_params * 2
     out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb

@@ -258,18 +258,20 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
             owners = [l for l in owners if l not in on_gpu] + backward_order
         # the kept gradients go to the host in update order, each ``host_grad_slots`` updates ahead of its own:
         # a store into a host buffer follows the update that read it before (see assign_host_grad_slots)
-        kept = [l for l in owners if l in cfg.grad_kept]
-        kept_stores = {l: Op(ids(), OpKind.STORE_G, D2H, st, l, deps=(norms[(st, l)].id,)) for l in kept}
+        # (a part at a time where the plan cuts them in parts: ScheduleConfig.host_grad_part)
+        kept = [(l, p) for l in owners if l in cfg.grad_kept for p in cfg.parts(l, graph[l].params)]
+        kept_stores = {(l, p): Op(ids(), OpKind.STORE_G, D2H, st, l, p, deps=(norms[(st, l)].id,)) for l, p in kept}
         ahead = max(1, cfg.host_grad_slots)
-        after[last.id].extend(kept_stores[l] for l in kept[:ahead])
+        after[last.id].extend(kept_stores[u] for u in kept[:ahead])
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]
             deps = tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])
             if l not in on_gpu:
-                own = (kept_stores[l].id,) if l in kept_stores else ()
-                after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, deps=deps + own))
-                if l in kept_stores and kept.index(l) + ahead < len(kept):
-                    after[anchor.id].append(kept_stores[kept[kept.index(l) + ahead]])
+                for p in cfg.parts(l, graph[l].params):
+                    own = (kept_stores[(l, p)].id,) if (l, p) in kept_stores else ()
+                    after[anchor.id].append(Op(ids(), OpKind.OPT, CPU, st, l, p, deps=deps + own))
+                    if (l, p) in kept_stores and kept.index((l, p)) + ahead < len(kept):
+                        after[anchor.id].append(kept_stores[kept[kept.index((l, p)) + ahead]])
                 continue
             opt = Op(ids(), OpKind.OPT, C, st, l, deps=deps)
             after[anchor.id].append(opt)
@@ -526,9 +528,9 @@ def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
 def _host_grad_uses(graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
     def uses(op: Op) -> list[tuple[str, tuple, bool]]:
         if op.kind is OpKind.STORE_G and op.stream is D2H and graph.owner(op.layer) == op.layer:
-            return [("h", (op.step, op.layer), True)]
+            return [("h", (op.step, op.layer, op.mb), True)]
         if op.kind is OpKind.OPT and op.stream is CPU:
-            return [("h", (op.step, op.layer), False)]
+            return [("h", (op.step, op.layer, op.mb), False)]
         return []
 
     return uses
@@ -540,7 +542,7 @@ def assign_host_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     such layer); gradients that pass through (without clipping, or kept on the device until the update pass) take
     turns in ``host_grad_slots`` buffers."""
     cfg = s.config
-    ops, n = _allocate(list(s.ops), _host_grad_uses(graph), pool=cfg.host_grad_slots, affinity=lambda key: key[1])
+    ops, n = _allocate(list(s.ops), _host_grad_uses(graph), pool=cfg.host_grad_slots, affinity=lambda key: key[1:])
     kind = "bf16" if cfg.grad_host_bytes == 2 else "fp32"
     return s.with_ops(ops, f"assign_host_grad_slots: {n} host gradient buffers ({kind})")
 

@@ -14,6 +14,7 @@ from typing import Callable
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner.cost import (STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes, host_floor,
                                     host_memory, slot_nbytes, workspace_nbytes)
+from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved
@@ -146,6 +147,12 @@ def grad_kept_eligible(graph: LayerGraph, cfg: ScheduleConfig) -> list[int]:
     return [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l) and l not in cfg.gpu_opt]
 
 
+def kept_config(cfg: ScheduleConfig, kept: tuple[int, ...]) -> ScheduleConfig:
+    """``cfg`` with gradients ``kept`` on the device until the update pass, each passing through the host buffers
+    in parts of :data:`cost.HOST_UPDATE_CHUNK` elements (so a host buffer is one part, not the largest layer)."""
+    return replace(cfg, grad_kept=tuple(kept), host_grad_part=cost.HOST_UPDATE_CHUNK if kept else 0)
+
+
 def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
                    base: Schedule | None = None) -> ScheduleConfig:
     """``cfg`` with the layers whose gradient stays on the device until the update pass: the first ``choice`` of
@@ -158,11 +165,11 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
     if choice != "auto":
         if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
             raise PlanError(f"grad_kept must be 'auto' or a count of layers >= 0, got {choice!r}")
-        return replace(cfg, grad_kept=tuple(able[:choice]))
+        return kept_config(cfg, tuple(able[:choice]))
     if not able:
         return cfg
     if base is None:
-        base = build_schedule(graph, unsaved(replace(cfg, grad_kept=())))
+        base = build_schedule(graph, unsaved(kept_config(cfg, ())))
     spare = (cfg.budget_bytes - device_memory(graph, base).total_nbytes) * KEPT_FILL
     out = []
     for l in able:
@@ -171,7 +178,7 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
             break
         spare -= need
         out.append(l)
-    return replace(cfg, grad_kept=tuple(out))
+    return kept_config(cfg, tuple(out))
 
 
 def check_resident(gpu_opt_every: int | str | None, resident_opt: int | str | None) -> None:
@@ -273,10 +280,10 @@ def choose_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
     """The schedule of ``cfg`` (without saved activations) with its kept gradients chosen by
     :func:`with_grad_kept`; for "auto", its estimate checked against the device budget with the slots the
     allocator gives them, and halved until it fits."""
-    base = build_schedule(graph, unsaved(replace(cfg, grad_kept=())))
+    base = build_schedule(graph, unsaved(kept_config(cfg, ())))
     kept = with_grad_kept(graph, cfg, choice, base).grad_kept
     while kept:
-        with_kept = build_schedule(graph, unsaved(replace(cfg, grad_kept=kept)))
+        with_kept = build_schedule(graph, unsaved(kept_config(cfg, kept)))
         if choice != "auto" or device_memory(graph, with_kept).total_nbytes <= cfg.budget_bytes:
             return with_kept
         kept = kept[: len(kept) // 2]

@@ -93,7 +93,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         if not (0 <= op.step < cfg.n_steps and 0 <= op.layer < L):
             raise ScheduleError("range", op, f"step or layer out of range ({cfg.n_steps} steps, {L} layers)")
         has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT)
-        if has_mb != (op.mb is not None) or (has_mb and not 0 <= op.mb < cfg.n_mb):
+        parts = cfg.parts(op.layer, graph[op.layer].params) if 0 <= op.layer < L else [None]
+        if op.kind is OpKind.STORE_G and op.stream is Stream.D2H or op.kind is OpKind.OPT and op.stream is Stream.CPU:
+            if op.mb not in parts:  # a gradient kept on the device goes to the host in parts
+                raise ScheduleError("range", op, f"layer {op.layer}'s gradient passes through the host in parts "
+                                                 f"{parts}, not {op.mb}")
+        elif has_mb != (op.mb is not None) or (has_mb and not 0 <= op.mb < cfg.n_mb):
             raise ScheduleError("range", op, f"micro-batch must be in 0..{cfg.n_mb - 1} for {op.kind.value}")
         if op.kind in (OpKind.FWD, OpKind.BWD) and op.layer == L - 1:
             raise ScheduleError("kind", op, "the head+loss layer runs as LOSS (or EVAL), not FWD/BWD")
@@ -160,13 +165,18 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                         raise ScheduleError("complete", None, f"step {st} has no {k.value} of layer {l} mb {j}")
                 if l < L - 1 and not hb(seen[(OpKind.FWD, st, l, j)].id, seen[(OpKind.BWD, st, l, j)].id):
                     raise ScheduleError("fwd-before-bwd", seen[(OpKind.BWD, st, l, j)], "its FWD may not have run")
-            if (OpKind.STORE_G, st, l, None) not in seen:
-                raise ScheduleError("complete", None, f"step {st} never stores the gradient of layer {l}")
+            parts = cfg.parts(l, graph[l].params) if l not in cfg.gpu_opt else [None]
+            for p in parts:
+                if (OpKind.STORE_G, st, l, p) not in seen:
+                    raise ScheduleError("complete", None, f"step {st} never stores the gradient of layer {l}"
+                                                          + (f" (part {p})" if p is not None else ""))
             if l in cfg.grad_kept and (OpKind.NORM, st, l, None) not in seen:
                 raise ScheduleError("complete", None, f"step {st} never takes the norms of layer {l}'s gradient, "
                                                       f"which stays on the device (grad_kept)")
-            if graph[l].tie is None and (OpKind.OPT, st, l, None) not in seen:
-                raise ScheduleError("complete", None, f"step {st} never optimizes layer {l}")
+            for p in parts if graph[l].tie is None else ():
+                if (OpKind.OPT, st, l, p) not in seen:
+                    raise ScheduleError("complete", None, f"step {st} never optimizes layer {l}"
+                                                          + (f" (part {p})" if p is not None else ""))
             if l in cfg.gpu_opt:
                 stays = l in cfg.resident_opt
                 for k, want in ((OpKind.LOAD_OPT, not stays or (st == 0 and not cfg.continues)),
@@ -186,17 +196,18 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                 if not hb(g.id, opt.id):
                     raise ScheduleError("store-before-opt", opt, f"clipping needs every gradient's norms of the "
                                                                  f"step: '{g}' may not have finished")
-            for g in own:
-                if graph.owner(g.layer) == opt.layer and not hb(g.id, opt.id):
+            for g in own:  # (of a gradient in parts, the store of the part it updates)
+                if graph.owner(g.layer) == opt.layer and g.mb in (None, opt.mb) and not hb(g.id, opt.id):
                     raise ScheduleError("store-before-opt", opt, f"it updates weights whose gradient '{g}' may not "
                                                                  f"have finished")
     for op in s.ops:
         if op.kind is OpKind.LOAD_W and op.step > 0:
             o = graph.owner(op.layer)
-            opt = seen[(OpKind.OPT, op.step - 1, o, None)]  # on the device, its new weights stay there
-            if not hb(opt.id, op.id):
-                raise ScheduleError("load-after-opt", op,
-                                    f"loads weights before '{opt}' of the previous step updated them")
+            # (on the device, its new weights stay there; in parts, every part's update)
+            for opt in (seen[(OpKind.OPT, op.step - 1, o, p)] for p in cfg.parts(o, graph[o].params)):
+                if not hb(opt.id, op.id):
+                    raise ScheduleError("load-after-opt", op,
+                                        f"loads weights before '{opt}' of the previous step updated them")
 
 
 def _contents(s: Schedule, graph: LayerGraph, op: Op) -> tuple[dict[str, tuple], dict[str, tuple]]:

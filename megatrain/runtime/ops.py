@@ -245,10 +245,12 @@ def store_grad_to_host(ex, op: Op, st: StepState) -> None:
     gradient's parts are summed on the device first, and the sum goes to the host once."""
     o = ex.graph.owner(op.layer)
     n = ex.graph.weight_params(o)
-    dst = ex.store.grads.view(op.slot("h"), n) if op.slot("h") is not None else None
-    if op.slot("k") is not None:  # kept on the device until now: norms taken, in the buffer's dtype already
-        dst.copy_(ex.dev.k[op.slot("k")][:n], non_blocking=ex.non_blocking)
+    if op.slot("k") is not None:  # kept on the device until now: norms taken, in the buffer's dtype already; the
+        # whole gradient or one part of it
+        lo, hi = st.schedule.config.part_span(op, n)
+        ex.store.grads.view(op.slot("h"), hi - lo).copy_(ex.dev.k[op.slot("k")][lo:hi], non_blocking=ex.non_blocking)
         return
+    dst = ex.store.grads.view(op.slot("h"), n) if op.slot("h") is not None else None
     src = ex.dev.g[op.slot("g")][:n]
     if ex.graph.tied_to(o):
         buf = ex.dev.tied_sum(o, n)
@@ -303,8 +305,8 @@ def update_on_host(ex, op: Op, st: StepState) -> None:
     """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update."""
     if not st.ok():
         return
-    ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), ex.graph.weight_params(op.layer)),
-                            coef=st.coef_value())
+    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi))
 
 
 def update_on_device(ex, op: Op, st: StepState) -> None:

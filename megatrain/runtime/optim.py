@@ -158,8 +158,11 @@ class HostAdamW:
             ranges = self.ranges[layer] = update_ranges(store.captured, layer, cfg.decay_all)
             if not ranges:
                 continue
-            chunks = self.chunks[layer] = [(c, min(c + HOST_UPDATE_CHUNK, b), d) for a, b, d in ranges
-                                           for c in range(a, b, HOST_UPDATE_CHUNK)]
+            # cut at multiples of the chunk: a gradient that reaches the host in parts of that size (or a multiple)
+            # is updated a part at a time (ScheduleConfig.host_grad_part)
+            step_ = HOST_UPDATE_CHUNK
+            chunks = self.chunks[layer] = [(c, min((c // step_ + 1) * step_, b), d) for a, b, d in ranges
+                                           for c in [a, *range((a // step_ + 1) * step_, b, step_)]]
             master, exp_avg, exp_avg_sq = (store.row(layer, r) for r in ("master", "exp_avg", "exp_avg_sq"))
             views = self.params[layer] = [master[a:b] for a, b, _ in chunks]
             groups = [{"params": [v for v, (_, _, d) in zip(views, chunks) if d == decay],
@@ -226,23 +229,33 @@ class HostAdamW:
         grad.mul_(coef)
         return None
 
-    def step_layer(self, layer: int, grad: torch.Tensor, coef: float = 1.0) -> None:
+    def step_layer(self, layer: int, grad: torch.Tensor, coef: float = 1.0, span: tuple[int, int] | None = None
+                   ) -> None:
         """AdamW on one layer's host block with its gradient ``grad`` (a host buffer: fp32, changed in place where
         the update scales it, or bf16, read back into fp32 first: ``GradBuffers.as_fp32``) scaled by ``coef`` (the
-        step's clip factor)."""
+        step's clip factor). ``span``: (lo, hi), the elements of the block ``grad`` holds the gradient of (one part
+        of a gradient that comes to the host in parts; its bounds multiples of HOST_UPDATE_CHUNK or the block's
+        end); None: all."""
         opt = self.opts.get(layer)
         if opt is None:
             return
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
-        views, chunks = self.params[layer], self.chunks[layer]
+        lo, hi = span if span is not None else (0, self.store.blocks[layer].shape[1])
+        if grad.numel() != hi - lo:
+            raise AssertionError(f"layer {layer}: a gradient of {grad.numel()} elements for span {lo}..{hi}")
+        pairs = [(v, (a, b)) for v, (a, b, _) in zip(self.params[layer], self.chunks[layer]) if lo <= a and b <= hi]
+        if any(a < hi and b > lo and not (lo <= a and b <= hi) for a, b, _ in self.chunks[layer]):
+            raise AssertionError(f"layer {layer}: span {lo}..{hi} cuts an update chunk (chunks of "
+                                 f"{HOST_UPDATE_CHUNK} elements)")
         if grad.dtype == torch.float32:
-            self._torch_step(opt, views, [grad[a:b] for a, b, _ in chunks], self._grad_scale(grad, coef))
+            self._torch_step(opt, [v for v, _ in pairs], [grad[a - lo:b - lo] for _, (a, b) in pairs],
+                             self._grad_scale(grad, coef))
         else:  # one chunk at a time (a parameter without a gradient is left alone by the step)
-            for v, (a, b, _) in zip(views, chunks):
-                g = self.store.grads.as_fp32(grad[a:b])
+            for v, (a, b) in pairs:
+                g = self.store.grads.as_fp32(grad[a - lo:b - lo])
                 self._torch_step(opt, [v], [g], self._grad_scale(g, coef))
-        self.store.refresh_shadow(layer)  # a plan with a bf16 wire loads the shadow next
+        self.store.refresh_shadow(layer, lo, hi)  # a plan with a bf16 wire loads the shadow next
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,
                       out: torch.Tensor | None = None) -> bool:

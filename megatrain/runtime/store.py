@@ -239,9 +239,10 @@ class HostStore:
                 self.shadows[i] = t
         return self.shadows[layer]
 
-    def refresh_shadow(self, layer: int) -> None:
+    def refresh_shadow(self, layer: int, lo: int = 0, hi: int | None = None) -> None:
+        """The shadow of the layer's masters [lo, hi) made again after an update of them."""
         if self.shadows is not None:
-            self.shadows[layer].copy_(self.blocks[layer][0])
+            self.shadows[layer][lo:hi].copy_(self.blocks[layer][0][lo:hi])
 
     def owners(self) -> list[int]:
         return [i for i, b in enumerate(self.blocks) if b is not None]

@@ -72,11 +72,18 @@ def test_device_updates_match_host_updates(clip):
         assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
 
 
-@pytest.mark.parametrize("gpu_opt_every", [0, 2])
-def test_gradient_placements_on_streams_train_bit_for_bit_alike(gpu_opt_every):
+@pytest.mark.parametrize("gpu_opt_every,chunk", [(0, None), (2, None), (0, 1 << 17)])
+def test_gradient_placements_on_streams_train_bit_for_bit_alike(gpu_opt_every, chunk, monkeypatch):
     """Gradients kept on the GPU until the update pass (their stores issued by the optimizer worker after the
     update that read the host buffer before), or each in a host buffer of its own: the same losses, norms and
-    weights, steps overlapping (the norms are taken by the same kernel on the same gradients either way)."""
+    weights, steps overlapping (the norms are taken by the same kernel on the same gradients either way).
+    ``chunk``: kept gradients pass through the host in parts of that many elements (each layer several)."""
+    import megatrain.planner.cost as cost
+    import megatrain.runtime.optim as optim
+
+    if chunk is not None:
+        for mod in (cost, optim):
+            monkeypatch.setattr(mod, "HOST_UPDATE_CHUNK", chunk)
     model = small("qwen2")
     data = batches(n_steps=4)
     runs = {}
@@ -90,6 +97,7 @@ def test_gradient_placements_on_streams_train_bit_for_bit_alike(gpu_opt_every):
         cfg = sm.schedule_for(6, 12).config
         runs[kept] = ([s.loss for s in stats], [s.grad_norm for s in stats], sm.state_dict(), cfg)
     assert runs[0][3].grad_kept == () and len(runs["auto"][3].grad_kept) > 2
+    assert runs["auto"][3].host_grad_part == (chunk or cost.HOST_UPDATE_CHUNK)
     assert runs[0][0] == runs["auto"][0] and runs[0][1] == runs["auto"][1]
     assert all(torch.equal(runs[0][2][n], t) for n, t in runs["auto"][2].items())
 

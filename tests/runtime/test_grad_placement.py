@@ -141,6 +141,42 @@ def test_bf16_gradients_of_a_layer_larger_than_a_chunk_are_read_back_a_chunk_at_
     assert runs[0][0] == runs[1][0] and all(torch.equal(runs[0][1][n], t) for n, t in runs[1][1].items())
 
 
+@pytest.mark.parametrize("family,grad_host_dtype", [("qwen2", "fp32"), ("llama", "bf16")])
+def test_kept_gradients_pass_through_the_host_in_parts(monkeypatch, family, grad_host_dtype):
+    """Gradients kept on the device go to the host and are updated a part (HOST_UPDATE_CHUNK elements) at a time,
+    each part its own STORE_G and OPT: the host buffers are two parts instead of two of the largest layers, and
+    the weights are bit for bit those of whole-layer updates (fp32 gradients), and of whole-layer bf16 ones."""
+    import megatrain.planner.cost as cost
+    import megatrain.runtime.optim as optim
+    import megatrain.runtime.store as store
+    from megatrain.ir import OpKind
+
+    model, data = hf_model(family), batches(n_steps=2)
+    runs = []
+    for chunk in (HOST_UPDATE_CHUNK, 3000):
+        for mod in (cost, optim, store):
+            monkeypatch.setattr(mod, "HOST_UPDATE_CHUNK", chunk)
+        # bf16: two gradients kept, the others in host buffers of their own, on a host one byte short of the plan
+        # with fp32 ones, which makes it use bf16
+        kept = 2 if grad_host_dtype == "bf16" else "auto"
+        spec = {"hardware": _host_between(model, data, kept)} if grad_host_dtype == "bf16" else {}
+        sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, grad_kept=kept, grad_host_dtype=grad_host_dtype,
+                         **spec)
+        stats = [sm.train_step(*b) for b in data]
+        plan = sm.schedule_for(6, 12)
+        assert plan.config.grad_host_bytes == (2 if grad_host_dtype == "bf16" else 4)
+        parts = [op for op in plan.ops if op.kind in (OpKind.STORE_G, OpKind.OPT) and op.mb is not None]
+        runs.append(([s.loss for s in stats], [s.grad_norm for s in stats], sm.state_dict(), parts,
+                     sm.store.grads.nbytes))
+        assert plan.config.grad_kept and sm.store.grads.nbytes == host_memory(sm.graph, plan)["gradients"]
+    (losses, norms, sd, whole, big), (p_losses, p_norms, p_sd, parts, small) = runs
+    assert {op.mb for op in whole} == {0} and max(op.mb for op in parts) >= 2  # one part each; more than two
+    assert {op.layer for op in parts} == set(sm.schedule_for(6, 12).config.grad_kept)
+    assert small < big
+    assert p_losses == losses and p_norms == norms and max(norms) > OPT.max_grad_norm
+    assert all(torch.equal(p_sd[n], sd[n]) for n in sd)
+
+
 def test_without_clipping_gradients_pass_through_two_host_buffers():
     """No clipping: each update follows its gradient, which passes through two host buffers in turn (12 bytes
     per parameter and two layers' gradients on the host), and training matches plain PyTorch."""

@@ -266,7 +266,9 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
             from megatrain.ir import OpKind, Stream
 
             tl = sm.executor.timeline()
-            spans = [(graph.weight_params(op.layer), e - s) for op, s, e in zip(tl.ops, tl.start_s, tl.end_s)
+            from megatrain.planner.cost import op_params
+
+            spans = [(op_params(graph, c, op), e - s) for op, s, e in zip(tl.ops, tl.start_s, tl.end_s)
                      if op.kind is OpKind.OPT and op.stream is Stream.CPU]
             if spans:
                 res["host_adamw_params"] = sum(p for p, _ in spans)

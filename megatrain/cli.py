@@ -306,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     "no plan with fp32 ones fits the host memory"),
                            ("host_gib", float, "host memory the plan may use, GiB (default: what the machine has "
                                                "available)"),
-                           ("gpu_gib", float, "device memory the plan may fill, GiB, with torch's allocator capped to "
-                                              "it: a smaller card's plan (default: the card's, less a reserve)"),
+                           ("gpu_gib", float, "device memory the plan may fill, GiB, torch's allocator capped to it plus "
+                                              "the spec's reserve: a smaller card's plan (default: the card's, less the "
+                                              "reserve)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)"),
                            ("save_every", int, "also save the training state (weights, Adam moments, step, data "

@@ -81,12 +81,14 @@ PRESETS: dict[str, HardwareSpec] = {
     # 8192^3 bf16 GEMM alone reaches 784), the issue floors what one FWD / BWD op of a Qwen2 block with the Triton
     # kernels cost the host thread (1.5B at 4,096 tokens per op: 1.2 / 4.4 ms whatever the op's size). Attention
     # (cuDNN's fused kernel through SDPA): 510 TFLOP/s fits Qwen2.5-7B steps with 131,072- and 262,144-token
-    # sequences within 2% (docs/benchmarks.md, "Long sequences").
+    # sequences within 2% (docs/benchmarks.md, "Long sequences"). Host AdamW: the rate of the optimizer worker's
+    # updates read off timed Qwen2.5-7B steps (3.68-4.12 G params/s at 24-80 GiB device budgets; 4.1-4.6 for the
+    # kernel alone, 3.1 with copies both ways running: docs/benchmarks.md, "Device budgets").
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=4 * GiB,
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
         matmul_flops_per_s=620e12, hbm_bytes_per_s=4.3e12,
-        cpu_adam_params_per_s=2.75e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
+        cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
         fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12,
     ),
     # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same

@@ -390,20 +390,33 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             tried[i] = (cfg, str(e))
             continue
         return Plan(s, simulate(s, graph, spec), bound(s, graph, spec), graph, spec, tokens, tried)
-    raise PlanError(no_fit_message([why for _, why in tried], spec,
+    raise PlanError(no_fit_message([why for _, why in tried], spec, budget=budget,
                                    bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16"))
 
 
-def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool) -> str:
-    """Why no candidate fits, in one line: where every one needs more host memory than there is, the least any
-    needs (and that bf16 host gradients need less, where they were not allowed); otherwise every distinct
-    reason."""
-    host = [float(m.group(1)) for why in reasons if (m := re.match(r"host memory ([\d.]+) GiB > ", why))]
-    if reasons and len(host) == len(reasons):
+def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, budget: int | None = None) -> str:
+    """Why no candidate fits, in one line: of the candidates that need more host memory than there is, the least
+    any needs (and that bf16 host gradients need less, where they were not allowed); of those that need more
+    device memory than the budget, the least any needs; then every other distinct reason."""
+    host, device, other = [], [], set()
+    for why in reasons:
+        if m := re.match(r"host memory ([\d.]+) GiB > ", why):
+            host.append(float(m.group(1)))
+        elif m := re.match(r"device memory >= ([\d.]+) GiB > |schedule rule 'memory' broken: needs ([\d.]+) GiB on "
+                           r"the device", why):
+            device.append(float(m.group(1) or m.group(2)))
+        else:
+            other.add(why)
+    parts = []
+    if host:
         hint = "" if bf16_tried else "; gradients on the host in bf16 (grad_host_dtype='bf16') need less"
-        return (f"no plan fits: host memory {min(host):.2f} GiB > {_gib(spec.host_bytes)} (the least any of "
-                f"{len(reasons)} candidate plans needs{hint})")
-    return "no plan fits: " + "; ".join(sorted(set(reasons)))
+        parts.append(f"host memory {min(host):.2f} GiB > {_gib(spec.host_bytes)} (the least any of {len(host)} "
+                     f"candidate plans needs{hint})")
+    if device:
+        budget = spec.budget_bytes if budget is None else budget
+        parts.append(f"device memory {min(device):.2f} GiB > budget {_gib(budget)} (the least any of "
+                     f"{len(device)} {'other ' if host else ''}candidate plans needs)")
+    return "no plan fits: " + "; ".join(parts + sorted(other))
 
 
 def largest_on_host(graph: LayerGraph, schedule: Schedule, host_bytes: int) -> str:

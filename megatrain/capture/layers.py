@@ -82,6 +82,8 @@ class Captured:
     # the model takes position ids, and its mask builders keep documents packed into one row apart by them (see
     # tracer.PACKED): rows may hold several documents
     packs: bool = False
+    # the router load-balancing loss HF adds to this mixture-of-experts model's loss (runtime.router_aux), if any
+    router_aux: object | None = None
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -198,7 +200,16 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
         model = meta_copy(model)
         _materialize_meta_buffers(model)
     blocks_name, block_list = find_blocks(model, blocks)
-    traced = trace(model, block_list, blocks_name, hf, compute_dtype)
+    # the router loss is the runtime's (runtime.router_aux): the trace takes the forward without it (HF's would
+    # compute it from router logits that the blocks, traced as leaves, do not record)
+    routed = getattr(getattr(model, "config", None), "output_router_logits", False)
+    if routed:
+        model.config.output_router_logits = False
+    try:
+        traced = trace(model, block_list, blocks_name, hf, compute_dtype)
+    finally:
+        if routed:
+            model.config.output_router_logits = True
     graph = traced.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     block_path = {f"m.{blocks_name}.{i}": i for i in range(len(block_list))}
@@ -390,8 +401,11 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     frozen = frozenset(n for n in names if not model.get_parameter(n).requires_grad)
     if len(frozen) == len(names):
         raise CaptureError("every parameter of the model has requires_grad=False: there is nothing to train")
+    from megatrain.runtime import router_aux
+
     return Captured(graph, segments, side_names, names, tied_names, hidden, vocab, frozen=frozen,
-                    no_decay=frozenset(no_decay_names(model)) & frozenset(names))
+                    no_decay=frozenset(no_decay_names(model)) & frozenset(names),
+                    router_aux=router_aux.of_model(model))
 
 
 def _only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:

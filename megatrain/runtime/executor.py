@@ -19,7 +19,7 @@ from megatrain.capture.tracer import PACKED
 from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.planner.cost import OPT_STATE_ROWS
-from megatrain.runtime import ops, probe
+from megatrain.runtime import ops, probe, router_aux
 from megatrain.runtime.device import DeviceState
 from megatrain.runtime.optim import HostAdamW
 from megatrain.runtime.rng import StepRng
@@ -87,6 +87,8 @@ class Executor:
                                       pos))
         st = StepState(schedule, dev_mbs, denom, lr=self._begin_step() if cfg.train else 0.0,
                        clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs))
+        if self.captured.router_aux is not None:
+            st.aux = [router_aux.Stats() for _ in mbs]
         st.fetch = lambda: st.guard.detach().cpu()
         self.st = st
         self.rng.begin(draw=cfg.train)

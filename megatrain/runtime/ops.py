@@ -9,11 +9,14 @@ are met. Nothing else in the runtime does an op's work.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from megatrain.ir import Op, OpKind, Stream
 from megatrain.planner.cost import OPT_STATE_ROWS
+from megatrain.runtime import router_aux
 from megatrain.runtime.grad_sink import GradSink, sink_to
 from megatrain.runtime.kernel_rewrite import keep_less
 from megatrain.runtime.step import StepState
@@ -48,13 +51,45 @@ def forward(ex, op: Op, st: StepState) -> None:
     ex.rng.seed(op.layer, op.mb)
     if op.layer in st.schedule.config.saved_acts:
         return _forward_saved(ex, op, st)
+    logits: list = []
     with torch.no_grad():
         if op.layer == 0:
             mb = st.mbs[op.mb]
             h, st.side[op.mb] = ex.runner.run(0, ex.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
         else:
-            h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb])
+            with _routers(st, logits):
+                h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb])
     st.act[op.slot("y")] = h
+    if logits:
+        router_aux.add(st.aux[op.mb], logits, ex.captured.router_aux, _aux_mask(st, op.mb))
+
+
+def _routers(st: StepState, logits: list):
+    """Where the model has a router loss, collect the router logits of the layer run inside into ``logits``."""
+    return router_aux.collecting(logits) if st.aux is not None else contextlib.nullcontext()
+
+
+def _aux_mask(st: StepState, mb: int) -> torch.Tensor | None:
+    """The attention mask HF's router loss weights a micro-batch's rows by (None: no padding, or packed rows)."""
+    mask = st.mbs[mb].attention_mask
+    return mask if isinstance(mask, torch.Tensor) else None
+
+
+def _aux_loss(ex, st: StepState, mb: int) -> torch.Tensor | float:
+    """A micro-batch's router loss as its share of the step's loss: ``coef x aux / n_mb`` (0 without one)."""
+    if st.aux is None or st.aux[mb].counts is None:
+        return 0.0
+    spec = ex.captured.router_aux
+    return router_aux.value(st.aux[mb], spec) * (spec.coef / len(st.mbs))
+
+
+def _aux_outputs(ex, st: StepState, op: Op, out, dy, probs) -> tuple[list, list]:
+    """The outputs a backward differentiates and their gradients: the layer's output against ``dy``, and where
+    its routers ran, their probability sums against the router loss's gradient."""
+    if probs is None:
+        return [out], [dy]
+    spec = ex.captured.router_aux
+    return [out, probs], [dy, router_aux.probs_grad(st.aux[op.mb], spec, spec.coef, len(st.mbs))]
 
 
 def _forward_saved(ex, op: Op, st: StepState) -> None:
@@ -65,10 +100,14 @@ def _forward_saved(ex, op: Op, st: StepState) -> None:
     flat = ex.dev.weights(op)
     x = st.act[op.slot("x")].detach().requires_grad_()
     views: list = []
+    logits: list = []
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(WeightRef.packer(flat), ex.unpack), \
-            keep_less(st.schedule.config.saved_lean):
+            keep_less(st.schedule.config.saved_lean), _routers(st, logits):
         out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
-    st.saved[(op.layer, op.mb)] = (out, x, views)
+        probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
+    if logits:
+        router_aux.add(st.aux[op.mb], logits, ex.captured.router_aux, _aux_mask(st, op.mb))
+    st.saved[(op.layer, op.mb)] = (out, x, views, probs)
     st.act[op.slot("y")] = out.detach()
 
 
@@ -87,7 +126,7 @@ def loss(ex, op: Op, st: StepState) -> None:
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         sink = _grad_sink(ex, op)
         dx, *dws = _grads(sink, loss_sum / st.denom, [x, *(v for *_, v in views)])
-    st.loss_sums[op.mb] = loss_sum.detach()
+    st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ex, st, op.mb)
     _accumulate(sink, views, dws)
     st.act[op.slot("x")] = dx
 
@@ -107,7 +146,7 @@ def evaluate(ex, op: Op, st: StepState) -> None:
             logits = ex.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb])
             total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels[:, a:b].reshape(-1),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
-    st.loss_sums[op.mb] = total
+    st.loss_sums[op.mb] = total + st.denom * _aux_loss(ex, st, op.mb)
 
 
 def _fused_loss(ex, op: Op, st: StepState) -> None:
@@ -126,7 +165,7 @@ def _fused_loss(ex, op: Op, st: StepState) -> None:
     loss_sum, dh, _ = linear_cross_entropy_forward(x.reshape(-1, x.shape[-1]), weight,
                                                    st.mbs[op.mb].next_labels.reshape(-1), st.denom,
                                                    grad_weight=grad_w, softcap=spec.softcap)
-    st.loss_sums[op.mb] = loss_sum * st.denom
+    st.loss_sums[op.mb] = loss_sum * st.denom + st.denom * _aux_loss(ex, st, op.mb)
     st.act[op.slot("x")] = dh.view_as(x)
 
 
@@ -136,10 +175,11 @@ def backward(ex, op: Op, st: StepState) -> None:
     ex.rng.seed(op.layer, op.mb)
     sink = _grad_sink(ex, op)
     if op.layer in st.schedule.config.saved_acts:
-        out, x, views = st.saved.pop((op.layer, op.mb))
+        out, x, views, probs = st.saved.pop((op.layer, op.mb))
         ex.bwd_weights = ex.dev.weights(op)
         try:
-            dx, *dws = _grads(sink, out, [x, *(v for *_, v in views)], st.act[op.slot("dy")])
+            outs, dys = _aux_outputs(ex, st, op, out, st.act[op.slot("dy")], probs)
+            dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)
         finally:
             ex.bwd_weights = None
         st.act[op.slot("x")] = dx
@@ -155,8 +195,12 @@ def backward(ex, op: Op, st: StepState) -> None:
             dws = _grads(sink, h, [v for *_, v in views], dy) if views else ()  # none: all frozen
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()
-            out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
-            dx, *dws = _grads(sink, out, [x, *(v for *_, v in views)], dy)
+            logits: list = []
+            with _routers(st, logits):
+                out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
+            probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
+            outs, dys = _aux_outputs(ex, st, op, out, dy, probs)
+            dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)
             st.act[op.slot("x")] = dx
     _accumulate(sink, views, dws)
     if op.layer == 0:

@@ -47,6 +47,8 @@ class StepState:
     loss_sums: list = field(default_factory=list)  # per mb: its cross-entropy sum (a device tensor once computed)
     param_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> its gradient's L2 norm
     tied_parts: dict[int, int] = field(default_factory=dict)  # owner -> parts of its tied gradient summed so far
+    # per mb, where the model has a router loss: its routers' sums over the layers run so far (runtime.router_aux)
+    aux: list | None = None
     # made at the step's first OPT (ops.guard), on the device: the factor updates scale the gradient by (the clip
     # factor, or 1; NaN where the loss or the norm is not finite), and (global norm or 0, the step's loss, factor)
     guard: torch.Tensor | None = None

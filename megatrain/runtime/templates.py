@@ -9,7 +9,7 @@ from torch import nn
 from torch.fx.node import Node, map_aggregate
 
 from megatrain.capture import Captured, Segment
-from megatrain.runtime import grad_sink
+from megatrain.runtime import grad_sink, router_aux
 from megatrain.runtime.grad_sink import SinkLinear
 
 
@@ -111,6 +111,8 @@ class LayerRunner:
         self.captured = captured
         for seg in captured.segments:
             grad_sink.install(seg.template)
+            if captured.router_aux is not None:
+                router_aux.install(seg.template, captured.router_aux)
         self.bindings = [_Binding(seg, captured.frozen) for seg in captured.segments]
         seen = set()
         for seg in captured.segments:

@@ -36,3 +36,41 @@ def test_moe_family_matches_plain_pytorch(family):
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms,
           skip=lambda name: name.endswith("k_proj.bias"))
+
+
+AUX_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]  # those whose HF loss has the router term
+
+
+@pytest.mark.parametrize("family", AUX_FAMILIES)
+def test_router_aux_loss_matches_hf(family):
+    """With ``output_router_logits`` set, HF adds ``router_aux_loss_coef x`` its load-balancing loss (over every
+    MoE layer's router logits of the forward, padding weighted out) to the loss: the streamed run adds the same
+    (each micro-batch's, a third of the step's loss each) and trains as plain PyTorch with HF's loss does -- a
+    saved layer and a recomputed one, 3 steps x 3 micro-batches, clipping active. The coefficient is large enough
+    that without the term the weights would differ (checked)."""
+    model = moe_model(family)
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = 0.5
+    ref, plain = copy.deepcopy(model), copy.deepcopy(model)
+    data = batches(n_steps=3)
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
+    sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1, saved_acts=1)
+    assert sm.captured.router_aux is not None and sm.captured.router_aux.coef == 0.5
+    assert sm.schedule_for(6, 12).config.saved_acts
+    stats = [sm.train_step(*b) for b in data]
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms,
+          skip=lambda name: name.endswith("k_proj.bias"))
+    plain.config.output_router_logits = False  # the same training without the router term: other weights
+    plain_losses, _ = reference_train(plain, data, n_mb=3)
+    assert abs(plain_losses[0] - ref_losses[0]) > 1e-3
+    routers = [n for n in sm.state_dict() if any(k in n for k in ("gate.weight", "router.weight"))]
+    assert routers and any(not torch.allclose(sm.state_dict()[n], plain.get_parameter(n), atol=1e-6)
+                           for n in routers)
+
+
+def test_a_family_without_a_router_loss_trains_as_hf_with_output_router_logits():
+    """DeepSeek-V3's HF loss has no router term even with output_router_logits set: none is added."""
+    model = moe_model("deepseek_v3")
+    model.config.output_router_logits = True
+    sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3)
+    assert sm.captured.router_aux is None

@@ -56,9 +56,13 @@ def reference_train(model, data, n_mb, hf=True, opt_cfg=OPT, before_mb=None):
             sl = slice(i * len(ids) // n_mb, (i + 1) * len(ids) // n_mb)
             if before_mb is not None:
                 before_mb(step, i)
-            logits = model(input_ids=ids[sl], attention_mask=mask[sl]).logits if hf else model(ids[sl])
+            out = model(input_ids=ids[sl], attention_mask=mask[sl]) if hf else None
+            logits = out.logits if hf else model(ids[sl])
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), nxt[sl].reshape(-1),
                                    ignore_index=-100, reduction="sum") / denom
+            if getattr(out, "aux_loss", None) is not None:  # an MoE's router loss, HF's, as the model adds it to
+                # its loss; each micro-batch's loss counts 1 / n_mb of the step's
+                loss = loss + model.router_aux_loss_coef * out.aux_loss / n_mb
             loss.backward()
             total += loss.item()
         if opt_cfg.max_grad_norm is not None:

@@ -1,0 +1,159 @@
+"""The router's load-balancing loss of a mixture-of-experts model, as the HF model adds it to its loss.
+
+Where the model's config sets ``output_router_logits``, HF's causal-LM forward adds ``router_aux_loss_coef x aux`` to
+the loss, with ``aux`` (its ``load_balancing_loss_func``) computed over every MoE layer's router logits of that
+forward at once: with N the rows (tokens, weighted by the attention mask) over all layers, c_e how many of them
+picked expert e among their top k, and P_e the sum of their softmax probabilities for e,
+
+    aux = E * sum_e (c_e / N) * (P_e / N).
+
+The counts are not differentiable, so the gradient reaching layer l's router logits is that of
+``E / N^2 * sum_e c_e * P_e(l)``, with P_e(l) layer l's own sum: known once the micro-batch's forward has passed
+every layer, which it has before any backward of that micro-batch. So each forward adds its layer's c and P to the
+micro-batch's :class:`Stats`, the head's LOSS adds the value (``coef x aux / n_mb``: the step's loss is the mean of
+its micro-batches' losses, each HF's), and each backward differentiates its layer's P(l) against
+``coef / n_mb x E c / N^2`` along with its output.
+
+The routers are found by the module class HF records ``router_logits`` from (``OutputRecorder``); a forward hook on
+each such module of the templates hands the logits to the collector in effect (:func:`collecting`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_current: list = [None]  # the list router logits go to while a layer runs, if any
+
+
+@dataclass(frozen=True)
+class RouterAux:
+    """How a captured model's router loss is computed: its coefficient, experts, top k, and where the logits come
+    from (the router module class and the index of the logits in its output)."""
+
+    coef: float
+    num_experts: int
+    top_k: int
+    router_class: type
+    index: int
+
+
+@dataclass
+class Stats:
+    """One micro-batch's sums over the layers its forward has passed: top-k picks per expert (weighted by the
+    attention mask), softmax probabilities per expert, and rows."""
+
+    counts: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    rows: torch.Tensor | float = 0.0
+    layers: int = field(default=0)
+
+
+def of_model(model: nn.Module) -> RouterAux | None:
+    """The router loss HF adds to ``model``'s loss, or None where it adds none (the config does not set
+    ``output_router_logits``, the coefficient is 0, or the model family has no such loss)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not getattr(cfg, "output_router_logits", False):
+        return None
+    module = importlib.import_module(type(model).__module__)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if not hasattr(module, "load_balancing_loss_func") or coef is None:
+        return None  # HF's forward of this family adds nothing (DeepSeek-V3, Llama 4)
+    if not coef:
+        return None
+    recorder = None
+    for sub in model.modules():
+        recorder = (getattr(type(sub), "_can_record_outputs", None) or {}).get("router_logits")
+        if recorder is not None:
+            break
+    experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if recorder is None or not isinstance(experts, int) or not isinstance(top_k, int):
+        raise ValueError(f"{type(model).__name__}: the config sets output_router_logits (router_aux_loss_coef="
+                         f"{coef}), and megatrain does not know where this model's router logits come from; set "
+                         f"config.output_router_logits=False to train without the router loss")
+    return RouterAux(float(coef), experts, top_k, recorder.target_class, recorder.index)
+
+
+def install(module: nn.Module, spec: RouterAux) -> int:
+    """A forward hook on each router module under ``module`` (once per module) that hands its logits to the
+    collector in effect. Returns how many modules have one."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, spec.router_class):
+            if not getattr(sub, "_megatrain_router_hook", False):
+                sub.register_forward_hook(_hook(spec.index))
+                sub._megatrain_router_hook = True
+            count += 1
+    return count
+
+
+def _hook(index: int):
+    def hook(_mod, _inputs, output):
+        if _current[0] is not None:
+            _current[0].append(output[index] if isinstance(output, (tuple, list)) else output)
+
+    return hook
+
+
+@contextlib.contextmanager
+def collecting(out: list):
+    """Router logits of the layer run inside go to ``out`` (in the order the routers run)."""
+    if _current[0] is not None:
+        raise RuntimeError("router logits are already being collected: two layers cannot run at once")
+    _current[0] = out
+    try:
+        yield out
+    finally:
+        _current[0] = None
+
+
+def _weights(mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if mask is None else mask.reshape(-1).to(device=device, dtype=torch.float32)
+
+
+def add(stats: Stats, logits: list[torch.Tensor], spec: RouterAux, mask: torch.Tensor | None) -> None:
+    """Add a layer's router logits (one tensor per router: rows x experts) to the micro-batch's sums, as HF's
+    ``load_balancing_loss_func`` forms them (softmax in the logits' dtype, top k of it, counts weighted by the
+    attention mask)."""
+    for lg in logits:
+        lg = lg.detach()
+        w = _weights(mask, lg.device)
+        p = torch.softmax(lg, dim=-1)
+        _, picked = torch.topk(p, spec.top_k, dim=-1)
+        if stats.counts is None:
+            stats.counts = torch.zeros(spec.num_experts, dtype=torch.float32, device=lg.device)
+            stats.probs = torch.zeros(spec.num_experts, dtype=torch.float32, device=lg.device)
+        ones = torch.ones(picked.numel(), device=lg.device) if w is None else w.repeat_interleave(spec.top_k)
+        stats.counts.scatter_add_(0, picked.reshape(-1), ones)
+        stats.probs += (p.float() if w is None else p.float() * w.unsqueeze(-1)).sum(0)
+        stats.rows = stats.rows + (p.shape[0] if w is None else w.sum())
+        stats.layers += 1
+
+
+def value(stats: Stats, spec: RouterAux) -> torch.Tensor:
+    """The micro-batch's aux loss (HF's ``load_balancing_loss_func`` over all its layers), unscaled."""
+    return torch.sum((stats.counts / stats.rows) * (stats.probs / stats.rows)) * spec.num_experts
+
+
+def layer_probs(logits: list[torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    """P(l): the sum over the rows (mask-weighted) of the softmax probabilities of a layer's router logits, with
+    autograd: what the backward differentiates."""
+    out = None
+    for lg in logits:
+        w = _weights(mask, lg.device)
+        p = torch.softmax(lg, dim=-1).float()
+        s = (p if w is None else p * w.unsqueeze(-1)).sum(0)
+        out = s if out is None else out + s
+    return out
+
+
+def probs_grad(stats: Stats, spec: RouterAux, coef: float, n_mb: int) -> torch.Tensor:
+    """The gradient of ``coef x aux / n_mb`` with respect to a layer's P(l), ``coef / n_mb x E x c / N^2``, in
+    fp32 in the order autograd forms it from HF's expression (1 / n_mb, times coef, times E, times c / N, over N),
+    so that it rounds alike."""
+    s = torch.ones((), device=stats.counts.device) / n_mb * coef * spec.num_experts
+    return s * (stats.counts / stats.rows) / stats.rows

@@ -401,6 +401,10 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     frozen = frozenset(n for n in names if not model.get_parameter(n).requires_grad)
     if len(frozen) == len(names):
         raise CaptureError("every parameter of the model has requires_grad=False: there is nothing to train")
+    if frozen:  # layers with nothing to update keep no optimizer state
+        trains = {layer for n, (layer, _, _) in names.items() if n not in frozen}
+        graph = LayerGraph([dataclasses.replace(lay, frozen=True) if lay.params and i not in trains else lay
+                            for i, lay in enumerate(graph.layers)], name=graph.name)
     from megatrain.runtime import router_aux
 
     return Captured(graph, segments, side_names, names, tied_names, hidden, vocab, frozen=frozen,

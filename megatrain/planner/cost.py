@@ -339,10 +339,16 @@ def grad_placement(graph: LayerGraph, schedule: Schedule) -> str:
     return "; ".join(parts) + f"; {len(buffers)} host buffers ({kind}), {fmt_bytes(sum(buffers))}"
 
 
+def store_bytes(graph: LayerGraph) -> int:
+    """Host bytes of the store: fp32 master weights and two Adam moments per parameter, the master alone for a
+    layer whose parameters are all frozen (``Layer.frozen``)."""
+    return sum(lay.params * (4 if lay.frozen else STORE_BYTES_PER_PARAM) for lay in graph.layers)
+
+
 def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
     """The host bytes of :func:`host_memory` that do not depend on the ops: store, shadow, checkpoints, and the
     process's own (:data:`PROCESS_HOST_BYTES`)."""
-    out = {"store": graph.n_params * STORE_BYTES_PER_PARAM, "process": PROCESS_HOST_BYTES}
+    out = {"store": store_bytes(graph), "process": PROCESS_HOST_BYTES}
     if cfg.wire_bytes_per_param == 2:
         out["bf16_shadow"] = graph.n_params * 2
     out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb

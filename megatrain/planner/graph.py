@@ -36,6 +36,9 @@ class Layer:
     # of ``params``, those a token's compute does not touch: a mixture-of-experts block's experts beyond its top-k
     # (on average over tokens); 0 for a dense layer
     inactive_params: int = 0
+    # every parameter the layer owns is frozen (requires_grad=False): never updated, so the host keeps its master
+    # weights alone, no Adam moments (4 bytes per parameter instead of 12), and no plan updates it on the device
+    frozen: bool = False
 
     def saved_bytes(self, lean: bool) -> int:
         """Bytes per token this layer keeps as a saved layer, lean (``ScheduleConfig.saved_lean``) or not."""

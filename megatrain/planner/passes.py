@@ -213,10 +213,11 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
             first_fwd.setdefault((op.step, op.layer), op)
     on_gpu = set(cfg.gpu_opt)
     bad = sorted(l for l in on_gpu
-                 if not 0 <= l < len(graph) or graph[l].tie is not None or len(graph.tied_to(l)) > 1)
+                 if not 0 <= l < len(graph) or graph[l].tie is not None or len(graph.tied_to(l)) > 1
+                 or graph[l].frozen)
     if bad:
         raise ValueError(f"gpu_opt layers {bad}: only layers that own their weights, shared with at most one other "
-                         f"layer (a tied head), can be updated on the device")
+                         f"layer (a tied head), and have parameters to train can be updated on the device")
     resident = set(cfg.resident_opt)
     if not resident <= on_gpu:
         raise ValueError(f"resident_opt layers {sorted(resident - on_gpu)} are not updated on the device (gpu_opt "

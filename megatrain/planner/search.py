@@ -13,7 +13,7 @@ from typing import Callable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner.cost import (STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes, host_floor,
-                                    host_memory, slot_nbytes, workspace_nbytes)
+                                    host_memory, slot_nbytes, store_bytes, workspace_nbytes)
 from megatrain.planner import cost
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -70,11 +70,12 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
         raise PlanError(f"tokens per step ({tokens}) must be a multiple of the sequence length ({seq_len})")
     if budget > spec.gpu_bytes:
         raise PlanError(f"GPU budget {_gib(budget)} exceeds the {spec.name}'s {_gib(spec.gpu_bytes)}")
-    host = graph.n_params * STORE_BYTES_PER_PARAM
+    host = store_bytes(graph)
     if host > spec.host_bytes:
         raise PlanError(
             f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {STORE_BYTES_PER_PARAM} B "
-            f"(fp32 master, exp_avg, exp_avg_sq) = {_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}")
+            f"(fp32 master, exp_avg, exp_avg_sq; 4 B for frozen layers) = {_gib(host)}, the {spec.name} host has "
+            f"{_gib(spec.host_bytes)}")
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
                               host_checkpoints=len(graph) - 2, budget_bytes=budget)
@@ -209,7 +210,8 @@ def device_update_sets(graph: LayerGraph, every: int | None) -> list[tuple[int, 
     the first 2, 4, 6, ... of them (with clipping the next forward then runs through layers whose weights are
     already on the device while the host updates the later ones: the fastest set when not every layer's state
     fits, e.g. the first 20 of 31 for Qwen2.5-7B at 32,768 tokens on the H200)."""
-    eligible = [l for l in range(len(graph)) if graph[l].tie is None and len(graph.tied_to(l)) <= 1]
+    eligible = [l for l in range(len(graph)) if graph[l].tie is None and len(graph.tied_to(l)) <= 1
+                and not graph[l].frozen]  # (a frozen layer has nothing to update, and no moments to stream)
     if every is not None:
         return [tuple(eligible[every - 1::every]) if every else ()]
     sets = {()}

@@ -55,7 +55,9 @@ def store_nbytes(captured: Captured, *, shadow: bool = False) -> int:
     """Host bytes a :class:`HostStore` of ``captured`` takes: three fp32 rows per owned parameter, and with
     ``shadow`` the bf16 copy of the masters a bf16 wire sends (gradient buffers come with a plan: see
     :class:`GradBuffers`)."""
-    return captured.graph.n_params * (4 * len(ROWS) + (2 if shadow else 0))
+    from megatrain.planner.cost import store_bytes
+
+    return store_bytes(captured.graph) + (captured.graph.n_params * 2 if shadow else 0)
 
 
 def check_checkpoint(captured: Captured, directory: str | Path) -> list[Path]:
@@ -200,7 +202,8 @@ class HostStore:
         self.blocks: list[torch.Tensor | None] = []
         for seg in captured.segments:
             if seg.numel:
-                b = pinned_zeros(len(ROWS), seg.numel) if self.pinned else torch.zeros(len(ROWS), seg.numel)
+                rows = 1 if captured.graph[seg.index].frozen else len(ROWS)  # frozen: the master weights alone
+                b = pinned_zeros(rows, seg.numel) if self.pinned else torch.zeros(rows, seg.numel)
                 self.blocks.append(b)
                 if progress is not None:
                     progress(seg.numel)
@@ -217,7 +220,8 @@ class HostStore:
         return self.block(layer)[ROWS.index(what)]
 
     def block(self, layer: int) -> torch.Tensor:
-        """The layer's (3, n) fp32 block, rows in ``ROWS`` order (master, exp_avg, exp_avg_sq)."""
+        """The layer's (3, n) fp32 block, rows in ``ROWS`` order (master, exp_avg, exp_avg_sq); (1, n), the master
+        alone, for a layer whose parameters are all frozen (``Layer.frozen``)."""
         b = self.blocks[layer]
         if b is None:
             raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
@@ -309,5 +313,5 @@ class HostStore:
     @property
     def nbytes(self) -> dict[str, int]:
         """Host bytes of the store's rows (the gradient buffers: ``grads.nbytes``)."""
-        per_row = sum(b.shape[1] for b in self.blocks if b is not None) * 4
-        return {r: per_row for r in ROWS}
+        return {r: sum(b.shape[1] for b in self.blocks if b is not None and b.shape[0] > i) * 4
+                for i, r in enumerate(ROWS)}

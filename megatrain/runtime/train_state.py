@@ -49,8 +49,9 @@ class NonFiniteState(ValueError):
 
 def _layout(cap: Captured) -> dict:
     return {
-        "layers": {str(i): {"name": seg.name, "numel": int(seg.numel)} for i, seg in enumerate(cap.segments)
-                   if seg.numel},
+        # a layer whose parameters are all frozen keeps its master weights alone (one row, not KEPT_ROWS)
+        "layers": {str(i): {"name": seg.name, "numel": int(seg.numel), **({"rows": 1} if cap.graph[i].frozen else {})}
+                   for i, seg in enumerate(cap.segments) if seg.numel},
         "params": {name: [layer, off, list(shape)] for name, (layer, off, shape) in cap.model_param_names.items()},
     }
 
@@ -263,6 +264,15 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
     if m.get("version") != VERSION:
         raise ValueError(f"{path}: training state version {m.get('version')!r}; this megatrain reads {VERSION}")
     want = _layout(captured)
+    if m.get("params") == want["params"] and isinstance(m.get("layers"), dict) and m["layers"] != want["layers"]:
+        def frozen(layers: dict) -> list[str]:
+            return sorted((v.get("name", k) for k, v in layers.items() if isinstance(v, dict) and v.get("rows") == 1))
+
+        if {k: {**v, "rows": None} for k, v in m["layers"].items() if isinstance(v, dict)} == \
+                {k: {**v, "rows": None} for k, v in want["layers"].items()}:
+            raise ValueError(f"{d} was saved with the layers {frozen(m['layers']) or 'none'} frozen (no optimizer "
+                             f"state), this model has {frozen(want['layers']) or 'none'}: freeze the same parameters "
+                             f"to resume from it")
     if m.get("params") != want["params"] or m.get("layers") != want["layers"]:
         got, exp = m.get("params") if isinstance(m.get("params"), dict) else {}, want["params"]
         differ = sorted(set(got) ^ set(exp)) or sorted(k for k in exp if got.get(k) != exp[k])
@@ -271,7 +281,7 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
     for key, lay in m["layers"].items():
         f = d / _file(int(key))
         size = f.stat().st_size if f.is_file() else None
-        expect = lay["numel"] * 4 * len(KEPT_ROWS)
+        expect = lay["numel"] * 4 * lay.get("rows", len(KEPT_ROWS))
         if size != expect:
             raise ValueError(f"{f}: {'missing' if size is None else f'{size:,} bytes'}, the layer's state is "
                              f"{expect:,} bytes (an incomplete or damaged training state)")

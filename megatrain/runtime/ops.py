@@ -57,16 +57,17 @@ def forward(ex, op: Op, st: StepState) -> None:
             mb = st.mbs[op.mb]
             h, st.side[op.mb] = ex.runner.run(0, ex.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
         else:
-            with _routers(st, logits):
+            with _routers(ex, op, st, logits):
                 h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb])
     st.act[op.slot("y")] = h
     if logits:
         router_aux.add(st.aux[op.mb], logits, ex.captured.router_aux, _aux_mask(st, op.mb))
 
 
-def _routers(st: StepState, logits: list):
-    """Where the model has a router loss, collect the router logits of the layer run inside into ``logits``."""
-    return router_aux.collecting(logits) if st.aux is not None else contextlib.nullcontext()
+def _routers(ex, op: Op, st: StepState, logits: list):
+    """Where the model has a router loss, collect the router logits of ``op``'s layer run inside into ``logits``."""
+    routers = ex.runner.routers(op.layer) if st.aux is not None else []
+    return router_aux.collecting(routers, logits) if routers else contextlib.nullcontext()
 
 
 def _aux_mask(st: StepState, mb: int) -> torch.Tensor | None:
@@ -102,7 +103,7 @@ def _forward_saved(ex, op: Op, st: StepState) -> None:
     views: list = []
     logits: list = []
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(WeightRef.packer(flat), ex.unpack), \
-            keep_less(st.schedule.config.saved_lean), _routers(st, logits):
+            keep_less(st.schedule.config.saved_lean), _routers(ex, op, st, logits):
         out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
         probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
     if logits:
@@ -196,7 +197,7 @@ def backward(ex, op: Op, st: StepState) -> None:
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()
             logits: list = []
-            with _routers(st, logits):
+            with _routers(ex, op, st, logits):
                 out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
             probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
             outs, dys = _aux_outputs(ex, st, op, out, dy, probs)

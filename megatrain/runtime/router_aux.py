@@ -15,7 +15,8 @@ its micro-batches' losses, each HF's), and each backward differentiates its laye
 ``coef / n_mb x E c / N^2`` along with its output.
 
 The routers are found by the module class HF records ``router_logits`` from (``OutputRecorder``); a forward hook on
-each such module of the templates hands the logits to the collector in effect (:func:`collecting`).
+each such module of the templates hands the logits to the list the running layer's binding gives it
+(:func:`collecting`, through ``LayerRunner.routers``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-_current: list = [None]  # the list router logits go to while a layer runs, if any
-
 
 @dataclass(frozen=True)
 class RouterAux:
@@ -78,37 +76,38 @@ def of_model(model: nn.Module) -> RouterAux | None:
     return RouterAux(float(coef), experts, top_k, recorder.target_class, recorder.index)
 
 
-def install(module: nn.Module, spec: RouterAux) -> int:
-    """A forward hook on each router module under ``module`` (once per module) that hands its logits to the
-    collector in effect. Returns how many modules have one."""
-    count = 0
-    for sub in module.modules():
-        if isinstance(sub, spec.router_class):
-            if not getattr(sub, "_megatrain_router_hook", False):
-                sub.register_forward_hook(_hook(spec.index))
-                sub._megatrain_router_hook = True
-            count += 1
-    return count
+def install(module: nn.Module, spec: RouterAux) -> list[nn.Module]:
+    """A forward hook on each router module under ``module`` (once per module) that hands its logits to the list
+    :func:`collecting` gives that module, if any. Returns the router modules."""
+    routers = [sub for sub in module.modules() if isinstance(sub, spec.router_class)]
+    for sub in routers:
+        if not hasattr(sub, "_megatrain_logits"):
+            sub._megatrain_logits = None
+            sub.register_forward_hook(_hook(spec.index))
+    return routers
 
 
 def _hook(index: int):
-    def hook(_mod, _inputs, output):
-        if _current[0] is not None:
-            _current[0].append(output[index] if isinstance(output, (tuple, list)) else output)
+    def hook(mod, _inputs, output):
+        if mod._megatrain_logits is not None:
+            mod._megatrain_logits.append(output[index] if isinstance(output, (tuple, list)) else output)
 
     return hook
 
 
 @contextlib.contextmanager
-def collecting(out: list):
-    """Router logits of the layer run inside go to ``out`` (in the order the routers run)."""
-    if _current[0] is not None:
-        raise RuntimeError("router logits are already being collected: two layers cannot run at once")
-    _current[0] = out
+def collecting(routers: list[nn.Module], out: list):
+    """Router logits of ``routers`` (a template's) go to ``out`` while the layer runs inside (in the order the
+    routers run)."""
+    if any(r._megatrain_logits is not None for r in routers):
+        raise RuntimeError("router logits of this template are already being collected")
+    for r in routers:
+        r._megatrain_logits = out
     try:
         yield out
     finally:
-        _current[0] = None
+        for r in routers:
+            r._megatrain_logits = None
 
 
 def _weights(mask: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -109,10 +109,11 @@ class LayerRunner:
 
     def __init__(self, captured: Captured, device: torch.device):
         self.captured = captured
+        self._routers: dict[int, list[nn.Module]] = {}  # id(template) -> its router modules (router loss)
         for seg in captured.segments:
             grad_sink.install(seg.template)
             if captured.router_aux is not None:
-                router_aux.install(seg.template, captured.router_aux)
+                self._routers[id(seg.template)] = router_aux.install(seg.template, captured.router_aux)
         self.bindings = [_Binding(seg, captured.frozen) for seg in captured.segments]
         seen = set()
         for seg in captured.segments:
@@ -133,6 +134,10 @@ class LayerRunner:
             with _patched(seg.patches):
                 return self._run(seg, flat, x, side, grad_views)
         return self._run(seg, flat, x, side, grad_views)
+
+    def routers(self, i: int) -> list[nn.Module]:
+        """Layer i's router modules whose logits the router loss reads (none without one)."""
+        return self._routers.get(id(self.captured.segments[i].template), [])
 
     def tiles(self, i: int, numel: int) -> bool:
         """Whether layer i's parameters cover the first ``numel`` elements of its weight block exactly once (a

@@ -74,8 +74,8 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
     if host > spec.host_bytes:
         raise PlanError(
             f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {STORE_BYTES_PER_PARAM} B "
-            f"(fp32 master, exp_avg, exp_avg_sq; 4 B for frozen layers) = {_gib(host)}, the {spec.name} host has "
-            f"{_gib(spec.host_bytes)}")
+            f"(fp32 master, exp_avg, exp_avg_sq{'; 4 B in frozen layers' if any(l.frozen for l in graph.layers) else ''}"
+            f") = {_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}")
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
                               host_checkpoints=len(graph) - 2, budget_bytes=budget)

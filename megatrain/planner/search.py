@@ -74,8 +74,8 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
     if host > spec.host_bytes:
         raise PlanError(
             f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {STORE_BYTES_PER_PARAM} B "
-            f"(fp32 master, exp_avg, exp_avg_sq{'; 4 B in frozen layers' if any(l.frozen for l in graph.layers) else ''}"
-            f") = {_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}")
+            f"(fp32 master, exp_avg, exp_avg_sq{_FROZEN_NOTE if any(l.frozen for l in graph.layers) else ''}) = "
+            f"{_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}")
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
                               host_checkpoints=len(graph) - 2, budget_bytes=budget)
@@ -133,6 +133,7 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
 
 
 GRAD_HOST_BYTES = {"fp32": 4, "bf16": 2}
+_FROZEN_NOTE = "; 4 B in frozen layers"
 # Share of the device memory a plan leaves free that gradients kept on the device until the update pass may take
 # ("auto"): their slots are allocated once, in a few large blocks, so they need less room for the caching
 # allocator than the activations, which fill what they leave (SAVED_FILL)

@@ -109,8 +109,8 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
                      r"\(96\.19 GiB of kept-gradient slots\).*"
                      r"54 layers' \(46\.89B params\) to host buffers during the backward.*56 host buffers \(fp32\), "
                      r"175\.16 GiB$", out, re.M), out
-    assert re.search(r"^host       1009\.7 GiB needed \(store 812\.6, process 1\.7, checkpoints 20\.2, gradients 175\.2\) "
-                     r"of 1500 GiB: fits; 14\.91 bytes per parameter all in$", out, re.M), out
+    assert re.search(r"^host       1009\.7 GiB needed \(store 812\.6, process 1\.7, checkpoints 20\.2, "
+                     r"gradients 175\.2\) of 1500 GiB: fits; 14\.91 bytes per parameter all in$", out, re.M), out
 
 
 @pytest.mark.parametrize("argv,msg", [

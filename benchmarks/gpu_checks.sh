@@ -13,6 +13,8 @@
 #           each with a host budget of about 12.4 bytes per parameter, which keeps the gradients on the GPU;
 #   budget  device budgets (--gpu-gib, the allocator capped to it): Qwen2.5-7B at 32,768 tokens with clipping at 24,
 #           48 and 80 GiB and Qwen2.5-1.5B at 16,384 tokens at 24 GiB (stages budget-<model>-<GiB>, one model each);
+#   packing Qwen2.5-1.5B at 16,384 tokens on random tokens, then on packed chat-like rows (prompts not trained on,
+#           each document attending to itself alone), then random again: what packing and masking cost;
 #   adamw   the host AdamW rate for 7B-block-sized updates: main or worker thread, thread count, pinned or not, with
 #           copies to and from the GPU running (benchmarks/host_adamw.py);
 #   all     all of them in turn (over ten minutes; not lean or budget: their models take calls of their own).
@@ -47,6 +49,10 @@ for m in qwen2.5-7b:32:24 qwen2.5-7b:32:48 qwen2.5-7b:32:80 qwen2.5-1.5b:16:24; 
             --slots 3 --gpu-opt-every auto --steps 3 --gpu-gib "$gib" --json "$out/budget-$preset-$gib.json"
     fi
 done
+if [[ $part == packing || $part == all ]]; then
+    stage packing 240 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 \
+        --gpu-opt-every auto --steps 5 --variant data=chat --variant data=random --json "$out/packing.json"
+fi
 if [[ $part == adamw || $part == all ]]; then
     stage adamw 200 python3 benchmarks/host_adamw.py --json "$out/host-adamw.json"
 fi

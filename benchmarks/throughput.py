@@ -64,6 +64,9 @@ def main():
                     help="streams: a device-wide sync between steps (default: steps ordered by events only)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of this script (program order)")
+    ap.add_argument("--data", choices=DATA, default="random",
+                    help="random tokens, or chat: packed rows of chat-like documents (seq / 16 to 2 x seq tokens, "
+                         "the prompt part not trained on, each document attending to itself alone)")
     ap.add_argument("--json")
     ap.add_argument("--save-state", metavar="DIR",
                     help="after the runs, time saving the training state to DIR and loading it back")
@@ -103,6 +106,7 @@ def main():
             "grad_host_dtype": args.grad_host_dtype}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
+        data = variant.pop("data", args.data)
         if hasattr(sm.executor, "sync_between_steps"):
             sm.wait()  # the previous variant's steps finish before the ordering changes
             sm.executor.sync_between_steps = variant.pop("step_sync", step_sync)
@@ -114,7 +118,7 @@ def main():
             sm.optimizer.threads = threads or None
             for batch in args.batch:
                 try:
-                    results.append(measure(args, sm, cfg, n, batch, t_init, overrides))
+                    results.append(measure(args, sm, cfg, n, batch, t_init, overrides, data))
                 except Exception as e:  # report it and go on with the next variant; the exit status says so
                     traceback.print_exc()
                     failed.append({"batch": batch, "clip": clip, **overrides, "error": f"{type(e).__name__}: {e}"})
@@ -157,7 +161,7 @@ def slots_arg(value: str) -> int | str:
 VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
                 "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
                 "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
-                "resident": ("resident_opt", resident_opt)}
+                "resident": ("resident_opt", resident_opt), "data": ("data", str)}
 
 
 def parse_variant(text: str) -> dict:
@@ -173,7 +177,8 @@ def parse_variant(text: str) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    cols = [("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"), ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
+    cols = [("data", "data", "{}"), ("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"),
+            ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
             ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
@@ -194,7 +199,29 @@ def print_table(results: list[dict]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def measure(args, sm, cfg, n, batch, t_init, overrides):
+DATA = ("random", "chat")
+
+
+def chat_rows(vocab: int, seq: int, n_rows: int, seed: int = 0):
+    """``n_rows`` rows of ``seq`` tokens packed from chat-like documents (megatrain.data.rows.pack): random token
+    ids, lengths from seq / 16 to 2 x seq tokens (64 to 2,048 for 1,024-token rows), the first 20-60% of each (its
+    prompt) not trained on."""
+    import numpy as np
+
+    from megatrain.data.formats import Documents, Example
+    from megatrain.data.rows import pack
+
+    rng = np.random.default_rng(seed)
+    docs, total = [], 0
+    while total < n_rows * seq:
+        length = int(rng.integers(max(8, seq // 16), 2 * seq + 1))
+        prompt = int(length * rng.uniform(0.2, 0.6))
+        docs.append(Example(rng.integers(3, vocab, length).tolist(), [False] * prompt + [True] * (length - prompt)))
+        total += length
+    return pack(Documents.of(docs), seq, pad_id=0)
+
+
+def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     from megatrain.ir import ScheduleConfig
     from megatrain.planner.dump import plot, write_trace
     from megatrain.planner.hardware import PRESETS as HW
@@ -209,13 +236,25 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
         torch.cuda.reset_peak_memory_stats()
     worker = getattr(sm.executor, "worker", None)
     t_timed = None
+    rows = chat_rows(cfg.vocab_size, args.seq, batch * (args.warmup + args.steps)) if data == "chat" else None
+    trained = []  # tokens trained on, per step
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             sm.wait()  # the warm-up steps' optimizer tail is not timed
             t_timed = time.perf_counter()
-        ids = torch.randint(0, cfg.vocab_size, (batch, args.seq), generator=gen)
-        t = time.perf_counter()
-        st = sm.train_step(ids, **overrides)
+        if rows is not None:
+            import numpy as np
+
+            from megatrain.data.rows import rows_batch
+
+            b = rows_batch(rows, np.arange(i * batch, (i + 1) * batch), batch)
+            trained.append(int((b["labels"] != -100).sum()))
+            t = time.perf_counter()
+            st = sm.train_step(b["input_ids"], b["attention_mask"], b["labels"], b["position_ids"], **overrides)
+        else:
+            ids = torch.randint(0, cfg.vocab_size, (batch, args.seq), generator=gen)
+            t = time.perf_counter()
+            st = sm.train_step(ids, **overrides)
         times.append(time.perf_counter() - t)
         losses.append(st.loss)
         # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
@@ -236,7 +275,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides):
     sim = simulate(three, graph, spec)
     b = bound(three, graph, spec)
     res = {
-        "preset": args.preset, "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
+        "preset": args.preset, "data": data, "trained_tokens_per_step": trained or None,
+        "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),

@@ -35,6 +35,20 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
     assert all(0 < x < 10 for x in losses) and losses[-1] < losses[0]
 
 
+def test_throughput_on_packed_chat_rows(tmp_path):
+    """--data chat: rows packed from chat-like documents, the prompts not trained on, beside random tokens on the
+    same model (the packing check of the GPU machine)."""
+    out = tmp_path / "tp.json"
+    proc = run([os.path.join(ROOT, "benchmarks", "throughput.py"), "--preset", "tiny", "--device", "cpu",
+                "--no-kernels", "--batch", "4", "--seq", "64", "--mb", "2", "--steps", "2", "--variant", "data=chat",
+                "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rand, chat = json.loads(out.read_text())
+    assert rand["data"] == "random" and rand["trained_tokens_per_step"] is None
+    assert chat["data"] == "chat" and all(0 < t < 256 for t in chat["trained_tokens_per_step"])
+    assert all(0 < x < 10 for x in chat["losses"]) and chat["tokens_per_step"] == rand["tokens_per_step"] == 256
+
+
 def test_sim_accuracy_reads_the_recorded_runs():
     results = os.path.join(ROOT, "docs", "results")
     files = sorted(os.path.join(results, f) for f in os.listdir(results) if re.search(r"throughput-.*-1b317cd", f))

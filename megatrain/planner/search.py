@@ -149,10 +149,18 @@ def grad_kept_eligible(graph: LayerGraph, cfg: ScheduleConfig) -> list[int]:
     return [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l) and l not in cfg.gpu_opt]
 
 
-def kept_config(cfg: ScheduleConfig, kept: tuple[int, ...]) -> ScheduleConfig:
+MAX_PARTS = 64  # parts a kept gradient passes through the host in, at most (ops per layer stay few)
+
+
+def kept_config(graph: LayerGraph, cfg: ScheduleConfig, kept: tuple[int, ...]) -> ScheduleConfig:
     """``cfg`` with gradients ``kept`` on the device until the update pass, each passing through the host buffers
-    in parts of :data:`cost.HOST_UPDATE_CHUNK` elements (so a host buffer is one part, not the largest layer)."""
-    return replace(cfg, grad_kept=tuple(kept), host_grad_part=cost.HOST_UPDATE_CHUNK if kept else 0)
+    in parts of :data:`cost.HOST_UPDATE_CHUNK` elements, or a multiple of it that cuts the largest into at most
+    :data:`MAX_PARTS` (so a host buffer is one part, not the largest layer)."""
+    if not kept:
+        return replace(cfg, grad_kept=(), host_grad_part=0)
+    chunk = cost.HOST_UPDATE_CHUNK
+    largest = max(graph.weight_params(l) for l in kept)
+    return replace(cfg, grad_kept=tuple(kept), host_grad_part=chunk * max(1, -(-largest // (chunk * MAX_PARTS))))
 
 
 def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
@@ -167,11 +175,11 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
     if choice != "auto":
         if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
             raise PlanError(f"grad_kept must be 'auto' or a count of layers >= 0, got {choice!r}")
-        return kept_config(cfg, tuple(able[:choice]))
+        return kept_config(graph, cfg, tuple(able[:choice]))
     if not able:
         return cfg
     if base is None:
-        base = build_schedule(graph, unsaved(kept_config(cfg, ())))
+        base = build_schedule(graph, unsaved(kept_config(graph, cfg, ())))
     spare = (cfg.budget_bytes - device_memory(graph, base).total_nbytes) * KEPT_FILL
     out = []
     for l in able:
@@ -180,7 +188,7 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
             break
         spare -= need
         out.append(l)
-    return kept_config(cfg, tuple(out))
+    return kept_config(graph, cfg, tuple(out))
 
 
 def check_resident(gpu_opt_every: int | str | None, resident_opt: int | str | None) -> None:
@@ -283,10 +291,10 @@ def choose_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
     """The schedule of ``cfg`` (without saved activations) with its kept gradients chosen by
     :func:`with_grad_kept`; for "auto", its estimate checked against the device budget with the slots the
     allocator gives them, and halved until it fits."""
-    base = build_schedule(graph, unsaved(kept_config(cfg, ())))
+    base = build_schedule(graph, unsaved(kept_config(graph, cfg, ())))
     kept = with_grad_kept(graph, cfg, choice, base).grad_kept
     while kept:
-        with_kept = build_schedule(graph, unsaved(kept_config(cfg, kept)))
+        with_kept = build_schedule(graph, unsaved(kept_config(graph, cfg, kept)))
         if choice != "auto" or device_memory(graph, with_kept).total_nbytes <= cfg.budget_bytes:
             return with_kept
         kept = kept[: len(kept) // 2]

@@ -74,3 +74,36 @@ def test_a_family_without_a_router_loss_trains_as_hf_with_output_router_logits()
     model.config.output_router_logits = True
     sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3)
     assert sm.captured.router_aux is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_an_hf_checkpoint_with_each_expert_stored_apart_loads(family, tmp_path):
+    """HF's save_pretrained writes each expert's matrices apart (experts.0.gate_proj.weight, ...; Mixtral's as
+    block_sparse_moe.experts.0.w1.weight), the model holds them stacked (experts.gate_up_proj): the checkpoint loads
+    into the store through transformers' conversion mapping for the family, one tensor at a time, every weight
+    equal to the saved model's."""
+    saved = moe_model(family)
+    saved.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as sf:
+        assert any(".experts.0." in k for k in sf.keys())  # the per-expert layout
+    fresh = moe_model(family)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.normal_()
+    sm = compile_cpu(fresh, optim=OPT, checkpoint=tmp_path)
+    sd = sm.state_dict()
+    assert all(torch.equal(sd[n], p.detach()) for n, p in saved.named_parameters())
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_in_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    moe_model("qwen3_moe").save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts' tensors of 'model.layers.0.mlp.experts.gate_up_proj' .* for all 8 "
+                                         r"experts \(15 tensors found\)"):
+        compile_cpu(moe_model("qwen3_moe"), optim=OPT, checkpoint=tmp_path)

@@ -236,17 +236,20 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         torch.cuda.reset_peak_memory_stats()
     worker = getattr(sm.executor, "worker", None)
     t_timed = None
-    rows = chat_rows(cfg.vocab_size, args.seq, batch * (args.warmup + args.steps)) if data == "chat" else None
+    if data == "chat":
+        import numpy as np
+
+        from megatrain.data.rows import rows_batch
+
+        rows = chat_rows(cfg.vocab_size, args.seq, batch * (args.warmup + args.steps))
+    else:
+        rows = None
     trained = []  # tokens trained on, per step
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             sm.wait()  # the warm-up steps' optimizer tail is not timed
             t_timed = time.perf_counter()
         if rows is not None:
-            import numpy as np
-
-            from megatrain.data.rows import rows_batch
-
             b = rows_batch(rows, np.arange(i * batch, (i + 1) * batch), batch)
             trained.append(int((b["labels"] != -100).sum()))
             t = time.perf_counter()

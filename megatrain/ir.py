@@ -355,7 +355,8 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
     ``("dA", step, layer, mb)`` its gradient; ``("G", step, layer, k)`` a layer's gradient summed over k mbs;
     ``("S", step, layer)`` a layer's master weights and moments in an optimizer slot, ``("SG", step, layer)`` the
     same with the step's gradient, ``("U", step, layer)`` after its device update; ``("HG", step, layer)`` a
-    layer's gradient in a host buffer (``("HG", step, layer, part)`` one part of it: ``ScheduleConfig.host_grad_part``), ``("K", step, layer)`` in a kept-gradient slot (``kept(layer)``: the layer
+    layer's gradient in a host buffer (``("HG", step, layer, part)`` one part of it:
+    ``ScheduleConfig.host_grad_part``), ``("K", step, layer)`` in a kept-gradient slot (``kept(layer)``: the layer
     is in ``grad_kept``).
     ``owner(layer)`` is the layer whose weights ``layer`` reads (itself unless tied); ``shared(layer)``: another layer
     reads this owner's weights (a tied head), whose gradient part reaches the optimizer slot first, as

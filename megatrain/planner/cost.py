@@ -233,9 +233,8 @@ def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> fl
     return traffic
 
 
-def opt_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, layer: int, p: int | None = None) -> float:
-    """Seconds of a host update of ``layer`` (of ``p`` of its parameters: one part)."""
-    p = graph[layer].params if p is None else p
+def opt_seconds(cfg: ScheduleConfig, spec: HardwareSpec, p: int) -> float:
+    """Seconds of a host update of ``p`` parameters (a layer's, or one part of them)."""
     t = p / spec.cpu_adam_params_per_s
     if cfg.wire_bytes_per_param == 2:  # refresh the bf16 shadow that goes on the wire
         t += p / spec.cpu_cast_params_per_s
@@ -266,7 +265,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return max(graph[op.layer].params * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
     if k is OpKind.OPT:
-        return opt_seconds(graph, cfg, spec, op.layer, op_params(graph, cfg, op))
+        return opt_seconds(cfg, spec, op_params(graph, cfg, op))
     raise AssertionError(k)
 
 

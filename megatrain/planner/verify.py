@@ -93,7 +93,7 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         if not (0 <= op.step < cfg.n_steps and 0 <= op.layer < L):
             raise ScheduleError("range", op, f"step or layer out of range ({cfg.n_steps} steps, {L} layers)")
         has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT)
-        parts = cfg.parts(op.layer, graph[op.layer].params) if 0 <= op.layer < L else [None]
+        parts = cfg.parts(op.layer, graph[op.layer].params)
         if op.kind is OpKind.STORE_G and op.stream is Stream.D2H or op.kind is OpKind.OPT and op.stream is Stream.CPU:
             if op.mb not in parts:  # a gradient kept on the device goes to the host in parts
                 raise ScheduleError("range", op, f"layer {op.layer}'s gradient passes through the host in parts "

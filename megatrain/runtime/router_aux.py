@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,7 +48,6 @@ class Stats:
     counts: torch.Tensor | None = None
     probs: torch.Tensor | None = None
     rows: torch.Tensor | float = 0.0
-    layers: int = field(default=0)
 
 
 def of_model(model: nn.Module) -> RouterAux | None:
@@ -130,7 +129,6 @@ def add(stats: Stats, logits: list[torch.Tensor], spec: RouterAux, mask: torch.T
         stats.counts.scatter_add_(0, picked.reshape(-1), ones)
         stats.probs += (p.float() if w is None else p.float() * w.unsqueeze(-1)).sum(0)
         stats.rows = stats.rows + (p.shape[0] if w is None else w.sum())
-        stats.layers += 1
 
 
 def value(stats: Stats, spec: RouterAux) -> torch.Tensor:

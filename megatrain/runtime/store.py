@@ -3,6 +3,7 @@ gradient buffers a schedule's gradients pass through (as many and as large as it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -70,9 +71,9 @@ def check_checkpoint(captured: Captured, directory: str | Path) -> list[Path]:
 
 def _conversions(model_type: str) -> tuple[list, list]:
     """transformers' renamings and per-expert merges for checkpoints of ``model_type`` (its
-    ``conversion_mapping``): ([(source regex, target)], [(source patterns, target pattern, concatenated)]), the
-    merges those that stack each expert's matrices into one (E, rows, cols) parameter, their rows concatenated in
-    pattern order where there are several; others are refused where a checkpoint needs them."""
+    ``conversion_mapping``): ([(source regex, target)], [(source patterns, target pattern)]), the merges those that
+    stack each expert's matrices into one (E, rows, cols) parameter, their rows concatenated in pattern order where
+    there are several; a checkpoint that needs any other is refused."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         mapping = get_checkpoint_conversion_mapping(model_type) or []
@@ -326,34 +327,39 @@ class HostStore:
             n *= d
         return self.row(layer, row)[off: off + n].view(shape)
 
-    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-        """Copy tensors named as in the model's state_dict into the master weights."""
+    @contextlib.contextmanager
+    def _loading(self):
+        """Around writing new master weights from outside: whoever holds newer rows writes them back first; after,
+        copies made of the old masters are stale (the shadow is made again when next needed)."""
         for hook in self.before_load:
             hook()
-        names = self.captured.model_param_names
-        for name, t in tensors.items():
-            canon = self.captured.tied_names.get(name, name)
-            if canon not in names:
-                if strict:
-                    raise KeyError(f"checkpoint tensor {name!r} is not a parameter of the captured model")
-                continue
-            view = self.param_view(canon)
-            if tuple(t.shape) != tuple(view.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model expects "
-                                 f"{tuple(view.shape)}")
-            view.copy_(t)
-        self.shadows = None  # made again from the new masters when next needed
-        self.generation += 1
-
-    def load_from_module(self, model: nn.Module) -> None:
-        for hook in self.before_load:
-            hook()
-        for name, p in model.named_parameters():
-            if p.is_meta:
-                raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to compile")
-            self.param_view(name).copy_(p.detach())
+        yield
         self.shadows = None
         self.generation += 1
+
+    def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Copy tensors named as in the model's state_dict into the master weights."""
+        names = self.captured.model_param_names
+        with self._loading():
+            for name, t in tensors.items():
+                canon = self.captured.tied_names.get(name, name)
+                if canon not in names:
+                    if strict:
+                        raise KeyError(f"checkpoint tensor {name!r} is not a parameter of the captured model")
+                    continue
+                view = self.param_view(canon)
+                if tuple(t.shape) != tuple(view.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model expects "
+                                     f"{tuple(view.shape)}")
+                view.copy_(t)
+
+    def load_from_module(self, model: nn.Module) -> None:
+        with self._loading():
+            for name, p in model.named_parameters():
+                if p.is_meta:
+                    raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to "
+                                     f"compile")
+                self.param_view(name).copy_(p.detach())
 
     def load_safetensors(self, directory: str | Path, progress: Callable[[int], None] | None = None) -> None:
         """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index),
@@ -370,11 +376,8 @@ class HostStore:
                     if expert is None:
                         self.load_state({name: t})
                     else:  # one expert's matrix, into its rows of the parameter that holds every expert's
-                        for hook in self.before_load:
-                            hook()
-                        self.param_view(name)[expert, row: row + t.shape[0]].copy_(t)
-                        self.shadows = None
-                        self.generation += 1
+                        with self._loading():
+                            self.param_view(name)[expert, row: row + t.shape[0]].copy_(t)
                     if progress is not None:
                         progress(t.numel())
 

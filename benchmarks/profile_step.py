@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2, help="steps profiled (consecutive, overlapping)")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--data", choices=("random", "chat"), default="random",
+                    help="random tokens, or packed rows of chat-like documents (as benchmarks/throughput.py makes)")
     ap.add_argument("--trace", help="write the profiler's Chrome trace here")
     ap.add_argument("--kernels", action="store_true",
                     help="also list every GPU kernel (not the operators above them): device ms, calls, name")
@@ -99,13 +101,28 @@ def main():
     if streaming:
         sm.executor.sync_between_steps = args.step_sync
     gen = torch.Generator().manual_seed(0)
-    batch = lambda: torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)  # noqa: E731
+    if args.data == "chat":
+        import numpy as np
+
+        from benchmarks.throughput import chat_rows
+        from megatrain.data.rows import rows_batch
+
+        rows = chat_rows(cfg.vocab_size, args.seq, args.batch * (args.warmup + args.steps))
+        order = iter(range(args.warmup + args.steps))
+
+        def batch():
+            i = next(order)
+            b = rows_batch(rows, np.arange(i * args.batch, (i + 1) * args.batch), args.batch)
+            return b["input_ids"], b["attention_mask"], b["labels"], b["position_ids"]
+    else:
+        def batch():
+            return (torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen),)
     for _ in range(args.warmup):
-        sm.train_step(batch())
+        sm.train_step(*batch())
     sm.wait()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, op_ranges(sm.executor):
         for _ in range(args.steps):
-            st = sm.train_step(batch())
+            st = sm.train_step(*batch())
             print(f"step: {st.seconds:.3f} s on the host, loss {st.loss:.4f}")
             if streaming:
                 print("  host issue s by kind: " + ", ".join(

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from megatrain.capture import packed_attention
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
 from megatrain.planner.graph import (DecoderShape, Layer, LayerGraph, latent_attention, layer_costs, moe_block,
@@ -82,6 +83,8 @@ class Captured:
     # the model takes position ids, and its mask builders keep documents packed into one row apart by them (see
     # tracer.PACKED): rows may hold several documents
     packs: bool = False
+    # packed rows' attention runs over their documents' offsets (capture.packed_attention) where the runtime gives them
+    varlen: bool = False
     # the router load-balancing loss HF adds to this mixture-of-experts model's loss (runtime.router_aux), if any
     router_aux: object | None = None
 
@@ -305,6 +308,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     captured.mask_optional = mask_optional
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
+    captured.varlen = captured.packs and packed_attention.enable(meta_model)
     return captured
 
 

@@ -16,6 +16,7 @@ tensor contents or sizes is refused, naming the module and the source line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -52,7 +53,10 @@ def leaf_function(fn):
         dyn = {k: v for k, v in kwargs.items() if k not in const}
 
         def bound(*a, **k):
-            if k.get("attention_mask", 0) is PACKED:  # documents packed into each row, told apart by position ids
+            packed = k.get("attention_mask")
+            if isinstance(packed, Packed):  # documents packed into each row, told apart by position ids
+                if packed.cu is not None and fn.__name__ == "create_causal_mask":
+                    return packed  # for the attention to read the documents' offsets from
                 # restarting at each: HF's mask builders keep them apart where no mask is given
                 k = {**k, "attention_mask": None}
             elif "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:
@@ -86,14 +90,21 @@ def _fx_arg(v) -> bool:
 _UNKNOWN = object()
 
 
-class _Packed:
+@dataclasses.dataclass(eq=False, repr=False)
+class Packed:
+    """Passed for the attention mask of a micro-batch whose rows hold several documents each (with position ids that
+    restart at each document): the mask builders then make each document attend to itself alone. With ``cu`` (the
+    documents' offsets in the rows laid end to end, on the device; ``max_len`` the longest), the causal-mask builder
+    returns the marker itself, for an attention that reads the offsets (runtime.packed_attention)."""
+
+    cu: torch.Tensor | None = None
+    max_len: int = 0
+
     def __repr__(self) -> str:
         return "PACKED"
 
 
-# passed for the attention mask of a micro-batch whose rows hold several documents each (with position ids that
-# restart at each document): the mask builders then make each document attend to itself alone
-PACKED = _Packed()
+PACKED = Packed()
 
 
 class MetaProxy(torch.fx.Proxy):

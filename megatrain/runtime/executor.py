@@ -15,7 +15,8 @@ from typing import Callable, ContextManager
 import torch
 
 from megatrain.capture import Captured
-from megatrain.capture.tracer import PACKED
+from megatrain.capture import packed_attention
+from megatrain.capture.tracer import PACKED, Packed
 from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.planner.cost import OPT_STATE_ROWS
@@ -76,8 +77,8 @@ class Executor:
         # of packed documents the PACKED marker: decided here, on the host copy, so the embedding layer does not
         # read the mask back from the device
         optional = self.captured.mask_optional
-        masks = [PACKED if mb.position_ids is not None else None if optional and bool(mb.attention_mask.all())
-                 else mb.attention_mask for mb in mbs]
+        masks = [self._packed(mb.position_ids) if mb.position_ids is not None
+                 else None if optional and bool(mb.attention_mask.all()) else mb.attention_mask for mb in mbs]
         dev_mbs = []
         for mb, mask in zip(mbs, masks):
             ids, labels = self._to_device(mb.input_ids), self._to_device(mb.next_labels)
@@ -278,6 +279,14 @@ class Executor:
 
     def _end_evaluation(self) -> None:
         """After an evaluation, which takes no optimizer step."""
+
+    def _packed(self, position_ids: torch.Tensor) -> Packed:
+        """The mask marker of a micro-batch of packed rows: with the documents' offsets, on the device, where the
+        model's attention reads them there (runtime.packed_attention); else the mask builders work them out."""
+        if not (self.captured.varlen and self.device.type == "cuda"):
+            return PACKED
+        cu, longest = packed_attention.doc_offsets(position_ids)
+        return Packed(self._to_device(cu), longest)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """An input tensor on the compute device; from pinned memory on a GPU, so the host does not wait for the

@@ -26,7 +26,7 @@ def test_a_device_budget_is_never_exceeded_where_the_card_would_be_used():
 
     spec = dataclasses.replace(PRESETS["h200"], gpu_reserved_bytes=GiB // 4)
     model = hf_model("qwen2", hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
-                     num_key_value_heads=4, num_hidden_layers=8)
+                     num_key_value_heads=4, num_hidden_layers=16)
     data = batches(n_steps=2)
     peaks, losses, planned = {}, {}, {}
     try:

@@ -2,18 +2,37 @@
 loss and gradients (fp32, CPU)."""
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 
+from megatrain.capture import packed_attention
+from megatrain.capture.tracer import Packed
+
 from .models import compile_cpu, hf_model, record_grads
 from .test_parity import OPT
 
+block_mask = packed_attention.block_mask
 NO_CLIP = dataclasses.replace(OPT, max_grad_norm=None)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
-def test_packed_documents_equal_documents_one_by_one(family):
+def _with_offsets(sm):
+    """Packed micro-batches carry their documents' offsets on the CPU too (the runtime gives them on the GPU only):
+    the causal-mask builder passes the marker on and the attention builds the mask from the offsets."""
+    assert sm.captured.varlen
+
+    def packed(position_ids):
+        cu, longest = packed_attention.doc_offsets(position_ids)
+        return Packed(cu, longest)
+
+    sm.executor._packed = packed
+    return sm
+
+
+@pytest.mark.parametrize("family,offsets", [("llama", False), ("qwen2", False), ("gemma2", False), ("phi3", False),
+                                            ("llama", True), ("qwen2", True)])
+def test_packed_documents_equal_documents_one_by_one(family, offsets, monkeypatch):
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(3, 97, (n,), generator=g) for n in (7, 12, 5)]
     T = sum(len(d) for d in docs) + 2  # two tokens of padding at the end of the packed row
@@ -23,6 +42,10 @@ def test_packed_documents_equal_documents_one_by_one(family):
     mask[0, -2:] = 0
     one = compile_cpu(hf_model(family), optim=NO_CLIP, n_mb=1)
     assert one.captured.packs
+    built = []
+    if offsets:
+        _with_offsets(one)
+        monkeypatch.setattr(packed_attention, "block_mask", lambda *a: built.append(a) or block_mask(*a))
     g_packed = record_grads(one)
     st_packed = one.train_step(packed, mask, position_ids=pos)
     rows = torch.zeros(3, T, dtype=torch.long)  # the same documents, one per row, right-padded
@@ -36,6 +59,8 @@ def test_packed_documents_equal_documents_one_by_one(family):
     assert st_packed.tokens == st_rows.tokens == sum(len(d) - 1 for d in docs)
     assert st_packed.loss == pytest.approx(st_rows.loss, rel=1e-6)
     assert set(g_packed) == set(g_rows) == set(one.captured.model_param_names)
+    blocks = sum(seg.name.startswith("model.layers.") for seg in one.captured.segments)
+    assert len(built) == (2 * blocks if offsets else 0)  # each block's attention, forward and recompute
     for n, a in g_packed.items():
         b = g_rows[n]
         assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()) + 1e-12, n
@@ -53,3 +78,30 @@ def test_packing_is_refused_where_documents_cannot_be_kept_apart_and_positions_a
         with pytest.raises(ValueError, match="position_ids must start each row at 0"):
             sm.train_step(ids, position_ids=bad)
     assert sm.step == 0
+
+
+def test_document_offsets_and_the_mask_they_describe_match_hf():
+    """Offsets follow HF's rule (a document starts wherever a position is not the previous plus one, and at each
+    row), and the mask built from them is the one HF's causal-mask builder makes from the position ids."""
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_causal_mask
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 0, 1, 2]])
+    cu, longest = packed_attention.doc_offsets(pos)
+    assert cu.tolist() == [0, 3, 5, 9, 10, 16, 17, 20] and cu.dtype == torch.int32 and longest == 6
+    ours = packed_attention.block_mask(Packed(cu, longest), 2)
+    cfg = AutoConfig.for_model("llama", hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
+    cfg._attn_implementation = "sdpa"
+    given = {"config": cfg, "inputs_embeds": torch.zeros(2, 10, 16), "input_embeds": torch.zeros(2, 10, 16),
+             "position_ids": pos}
+    params = inspect.signature(create_causal_mask).parameters  # names differ between transformers versions
+    theirs = create_causal_mask(**{k: given.get(k) for k, p in params.items()
+                                   if k in given or p.default is inspect.Parameter.empty})
+    assert ours.shape == (2, 1, 10, 10) and torch.equal(ours, theirs.expand_as(ours))
+    assert ours[0, 0, 4].tolist() == [False] * 3 + [True] * 2 + [False] * 5  # position 4: its document's 3..4
+
+
+def test_families_that_cannot_take_offsets_keep_the_mask_builders():
+    """Gemma-2 soft-caps its scores (the flash kernel cannot): its packed rows keep HF's masks."""
+    assert not compile_cpu(hf_model("gemma2"), n_mb=1).captured.varlen
+    assert compile_cpu(hf_model("qwen2"), n_mb=1).captured.varlen

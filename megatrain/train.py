@@ -18,6 +18,7 @@ from megatrain.data import MIN_VOCAB, DataError
 from megatrain.inputs import data_source, model_source, tokenizer_for
 from megatrain.export import save_tokenizer
 from megatrain.rundir import RunDirectory, StopSignals, write_whole
+from megatrain.planner.cost import store_bytes
 from megatrain.runtime import train_state
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
@@ -347,8 +348,8 @@ def _nonfinite_message(step: int, stats, out: Path, cfg: TrainConfig, why: str) 
 
 def _save_state(sm, batches, out: Path, say) -> None:
     """Save the training state with the data order, saying so (``say``: a one-line printer) before and after: for
-    a large model it takes a while (12 bytes per parameter to disk)."""
-    nbytes = 4 * len(train_state.KEPT_ROWS) * sm.graph.n_params
+    a large model it takes a while (12 bytes per parameter to disk, 4 for what is frozen)."""
+    nbytes = store_bytes(sm.graph)
     say(f"step {sm.step}: saving the training state ({nbytes / 2**30:.2f} GiB) to {out}/{STATE_DIR}/")
     t0 = time.perf_counter()
     sm.save_state(out / STATE_DIR, extra={"data_order": batches.state()})

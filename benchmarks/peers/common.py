@@ -69,6 +69,7 @@ def hf_config(preset: str, seq: int, layers: int | None = None):
     # the embedding and the head are separate matrices (1.78B parameters at 1.5B, as the benchmarks count it);
     # a model filled in place on the host would have them separate anyway (to_empty gives each its own tensor)
     shape = {**PRESETS[preset], "tie_word_embeddings": False}
+    kind = shape.pop("model_type", kind)  # mixture-of-experts presets name their family
     if layers is not None:
         shape["num_hidden_layers"] = layers
     return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(4096, seq), **shape)

@@ -337,19 +337,24 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     numel = []
     segments: list[Segment] = []
     layers: list[Layer] = []
+    trainable: list[int] = []  # per layer: elements of its own weights that train (laid out first)
     cfg = getattr(model, "config", None)
     for idx, (name, kind, tmpl, call) in enumerate(segs):
         if kind == "block":
             pairs = [(pn, f"{name}.{pn}") for pn, _ in tmpl.named_parameters()]
         else:
             pairs = [(pn, pn[2:]) for pn in _node_params(tmpl, tmpl.graph)]  # drop the "m." of the traced root
-        refs, own, owners = [], 0, set()
+        # the parameters that train first, so that the Adam moments of a layer frozen in part cover a prefix of its
+        # weights (Layer.trainable)
+        pairs.sort(key=lambda pair: not model.get_parameter(pair[1]).requires_grad)
+        refs, own, owners, trains = [], 0, set(), 0
         for tname, mname in pairs:
             p = model.get_parameter(mname)
             canon = canonical[id(p)]
             if canon not in owner_of:
                 owner_of[canon] = (idx, own)
                 own += p.numel()
+                trains += p.numel() if p.requires_grad else 0
             owners.add(owner_of[canon][0])
             refs.append(ParamRef(tname, canon, owner_of[canon][1], tuple(p.shape)))
         if not refs:
@@ -359,6 +364,7 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                                f"tied to one earlier layer")
         owner = owners.pop()
         numel.append(own)
+        trainable.append(trains)
         key = _structure_key(tmpl) if kind == "block" else f"{kind}-{idx}"
         segments.append(Segment(idx, name, kind, tmpl, key, refs, owner, own, call))
     hidden = int(getattr(cfg, "hidden_size", 0) or max(r.shape[-1] for r in segments[0].params if len(r.shape) == 2))
@@ -405,9 +411,9 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     frozen = frozenset(n for n in names if not model.get_parameter(n).requires_grad)
     if len(frozen) == len(names):
         raise CaptureError("every parameter of the model has requires_grad=False: there is nothing to train")
-    if frozen:  # layers with nothing to update keep no optimizer state
-        trains = {layer for n, (layer, _, _) in names.items() if n not in frozen}
-        graph = LayerGraph([dataclasses.replace(lay, frozen=True) if lay.params and i not in trains else lay
+    if frozen:  # layers with nothing to update keep no optimizer state, those frozen in part keep some
+        graph = LayerGraph([dataclasses.replace(lay, frozen=True) if lay.params and not trainable[i] else
+                            dataclasses.replace(lay, trainable=trainable[i]) if trainable[i] < lay.params else lay
                             for i, lay in enumerate(graph.layers)], name=graph.name)
     from megatrain.runtime import router_aux
 

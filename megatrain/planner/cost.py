@@ -339,9 +339,10 @@ def grad_placement(graph: LayerGraph, schedule: Schedule) -> str:
 
 
 def store_bytes(graph: LayerGraph) -> int:
-    """Host bytes of the store: fp32 master weights and two Adam moments per parameter, the master alone for a
-    layer whose parameters are all frozen (``Layer.frozen``)."""
-    return sum(lay.params * (4 if lay.frozen else STORE_BYTES_PER_PARAM) for lay in graph.layers)
+    """Host bytes of the store: fp32 master weights and two Adam moments per parameter, moments only for the
+    parameters that train (none in a layer frozen whole, ``Layer.frozen``; ``Layer.trainable`` of a layer frozen in
+    part)."""
+    return sum(lay.params * 4 + lay.moment_params * (STORE_BYTES_PER_PARAM - 4) for lay in graph.layers)
 
 
 def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:

@@ -39,6 +39,14 @@ class Layer:
     # every parameter the layer owns is frozen (requires_grad=False): never updated, so the host keeps its master
     # weights alone, no Adam moments (4 bytes per parameter instead of 12), and no plan updates it on the device
     frozen: bool = False
+    # some of the layer's parameters are frozen: the first ``trainable`` elements of its weights are the ones that
+    # train (capture lays them out first) and only they have Adam moments; None: all of them train (or none, frozen)
+    trainable: int | None = None
+
+    @property
+    def moment_params(self) -> int:
+        """Elements of the layer's weights that have Adam moments on the host: those that train."""
+        return 0 if self.frozen else self.params if self.trainable is None else self.trainable
 
     def saved_bytes(self, lean: bool) -> int:
         """Bytes per token this layer keeps as a saved layer, lean (``ScheduleConfig.saved_lean``) or not."""

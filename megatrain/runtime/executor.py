@@ -251,9 +251,8 @@ class Executor:
     def store_state(self, layer: int, block: torch.Tensor) -> None:
         """Master weights and moments of ``block`` (an optimizer slot's) to the layer's host block, and the bf16
         shadow, where there is one, refreshed from them."""
-        host = self.store.block(layer)
-        for r in range(OPT_STATE_ROWS):
-            host[r].copy_(block[r], non_blocking=self.non_blocking)
+        for r, host in enumerate(self.store.rows(layer)):  # moments: of the elements that train (a prefix)
+            host.copy_(block[r, : host.numel()], non_blocking=self.non_blocking)
             self._row_stored(layer, r)
         if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where the
             # update ran, to nearest even as the host would

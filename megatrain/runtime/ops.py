@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.ir import Op, OpKind, Stream
-from megatrain.planner.cost import OPT_STATE_ROWS
 from megatrain.runtime import router_aux
 from megatrain.runtime.grad_sink import GradSink, sink_to
 from megatrain.runtime.kernel_rewrite import keep_less
@@ -370,10 +369,10 @@ def update_on_device(ex, op: Op, st: StepState) -> None:
 def load_state(ex, op: Op, st: StepState) -> None:
     """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
     for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G."""
-    block, host = ex.dev.opt_block(op), ex.store.block(op.layer)
-    for r in range(OPT_STATE_ROWS):
+    block = ex.dev.opt_block(op)
+    for r, host in enumerate(ex.store.rows(op.layer)):  # moments: of the elements that train (a prefix)
         ex.before_row(op.layer, r)
-        block[r].copy_(host[r], non_blocking=ex.non_blocking)
+        block[r, : host.numel()].copy_(host, non_blocking=ex.non_blocking)
 
 
 def store_state(ex, op: Op, st: StepState) -> None:

@@ -241,7 +241,7 @@ class HostAdamW:
             return
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
-        lo, hi = span if span is not None else (0, self.store.blocks[layer].shape[1])
+        lo, hi = span if span is not None else (0, self.store.master(layer).numel())
         if grad.numel() != hi - lo:
             raise AssertionError(f"layer {layer}: a gradient of {grad.numel()} elements for span {lo}..{hi}")
         pairs = [(v, (a, b)) for v, (a, b, _) in zip(self.params[layer], self.chunks[layer]) if lo <= a and b <= hi]

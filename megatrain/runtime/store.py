@@ -259,23 +259,28 @@ class GradBuffers:
 
 
 class HostStore:
-    """``block(l)`` is a (3, n_l) fp32 tensor for every layer that owns weights (n_l > 0), allocated in layer order,
-    pinned when CUDA is available so copies to and from the device run at full rate; ``grads``: the host gradient
-    buffers (:class:`GradBuffers`)."""
+    """Every layer that owns weights (n_l > 0) has one fp32 buffer, allocated in layer order and pinned when CUDA is
+    available so copies to and from the device run at full rate: its master weights (n_l), then the Adam moments
+    exp_avg and exp_avg_sq of the t_l elements that train (``Layer.moment_params``: all n_l, none in a layer frozen
+    whole, the first t_l in a layer frozen in part). ``rows(l)`` gives them as views; ``block(l)`` as a (3, n_l) or
+    (1, n_l) tensor where the moments cover all weights or none. ``grads``: the host gradient buffers
+    (:class:`GradBuffers`)."""
 
     def __init__(self, captured: Captured, *, pin: bool | None = None, progress: Callable[[int], None] | None = None):
         self.captured = captured
         self.pinned = torch.cuda.is_available() if pin is None else pin
-        self.blocks: list[torch.Tensor | None] = []
+        self.flats: list[torch.Tensor | None] = []  # per layer: master, exp_avg, exp_avg_sq end to end
+        self.trainable: list[int] = []  # per layer: elements with moments (a prefix of its weights)
         for seg in captured.segments:
+            t = captured.graph[seg.index].moment_params if seg.numel else 0
+            self.trainable.append(t)
             if seg.numel:
-                rows = 1 if captured.graph[seg.index].frozen else len(ROWS)  # frozen: the master weights alone
-                b = pinned_zeros(rows, seg.numel) if self.pinned else torch.zeros(rows, seg.numel)
-                self.blocks.append(b)
+                n = seg.numel + 2 * t
+                self.flats.append(pinned_zeros(n) if self.pinned else torch.zeros(n))
                 if progress is not None:
                     progress(seg.numel)
             else:
-                self.blocks.append(None)
+                self.flats.append(None)
         self.grads = GradBuffers(self.pinned)
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
         self.generation = 0  # counts loads of new weights from outside (copies made of the masters go stale)
@@ -284,15 +289,30 @@ class HostStore:
         self.before_load: list[Callable[[], None]] = []
 
     def row(self, layer: int, what: str) -> torch.Tensor:
-        return self.block(layer)[ROWS.index(what)]
+        return self.rows(layer)[ROWS.index(what)]
+
+    def flat(self, layer: int) -> torch.Tensor:
+        """The layer's buffer: master weights, then the moments of the elements that train."""
+        f = self.flats[layer]
+        if f is None:
+            raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
+        return f
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Views of the layer's rows in ``ROWS`` order: the master weights (n), exp_avg and exp_avg_sq (t, the
+        elements that train); the master alone for a layer frozen whole."""
+        f, t = self.flat(layer), self.trainable[layer]
+        n = f.numel() - 2 * t
+        return (f[:n],) if not t else (f[:n], f[n: n + t], f[n + t:])
 
     def block(self, layer: int) -> torch.Tensor:
-        """The layer's (3, n) fp32 block, rows in ``ROWS`` order (master, exp_avg, exp_avg_sq); (1, n), the master
-        alone, for a layer whose parameters are all frozen (``Layer.frozen``)."""
-        b = self.blocks[layer]
-        if b is None:
-            raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
-        return b
+        """The layer's rows as one (3, n) fp32 tensor (master, exp_avg, exp_avg_sq); (1, n), the master alone, for
+        a layer frozen whole. A layer frozen in part has shorter moments than masters: see :meth:`rows`."""
+        f, t = self.flat(layer), self.trainable[layer]
+        n = f.numel() - 2 * t
+        if t not in (0, n):
+            raise ValueError(f"layer {layer} is frozen in part: its moments cover {t} of its {n} weights (use rows)")
+        return f.view(-1, n)
 
     def master(self, layer: int) -> torch.Tensor:
         return self.row(layer, "master")
@@ -304,19 +324,20 @@ class HostStore:
         if self.shadows is None:
             self.shadows = {}
             for i in self.owners():
-                n = self.blocks[i].shape[1]
-                t = pinned_zeros(n, dtype=torch.bfloat16) if self.pinned else torch.zeros(n, dtype=torch.bfloat16)
-                t.copy_(self.blocks[i][0])
+                master = self.master(i)
+                t = pinned_zeros(master.numel(), dtype=torch.bfloat16) if self.pinned else \
+                    torch.zeros(master.numel(), dtype=torch.bfloat16)
+                t.copy_(master)
                 self.shadows[i] = t
         return self.shadows[layer]
 
     def refresh_shadow(self, layer: int, lo: int = 0, hi: int | None = None) -> None:
         """The shadow of the layer's masters [lo, hi) made again after an update of them."""
         if self.shadows is not None:
-            self.shadows[layer][lo:hi].copy_(self.blocks[layer][0][lo:hi])
+            self.shadows[layer][lo:hi].copy_(self.master(layer)[lo:hi])
 
     def owners(self) -> list[int]:
-        return [i for i, b in enumerate(self.blocks) if b is not None]
+        return [i for i, b in enumerate(self.flats) if b is not None]
 
     # ---- weights in and out, by the model's parameter names ------------------------------------------------
     def param_view(self, name: str, row: str = "master") -> torch.Tensor:
@@ -391,5 +412,5 @@ class HostStore:
     @property
     def nbytes(self) -> dict[str, int]:
         """Host bytes of the store's rows (the gradient buffers: ``grads.nbytes``)."""
-        return {r: sum(b.shape[1] for b in self.blocks if b is not None and b.shape[0] > i) * 4
+        return {r: sum(rows[i].numel() for rows in map(self.rows, self.owners()) if len(rows) > i) * 4
                 for i, r in enumerate(ROWS)}

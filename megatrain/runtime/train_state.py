@@ -48,9 +48,13 @@ class NonFiniteState(ValueError):
 
 
 def _layout(cap: Captured) -> dict:
+    def frozen(lay) -> dict:
+        # a layer whose parameters are all frozen keeps its master weights alone (one row, not KEPT_ROWS); one
+        # frozen in part the moments of its first ``trainable`` elements
+        return {"rows": 1} if lay.frozen else {"trainable": lay.trainable} if lay.trainable is not None else {}
+
     return {
-        # a layer whose parameters are all frozen keeps its master weights alone (one row, not KEPT_ROWS)
-        "layers": {str(i): {"name": seg.name, "numel": int(seg.numel), **({"rows": 1} if cap.graph[i].frozen else {})}
+        "layers": {str(i): {"name": seg.name, "numel": int(seg.numel), **frozen(cap.graph[i])}
                    for i, seg in enumerate(cap.segments) if seg.numel},
         "params": {name: [layer, off, list(shape)] for name, (layer, off, shape) in cap.model_param_names.items()},
     }
@@ -58,6 +62,12 @@ def _layout(cap: Captured) -> dict:
 
 def _file(layer: int) -> str:
     return f"layer-{layer:05d}.bin"
+
+
+def _nbytes(lay: dict) -> int:
+    """Bytes of a layer's file, from its manifest entry: its masters, and the moments of the elements that train."""
+    n = int(lay["numel"])
+    return 4 * (n + 2 * (0 if lay.get("rows") == 1 else int(lay.get("trainable", n))))
 
 
 def _crc(view: memoryview) -> int:
@@ -146,13 +156,14 @@ def _write_layers(store: HostStore, d: Path) -> dict[int, int]:
     crcs = {}
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for layer in store.owners():
-            rows = store.block(layer)[: len(KEPT_ROWS)]
-            if not bool(torch.isfinite(rows).all()):  # a state to go on from holds numbers
-                bad = [KEPT_ROWS[r] for r in range(len(KEPT_ROWS)) if not bool(torch.isfinite(rows[r]).all())]
+            flat = store.flat(layer)
+            if not bool(torch.isfinite(flat).all()):  # a state to go on from holds numbers
+                rows = store.rows(layer)
+                bad = [KEPT_ROWS[r] for r in range(len(rows)) if not bool(torch.isfinite(rows[r]).all())]
                 raise NonFiniteState(f"layer {layer} ({store.captured.segments[layer].name}) holds values that are "
                                      f"not finite in {', '.join(bad)}: the state is not saved (the one saved before "
                                      f"stays current)")
-            view = memoryview(rows.numpy()).cast("B")
+            view = memoryview(flat.numpy()).cast("B")
             crcs[layer] = pool.submit(_crc, view)
             with open(d / _file(layer), "wb") as f:
                 for i in range(0, len(view), _CHUNK):
@@ -205,7 +216,7 @@ def _quick_manifest(d: Path) -> dict | None:
             return None
         for key, lay in m["layers"].items():
             f = d / _file(int(key))
-            if not f.is_file() or f.stat().st_size != int(lay["numel"]) * 4 * len(KEPT_ROWS):
+            if not f.is_file() or f.stat().st_size != _nbytes(lay):
                 return None
         return m
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -264,15 +275,23 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
     if m.get("version") != VERSION:
         raise ValueError(f"{path}: training state version {m.get('version')!r}; this megatrain reads {VERSION}")
     want = _layout(captured)
-    if m.get("params") == want["params"] and isinstance(m.get("layers"), dict) and m["layers"] != want["layers"]:
-        def frozen(layers: dict) -> list[str]:
-            return sorted((v.get("name", k) for k, v in layers.items() if isinstance(v, dict) and v.get("rows") == 1))
+    def placed(params) -> dict | None:  # name -> (layer, shape): a layer frozen in part lays its weights out anew
+        return {k: (v[0], v[2]) for k, v in params.items() if isinstance(v, list) and len(v) == 3} \
+            if isinstance(params, dict) else None
 
-        if {k: {**v, "rows": None} for k, v in m["layers"].items() if isinstance(v, dict)} == \
-                {k: {**v, "rows": None} for k, v in want["layers"].items()}:
+    if placed(m.get("params")) == placed(want["params"]) and isinstance(m.get("layers"), dict) \
+            and m["layers"] != want["layers"]:
+        def frozen(layers: dict) -> list[str]:
+            return sorted((v.get("name", k) + (" in part" if "trainable" in v else "") for k, v in layers.items()
+                           if isinstance(v, dict) and (v.get("rows") == 1 or "trainable" in v)))
+
+        def unfrozen(layers: dict) -> dict:
+            return {k: {**v, "rows": None, "trainable": None} for k, v in layers.items() if isinstance(v, dict)}
+
+        if unfrozen(m["layers"]) == unfrozen(want["layers"]):
             raise ValueError(f"{d} was saved with the layers {frozen(m['layers']) or 'none'} frozen (no optimizer "
-                             f"state), this model has {frozen(want['layers']) or 'none'}: freeze the same parameters "
-                             f"to resume from it")
+                             f"state for what is frozen), this model has {frozen(want['layers']) or 'none'}: freeze "
+                             f"the same parameters to resume from it")
     if m.get("params") != want["params"] or m.get("layers") != want["layers"]:
         got, exp = m.get("params") if isinstance(m.get("params"), dict) else {}, want["params"]
         differ = sorted(set(got) ^ set(exp)) or sorted(k for k in exp if got.get(k) != exp[k])
@@ -281,7 +300,7 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
     for key, lay in m["layers"].items():
         f = d / _file(int(key))
         size = f.stat().st_size if f.is_file() else None
-        expect = lay["numel"] * 4 * lay.get("rows", len(KEPT_ROWS))
+        expect = _nbytes(lay)
         if size != expect:
             raise ValueError(f"{f}: {'missing' if size is None else f'{size:,} bytes'}, the layer's state is "
                              f"{expect:,} bytes (an incomplete or damaged training state)")
@@ -327,8 +346,8 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for key in m["layers"]:
             layer = int(key)
-            rows = store.block(layer)[: len(KEPT_ROWS)]
-            view = memoryview(rows.numpy()).cast("B")
+            flat = store.flat(layer)
+            view = memoryview(flat.numpy()).cast("B")
             with open(d / _file(layer), "rb") as f:
                 got = f.readinto(view)
             if got != len(view):
@@ -336,7 +355,7 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
             if _file(layer) in crcs:
                 checks.append((d / _file(layer), crcs[_file(layer)], pool.submit(_crc, view)))
             if progress is not None:
-                progress(rows.shape[1])
+                progress(store.master(layer).numel())
         for path, want, fut in checks:
             if fut.result() != want:
                 raise ValueError(f"{path}: checksum mismatch (CRC-32 {fut.result():08x}, the manifest says "
@@ -361,7 +380,7 @@ def read_masters(directory: str | Path) -> dict[str, "torch.Tensor"]:
     for key, lay in layers.items():
         f = d / _file(int(key))
         n = int(lay["numel"])
-        if not f.is_file() or f.stat().st_size != n * 4 * len(KEPT_ROWS):
+        if not f.is_file() or f.stat().st_size != _nbytes(lay):
             raise ValueError(f"{f}: missing or not of the layer's size (an incomplete or damaged training state)")
         raw = bytearray(f.read_bytes())
         if _file(int(key)) in crcs and zlib.crc32(raw) != crcs[_file(int(key))]:

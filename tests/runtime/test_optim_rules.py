@@ -135,13 +135,19 @@ def test_frozen_parameters_are_not_updated_and_the_rest_train_as_in_pytorch(gpu_
     block1 = sm.captured.model_param_names["model.layers.1.mlp.up_proj.weight"][0]
     assert sm.optimizer.steps(block1) == 0
     # the layers frozen whole (the embedding, block 1, the final norm) keep their master weights alone: no Adam
-    # moments on the host, and no device update; block 0, partly frozen, keeps its moments
+    # moments on the host, and no device update; block 0, frozen in part, keeps the moments of what trains, its
+    # trained parameters laid out first
     from megatrain.planner.cost import host_memory
 
     frozen = [l for l in range(len(sm.graph)) if sm.graph[l].frozen]
     assert frozen == [0, block1, len(sm.graph) - 2]
-    assert all(sm.store.block(l).shape[0] == (1 if l in frozen else 3) for l in sm.store.owners())
-    n, nf = sm.graph.n_params, sum(sm.graph[l].params for l in frozen)
+    assert all(len(sm.store.rows(l)) == (1 if l in frozen else 3) for l in sm.store.owners())
+    block0, q_numel = sm.captured.model_param_names[k][0], sum(before[q].numel() for q in FROZEN[1:3])
+    lay0 = sm.graph[block0]
+    assert lay0.trainable == lay0.params - q_numel and [r.numel() for r in sm.store.rows(block0)] == \
+        [lay0.params, lay0.trainable, lay0.trainable]
+    assert all(sm.captured.model_param_names[q][1] >= lay0.trainable for q in FROZEN[1:3])
+    n, nf = sm.graph.n_params, sum(sm.graph[l].params for l in frozen) + q_numel
     assert sm.store.nbytes == {"master": 4 * n, "exp_avg": 4 * (n - nf), "exp_avg_sq": 4 * (n - nf)}
     plan = sm.schedule_for(6, 12)
     assert host_memory(sm.graph, plan)["store"] == sum(sm.store.nbytes.values())
@@ -174,11 +180,17 @@ def test_a_state_saved_with_other_layers_frozen_is_refused_in_one_line(tmp_path)
     way round) is refused, naming the frozen layers, before anything is read."""
     from megatrain.runtime import train_state
 
+    data = batches(n_steps=2)
     sm = compile_cpu(_frozen_qwen2(), optim=OPT, n_mb=3)
-    sm.train_step(*batches(n_steps=1)[0])
+    sm.train_step(*data[0])
     sm.save_state(tmp_path / "state")
-    train_state.read_manifest(compile_cpu(_frozen_qwen2(), optim=OPT, n_mb=3).captured, tmp_path / "state")
-    with pytest.raises(ValueError, match=r"saved with the layers \['embed', 'model.layers.1', 'norm'\] frozen .* "
-                                         r"this model has none: freeze the same parameters"):
+    again = compile_cpu(_frozen_qwen2(), optim=OPT, n_mb=3)  # the same freezing resumes, moments and all
+    again.load_state(tmp_path / "state")
+    assert all(torch.equal(a, b) for l in sm.store.owners() for a, b in zip(sm.store.rows(l), again.store.rows(l)))
+    assert sm.train_step(*data[1]).loss == again.train_step(*data[1]).loss
+    assert all(torch.equal(sm.store.flat(l), again.store.flat(l)) for l in sm.store.owners())
+    with pytest.raises(ValueError, match=r"saved with the layers \['embed', 'model.layers.0 in part', "
+                                         r"'model.layers.1', 'norm'\] frozen .* this model has none: freeze the "
+                                         r"same parameters"):
         train_state.read_manifest(compile_cpu(hf_model("qwen2", tie_word_embeddings=False), optim=OPT,
                                               n_mb=3).captured, tmp_path / "state")

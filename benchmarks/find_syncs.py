@@ -31,11 +31,15 @@ def main():
     ap.add_argument("--no-clip", action="store_true")
     ap.add_argument("--step-sync", action="store_true", help="keep the device-wide sync between steps")
     ap.add_argument("--steps", type=int, default=2, help="steps watched, after two unwatched ones")
+    ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the preset's)")
     args = ap.parse_args()
     from benchmarks.streamed import build
 
     sm, cfg = build(args.preset, args.seq, n_mb=args.mb, slots=args.slots, gpu_opt_every=args.gpu_opt_every,
-                    clip=not args.no_clip)
+                    clip=not args.no_clip, layers=args.layers)
+    conf = next(m.config for m in sm.captured.segments[1].template.modules() if hasattr(m, "config"))
+    print(f"{cfg.model_type}: attention {conf._attn_implementation}, experts "
+          f"{getattr(conf, '_experts_implementation', None)}")
     sm.overlap_steps = True
     sm.executor.sync_between_steps = args.step_sync
     gen = torch.Generator().manual_seed(0)

@@ -293,7 +293,9 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
         "tokens_per_s": tokens / step_s, "tokens_per_s_median": tokens / median_s,
-        "tflops_6nt": 6 * n * tokens / step_s / 1e12,
+        # 6 x the parameters a token's compute touches (a mixture of experts' active ones) x tokens
+        "active_params": n - sum(lay.inactive_params for lay in graph.layers),
+        "tflops_6nt": 6 * (n - sum(lay.inactive_params for lay in graph.layers)) * tokens / step_s / 1e12,
         "hardware_tflops": hw_flops / step_s / 1e12,
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,
         "efficiency_bound_over_measured": b.step_s / step_s, "efficiency_bound_over_median": b.step_s / median_s,

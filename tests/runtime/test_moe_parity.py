@@ -107,3 +107,31 @@ def test_a_checkpoint_missing_an_expert_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"experts' tensors of 'model.layers.0.mlp.experts.gate_up_proj' .* for all 8 "
                                          r"experts \(15 tensors found\)"):
         compile_cpu(moe_model("qwen3_moe"), optim=OPT, checkpoint=tmp_path)
+
+
+def test_a_deepseek_v3_checkpoint_with_its_per_layer_router_biases_trains_as_hf(tmp_path):
+    """DeepSeek-V3's routers keep a bias buffer per layer (e_score_correction_bias, in the checkpoint) that picks
+    the experts: capture makes it a frozen parameter of its block, so each layer binds its own through the shared
+    template. A checkpoint whose layers' biases differ loads, and 2 steps train as HF's model does, the biases
+    unchanged."""
+    saved = moe_model("deepseek_v3")
+    biases = [n for n, _ in saved.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert len(biases) >= 2
+    g = torch.Generator().manual_seed(3)
+    for n in biases:  # large enough to change which experts are picked, and different in every layer
+        saved.get_buffer(n).copy_(torch.randn(saved.get_buffer(n).shape, generator=g))
+    saved.save_pretrained(tmp_path)
+    ref = copy.deepcopy(saved)
+    data = batches(n_steps=2)
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
+    sm = compile_cpu(moe_model("deepseek_v3"), optim=OPT, n_mb=3, checkpoint=tmp_path)
+    assert set(biases) <= sm.captured.frozen
+    before = {n: sm.state_dict()[n].clone() for n in biases}
+    assert all(torch.equal(before[n], saved.get_buffer(n)) for n in biases)
+    stats = [sm.train_step(*b) for b in data]
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+    assert all(torch.equal(sm.state_dict()[n], before[n]) for n in biases)
+    same = copy.deepcopy(saved)  # one layer's biases in every layer (what one template's buffer would give)
+    for n in biases:
+        same.get_buffer(n).copy_(saved.get_buffer(biases[0]))
+    assert abs(reference_train(same, data[:1], n_mb=3)[0][0] - ref_losses[0]) > 1e-4

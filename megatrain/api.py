@@ -60,6 +60,8 @@ class PlanOptions:
     host_budget_gib: float | None = None  # host memory the plan may use (the store, its buffers and host
     # checkpoints), GiB: a plan leaves the rest to other work; None: what the machine has available (or the hardware
     # spec's, where one is given)
+    seq_tile: int | str = "auto"  # tokens per tile of the blocks' MLPs in recomputed layers (ScheduleConfig.seq_tile;
+    # long sequences: the MLP's intermediate held for one tile at a time); 0: untiled; "auto": the search's choice
     device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
     # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),
     # as on a card of that size (a 24, 48 or 80 GB card's plan on a larger one); None: the card's, less the reserve
@@ -73,6 +75,10 @@ class PlanOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.seq_tile != "auto" and (not isinstance(self.seq_tile, int) or isinstance(self.seq_tile, bool)
+                                        or self.seq_tile < 0):
+            raise ValueError(f"seq_tile must be 'auto' or a number of tokens >= 0 (0: untiled), got "
+                             f"{self.seq_tile!r}")
         if not isinstance(self.host_checkpoints, int) or isinstance(self.host_checkpoints, bool) or \
                 self.host_checkpoints < 0:
             raise ValueError(f"host_checkpoints must be an integer >= 0, got {self.host_checkpoints!r}")
@@ -208,7 +214,7 @@ class StreamedModel:
                           n_mb=opts.n_mb, weight_slots=opts.weight_slots,
                           grad_slots=opts.grad_slots, wire_bytes=2 if opts.wire == "bf16" else 4,
                           host_checkpoints=opts.host_checkpoints, gpu_opt_every=auto(opts.gpu_opt_every),
-                          resident_opt=auto(opts.resident_opt)).schedule.config
+                          resident_opt=auto(opts.resident_opt), seq_tile=auto(opts.seq_tile)).schedule.config
             cfg = replace(chosen, n_steps=1)
             plans = []
             for c in ([cfg, replace(cfg, continues=True)] if cfg.gpu_opt else [cfg]):

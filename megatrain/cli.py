@@ -70,7 +70,7 @@ def _plan(args) -> int:
                      gpu_opt_every=None if every == "auto" else gpu_opt_every(every),
                      saved_acts=saved_acts(args.saved_acts),
                      resident_opt=None if args.resident_opt == "auto" else resident_opt(args.resident_opt),
-                     grad_host_dtype=args.grad_host_dtype)
+                     grad_host_dtype=args.grad_host_dtype, seq_tile=args.seq_tile)
         budget = int(args.gpu_gib * GiB) if args.gpu_gib is not None else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
@@ -123,7 +123,8 @@ def _plan(args) -> int:
            f"state there)" if cfg.resident_opt else "")
         + (f"; {len(cfg.saved_acts)} layers keep their activations for the backward (no recompute"
            + ("; lean: the MLP's gate x up formed again there" if cfg.saved_lean else "") + ")"
-           if cfg.saved_acts else "; every backward recomputes its forward"),
+           if cfg.saved_acts else "; every backward recomputes its forward")
+        + (f"; the blocks' MLPs over {cfg.seq_tile}-token tiles" if cfg.seq_tile else ""),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
         f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "
@@ -363,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=_slots, help="fix the number of weight slots (all: one per layer)")
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")
     p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
+    p.add_argument("--seq-tile", type=int, metavar="TOKENS",
+                   help="fix the tokens per tile the blocks' MLPs run over (0: untiled; default: search, for "
+                        "micro-batches longer than a tile)")
     p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")
     p.add_argument("--gpu-opt-every", metavar="K|auto",
                    help="update every K-th layer (of those owning weights) on the GPU instead of the host; 0: all "

@@ -33,7 +33,10 @@ import enum
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:
+    from megatrain.planner.graph import Layer
 
 FORMAT_VERSION = 1
 
@@ -183,7 +186,7 @@ class Op:
 TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept")  # ScheduleConfig's layer sets
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
 QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "grad_host_bytes": 4, "host_grad_slots": 2,
-                  "host_grad_part": 0}
+                  "host_grad_part": 0, "seq_tile": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,6 +238,15 @@ class ScheduleConfig:
     # of a layer the rest), each part's STORE_G and OPT its own ops (``mb``: the part's index), so a host buffer is
     # one part, not the largest layer; 0: a layer at a time
     host_grad_part: int = 0
+    # tokens per tile of the token-wise part of a recomputed layer (a dense block's MLP; the layer's
+    # tile_work_bytes_per_token) in its forward and backward: its intermediate exists for one tile at a time, each
+    # tile recomputed ahead of its backward; 0: whole micro-batches. Layers in saved_acts are not tiled
+    seq_tile: int = 0
+
+    def tiled(self, layer: "Layer", index: int) -> bool:
+        """Whether layer ``index`` (``layer``) runs its token-wise part over tiles in this schedule."""
+        return bool(self.seq_tile) and layer.tile_work_bytes_per_token > 0 and index not in self.saved_acts \
+            and self.seq_tile < self.mb_tokens
 
     def part_span(self, op: "Op", numel: int) -> tuple[int, int]:
         """The elements [lo, hi) of a layer's ``numel`` that ``op`` (a STORE_G or OPT) handles: one part, or all."""

@@ -34,8 +34,8 @@ from torch import nn
 from megatrain.capture import packed_attention
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
-from megatrain.planner.graph import (DecoderShape, Layer, LayerGraph, latent_attention, layer_costs, moe_block,
-                                     moe_of)
+from megatrain.planner.graph import (NORM_WITH_MLP, DecoderShape, Layer, LayerGraph, latent_attention, layer_costs,
+                                     moe_block, moe_of)
 
 
 @dataclass
@@ -412,7 +412,11 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             elif moe is not None:
                 seg_shape = dataclasses.replace(shape, inter=moe.dense_inter)
             blocks_seen += 1
-        costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes)
+        # a dense block's MLP may run over tiles of the tokens (runtime.tiling); not a mixture of experts' block
+        tiles = moe is None and isinstance(getattr(seg.template, "mlp", None), nn.Module)
+        norm = tiles and cfg_dict.get("model_type") in NORM_WITH_MLP and \
+            isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)
+        costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm)
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,

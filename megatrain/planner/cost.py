@@ -120,10 +120,13 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     """Transient device bytes a compute op allocates beyond the slots it names."""
     lay = graph[op.layer]
     t = cfg.mb_tokens
+    work = lay.work_bytes_per_token * t
+    if op.kind in (OpKind.FWD, OpKind.BWD) and cfg.tiled(lay, op.layer):  # the tiled part for one tile at a time
+        work -= lay.tile_work_bytes_per_token * (t - cfg.seq_tile)
     if op.kind is OpKind.FWD:
-        return lay.work_bytes_per_token * t
+        return work
     if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients
-        return (2 if recomputes(cfg, op) else 1) * lay.work_bytes_per_token * t
+        return (2 if recomputes(cfg, op) else 1) * work
     if op.kind is OpKind.LOSS:  # one chunk of fp32 logits and their gradient
         return lay.work_bytes_per_token * t + 2 * min(t, LOSS_CHUNK_TOKENS) * lay.logit_bytes_per_token
     if op.kind is OpKind.EVAL:  # one chunk of fp32 logits
@@ -204,7 +207,9 @@ def matmul_and_attention_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -
     """A compute op's FLOPs: those of its matmuls (:func:`_passes` forward passes) and of its attention
     (:func:`_attn_passes`)."""
     lay = graph[op.layer]
-    return (_passes(cfg, op) * lay.matmul_flops_per_token * cfg.mb_tokens,
+    # a tiled backward runs its tiled part's forward once more (each tile again, ahead of its backward)
+    again = lay.tile_flops_per_token if op.kind is OpKind.BWD and cfg.tiled(lay, op.layer) else 0.0
+    return ((_passes(cfg, op) * lay.matmul_flops_per_token + again) * cfg.mb_tokens,
             _attn_passes(cfg, op) * lay.attn_flops_per_token_per_seq * cfg.seq_len * cfg.mb_tokens)
 
 

@@ -39,6 +39,11 @@ class Layer:
     # every parameter the layer owns is frozen (requires_grad=False): never updated, so the host keeps its master
     # weights alone, no Adam moments (4 bytes per parameter instead of 12), and no plan updates it on the device
     frozen: bool = False
+    # of work_bytes_per_token, the share a tiled forward holds for one tile of tokens at a time (a dense block's MLP:
+    # gate, up and their product; ScheduleConfig.seq_tile), and the FLOPs per token of that part's forward, which a
+    # tiled backward runs once more (each tile recomputed ahead of its backward). 0: the layer is not tiled
+    tile_work_bytes_per_token: int = 0
+    tile_flops_per_token: float = 0.0
     # some of the layer's parameters are frozen: the first ``trainable`` elements of its weights are the ones that
     # train (capture lays them out first) and only they have Adam moments; None: all of them train (or none, frozen)
     trainable: int | None = None
@@ -178,7 +183,14 @@ class DecoderShape:
     vocab: int
 
 
-def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_bytes: int) -> dict:
+# decoder layers (by model type) that compute ``mlp(post_attention_layernorm(h))`` and use the norm's output for
+# nothing else: the norm joins the MLP in its tiles (runtime.tiling), so its output, a hidden state per token, is not
+# kept for the whole sequence either
+NORM_WITH_MLP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_bytes: int, *,
+                tiles: bool = True, tile_norm: bool = False) -> dict:
     """The cost fields of a :class:`Layer` of ``kind`` (everything but its name, template, parameters and tie):
     the one source for graphs built from a config (:func:`from_config`) and captured from a model
     (``megatrain.capture``). ``matmul_params``: the parameters its matmuls multiply by (2 FLOPs each a token).
@@ -187,7 +199,9 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     state; a block's forward builds for its backward both norm outputs and the residual (4 H), q, k and v, and
     the MLP's gate, up and their product (3 x intermediate); the embedding its output, the final norm its input
     and output; the head its input, its gradient and a token's fp32 log-sum-exp (logits exist one chunk of
-    :data:`LOSS_CHUNK_TOKENS` at a time, see ``cost.loss_work_nbytes``)."""
+    :data:`LOSS_CHUNK_TOKENS` at a time, see ``cost.loss_work_nbytes``). ``tiles``: a block whose MLP runs over
+    tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts); ``tile_norm``: its
+    post-attention norm with it (:data:`NORM_WITH_MLP`)."""
     H, a = shape.hidden, act_dtype_bytes
     if kind == "embedding":
         return dict(act_bytes_per_token=H * a, work_bytes_per_token=H * a)
@@ -204,6 +218,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         # QK^T and AV: 2 matmuls x 2 FLOP per multiply-add x (seq/2 keys on average) x q_dim
         attn_flops_per_token_per_seq=2.0 * q,
         act_bytes_per_token=H * a, work_bytes_per_token=(4 * H + q + 2 * kv + 3 * inter) * a,
+        tile_work_bytes_per_token=(3 * inter + (H if tile_norm else 0)) * a if tiles else 0,
+        tile_flops_per_token=6.0 * H * inter if tiles else 0.0,
         saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),
         lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True))
 
@@ -220,6 +236,8 @@ class MoE:
     dense_inter: int
     expert_bias: bool = False  # GPT-OSS: router and experts with biases
     shared_gate: bool = False  # Qwen2-MoE: a sigmoid gate (hidden -> 1) on the shared expert
+    score_bias: bool = False  # DeepSeek-V3: the router's per-expert bias on the scores that pick the experts
+    # (e_score_correction_bias; a frozen parameter of the block once captured)
 
     def expert_params(self, hidden: int) -> int:
         """The routed experts' parameters in one MoE block."""
@@ -276,14 +294,14 @@ def moe_of(cfg: dict) -> MoE | None:
         layers = set(range(n))
     return MoE(experts=experts, top_k=top_k, expert_inter=expert_inter, shared_inter=shared,
                layers=frozenset(layers), dense_inter=dense_inter, expert_bias=mtype == "gpt_oss",
-               shared_gate=bool(cfg.get("shared_expert_intermediate_size")))
+               shared_gate=bool(cfg.get("shared_expert_intermediate_size")), score_bias=mtype == "deepseek_v3")
 
 
 def moe_block(moe: MoE, hidden: int) -> tuple[int, int, int]:
     """One MoE block's MLP part: (its parameters, the parameters a token's matmuls multiply by -- the router, its
     top-k experts and the shared ones --, the intermediate width a token's activations have: its k routed copies
     and the shared experts')."""
-    router = hidden * moe.experts + (moe.experts if moe.expert_bias else 0)
+    router = hidden * moe.experts + (moe.experts if moe.expert_bias else 0) + (moe.experts if moe.score_bias else 0)
     shared = 3 * hidden * moe.shared_inter + (hidden if moe.shared_gate else 0)
     params = router + moe.expert_params(hidden) + shared
     active = hidden * moe.experts + moe.top_k * 3 * hidden * moe.expert_inter + shared
@@ -359,7 +377,8 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
             mlp_params = mlp_active = 3 * H * width
             template = "block"
         shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=width, heads=heads, vocab=V)
-        costs = layer_costs("block", shape, attn_w + mlp_active, a)
+        costs = layer_costs("block", shape, attn_w + mlp_active, a, tiles=moe is None,
+                            tile_norm=moe is None and mtype in NORM_WITH_MLP)
         costs["attn_flops_per_token_per_seq"] = float(attn_dims)
         layers.append(Layer(name=f"block.{i}", kind="block", template=template,
                             params=attn_w + mlp_params + 2 * H + attn_extra, inactive_params=inactive, **costs))
@@ -405,4 +424,11 @@ def preset(name: str, *, act_dtype_bytes: int = 2) -> LayerGraph:
     key = name.lower()
     if key not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    return from_config(PRESETS[key], act_dtype_bytes=act_dtype_bytes, name=key)
+    return from_config({"model_type": preset_model_type(key), **PRESETS[key]}, act_dtype_bytes=act_dtype_bytes,
+                       name=key)
+
+
+def preset_model_type(name: str) -> str:
+    """The HF model type a preset's shape is built as: its own where it names one, else Llama's for the Llama
+    presets and Qwen2's for the others."""
+    return PRESETS[name].get("model_type") or ("llama" if name.startswith("llama") else "qwen2")

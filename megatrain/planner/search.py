@@ -57,8 +57,9 @@ def _min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     other slots for the smallest, one mb's activations in and out, and the largest working set."""
     size = slot_nbytes(graph, cfg)
     smallest = min(graph.weight_params(i) for i in range(len(graph)))
+    last = len(graph) - 1  # the head runs the LOSS, the layers before it FWD and BWD
     work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
-               for l in range(len(graph)) for k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS))
+               for l in range(len(graph)) for k in ((OpKind.LOSS,) if l == last else (OpKind.FWD, OpKind.BWD)))
     others = (cfg.weight_slots - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
     return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work
 
@@ -78,14 +79,16 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
             f"{_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}")
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
-                              host_checkpoints=len(graph) - 2, budget_bytes=budget)
+                              host_checkpoints=len(graph) - 2, budget_bytes=budget,
+                              seq_tile=min(SEQ_TILES) if seq_len > min(SEQ_TILES) else 0)
     need = _min_device_nbytes(graph, smallest)
     if need > budget:
         size = slot_nbytes(graph, smallest)
         big = max(range(len(graph)), key=lambda i: graph.weight_params(i))
         raise PlanError(
             f"GPU budget {_gib(budget)} is too small for one layer: the smallest plan (1 weight slot, 1 gradient "
-            f"slot, one {seq_len}-token sequence per micro-batch, every checkpoint on host) needs {_gib(need)} "
+            f"slot, one {seq_len}-token sequence per micro-batch, every checkpoint on host"
+            f"{f', MLPs over {smallest.seq_tile}-token tiles' if smallest.seq_tile else ''}) needs {_gib(need)} "
             f"(largest layer '{graph[big].name}': {graph.weight_params(big) / 1e6:.1f}M params = "
             f"{_gib(size['w'])} of bf16 weights + {_gib(size['g'])} of fp32 gradients)")
 
@@ -94,13 +97,14 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
                n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
                resident_opt: int | None = None, grad_slots: int = 2,
-               grad_host_dtype: str = "fp32") -> list[ScheduleConfig]:
+               grad_host_dtype: str = "fp32", seq_tile: int | None = None) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
     GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer). ``resident_opt``: how many
     of the device updates keep their state on the device (see :func:`resident_sets`; None: search).
     ``grad_host_dtype``: "bf16" lets gradients go to the host in bf16 (each candidate also so; a plan with fp32
-    gradients is preferred wherever one fits)."""
+    gradients is preferred wherever one fits). ``seq_tile``: tokens per tile of the blocks' MLPs (0: untiled; None:
+    untiled and, for micro-batches longer than a tile, each of :data:`SEQ_TILES`)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -113,7 +117,10 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
         weight_slots = len(graph)
     slots = [weight_slots] if weight_slots else [2, 3, len(graph)]  # len(graph): each layer loaded once a step
     wires = [wire_bytes] if wire_bytes else [2, 4]
-    offload = [host_checkpoints] if host_checkpoints is not None else sorted({0, len(graph) - 2})
+    # checkpoints all on the device or all on the host; for long sequences (a checkpoint of GiBs a layer, which
+    # neither memory may hold for every layer) also split between them after every block
+    split = range(0, len(graph) - 1) if seq_len >= LONG_SEQ else ()
+    offload = [host_checkpoints] if host_checkpoints is not None else sorted({0, len(graph) - 2, *split})
     if any(h < 0 or h > len(graph) - 2 for h in offload):
         raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
     if gpu_opt_every is not None and gpu_opt_every < 0:
@@ -124,12 +131,25 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     if grad_host_dtype not in GRAD_HOST_BYTES:
         raise PlanError(f"grad_host_dtype must be 'fp32' or 'bf16', got {grad_host_dtype!r}")
     grads = [4] if grad_host_dtype == "fp32" else [4, 2]
+    if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 0):
+        raise PlanError(f"seq_tile must be a number of tokens >= 0 (0: untiled), got {seq_tile!r}")
+
+    def tiles(m: int) -> list[int]:
+        return [seq_tile] if seq_tile is not None else [0, *(t for t in SEQ_TILES if t < tokens // m)]
+
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
                        weight_slots=k, grad_slots=grad_slots, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
-                       budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b)
+                       budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b, seq_tile=t)
         for m, k, w, h, (g, r), b in itertools.product(mbs, slots, wires, offload, device_sets, grads)
+        for t in tiles(m)
     ]
+
+
+# tile sizes (tokens) the search tries for the blocks' MLPs where a micro-batch is longer: a tiled backward runs the
+# MLP's forward once more (4/3 of its untiled cost), so a tiled plan wins only where an untiled one does not fit
+SEQ_TILES = (65536, 16384)
+LONG_SEQ = 131072  # sequences from this long get checkpoint placements between all on the device and all on the host
 
 
 GRAD_HOST_BYTES = {"fp32": 4, "bf16": 2}

@@ -57,10 +57,17 @@ def forward(ex, op: Op, st: StepState) -> None:
             h, st.side[op.mb] = ex.runner.run(0, ex.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
         else:
             with _routers(ex, op, st, logits):
-                h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb])
+                h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb],
+                                  tile=_tile(ex, op, st))
     st.act[op.slot("y")] = h
     if logits:
         router_aux.add(st.aux[op.mb], logits, ex.captured.router_aux, _aux_mask(st, op.mb))
+
+
+def _tile(ex, op: Op, st: StepState) -> int:
+    """Tokens per tile of the layer's MLP in this op (0: untiled)."""
+    cfg = st.schedule.config
+    return cfg.seq_tile if cfg.tiled(ex.graph[op.layer], op.layer) else 0
 
 
 def _routers(ex, op: Op, st: StepState, logits: list):
@@ -197,7 +204,7 @@ def backward(ex, op: Op, st: StepState) -> None:
             x = st.act[op.slot("x")].detach().requires_grad_()
             logits: list = []
             with _routers(ex, op, st, logits):
-                out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
+                out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views, tile=_tile(ex, op, st))
             probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
             outs, dys = _aux_outputs(ex, st, op, out, dy, probs)
             dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)

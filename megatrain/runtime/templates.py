@@ -9,7 +9,7 @@ from torch import nn
 from torch.fx.node import Node, map_aggregate
 
 from megatrain.capture import Captured, Segment
-from megatrain.runtime import grad_sink, router_aux
+from megatrain.runtime import grad_sink, router_aux, tiling
 from megatrain.runtime.grad_sink import SinkLinear
 
 
@@ -115,21 +115,28 @@ class LayerRunner:
             if captured.router_aux is not None:
                 self._routers[id(seg.template)] = router_aux.install(seg.template, captured.router_aux)
         self.bindings = [_Binding(seg, captured.frozen) for seg in captured.segments]
+        self._tiled: dict[int, list] = {}  # id(template) -> its MLP wrappers (blocks the planner may tile)
         seen = set()
         for seg in captured.segments:
             if id(seg.template) not in seen:
                 seen.add(id(seg.template))
                 move_buffers(seg.template, device)
+                if captured.graph[seg.index].tile_work_bytes_per_token:  # after the bindings (see tiling.install)
+                    self._tiled[id(seg.template)] = tiling.install(seg.template, captured.graph.name)
 
     def run(self, i: int, flat: torch.Tensor, x, side: dict[str, object] | None = None,
-            grad_views: list | None = None):
+            grad_views: list | None = None, tile: int = 0):
         """Layer 0: ``x`` is (input_ids, attention_mask, position_ids) and the result is (hidden, {side name:
         value}).
         Other layers: ``x`` is the hidden state and the result is the layer's output; ``side``: the side inputs
         the embedding layer returned for this micro-batch (blocks, and norm and head where they read any).
         ``grad_views``: see
-        :meth:`_Binding.bound`."""
+        :meth:`_Binding.bound`. ``tile``: tokens per tile of the block's MLP (``ScheduleConfig.seq_tile``; 0:
+        untiled)."""
         seg = self.captured.segments[i]
+        if tile:
+            with tiling.tiles(self._tiled.get(id(seg.template), []), tile):
+                return self.run(i, flat, x, side, grad_views)
         if seg.patches:
             with _patched(seg.patches):
                 return self._run(seg, flat, x, side, grad_views)

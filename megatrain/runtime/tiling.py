@@ -1,0 +1,107 @@
+"""A block's MLP over tiles of the tokens (``ScheduleConfig.seq_tile``).
+
+At long sequences the MLP's intermediate dominates a layer's working set: for one 524,288-token sequence of a
+Qwen2.5-7B shape, gate, up and their product are 3 x 524,288 x 18,944 bf16 values, 60 GB, where everything else
+the layer holds is a fraction of that. The MLP is token-wise, so it can run over the tokens a tile at a time: without
+autograd (a forward op) each tile's intermediate is freed before the next; with autograd (a backward op's recompute)
+each tile runs under torch's non-reentrant checkpoint, which keeps its input alone and recomputes the tile ahead of
+its backward. The intermediate then exists for one tile at a time, at the price of one more forward of the MLP in a
+backward (the planner charges it: ``Layer.tile_flops_per_token``). Results equal the untiled MLP's up to the order
+in which the tiles' weight gradients are summed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatrain.planner.graph import NORM_WITH_MLP
+from megatrain.runtime.grad_sink import SinkLinear
+
+
+class TiledMLP(nn.Module):
+    """Runs ``inner`` (a block's MLP, after ``norm`` where given) over tiles of ``tile`` tokens (the rows' tokens
+    laid end to end) while ``tile`` is set; as ``inner(norm(x))`` otherwise."""
+
+    def __init__(self, inner: nn.Module, norm: nn.Module | None = None):
+        super().__init__()
+        self.inner = nn.Sequential(norm, inner) if norm is not None else inner
+        self.tile = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.tile
+        if not n or x.shape[:-1].numel() <= n:
+            return self.inner(x)
+        parts = x.reshape(1, -1, x.shape[-1]).split(n, dim=1)
+        if torch.is_grad_enabled():
+            # the tile's input is kept, its intermediate recomputed in the backward (the random state with it),
+            # which runs after the executor has unbound the template's weights: the recompute binds them again
+            run = functools.partial(_rebound, self.inner, _binding(self.inner))
+            outs = [checkpoint(run, p, use_reentrant=False) for p in parts]
+        else:
+            outs = [self.inner(p) for p in parts]
+        return torch.cat(outs, dim=1).view(*x.shape[:-1], -1)
+
+
+def _binding(module: nn.Module) -> list[tuple[nn.Module, str, object]]:
+    """What the executor has bound in ``module`` now: its parameters (views of the layer's weights) and the
+    linears' gradient-sink offsets."""
+    out = [(m, f"_parameters.{a}", t) for m in module.modules() for a, t in m._parameters.items() if t is not None]
+    return out + [(m, "offsets", m.offsets) for m in module.modules() if isinstance(m, SinkLinear)]
+
+
+def _rebound(module: nn.Module, binding, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` with ``binding`` in place (the state :func:`_binding` saw), what was there put back after."""
+    saved = []
+    for m, attr, value in binding:
+        if attr.startswith("_parameters."):
+            name = attr.split(".", 1)[1]
+            saved.append((m, attr, m._parameters[name]))
+            m._parameters[name] = value
+        else:
+            saved.append((m, attr, getattr(m, attr)))
+            setattr(m, attr, value)
+    try:
+        return module(x)
+    finally:
+        for m, attr, value in reversed(saved):
+            if attr.startswith("_parameters."):
+                m._parameters[attr.split(".", 1)[1]] = value
+            else:
+                setattr(m, attr, value)
+
+
+def norm_joins(template: nn.Module, model_type: str | None) -> bool:
+    """Whether the block's post-attention norm runs in the MLP's tiles (:data:`NORM_WITH_MLP`)."""
+    return model_type in NORM_WITH_MLP and isinstance(getattr(template, "post_attention_layernorm", None), nn.Module)
+
+
+def install(template: nn.Module, model_type: str | None = None) -> list[TiledMLP]:
+    """Wrap the block template's ``mlp`` (with its post-attention norm, :func:`norm_joins`; the norm's place then
+    holds an identity) in a :class:`TiledMLP`, after its parameters are bound by reference: the wrapping changes no
+    module that holds them. Returns the wrappers (none where there is no ``mlp``)."""
+    mlp = getattr(template, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        return []
+    if not isinstance(mlp, TiledMLP):
+        norm = None
+        if norm_joins(template, model_type):
+            norm, template.post_attention_layernorm = template.post_attention_layernorm, nn.Identity()
+        template.mlp = TiledMLP(mlp, norm)
+    return [template.mlp]
+
+
+@contextlib.contextmanager
+def tiles(wrappers: list[TiledMLP], n: int):
+    """The wrappers run over tiles of ``n`` tokens inside (0: untiled)."""
+    for w in wrappers:
+        w.tile = n
+    try:
+        yield
+    finally:
+        for w in wrappers:
+            w.tile = 0

@@ -1,0 +1,83 @@
+"""Blocks' MLPs over tiles of the tokens (ScheduleConfig.seq_tile): the same training as untiled (fp32, CPU), and the
+planner's memory and FLOPs for it."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatrain.ir import Op, OpKind, ScheduleConfig, Stream
+from megatrain.planner.cost import matmul_and_attention_flops, workspace_nbytes
+from megatrain.planner.graph import preset
+from megatrain.runtime import tiling
+
+from .models import compile_cpu, hf_model, record_grads
+from .test_parity import OPT, batches
+
+NO_CLIP = dataclasses.replace(OPT, max_grad_norm=None)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_tiled_mlps_train_as_untiled(family, monkeypatch):
+    """Two micro-batches of 3 x 12 tokens, the MLPs over tiles of 5 tokens (tiles cross rows; the last is 1):
+    the gradients of the first step equal the untiled ones to fp32 rounding (the tiles' weight gradients are summed
+    in another order), and so do 3 steps' losses with clipping; every recomputed forward and backward ran tiled.
+    Llama's and Qwen2's post-attention norms run in the tiles with the MLP; Phi-3's MLP (fused gate and up) alone."""
+    data = batches(n_steps=3)
+    runs = {}
+    for tile in (0, 5):
+        sm = compile_cpu(hf_model(family), optim=OPT, n_mb=2, seq_tile=tile)
+        calls, tiles = [], []
+        forward, checkpoint = tiling.TiledMLP.forward, tiling.checkpoint
+        monkeypatch.setattr(tiling.TiledMLP, "forward",
+                            lambda self, x: calls.append((self.tile, torch.is_grad_enabled())) or forward(self, x))
+        monkeypatch.setattr(tiling, "checkpoint", lambda fn, x, **kw: tiles.append(x.shape[1]) or checkpoint(fn, x, **kw))
+        grads = record_grads(sm)
+        losses = [sm.train_step(*data[0]).loss]
+        first = dict(grads)
+        losses += [sm.train_step(*b).loss for b in data[1:]]
+        monkeypatch.undo()
+        assert sm.schedule_for(*data[0][0].shape).config.seq_tile == tile
+        blocks = sum(seg.kind == "block" for seg in sm.captured.segments)
+        # steps x micro-batches x blocks x (the forward, the backward's recompute), each run over the tiles
+        assert sorted(calls) == sorted([(tile, False), (tile, True)] * 3 * 2 * blocks)
+        assert tiles == ([5] * 7 + [1]) * 3 * 2 * blocks if tile else not tiles  # 36 tokens a micro-batch
+        runs[tile] = losses, first, sm.state_dict()
+        joined = {isinstance(m, torch.nn.Identity) for seg in sm.captured.segments if seg.kind == "block"
+                  for m in [getattr(seg.template, "post_attention_layernorm", None)]}
+        assert joined == {family != "phi3"}
+    (l0, g0, w0), (l1, g1, w1) = runs[0], runs[5]
+    assert l1 == pytest.approx(l0, rel=1e-6)
+    assert set(g0) == set(g1)
+    for n, a in g0.items():  # measured: 3e-7 of the largest element at most
+        assert float((g1[n] - a).abs().max()) <= 1e-5 * float(a.abs().max()) + 1e-9, n
+    for n, a in w0.items():
+        assert float((w1[n] - a).abs().max()) <= 1e-5, n
+
+
+def test_the_planner_counts_one_tile_of_the_mlp_and_its_forward_once_more():
+    g = preset("qwen2.5-7b")
+    lay = g[1]
+    # gate, up, their product and the post-attention norm's output (Qwen2's norm runs in the MLP's tiles)
+    assert lay.tile_work_bytes_per_token == (3 * 18944 + 3584) * 2 and lay.tile_flops_per_token == 6.0 * 3584 * 18944
+    t, tile = 524288, 16384
+    base = ScheduleConfig(n_layers=len(g), mb_tokens=t, seq_len=t)
+    tiled = dataclasses.replace(base, seq_tile=tile)
+    bwd, fwd = Op(0, OpKind.BWD, Stream.COMPUTE, 0, 1, 0), Op(0, OpKind.FWD, Stream.COMPUTE, 0, 1, 0)
+    untiled_work = lay.work_bytes_per_token * t
+    one_tile = untiled_work - lay.tile_work_bytes_per_token * (t - tile)
+    assert workspace_nbytes(g, base, fwd) == untiled_work and workspace_nbytes(g, tiled, fwd) == one_tile
+    assert workspace_nbytes(g, tiled, bwd) == 2 * one_tile
+    mm0, attn0 = matmul_and_attention_flops(g, base, bwd)
+    mm1, attn1 = matmul_and_attention_flops(g, tiled, bwd)
+    assert attn1 == attn0 and mm1 - mm0 == pytest.approx(lay.tile_flops_per_token * t)
+    saved = dataclasses.replace(tiled, saved_acts=(1,))  # a layer that keeps its activations is not tiled
+    assert workspace_nbytes(g, saved, fwd) == untiled_work
+    assert workspace_nbytes(g, tiled, Op(0, OpKind.FWD, Stream.COMPUTE, 0, 0, 0)) == g[0].work_bytes_per_token * t
+
+
+def test_mixture_of_experts_blocks_are_not_tiled():
+    from .test_moe_parity import moe_model
+
+    sm = compile_cpu(moe_model("qwen3_moe"), optim=OPT, n_mb=1)
+    assert all(lay.tile_work_bytes_per_token == 0 for lay in sm.graph.layers)

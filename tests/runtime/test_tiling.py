@@ -81,3 +81,18 @@ def test_mixture_of_experts_blocks_are_not_tiled():
 
     sm = compile_cpu(moe_model("qwen3_moe"), optim=OPT, n_mb=1)
     assert all(lay.tile_work_bytes_per_token == 0 for lay in sm.graph.layers)
+
+
+def test_qwen_7b_at_524k_tokens_fits_one_h200_only_with_tiles():
+    """The docs' plan (docs/planner.md, long sequences) with its other decisions pinned: tiles and a split of the
+    checkpoints between device and host make it fit the H200 and its 125 GiB host; untiled, nothing does."""
+    from megatrain.planner.hardware import PRESETS
+    from megatrain.planner.search import PlanError, plan
+
+    g, spec = preset("qwen2.5-7b"), PRESETS["h200"]
+    fixed = dict(n_mb=1, weight_slots=2, wire_bytes=4, gpu_opt_every=0, resident_opt=0, grad_host_dtype="bf16")
+    p = plan(g, spec, 524288, 524288, **fixed)
+    cfg = p.schedule.config
+    assert cfg.seq_tile == 16384 and 0 < cfg.host_checkpoints < len(g) - 2
+    with pytest.raises(PlanError, match="no plan fits"):
+        plan(g, spec, 524288, 524288, seq_tile=0, **fixed)

@@ -250,8 +250,8 @@ def _count_or_auto(name: str):
     return parse
 
 
-gpu_opt_every, saved_acts, resident_opt, grad_kept = (
-    _count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt", "grad_kept"))
+gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile = (
+    _count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt", "grad_kept", "seq_tile"))
 
 
 def _slots(value: str):
@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "the GPU until the update pass (auto: as many as fit)"),
                            ("grad_host_dtype", str, "gradients on the host: fp32 (default), or bf16 allowed where "
                                                     "no plan with fp32 ones fits the host memory"),
+                           ("seq_tile", seq_tile, "tokens per tile the blocks' MLPs run over in long sequences (0: "
+                                                  "untiled; auto: the planner's choice)"),
                            ("host_gib", float, "host memory the plan may use, GiB (default: what the machine has "
                                                "available)"),
                            ("gpu_gib", float, "device memory the plan may fill, GiB, torch's allocator capped to it plus "
@@ -364,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=_slots, help="fix the number of weight slots (all: one per layer)")
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")
     p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
-    p.add_argument("--seq-tile", type=int, metavar="TOKENS",
+    p.add_argument("--seq-tile", type=int, metavar="TOKENS",  # plan: unset means searched
                    help="fix the tokens per tile the blocks' MLPs run over (0: untiled; default: search, for "
                         "micro-batches longer than a tile)")
     p.add_argument("--no-clip", action="store_true", help="no global-norm clipping: optimizer overlaps backward")

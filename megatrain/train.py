@@ -71,6 +71,7 @@ class TrainConfig:
     grad_kept: int | str = "auto"  # host-updated layers whose gradient stays on the GPU until the update pass
     # ("auto": as many as fit)
     grad_host_dtype: str = "fp32"  # or "bf16": gradients may go to the host in bf16 where fp32 ones do not fit
+    seq_tile: int | str = "auto"  # tokens per tile of the blocks' MLPs (long sequences; 0: untiled; "auto": planned)
     host_gib: float | None = None  # host memory the plan may use (default: what the machine has available)
     gpu_gib: float | None = None  # device memory the plan may fill, the allocator capped to it (default: the card's)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
@@ -161,7 +162,7 @@ class TrainConfig:
         PlanOptions(n_mb=self.mb, host_checkpoints=self.host_checkpoints, weight_slots=self.slots,
                     gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt,
                     grad_kept=self.grad_kept, grad_host_dtype=self.grad_host_dtype, host_budget_gib=self.host_gib,
-                    device_budget_gib=self.gpu_gib)
+                    device_budget_gib=self.gpu_gib, seq_tile=self.seq_tile)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -290,7 +291,7 @@ def _prepare(cfg: TrainConfig):
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt, grad_kept=cfg.grad_kept,
                            grad_host_dtype=cfg.grad_host_dtype, host_budget_gib=cfg.host_gib,
-                           device_budget_gib=cfg.gpu_gib)
+                           device_budget_gib=cfg.gpu_gib, seq_tile=cfg.seq_tile)
     if cfg.packing and not sm.captured.packs:
         raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
                          f"--no-packing (one document per row)")

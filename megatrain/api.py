@@ -18,7 +18,7 @@ from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_p
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import GiB, check_resident, plan
+from megatrain.planner.search import LONG_SEQ, GiB, check_resident, plan
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
@@ -40,7 +40,8 @@ class PlanOptions:
     weight_slots: int | str = 2  # device buffers for layers' weights; "all": one per layer, so the backward finds
     # every layer's weights still there from the forward and each layer is loaded once per step
     grad_slots: int = 2
-    host_checkpoints: int = 0  # layers (from the first block up) whose checkpoints wait on the host
+    host_checkpoints: int | str = "auto"  # layers (from the first block up) whose checkpoints wait on the host;
+    # "auto": none, and for sequences of search.LONG_SEQ tokens or more the search's split (long checkpoints)
     gpu_opt_every: int | str = 0  # every k-th layer (of those owning weights) is updated on the GPU;
     # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search).
     # compile() makes it "auto" on a CUDA device unless it is given
@@ -79,9 +80,9 @@ class PlanOptions:
                                         or self.seq_tile < 0):
             raise ValueError(f"seq_tile must be 'auto' or a number of tokens >= 0 (0: untiled), got "
                              f"{self.seq_tile!r}")
-        if not isinstance(self.host_checkpoints, int) or isinstance(self.host_checkpoints, bool) or \
-                self.host_checkpoints < 0:
-            raise ValueError(f"host_checkpoints must be an integer >= 0, got {self.host_checkpoints!r}")
+        h = self.host_checkpoints
+        if h != "auto" and (not isinstance(h, int) or isinstance(h, bool) or h < 0):
+            raise ValueError(f"host_checkpoints must be 'auto' or an integer >= 0, got {h!r}")
         w = self.weight_slots
         if w != "all" and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
@@ -213,7 +214,9 @@ class StreamedModel:
                           saved_acts=opts.saved_acts, grad_kept=opts.grad_kept, grad_host_dtype=opts.grad_host_dtype,
                           n_mb=opts.n_mb, weight_slots=opts.weight_slots,
                           grad_slots=opts.grad_slots, wire_bytes=2 if opts.wire == "bf16" else 4,
-                          host_checkpoints=opts.host_checkpoints, gpu_opt_every=auto(opts.gpu_opt_every),
+                          host_checkpoints=(None if seq_len >= LONG_SEQ else 0)
+                          if opts.host_checkpoints == "auto" else opts.host_checkpoints,
+                          gpu_opt_every=auto(opts.gpu_opt_every),
                           resident_opt=auto(opts.resident_opt), seq_tile=auto(opts.seq_tile)).schedule.config
             cfg = replace(chosen, n_steps=1)
             plans = []

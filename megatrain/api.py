@@ -26,8 +26,8 @@ from megatrain.runtime.ops import IGNORE_INDEX
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
-from megatrain.runtime.store import (HostStore, available_host_bytes, check_checkpoint, grad_host_dtype,
-                                     progress_bar, store_nbytes)
+from megatrain.runtime.checkpoint import check_checkpoint
+from megatrain.runtime.store import HostStore, available_host_bytes, grad_host_dtype, progress_bar, store_nbytes
 
 
 # Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)

@@ -4,7 +4,10 @@ A handler is ``handler(ex, op, st)``: ``ex`` the executor (device state, host st
 issuer's copies: ``ex.to_host``, ``ex.to_device``, ``ex.keep_alive``, ``ex.non_blocking``), ``op`` the op, ``st``
 the step's :class:`~megatrain.runtime.step.StepState`. The program-order issuer calls it in program order; the
 stream issuer calls it on the op's CUDA stream (a ``cpu`` op on the optimizer worker) once the op's dependencies
-are met. Nothing else in the runtime does an op's work.
+are met. Nothing else in the runtime does an op's work. This module holds the loads, copies and compute of weights
+and activations; :mod:`megatrain.runtime.update_ops` the gradients' stores, norms and the updates (``guard``, the
+step's clip factor, with them, ``ops.guard`` to the issuers); :data:`HANDLERS` maps every (op kind, stream) to its
+handler.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.ir import Op, OpKind, Stream
-from megatrain.runtime import router_aux
+from megatrain.runtime import router_aux, update_ops
 from megatrain.runtime.grad_sink import GradSink, sink_to
 from megatrain.runtime.kernel_rewrite import keep_less
 from megatrain.runtime.step import StepState
+from megatrain.runtime.update_ops import (load_state, store_grad_to_host, store_grad_to_state, store_state,
+                                          take_norms, update_on_device, update_on_host)
 
 IGNORE_INDEX = -100
+guard = update_ops.guard  # the issuers make the step's clip factor and update guard through ops.guard
 
 
 # ---- weights and activations -----------------------------------------------------------------------------------
@@ -262,129 +268,6 @@ class WeightRef:
 
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.as_strided(self.shape, self.stride, flat.storage_offset() + self.offset)
-
-
-# ---- gradients -------------------------------------------------------------------------------------------------
-def _add_part(ex, op: Op, st: StepState, src: torch.Tensor, into: torch.Tensor) -> bool:
-    """Put ``op``'s gradient ``src`` into ``into``, where its owner's gradient is gathered: written by the first
-    part, added by the next (a tied gradient has a part per layer that reads the weights, the owner's own last).
-    True once the gradient is complete."""
-    o = ex.graph.owner(op.layer)
-    done = st.tied_parts.get(o, 0)
-    if done:
-        into.add_(src)
-    else:
-        into.copy_(src)
-    st.tied_parts[o] = done + 1
-    return done + 1 == 1 + len(ex.graph.tied_to(o))
-
-
-def _take_norms(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
-    """With clipping: the L2 norm of each of ``owner``'s parameters' gradients in ``grad`` (its whole gradient), as
-    torch.nn.utils.clip_grad_norm_ takes them (one foreach kernel where the device has one)."""
-    spans = ex.param_spans[owner]
-    if not st.clip or not spans:
-        return
-    views = [grad[off: off + n] for _, off, n in spans]
-    norms = torch._foreach_norm(views) if grad.is_cuda else [torch.linalg.vector_norm(v) for v in views]
-    st.param_norms.update(zip((name for name, _, _ in spans), norms))
-
-
-def store_grad_to_host(ex, op: Op, st: StepState) -> None:
-    """The layer's gradient (summed over the micro-batches in its slot) to its host gradient buffer, in the buffer's
-    dtype (rounded on the device where that is bf16), its norms taken first unless a NORM took them; a tied
-    gradient's parts are summed on the device first, and the sum goes to the host once."""
-    o = ex.graph.owner(op.layer)
-    n = ex.graph.weight_params(o)
-    if op.slot("k") is not None:  # kept on the device until now: norms taken, in the buffer's dtype already; the
-        # whole gradient or one part of it
-        lo, hi = st.schedule.config.part_span(op, n)
-        ex.store.grads.view(op.slot("h"), hi - lo).copy_(ex.dev.k[op.slot("k")][lo:hi], non_blocking=ex.non_blocking)
-        return
-    dst = ex.store.grads.view(op.slot("h"), n) if op.slot("h") is not None else None
-    src = ex.dev.g[op.slot("g")][:n]
-    if ex.graph.tied_to(o):
-        buf = ex.dev.tied_sum(o, n)
-        if not _add_part(ex, op, st, src, buf):
-            return
-        src = buf
-    _take_norms(ex, st, o, src)
-    dst.copy_(src if dst.dtype == src.dtype else src.to(dst.dtype), non_blocking=ex.non_blocking)
-
-
-def take_norms(ex, op: Op, st: StepState) -> None:
-    """NORM: the norms of a complete gradient, which then moves to its kept-gradient slot (rounded to the slot's
-    dtype), where it waits for the update pass; its gradient slot is free after."""
-    n = ex.graph.weight_params(op.layer)
-    src = ex.dev.g[op.slot("g")][:n]
-    _take_norms(ex, st, op.layer, src)
-    ex.dev.k[op.slot("k")][:n].copy_(src)
-
-
-def store_grad_to_state(ex, op: Op, st: StepState) -> None:
-    """A device update's gradient into the gradient row of its optimizer slot (a tied gradient's parts summed
-    there)."""
-    src = ex.dev.g[op.slot("g")][: ex.graph.weight_params(op.layer)]
-    row = ex.dev.opt_block(op)[3]
-    if _add_part(ex, op, st, src, row):
-        _take_norms(ex, st, ex.graph.owner(op.layer), row)
-
-
-def guard(ex, st: StepState) -> None:
-    """At the step's first OPT (every LOSS has run; with clipping every gradient is stored): on the device, the
-    global gradient norm (the per-parameter norms in the model's order, as torch.nn.utils.clip_grad_norm_ takes
-    it), the step's loss, and the factor device updates scale the gradient by: the clip factor (1 without
-    clipping), NaN where the norm or the loss is not finite, which makes a device update change nothing."""
-    dev = ex.device
-    norms = [st.param_norms[n] for n in ex.captured.model_param_names if n in st.param_norms]
-    if st.clip and len(norms) != sum(len(spans) for spans in ex.param_spans.values()):
-        missing = sorted(n for spans in ex.param_spans.values() for n, _, _ in spans if n not in st.param_norms)
-        raise AssertionError(f"the global norm lacks the gradient norms of {len(missing)} parameters, e.g. "
-                             f"{missing[:3]}: no op took them before the step's first update")
-    for n in norms:
-        ex.keep_alive(n)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=dev)
-    loss = torch.stack([torch.as_tensor(t, device=dev).float().reshape(()) for t in st.loss_sums]).sum()
-    coef = ex.optimizer.clip_factor(total) if st.clip else torch.ones((), device=dev)
-    ok = torch.isfinite(total) & torch.isfinite(loss)
-    st.coef = torch.where(ok, coef, float("nan"))
-    st.guard = torch.stack([total, loss, st.coef])
-
-
-# ---- updates ---------------------------------------------------------------------------------------------------
-def update_on_host(ex, op: Op, st: StepState) -> None:
-    """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update."""
-    if not st.ok():
-        return
-    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
-    ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi))
-
-
-def update_on_device(ex, op: Op, st: StepState) -> None:
-    """AdamW on the layer's optimizer slot, its new weights kept on the device in the compute dtype (written by the
-    update where it can). The factor on the device stops a step that must not update (the Triton kernel); torch's
-    AdamW, which would apply it, is not called for such a step (the host decides)."""
-    block = ex.dev.opt_block(op)
-    if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
-        ex.dev.keep(op.layer, block[0])
-        return
-    written = ex.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef,
-                                         out=ex.dev.kept_buffer(op.layer, block.shape[1]))
-    ex.dev.keep(op.layer, block[0], written)
-
-
-def load_state(ex, op: Op, st: StepState) -> None:
-    """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
-    for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G."""
-    block = ex.dev.opt_block(op)
-    for r, host in enumerate(ex.store.rows(op.layer)):  # moments: of the elements that train (a prefix)
-        ex.before_row(op.layer, r)
-        block[r, : host.numel()].copy_(host, non_blocking=ex.non_blocking)
-
-
-def store_state(ex, op: Op, st: StepState) -> None:
-    """Updated master weights and moments back to the host block (and the bf16 shadow, where there is one)."""
-    ex.store_state(op.layer, ex.dev.opt_block(op))
 
 
 HANDLERS = {

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -30,16 +29,11 @@ from typing import Callable
 import torch
 
 from megatrain.capture import Captured
+from megatrain.runtime.state_dirs import (FORMAT, LATEST, MANIFEST, STEP_DIR, VERSION, find, is_state_root,
+                                          layer_file, layer_nbytes, legacy_siblings, pid_alive, remove_stale)
 from megatrain.runtime.store import ROWS, HostStore
 
-FORMAT = "megatrain-train-state"
-VERSION = 1
 KEPT_ROWS = ROWS[:3]  # master, exp_avg, exp_avg_sq
-MANIFEST = "state.json"
-LATEST = "LATEST"
-_STEP_DIR = re.compile(r"^step-(\d+)(\.\d+)?$")
-_PARTIAL = re.compile(r"^\.partial-(\d+)-\d+$")
-_LEGACY = re.compile(r"^\.(?P<name>.+)\.(old|partial)-(\d+)$")  # what saves before the pointer file left behind
 _CHUNK = 64 << 20  # bytes per write / CRC call: CRC-32 runs at ~2.3 GB/s a thread, releasing the GIL
 
 
@@ -58,16 +52,6 @@ def _layout(cap: Captured) -> dict:
                    for i, seg in enumerate(cap.segments) if seg.numel},
         "params": {name: [layer, off, list(shape)] for name, (layer, off, shape) in cap.model_param_names.items()},
     }
-
-
-def _file(layer: int) -> str:
-    return f"layer-{layer:05d}.bin"
-
-
-def _nbytes(lay: dict) -> int:
-    """Bytes of a layer's file, from its manifest entry: its masters, and the moments of the elements that train."""
-    n = int(lay["numel"])
-    return 4 * (n + 2 * (0 if lay.get("rows") == 1 else int(lay.get("trainable", n))))
 
 
 def _crc(view: memoryview) -> int:
@@ -94,7 +78,7 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
     root = Path(directory)
     if root.exists() and not root.is_dir():
         raise ValueError(f"{root} exists and is not a directory; it is left as it is: choose another path")
-    if root.is_dir() and any(root.iterdir()) and not _is_state_root(root):
+    if root.is_dir() and any(root.iterdir()) and not is_state_root(root):
         raise ValueError(f"{root} exists and is not a saved training state; it is left as it is: choose another path")
     root.mkdir(parents=True, exist_ok=True)
     remove_stale(root)
@@ -105,7 +89,7 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
         manifest = {"format": FORMAT, "version": VERSION, "step": int(step),
                     "optimizer_steps": {str(k): int(v) for k, v in optimizer_steps.items()},
                     "rows": list(KEPT_ROWS), "dtype": "float32", **_layout(store.captured),
-                    "crc32": {_file(k): v for k, v in crcs.items()}, "extra": extra or {}}
+                    "crc32": {layer_file(k): v for k, v in crcs.items()}, "extra": extra or {}}
         _write_synced(tmp / MANIFEST, json.dumps(manifest).encode())
         _fsync_dir(tmp)
         final = root / f"step-{int(step):08d}"
@@ -125,12 +109,12 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
     for old in root.iterdir():  # superseded states, and the files of a state an earlier version saved here
         if old == final or old.name == LATEST:
             continue
-        if _STEP_DIR.match(old.name):
+        if STEP_DIR.match(old.name):
             shutil.rmtree(old, ignore_errors=True)
         elif old.name == MANIFEST or (old.name.startswith("layer-") and old.suffix == ".bin"):
             old.unlink(missing_ok=True)
-    for old in _legacy_siblings(root):
-        if not _pid_alive(int(old.name.rsplit("-", 1)[1])):
+    for old in legacy_siblings(root):
+        if not pid_alive(int(old.name.rsplit("-", 1)[1])):
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -165,97 +149,12 @@ def _write_layers(store: HostStore, d: Path) -> dict[int, int]:
                                      f"stays current)")
             view = memoryview(flat.numpy()).cast("B")
             crcs[layer] = pool.submit(_crc, view)
-            with open(d / _file(layer), "wb") as f:
+            with open(d / layer_file(layer), "wb") as f:
                 for i in range(0, len(view), _CHUNK):
                     f.write(view[i: i + _CHUNK])
                 f.flush()
                 os.fsync(f.fileno())
         return {k: v.result() for k, v in crcs.items()}
-
-
-def _is_state_root(d: Path) -> bool:
-    return (d / LATEST).is_file() or (d / MANIFEST).is_file() or any(
-        _STEP_DIR.match(x.name) or _PARTIAL.match(x.name) for x in d.iterdir())
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale(root: str | Path) -> list[Path]:
-    """Remove the partial directories that saves into ``root`` left when their process died; returns them."""
-    root = Path(root)
-    gone = []
-    if not root.is_dir():
-        return gone
-    for x in root.iterdir():
-        m = _PARTIAL.match(x.name)
-        if m and x.is_dir() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(x, ignore_errors=True)
-            gone.append(x)
-        elif x.name.startswith(f".{LATEST}.") and x.is_file() and not _pid_alive(int(x.name.rsplit(".", 1)[1])):
-            x.unlink(missing_ok=True)
-            gone.append(x)
-    return gone
-
-
-def _quick_manifest(d: Path) -> dict | None:
-    """``d``'s manifest if ``d`` holds a complete state (the manifest, written last, readable, and every layer file
-    of its size), else None. The checksums are checked when the state is read."""
-    try:
-        m = json.loads((d / MANIFEST).read_text())
-        if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("layers"), dict):
-            return None
-        for key, lay in m["layers"].items():
-            f = d / _file(int(key))
-            if not f.is_file() or f.stat().st_size != _nbytes(lay):
-                return None
-        return m
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-
-
-def find(directory: str | Path) -> Path:
-    """The complete state to read from ``directory`` (see the module doc), or where none is complete the newest
-    that has a manifest (:func:`read_manifest` then names what is wrong with it); ValueError if there is none."""
-    root = Path(directory)
-    pointer = root / LATEST
-    if pointer.is_file():
-        try:
-            name = pointer.read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            name = ""
-        if _STEP_DIR.match(name) and _quick_manifest(root / name) is not None:
-            return root / name
-    candidates = [root] + [x for x in root.iterdir() if _STEP_DIR.match(x.name) or _PARTIAL.match(x.name)] \
-        if root.is_dir() else []
-    candidates += _legacy_siblings(root)
-    if not candidates:
-        raise ValueError(f"{root} is not a saved training state (no such directory)")
-    found = [(m["step"], d.stat().st_mtime, d) for d in candidates if d.is_dir()
-             and (m := _quick_manifest(d)) is not None and isinstance(m.get("step"), int)]
-    if found:
-        return max(found, key=lambda t: (t[0], t[1]))[2]
-    damaged = [d for d in candidates if (d / MANIFEST).is_file()]  # read_manifest then says what is wrong
-    if damaged:
-        return max(damaged, key=lambda d: (d / MANIFEST).stat().st_mtime)
-    raise ValueError(f"{root} is not a saved training state (no {MANIFEST}, and no complete state in it)")
-
-
-def _legacy_siblings(root: Path) -> list[Path]:
-    """What saves before the pointer file left next to ``root`` when a crash hit between their renames:
-    ``.<name>.old-<pid>`` (the state before) and ``.<name>.partial-<pid>`` (the new one, complete or not)."""
-    if not root.parent.is_dir():
-        return []
-    return [x for x in root.parent.iterdir() if x.is_dir() and (m := _LEGACY.match(x.name)) and m["name"] == root.name]
 
 
 def read_manifest(captured: Captured, directory: str | Path) -> dict:
@@ -298,15 +197,15 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
         raise ValueError(f"{d} was saved from another model: {len(differ)} parameters differ in name, shape or "
                          f"place, e.g. {differ[:3]}")
     for key, lay in m["layers"].items():
-        f = d / _file(int(key))
+        f = d / layer_file(int(key))
         size = f.stat().st_size if f.is_file() else None
-        expect = _nbytes(lay)
+        expect = layer_nbytes(lay)
         if size != expect:
             raise ValueError(f"{f}: {'missing' if size is None else f'{size:,} bytes'}, the layer's state is "
                              f"{expect:,} bytes (an incomplete or damaged training state)")
     _check_counts(m, path)
     crcs = m.get("crc32")
-    if crcs is not None and (not isinstance(crcs, dict) or set(crcs) != {_file(int(k)) for k in m["layers"]}
+    if crcs is not None and (not isinstance(crcs, dict) or set(crcs) != {layer_file(int(k)) for k in m["layers"]}
                              or not all(isinstance(v, int) and not isinstance(v, bool) for v in crcs.values())):
         raise ValueError(f"{path}: 'crc32' does not list one checksum per layer file (a damaged training state)")
     if not isinstance(m.get("extra", {}), dict):
@@ -348,12 +247,12 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
             layer = int(key)
             flat = store.flat(layer)
             view = memoryview(flat.numpy()).cast("B")
-            with open(d / _file(layer), "rb") as f:
+            with open(d / layer_file(layer), "rb") as f:
                 got = f.readinto(view)
             if got != len(view):
-                raise ValueError(f"{d / _file(layer)}: read {got} of {len(view)} bytes")
-            if _file(layer) in crcs:
-                checks.append((d / _file(layer), crcs[_file(layer)], pool.submit(_crc, view)))
+                raise ValueError(f"{d / layer_file(layer)}: read {got} of {len(view)} bytes")
+            if layer_file(layer) in crcs:
+                checks.append((d / layer_file(layer), crcs[layer_file(layer)], pool.submit(_crc, view)))
             if progress is not None:
                 progress(store.master(layer).numel())
         for path, want, fut in checks:
@@ -378,12 +277,12 @@ def read_masters(directory: str | Path) -> dict[str, "torch.Tensor"]:
         raise ValueError(f"{path} is not a megatrain training state of version {VERSION}")
     rows = {}
     for key, lay in layers.items():
-        f = d / _file(int(key))
+        f = d / layer_file(int(key))
         n = int(lay["numel"])
-        if not f.is_file() or f.stat().st_size != _nbytes(lay):
+        if not f.is_file() or f.stat().st_size != layer_nbytes(lay):
             raise ValueError(f"{f}: missing or not of the layer's size (an incomplete or damaged training state)")
         raw = bytearray(f.read_bytes())
-        if _file(int(key)) in crcs and zlib.crc32(raw) != crcs[_file(int(key))]:
+        if layer_file(int(key)) in crcs and zlib.crc32(raw) != crcs[layer_file(int(key))]:
             raise ValueError(f"{f}: checksum mismatch: the file was damaged after it was saved")
         rows[int(key)] = torch.frombuffer(raw, dtype=torch.float32)[:n]
     out = {}

@@ -1,0 +1,133 @@
+"""The handlers of a schedule's gradient and update ops (see :mod:`megatrain.runtime.ops`, whose ``HANDLERS``
+table maps op kinds to them): gradients to the host or into an optimizer slot, their norms, the step's clip factor
+and update guard, and the updates on the host and on the device with their state's loads and stores."""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.ir import Op
+from megatrain.runtime.step import StepState
+
+
+# ---- gradients -------------------------------------------------------------------------------------------------
+def _add_part(ex, op: Op, st: StepState, src: torch.Tensor, into: torch.Tensor) -> bool:
+    """Put ``op``'s gradient ``src`` into ``into``, where its owner's gradient is gathered: written by the first
+    part, added by the next (a tied gradient has a part per layer that reads the weights, the owner's own last).
+    True once the gradient is complete."""
+    o = ex.graph.owner(op.layer)
+    done = st.tied_parts.get(o, 0)
+    if done:
+        into.add_(src)
+    else:
+        into.copy_(src)
+    st.tied_parts[o] = done + 1
+    return done + 1 == 1 + len(ex.graph.tied_to(o))
+
+
+def _take_norms(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
+    """With clipping: the L2 norm of each of ``owner``'s parameters' gradients in ``grad`` (its whole gradient), as
+    torch.nn.utils.clip_grad_norm_ takes them (one foreach kernel where the device has one)."""
+    spans = ex.param_spans[owner]
+    if not st.clip or not spans:
+        return
+    views = [grad[off: off + n] for _, off, n in spans]
+    norms = torch._foreach_norm(views) if grad.is_cuda else [torch.linalg.vector_norm(v) for v in views]
+    st.param_norms.update(zip((name for name, _, _ in spans), norms))
+
+
+def store_grad_to_host(ex, op: Op, st: StepState) -> None:
+    """The layer's gradient (summed over the micro-batches in its slot) to its host gradient buffer, in the buffer's
+    dtype (rounded on the device where that is bf16), its norms taken first unless a NORM took them; a tied
+    gradient's parts are summed on the device first, and the sum goes to the host once."""
+    o = ex.graph.owner(op.layer)
+    n = ex.graph.weight_params(o)
+    if op.slot("k") is not None:  # kept on the device until now: norms taken, in the buffer's dtype already; the
+        # whole gradient or one part of it
+        lo, hi = st.schedule.config.part_span(op, n)
+        ex.store.grads.view(op.slot("h"), hi - lo).copy_(ex.dev.k[op.slot("k")][lo:hi], non_blocking=ex.non_blocking)
+        return
+    dst = ex.store.grads.view(op.slot("h"), n) if op.slot("h") is not None else None
+    src = ex.dev.g[op.slot("g")][:n]
+    if ex.graph.tied_to(o):
+        buf = ex.dev.tied_sum(o, n)
+        if not _add_part(ex, op, st, src, buf):
+            return
+        src = buf
+    _take_norms(ex, st, o, src)
+    dst.copy_(src if dst.dtype == src.dtype else src.to(dst.dtype), non_blocking=ex.non_blocking)
+
+
+def take_norms(ex, op: Op, st: StepState) -> None:
+    """NORM: the norms of a complete gradient, which then moves to its kept-gradient slot (rounded to the slot's
+    dtype), where it waits for the update pass; its gradient slot is free after."""
+    n = ex.graph.weight_params(op.layer)
+    src = ex.dev.g[op.slot("g")][:n]
+    _take_norms(ex, st, op.layer, src)
+    ex.dev.k[op.slot("k")][:n].copy_(src)
+
+
+def store_grad_to_state(ex, op: Op, st: StepState) -> None:
+    """A device update's gradient into the gradient row of its optimizer slot (a tied gradient's parts summed
+    there)."""
+    src = ex.dev.g[op.slot("g")][: ex.graph.weight_params(op.layer)]
+    row = ex.dev.opt_block(op)[3]
+    if _add_part(ex, op, st, src, row):
+        _take_norms(ex, st, ex.graph.owner(op.layer), row)
+
+
+def guard(ex, st: StepState) -> None:
+    """At the step's first OPT (every LOSS has run; with clipping every gradient is stored): on the device, the
+    global gradient norm (the per-parameter norms in the model's order, as torch.nn.utils.clip_grad_norm_ takes
+    it), the step's loss, and the factor device updates scale the gradient by: the clip factor (1 without
+    clipping), NaN where the norm or the loss is not finite, which makes a device update change nothing."""
+    dev = ex.device
+    norms = [st.param_norms[n] for n in ex.captured.model_param_names if n in st.param_norms]
+    if st.clip and len(norms) != sum(len(spans) for spans in ex.param_spans.values()):
+        missing = sorted(n for spans in ex.param_spans.values() for n, _, _ in spans if n not in st.param_norms)
+        raise AssertionError(f"the global norm lacks the gradient norms of {len(missing)} parameters, e.g. "
+                             f"{missing[:3]}: no op took them before the step's first update")
+    for n in norms:
+        ex.keep_alive(n)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=dev)
+    loss = torch.stack([torch.as_tensor(t, device=dev).float().reshape(()) for t in st.loss_sums]).sum()
+    coef = ex.optimizer.clip_factor(total) if st.clip else torch.ones((), device=dev)
+    ok = torch.isfinite(total) & torch.isfinite(loss)
+    st.coef = torch.where(ok, coef, float("nan"))
+    st.guard = torch.stack([total, loss, st.coef])
+
+
+# ---- updates ---------------------------------------------------------------------------------------------------
+def update_on_host(ex, op: Op, st: StepState) -> None:
+    """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update."""
+    if not st.ok():
+        return
+    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi))
+
+
+def update_on_device(ex, op: Op, st: StepState) -> None:
+    """AdamW on the layer's optimizer slot, its new weights kept on the device in the compute dtype (written by the
+    update where it can). The factor on the device stops a step that must not update (the Triton kernel); torch's
+    AdamW, which would apply it, is not called for such a step (the host decides)."""
+    block = ex.dev.opt_block(op)
+    if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
+        ex.dev.keep(op.layer, block[0])
+        return
+    written = ex.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef,
+                                         out=ex.dev.kept_buffer(op.layer, block.shape[1]))
+    ex.dev.keep(op.layer, block[0], written)
+
+
+def load_state(ex, op: Op, st: StepState) -> None:
+    """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
+    for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G."""
+    block = ex.dev.opt_block(op)
+    for r, host in enumerate(ex.store.rows(op.layer)):  # moments: of the elements that train (a prefix)
+        ex.before_row(op.layer, r)
+        block[r, : host.numel()].copy_(host, non_blocking=ex.non_blocking)
+
+
+def store_state(ex, op: Op, st: StepState) -> None:
+    """Updated master weights and moments back to the host block (and the bf16 shadow, where there is one)."""
+    ex.store_state(op.layer, ex.dev.opt_block(op))

@@ -39,7 +39,8 @@ class PlanOptions:
     n_mb: int = 1  # micro-batches per step
     weight_slots: int | str = 2  # device buffers for layers' weights; "all": one per layer, so the backward finds
     # every layer's weights still there from the forward and each layer is loaded once per step
-    grad_slots: int = 2
+    grad_slots: int | str = "auto"  # device fp32 gradient slots; "auto": 2, or the search's 1 or 2 for sequences of
+    # search.LONG_SEQ tokens and more
     host_checkpoints: int | str = "auto"  # layers (from the first block up) whose checkpoints wait on the host;
     # "auto": none, and for sequences of search.LONG_SEQ tokens or more the search's split (long checkpoints)
     gpu_opt_every: int | str = 0  # every k-th layer (of those owning weights) is updated on the GPU;
@@ -74,8 +75,9 @@ class PlanOptions:
             raise ValueError(f"grad_host_dtype must be 'fp32' or 'bf16', got {self.grad_host_dtype!r}")
         for name in ("n_mb", "grad_slots"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if not (name == "grad_slots" and v == "auto") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1{' or auto' if name == 'grad_slots' else ''}, got "
+                                 f"{v!r}")
         if self.seq_tile != "auto" and (not isinstance(self.seq_tile, int) or isinstance(self.seq_tile, bool)
                                         or self.seq_tile < 0):
             raise ValueError(f"seq_tile must be 'auto' or a number of tokens >= 0 (0: untiled), got "
@@ -213,7 +215,7 @@ class StreamedModel:
             chosen = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
                           saved_acts=opts.saved_acts, grad_kept=opts.grad_kept, grad_host_dtype=opts.grad_host_dtype,
                           n_mb=opts.n_mb, weight_slots=opts.weight_slots,
-                          grad_slots=opts.grad_slots, wire_bytes=2 if opts.wire == "bf16" else 4,
+                          grad_slots=auto(opts.grad_slots), wire_bytes=2 if opts.wire == "bf16" else 4,
                           host_checkpoints=(None if seq_len >= LONG_SEQ else 0)
                           if opts.host_checkpoints == "auto" else opts.host_checkpoints,
                           gpu_opt_every=auto(opts.gpu_opt_every),

@@ -96,7 +96,7 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
 def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
                n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
-               resident_opt: int | None = None, grad_slots: int = 2,
+               resident_opt: int | None = None, grad_slots: int | None = None,
                grad_host_dtype: str = "fp32", seq_tile: int | None = None) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
@@ -104,7 +104,9 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     of the device updates keep their state on the device (see :func:`resident_sets`; None: search).
     ``grad_host_dtype``: "bf16" lets gradients go to the host in bf16 (each candidate also so; a plan with fp32
     gradients is preferred wherever one fits). ``seq_tile``: tokens per tile of the blocks' MLPs (0: untiled; None:
-    untiled and, for micro-batches longer than a tile, each of :data:`SEQ_TILES`)."""
+    untiled and, for micro-batches longer than a tile, each of :data:`SEQ_TILES`). ``grad_slots``: gradient slots
+    (None: 2, and 1 as well for sequences of :data:`LONG_SEQ` tokens, where a layer's backward takes seconds and
+    a second slot hides little but costs the largest layer's fp32 gradient)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -137,11 +139,14 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     def tiles(m: int) -> list[int]:
         return [seq_tile] if seq_tile is not None else [0, *(t for t in SEQ_TILES if t < tokens // m)]
 
+    if grad_slots is not None and (not isinstance(grad_slots, int) or isinstance(grad_slots, bool) or grad_slots < 1):
+        raise PlanError(f"grad_slots must be an integer >= 1, got {grad_slots!r}")
+    gslots = [grad_slots] if grad_slots is not None else [2, 1] if seq_len >= LONG_SEQ else [2]
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
-                       weight_slots=k, grad_slots=grad_slots, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
+                       weight_slots=k, grad_slots=gs, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
                        budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b, seq_tile=t)
-        for m, k, w, h, (g, r), b in itertools.product(mbs, slots, wires, offload, device_sets, grads)
+        for m, k, w, h, (g, r), b, gs in itertools.product(mbs, slots, wires, offload, device_sets, grads, gslots)
         for t in tiles(m)
     ]
 
@@ -187,7 +192,7 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
                    base: Schedule | None = None) -> ScheduleConfig:
     """``cfg`` with the layers whose gradient stays on the device until the update pass: the first ``choice`` of
     :func:`grad_kept_eligible` (in layer order), or for "auto" as many as :data:`KEPT_FILL` of the device memory
-    the plan without them leaves free holds -- a gradient kept there is 4 bytes per parameter of host memory the
+    the plan without them leaves free holds, in layer order, past any too large for what is left -- a gradient kept there is 4 bytes per parameter of host memory the
     plan does not need (the host buffers of kept gradients take turns). Host memory is what bounds the model a
     machine can train, so kept gradients come before saved activations, which take what they leave. ``base``: the
     schedule of ``cfg`` without kept gradients and saved activations, where the caller has it."""
@@ -204,8 +209,8 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
     out = []
     for l in able:
         need = graph.weight_params(l) * cfg.grad_host_bytes  # its kept-gradient slot
-        if need > spare:
-            break
+        if need > spare:  # a layer too large for what is left (an embedding): the next ones may still fit
+            continue
         spare -= need
         out.append(l)
     return kept_config(graph, cfg, tuple(out))

@@ -18,7 +18,7 @@ from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_p
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import LONG_SEQ, GiB, check_resident, plan
+from megatrain.planner.search import LONG_SEQ, SEQ_TILES, GiB, check_resident, plan
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
@@ -317,7 +317,8 @@ class StreamedModel:
 
     def _eval_plan(self, batch_size: int, seq_len: int) -> Schedule:
         """The evaluation schedule for a batch shape: the training plan's micro-batches and weight slots, every
-        checkpoint on the device (an evaluation keeps none beyond the next layer)."""
+        checkpoint on the device (an evaluation keeps none beyond the next layer), the MLPs over tiles for
+        micro-batches longer than a tile."""
         key = ("eval", batch_size, seq_len, self.plan_options)
         if key not in self._schedules:
             opts = self.plan_options
@@ -326,7 +327,9 @@ class StreamedModel:
             cfg = ScheduleConfig(n_layers=len(self.graph), n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
                                  seq_len=seq_len, weight_slots=len(self.graph) if opts.weight_slots == "all" else
                                  opts.weight_slots, wire_bytes_per_param=2 if opts.wire == "bf16" else 4, clip=False,
-                                 budget_bytes=self.hardware.budget_bytes, train=False)
+                                 budget_bytes=self.hardware.budget_bytes, train=False,
+                                 # without autograd a tile costs no recompute: long micro-batches always tiled
+                                 seq_tile=min(SEQ_TILES) if opts.seq_tile == "auto" else opts.seq_tile)
             s = build_schedule(self.graph, cfg)
             verify(s, self.graph, self.hardware)
             self._schedules[key] = (s, s)

@@ -98,3 +98,19 @@ def test_qwen_7b_at_524k_tokens_fits_one_h200_only_with_tiles():
     assert cfg.grad_host_bytes == 4 and cfg.grad_kept and 0 not in cfg.grad_kept  # past the embedding's 2 GiB
     with pytest.raises(PlanError, match="no plan fits"):
         plan(g, spec, 524288, 524288, seq_tile=0, **fixed)
+
+
+def test_an_evaluation_runs_its_mlps_over_tiles_with_the_same_loss(monkeypatch):
+    """Evaluations tile long micro-batches whatever the training plan does (no recompute without autograd): the
+    loss of a fixed tile equals the untiled one, and the planned tile runs."""
+    data = batches(n_steps=1)[0]
+    losses = {}
+    for tile in (0, 5):
+        sm = compile_cpu(hf_model("qwen2"), optim=OPT, n_mb=2, seq_tile=tile)
+        seen = []
+        forward = tiling.TiledMLP.forward
+        monkeypatch.setattr(tiling.TiledMLP, "forward", lambda self, x: seen.append(self.tile) or forward(self, x))
+        losses[tile] = sm.evaluate(*data).loss
+        monkeypatch.undo()
+        assert seen and set(seen) == {tile}
+    assert losses[5] == pytest.approx(losses[0], rel=1e-6)

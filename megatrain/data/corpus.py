@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 # Standard-library modules whose documentation forms the default corpus: English prose present on every machine
@@ -23,7 +24,13 @@ CORPUS_MODULES = (
 def default_corpus() -> list[str]:
     """The documentation strings of :data:`CORPUS_MODULES` (modules, their public classes, functions, methods),
     read from the standard library's source files: nothing is imported (a module of the same name in the working
-    directory is never run); modules written in C, which have no source file, are left out."""
+    directory is never run); modules written in C, which have no source file, are left out. Parsed once a process
+    (2 s: a run reads it for its tokenizer and for its data)."""
+    return list(_parsed())
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed() -> tuple[str, ...]:
     import ast
     import sysconfig
 
@@ -53,5 +60,5 @@ def default_corpus() -> list[str]:
                 for sub in sorted((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                                    and not n.name.startswith("_")), key=lambda n: n.name):
                     add(sub)
-    return list(docs)
+    return tuple(docs)
 

@@ -104,7 +104,7 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     of the device updates keep their state on the device (see :func:`resident_sets`; None: search).
     ``grad_host_dtype``: "bf16" lets gradients go to the host in bf16 (each candidate also so; a plan with fp32
     gradients is preferred wherever one fits). ``seq_tile``: tokens per tile of the blocks' MLPs (0: untiled; None:
-    untiled and, for micro-batches longer than a tile, each of :data:`SEQ_TILES`). ``grad_slots``: gradient slots
+    untiled and, for micro-batches of :data:`LONG_SEQ` tokens or more, each of :data:`SEQ_TILES`). ``grad_slots``: gradient slots
     (None: 2, and 1 as well for sequences of :data:`LONG_SEQ` tokens, where a layer's backward takes seconds and
     a second slot hides little but costs the largest layer's fp32 gradient)."""
     n_seqs = tokens // seq_len
@@ -136,8 +136,10 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 0):
         raise PlanError(f"seq_tile must be a number of tokens >= 0 (0: untiled), got {seq_tile!r}")
 
-    def tiles(m: int) -> list[int]:
-        return [seq_tile] if seq_tile is not None else [0, *(t for t in SEQ_TILES if t < tokens // m)]
+    def tiles(m: int) -> list[int]:  # searched for long micro-batches only: shorter ones fit untiled
+        if seq_tile is not None:
+            return [seq_tile]
+        return [0, *(t for t in SEQ_TILES if t < tokens // m)] if tokens // m >= LONG_SEQ else [0]
 
     if grad_slots is not None and (not isinstance(grad_slots, int) or isinstance(grad_slots, bool) or grad_slots < 1):
         raise PlanError(f"grad_slots must be an integer >= 1, got {grad_slots!r}")

@@ -139,9 +139,10 @@ def test_available_host_bytes_on_this_machine():
 
 @pytest.mark.parametrize("plan,msg", [
     (dict(n_mb=0), "n_mb must be an integer >= 1, got 0"),
-    (dict(grad_slots=0), "grad_slots must be an integer >= 1, got 0"),
+    (dict(grad_slots=0), "grad_slots must be an integer >= 1 or auto, got 0"),
     (dict(n_mb=2.0), "n_mb must be an integer >= 1, got 2.0"),
-    (dict(host_checkpoints=-1), "host_checkpoints must be an integer >= 0, got -1"),
+    (dict(host_checkpoints=-1), "host_checkpoints must be .auto. or an integer >= 0, got -1"),
+    (dict(seq_tile=-5), "seq_tile must be .auto. or a number of tokens >= 0 \\(0: untiled\\), got -5"),
 ])
 def test_plan_options_out_of_range_are_refused(monkeypatch, plan, msg):
     _no_store(monkeypatch)

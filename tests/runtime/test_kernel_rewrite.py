@@ -131,7 +131,7 @@ def test_saved_layers_with_kernels_train_as_recomputing_layers_do(lean, monkeypa
                         lambda *a: dataclasses.replace(choose(*a), saved_lean=lean) if choose(*a).saved_acts
                         else choose(*a))
     model = hf_model("qwen2")
-    data = batches(n_steps=2)
+    data = batches(n_steps=1)  # the interpreter runs the kernels: one step (its update checked by the weights)
     runs = []
     for saved in (0, 3):
         sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, kernels=True, saved_acts=saved)
@@ -139,9 +139,9 @@ def test_saved_layers_with_kernels_train_as_recomputing_layers_do(lean, monkeypa
         cfg = sm.schedule_for(6, 12).config
         assert cfg.saved_acts == ((1, 2, 3) if saved else ()) and cfg.saved_lean == (lean and bool(saved))
         runs.append((stats, sm.state_dict()))
-        # the saved forwards (3 blocks x 3 micro-batches x 2 steps) keep less in a lean plan, no other forward
-        # does; and the planner's measurement of the lean bytes once (made for a plan that saves layers)
-        assert len(calls) == (1 + (18 if lean else 0) if saved else 0)
+        # the saved forwards (3 blocks x 3 micro-batches) keep less in a lean plan, no other forward does; and the
+        # planner's measurement of the lean bytes once (made for a plan that saves layers)
+        assert len(calls) == (1 + (9 if lean else 0) if saved else 0)
         calls.clear()
     (s0, w0), (s1, w1) = runs
     for a, b in zip(s0, s1):

@@ -15,6 +15,8 @@
 #           48 and 80 GiB and Qwen2.5-1.5B at 16,384 tokens at 24 GiB (stages budget-<model>-<GiB>, one model each);
 #   packing Qwen2.5-1.5B at 16,384 tokens on random tokens, then on packed chat-like rows (prompts not trained on,
 #           each document attending to itself alone), then random again: what packing and masking cost;
+#   moe     OLMoE-1B-7B shape at 32,768 tokens with clipping, 4 then 2 then 1 micro-batches (the issuing thread bounds
+#           its step: fewer, larger micro-batches issue fewer ops), then at a 24 GiB budget;
 #   adamw   the host AdamW rate for 7B-block-sized updates: main or worker thread, thread count, pinned or not, with
 #           copies to and from the GPU running (benchmarks/host_adamw.py);
 #   all     all of them in turn (over ten minutes; not lean or budget: their models take calls of their own).
@@ -52,6 +54,12 @@ done
 if [[ $part == packing || $part == all ]]; then
     stage packing 240 python3 benchmarks/throughput.py --preset qwen2.5-1.5b --batch 16 --mb 4 --slots 3 \
         --gpu-opt-every auto --steps 5 --variant data=chat --variant data=random --json "$out/packing.json"
+fi
+if [[ $part == moe ]]; then
+    stage moe-olmoe 400 python3 benchmarks/throughput.py --preset olmoe-1b-7b --batch 32 --mb 4 --slots 3 \
+        --gpu-opt-every auto --steps 3 --variant mb=2 --variant mb=1 --json "$out/moe-olmoe.json"
+    stage moe-olmoe-24 200 python3 benchmarks/throughput.py --preset olmoe-1b-7b --batch 32 --mb 4 --slots 3 \
+        --gpu-opt-every auto --steps 3 --gpu-gib 24 --json "$out/moe-olmoe-24.json"
 fi
 if [[ $part == adamw || $part == all ]]; then
     stage adamw 200 python3 benchmarks/host_adamw.py --json "$out/host-adamw.json"

@@ -124,14 +124,13 @@ def _materialize_meta_buffers(module: nn.Module) -> None:
             mod._buffers[b] = fresh._buffers[b]
 
 
-def _block_buffers_as_parameters(blocks_name: str, block_list: nn.ModuleList) -> list[str]:
+def _block_buffers_as_parameters(block_list: nn.ModuleList) -> None:
     """The decoder blocks' persistent floating-point buffers (DeepSeek-V3's router bias, ``e_score_correction_bias``)
     made frozen parameters of their blocks, in place: a checkpoint holds one per layer, and the blocks run through
     one shared template, which binds a layer's parameters alone. As parameters they live in the store with the
     layer's weights (4 bytes each, no moments: they do not train; the model's forward reads them as before) and
-    load, save and export under their names. Returns the names made parameters."""
-    made = []
-    for i, blk in enumerate(block_list):
+    load, save and export under their names."""
+    for blk in block_list:
         persistent = set(blk.state_dict(keep_vars=True))
         for path, mod in blk.named_modules():
             for b, t in list(mod._buffers.items()):
@@ -140,8 +139,6 @@ def _block_buffers_as_parameters(blocks_name: str, block_list: nn.ModuleList) ->
                     continue
                 del mod._buffers[b]
                 mod.register_parameter(b, nn.Parameter(t, requires_grad=False))
-                made.append(f"{blocks_name}.{i}.{name}")
-    return made
 
 
 def _built_from_config(cls: type) -> bool:
@@ -215,7 +212,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     (or its path), where :func:`~megatrain.capture.blocks.find_blocks` would not find it. Raises
     :class:`CaptureError` naming what was not understood."""
     hf = hasattr(model, "config") and hasattr(model, "get_output_embeddings")
-    _block_buffers_as_parameters(*find_blocks(model, blocks))
+    _block_buffers_as_parameters(find_blocks(model, blocks)[1])
     if any(b.is_meta for b in model.buffers()):
         # built on the meta device: constants the trace computes from buffers (a scale cast to the compute dtype)
         # need their values, so a copy with its buffers rebuilt is traced

@@ -104,9 +104,9 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     of the device updates keep their state on the device (see :func:`resident_sets`; None: search).
     ``grad_host_dtype``: "bf16" lets gradients go to the host in bf16 (each candidate also so; a plan with fp32
     gradients is preferred wherever one fits). ``seq_tile``: tokens per tile of the blocks' MLPs (0: untiled; None:
-    untiled and, for micro-batches of :data:`LONG_SEQ` tokens or more, each of :data:`SEQ_TILES`). ``grad_slots``: gradient slots
-    (None: 2, and 1 as well for sequences of :data:`LONG_SEQ` tokens, where a layer's backward takes seconds and
-    a second slot hides little but costs the largest layer's fp32 gradient)."""
+    untiled and, for micro-batches of :data:`LONG_SEQ` tokens or more, each of :data:`SEQ_TILES`).
+    ``grad_slots``: gradient slots (None: 2, and 1 as well for sequences of :data:`LONG_SEQ` tokens, where a
+    layer's backward takes seconds and a second slot hides little but costs the largest layer's fp32 gradient)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -194,8 +194,9 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
                    base: Schedule | None = None) -> ScheduleConfig:
     """``cfg`` with the layers whose gradient stays on the device until the update pass: the first ``choice`` of
     :func:`grad_kept_eligible` (in layer order), or for "auto" as many as :data:`KEPT_FILL` of the device memory
-    the plan without them leaves free holds, in layer order, past any too large for what is left -- a gradient kept there is 4 bytes per parameter of host memory the
-    plan does not need (the host buffers of kept gradients take turns). Host memory is what bounds the model a
+    the plan without them leaves free holds, in layer order, past any too large for what is left -- a gradient
+    kept there is 4 bytes per parameter of host memory the plan does not need (the host buffers of kept gradients
+    take turns). Host memory is what bounds the model a
     machine can train, so kept gradients come before saved activations, which take what they leave. ``base``: the
     schedule of ``cfg`` without kept gradients and saved activations, where the caller has it."""
     able = grad_kept_eligible(graph, cfg)

@@ -163,12 +163,9 @@ class HostStore:
         self.captured = captured
         self.pinned = torch.cuda.is_available() if pin is None else pin
         self.flats: list[torch.Tensor | None] = []  # per layer: master, exp_avg, exp_avg_sq end to end
-        self.trainable: list[int] = []  # per layer: elements with moments (a prefix of its weights)
         for seg in captured.segments:
-            t = captured.graph[seg.index].moment_params if seg.numel else 0
-            self.trainable.append(t)
             if seg.numel:
-                n = seg.numel + 2 * t
+                n = seg.numel + 2 * captured.graph[seg.index].moment_params
                 self.flats.append(pinned_zeros(n) if self.pinned else torch.zeros(n))
                 if progress is not None:
                     progress(seg.numel)
@@ -191,18 +188,21 @@ class HostStore:
             raise KeyError(f"layer {layer} owns no weights (it is tied to layer {self.captured.segments[layer].owner})")
         return f
 
+    def _split(self, layer: int) -> tuple[torch.Tensor, int, int]:
+        """(the layer's buffer, its weights n, the elements with moments t)."""
+        f, t = self.flat(layer), self.captured.graph[layer].moment_params
+        return f, f.numel() - 2 * t, t
+
     def rows(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Views of the layer's rows in ``ROWS`` order: the master weights (n), exp_avg and exp_avg_sq (t, the
         elements that train); the master alone for a layer frozen whole."""
-        f, t = self.flat(layer), self.trainable[layer]
-        n = f.numel() - 2 * t
+        f, n, t = self._split(layer)
         return (f[:n],) if not t else (f[:n], f[n: n + t], f[n + t:])
 
     def block(self, layer: int) -> torch.Tensor:
         """The layer's rows as one (3, n) fp32 tensor (master, exp_avg, exp_avg_sq); (1, n), the master alone, for
         a layer frozen whole. A layer frozen in part has shorter moments than masters: see :meth:`rows`."""
-        f, t = self.flat(layer), self.trainable[layer]
-        n = f.numel() - 2 * t
+        f, n, t = self._split(layer)
         if t not in (0, n):
             raise ValueError(f"layer {layer} is frozen in part: its moments cover {t} of its {n} weights (use rows)")
         return f.view(-1, n)

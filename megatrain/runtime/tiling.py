@@ -47,32 +47,23 @@ class TiledMLP(nn.Module):
         return torch.cat(outs, dim=1).view(*x.shape[:-1], -1)
 
 
-def _binding(module: nn.Module) -> list[tuple[nn.Module, str, object]]:
-    """What the executor has bound in ``module`` now: its parameters (views of the layer's weights) and the
-    linears' gradient-sink offsets."""
-    out = [(m, f"_parameters.{a}", t) for m in module.modules() for a, t in m._parameters.items() if t is not None]
-    return out + [(m, "offsets", m.offsets) for m in module.modules() if isinstance(m, SinkLinear)]
+def _binding(module: nn.Module) -> list[tuple[dict, str, object]]:
+    """What the executor has bound in ``module`` now, as (where, key, value): its parameters (views of the layer's
+    weights, in each module's ``_parameters``) and the linears' gradient-sink offsets (in their ``__dict__``)."""
+    out = [(m._parameters, a, t) for m in module.modules() for a, t in m._parameters.items() if t is not None]
+    return out + [(m.__dict__, "offsets", m.offsets) for m in module.modules() if isinstance(m, SinkLinear)]
 
 
 def _rebound(module: nn.Module, binding, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` with ``binding`` in place (the state :func:`_binding` saw), what was there put back after."""
-    saved = []
-    for m, attr, value in binding:
-        if attr.startswith("_parameters."):
-            name = attr.split(".", 1)[1]
-            saved.append((m, attr, m._parameters[name]))
-            m._parameters[name] = value
-        else:
-            saved.append((m, attr, getattr(m, attr)))
-            setattr(m, attr, value)
+    saved = [(where, key, where.get(key)) for where, key, _ in binding]
+    for where, key, value in binding:
+        where[key] = value
     try:
         return module(x)
     finally:
-        for m, attr, value in reversed(saved):
-            if attr.startswith("_parameters."):
-                m._parameters[attr.split(".", 1)[1]] = value
-            else:
-                setattr(m, attr, value)
+        for where, key, value in reversed(saved):
+            where[key] = value
 
 
 def norm_joins(template: nn.Module, model_type: str | None) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from megatrain.cli import gpu_opt_every, grad_kept, resident_opt, saved_acts
+from megatrain.cli import gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile
 
 
 def main():
@@ -38,7 +38,10 @@ def main():
                          "block costs")
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--slots", type=slots_arg, default=2, help="weight slots, or all (one per layer)")
-    ap.add_argument("--host-checkpoints", type=int, default=0)
+    ap.add_argument("--host-checkpoints", type=host_checkpoints, default="auto",
+                    help="layers whose checkpoints wait on the host (auto: the planner's choice)")
+    ap.add_argument("--seq-tile", type=seq_tile, default="auto",
+                    help="tokens per tile the blocks' MLPs run over (0: untiled; auto: the planner's choice)")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
                     help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
     ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="weights on the wire")
@@ -74,7 +77,7 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved, resident); "
+                         "saved, resident, tile, host_ckpt); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -94,7 +97,7 @@ def main():
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
                            wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt,
                            grad_kept=args.grad_kept, grad_host_dtype=args.grad_host_dtype,
-                           host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib)
+                           seq_tile=args.seq_tile, host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
@@ -103,7 +106,8 @@ def main():
     results, failed = [], []
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
             "saved_acts": args.saved_acts, "resident_opt": args.resident_opt, "grad_kept": args.grad_kept,
-            "grad_host_dtype": args.grad_host_dtype}
+            "grad_host_dtype": args.grad_host_dtype, "host_checkpoints": args.host_checkpoints,
+            "seq_tile": args.seq_tile}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         data = variant.pop("data", args.data)
@@ -161,7 +165,8 @@ def slots_arg(value: str) -> int | str:
 VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
                 "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
                 "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
-                "resident": ("resident_opt", resident_opt), "data": ("data", str)}
+                "resident": ("resident_opt", resident_opt), "data": ("data", str),
+                "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints)}
 
 
 def parse_variant(text: str) -> dict:
@@ -286,7 +291,9 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "resident_opt": list(c.resident_opt), "grad_kept": list(c.grad_kept), "grad_host_bytes": c.grad_host_bytes,
         "planned_host_gib": sum(host_memory(graph, sched).values()) / (1 << 30),
         "planned_host_bytes_per_param": sum(host_memory(graph, sched).values()) / n,
-        "saved_lean": c.saved_lean,
+        "saved_lean": c.saved_lean, "seq_tile": c.seq_tile,
+        # the simulator's device memory in use at its peak, for the measured peak below
+        "planned_gpu_peak_gib": simulate(sched, graph, spec).peak_nbytes / (1 << 30),
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),

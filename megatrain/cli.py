@@ -250,8 +250,9 @@ def _count_or_auto(name: str):
     return parse
 
 
-gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile = (
-    _count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt", "grad_kept", "seq_tile"))
+gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile, host_checkpoints = (
+    _count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt", "grad_kept", "seq_tile",
+                                "host_checkpoints"))
 
 
 def _slots(value: str):

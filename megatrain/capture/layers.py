@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from megatrain.capture import packed_attention
+from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
 from megatrain.planner.graph import (NORM_WITH_MLP, DecoderShape, Layer, LayerGraph, latent_attention, layer_costs,
@@ -87,6 +87,8 @@ class Captured:
     varlen: bool = False
     # the router load-balancing loss HF adds to this mixture-of-experts model's loss (runtime.router_aux), if any
     router_aux: object | None = None
+    # the experts run through capture.grouped_experts (transformers' grouped_mm experts were the model's choice)
+    grouped_experts: bool = False
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -327,6 +329,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
     captured.varlen = captured.packs and packed_attention.enable(meta_model)
+    captured.grouped_experts = grouped_experts.enable(meta_model)
     return captured
 
 

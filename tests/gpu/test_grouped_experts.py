@@ -1,19 +1,24 @@
 """Mixture-of-experts blocks on the GPU compute their experts through grouped GEMMs (transformers' grouped_mm
 implementation, torch's grouped matmul): in bf16 against the same experts looping over themselves in fp32, for the
-same routing (top-k indices and weights given to both)."""
+same routing (top-k indices and weights given to both); and capture.grouped_experts, which the captured model
+runs instead, likewise."""
 
 import copy
+import functools
 
 import pytest
 import torch
+
+from megatrain.capture import grouped_experts
 
 from ..runtime.test_moe_parity import moe_model
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "mixtral"])
-def test_grouped_experts_in_bf16_match_a_loop_over_experts(family):
+@pytest.mark.parametrize("impl", ["transformers", "megatrain"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "mixtral", "gpt_oss"])
+def test_grouped_experts_in_bf16_match_a_loop_over_experts(family, impl):
     model = moe_model(family)
     experts = model.model.layers[-1].mlp.experts.cuda()
     assert experts.config._experts_implementation == "grouped_mm"
@@ -28,7 +33,8 @@ def test_grouped_experts_in_bf16_match_a_loop_over_experts(family):
     weights = torch.rand(n_tok, k, device="cuda", generator=g).softmax(-1)
     xb = x.to(torch.bfloat16).requires_grad_()
     xf = xb.detach().float().requires_grad_()
-    out, out_ref = experts(xb, index, weights.to(torch.bfloat16)), ref(xf, index, weights)
+    run = experts if impl == "transformers" else functools.partial(grouped_experts.forward, experts)
+    out, out_ref = run(xb, index, weights.to(torch.bfloat16)), ref(xf, index, weights)
     dy = torch.randn(out_ref.shape, device="cuda", generator=g)
     out.float().backward(dy)
     out_ref.backward(dy)

@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 
+from megatrain.capture import grouped_experts
+
 from ..planner.test_moe import FAMILIES, TINY
 from .models import VOCAB, compile_cpu
 from .test_parity import OPT, batches, check, reference_train
@@ -139,10 +141,12 @@ def test_a_deepseek_v3_checkpoint_with_its_per_layer_router_biases_trains_as_hf(
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "mixtral"])
 def test_grouped_expert_gemms_train_as_a_loop_over_experts(family):
-    """The streamed templates compute the experts through grouped GEMMs (transformers' grouped_mm implementation,
-    torch's grouped matmul: one call for all experts of a layer); the reference is the same model computing each
-    expert in turn in plain PyTorch (the eager implementation, a loop over the experts that have tokens): 3 steps x
-    3 micro-batches with clipping agree to fp32 rounding."""
+    """The streamed templates compute the experts through grouped GEMMs (capture.grouped_experts in place of
+    transformers' grouped_mm implementation, torch's grouped matmul: one call for all experts of a layer); the
+    reference is the same model computing each expert in turn in plain PyTorch (the eager implementation, a loop
+    over the experts that have tokens): 3 steps x 3 micro-batches with clipping agree to fp32 rounding. (GPT-OSS's loop orders its sums otherwise: its layers
+    are checked one call at a time below and trained against transformers' grouped implementation in the family
+    test above.)"""
     model = moe_model(family)
     ref = copy.deepcopy(model)
     ref.config._experts_implementation = "eager"
@@ -151,7 +155,46 @@ def test_grouped_expert_gemms_train_as_a_loop_over_experts(family):
     sm = compile_cpu(model, optim=OPT, n_mb=3)
     impl = {m.config._experts_implementation for seg in sm.captured.segments for m in seg.template.modules()
             if type(m).__name__.endswith("Experts")}
-    assert impl == {"grouped_mm"}
+    assert impl == {grouped_experts.NAME} and sm.captured.grouped_experts
+    assert model.config._experts_implementation == "grouped_mm"  # the user's model is not switched
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms,
           skip=lambda name: name.endswith("k_proj.bias"))
+
+
+@pytest.mark.parametrize("family,hidden", [("olmoe", 64), ("gpt_oss", 64), ("olmoe", 36)])
+def test_grouped_experts_forward_and_backward_equal_the_loop(family, hidden):
+    """capture.grouped_experts.forward against transformers' loop over experts for the same routing: output and
+    the gradients of the states, the routing weights and every expert weight, in fp32. Width 36 takes the path for
+    rows torch's grouped matmul cannot take (not 16-byte aligned): a loop over the experts' row ranges."""
+    fam = {**FAMILIES[family], "hidden_size": hidden, "head_dim": 4} if hidden != 64 else FAMILIES[family]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**TINY, "vocab_size": VOCAB, **fam}))
+    experts = next(m for n, m in model.named_modules() if n.endswith("experts"))
+    ref = copy.deepcopy(experts)
+    ref.config = copy.deepcopy(ref.config)
+    ref.config._experts_implementation = "eager"
+    g = torch.Generator().manual_seed(1)
+    for p, q in zip(experts.parameters(), ref.parameters()):
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            q.copy_(p)
+    n_tok, n_exp, k = 37, experts.num_experts, model.config.num_experts_per_tok
+    x = torch.randn(n_tok, hidden, generator=g)
+    index = torch.rand(n_tok, n_exp, generator=g).topk(k, dim=-1).indices
+    w = torch.rand(n_tok, k, generator=g).softmax(-1)
+    ins = [t.clone().requires_grad_() for t in (x, w)]
+    ins_ref = [t.clone().requires_grad_() for t in (x, w)]
+    out = grouped_experts.forward(experts, ins[0], index, ins[1])
+    out_ref = ref(ins_ref[0], index, ins_ref[1])
+    dy = torch.randn(out.shape, generator=g)
+    out.backward(dy)
+    out_ref.backward(dy)
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
+    close(out, out_ref)
+    for a, b in zip(ins, ins_ref):
+        close(a.grad, b.grad)
+    for (n, p), q in zip(experts.named_parameters(), ref.parameters()):
+        close(p.grad, q.grad)

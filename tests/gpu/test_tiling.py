@@ -28,18 +28,19 @@ def test_tiled_mlps_on_the_gpu_train_as_untiled_in_less_memory():
         sm = megatrain.compile(copy.deepcopy(model), device="cuda", n_mb=1, weight_slots=2, saved_acts=0,
                                seq_tile=tile, optim=megatrain.OptimConfig(lr=1e-4))
         assert sm.schedule_for(1, 8192).config.seq_tile == tile
-        sm.train_step(data[0])  # planned and warm
+        first = sm.train_step(data[0])  # planned and warm
         sm.wait()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss = sm.train_step(data[1]).loss
+        second = sm.train_step(data[1])
         sm.wait()
-        results[tile] = loss, torch.cuda.max_memory_allocated() - base, {n: t.clone() for n, t in
-                                                                         sm.state_dict().items()}
+        results[tile] = ([first.loss, second.loss], [first.grad_norm, second.grad_norm],
+                         torch.cuda.max_memory_allocated() - base)
         del sm
-    (l0, p0, w0), (l1, p1, w1) = results[0], results[1024]
-    assert l1 == pytest.approx(l0, rel=1e-2)
+    (l0, n0, p0), (l1, n1, p1) = results[0], results[1024]
+    # the gradients through their global norm (each step's, before clipping), the losses: equal within bf16 (the
+    # weights after AdamW are not compared: its first steps move a weight by +-lr whatever its gradient's size, so
+    # bf16 noise in a near-zero gradient flips a move; the CPU tests compare the gradients bit for bit in fp32)
+    assert l1 == pytest.approx(l0, rel=1e-2) and n1 == pytest.approx(n0, rel=2e-2), (l0, l1, n0, n1)
     # the MLP's intermediate (3 x 4,096 bf16 values a token) for 1,024 of the 8,192 tokens
     assert p1 < p0 - 3 * 4096 * 2 * 8192 // 2, (p0, p1)
-    for n, a in w0.items():
-        assert float((w1[n] - a).abs().max()) <= 3e-4, n

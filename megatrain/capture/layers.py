@@ -403,11 +403,11 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     blocks_seen = 0
     for seg in segments:
         mat = sum(_numel(r.shape) for r in seg.params if len(r.shape) >= 2) if seg.kind != "embedding" else 0
-        seg_shape, inactive = shape, 0
+        seg_shape, inactive, routed = shape, 0, None
         if seg.kind == "block":
             if moe is not None and blocks_seen in moe.layers:  # a token's matmuls use its top-k experts only
                 mat += moe.top_k * 3 * hidden * moe.expert_inter - moe.expert_params(hidden)
-                inactive = moe.inactive_params(hidden)
+                inactive, routed = moe.inactive_params(hidden), moe
                 seg_shape = dataclasses.replace(shape, inter=moe_block(moe, hidden)[2])
             elif moe is not None:
                 seg_shape = dataclasses.replace(shape, inter=moe.dense_inter)
@@ -416,7 +416,7 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
         tiles = moe is None and isinstance(getattr(seg.template, "mlp", None), nn.Module)
         norm = tiles and cfg_dict.get("model_type") in NORM_WITH_MLP and \
             isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)
-        costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm)
+        costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm, moe=routed)
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,

@@ -218,10 +218,30 @@ def compute_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
     return sum(matmul_and_attention_flops(graph, cfg, op))
 
 
+# A mixture of experts' routing in a backward, in forwards' worth of its bytes: the gradients of the gathered,
+# weighted and summed rows (each read and written as in the forward, the routing weights' gradient reading two
+# more) and of the activation (its two inputs' gradients written)
+ROUTE_BWD_PASSES = 1.5
+
+
+def route_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
+    """Bytes a compute op of a mixture-of-experts block moves routing tokens to experts (Layer.route_bytes_per_token
+    a forward; a backward :data:`ROUTE_BWD_PASSES` of them, and one more where it recomputes the forward)."""
+    per_token = graph[op.layer].route_bytes_per_token
+    if not per_token or op.kind not in (OpKind.FWD, OpKind.BWD, OpKind.EVAL):
+        return 0.0
+    passes = ROUTE_BWD_PASSES + (1.0 if recomputes(cfg, op) else 0.0) if op.kind is OpKind.BWD else 1.0
+    return passes * per_token * cfg.mb_tokens
+
+
 def compute_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
-    """A compute op's arithmetic time: its matmuls at the matmul rate, its attention at the attention rate."""
+    """A compute op's arithmetic time: its matmuls at the matmul rate, its attention at the attention rate, and a
+    mixture of experts' routing (:func:`route_nbytes`) at the routing rate, after them (its kernels run between
+    the GEMMs, not under them)."""
     mm, attn = matmul_and_attention_flops(graph, cfg, op)
-    return mm / spec.matmul_flops_per_s + attn / (spec.attn_flops_per_s or spec.matmul_flops_per_s)
+    route = route_nbytes(graph, cfg, op)
+    return mm / spec.matmul_flops_per_s + attn / (spec.attn_flops_per_s or spec.matmul_flops_per_s) + \
+        (route / (spec.route_bytes_per_s or spec.hbm_bytes_per_s) if route else 0.0)
 
 
 def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:

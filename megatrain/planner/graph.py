@@ -47,6 +47,11 @@ class Layer:
     # some of the layer's parameters are frozen: the first ``trainable`` elements of its weights are the ones that
     # train (capture lays them out first) and only they have Adam moments; None: all of them train (or none, frozen)
     trainable: int | None = None
+    # a mixture-of-experts block: bytes per token one forward moves routing its tokens to their experts and back,
+    # beyond the experts' GEMMs -- per routed copy of a token (top-k of them) the hidden-wide rows gathered by
+    # expert, weighted and summed back per token (7 row reads and writes) and the gate / up rows the activation reads
+    # and writes (3 of the expert's width). 0: a dense layer
+    route_bytes_per_token: int = 0
 
     @property
     def moment_params(self) -> int:
@@ -190,7 +195,7 @@ NORM_WITH_MLP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_bytes: int, *,
-                tiles: bool = True, tile_norm: bool = False) -> dict:
+                tiles: bool = True, tile_norm: bool = False, moe: "MoE | None" = None) -> dict:
     """The cost fields of a :class:`Layer` of ``kind`` (everything but its name, template, parameters and tie):
     the one source for graphs built from a config (:func:`from_config`) and captured from a model
     (``megatrain.capture``). ``matmul_params``: the parameters its matmuls multiply by (2 FLOPs each a token).
@@ -201,7 +206,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     and output; the head its input, its gradient and a token's fp32 log-sum-exp (logits exist one chunk of
     :data:`LOSS_CHUNK_TOKENS` at a time, see ``cost.loss_work_nbytes``). ``tiles``: a block whose MLP runs over
     tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts); ``tile_norm``: its
-    post-attention norm with it (:data:`NORM_WITH_MLP`)."""
+    post-attention norm with it (:data:`NORM_WITH_MLP`); ``moe``: a block whose MLP routes to experts (its
+    routing's bytes, ``Layer.route_bytes_per_token``)."""
     H, a = shape.hidden, act_dtype_bytes
     if kind == "embedding":
         return dict(act_bytes_per_token=H * a, work_bytes_per_token=H * a)
@@ -221,7 +227,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         tile_work_bytes_per_token=(3 * inter + (H if tile_norm else 0)) * a if tiles else 0,
         tile_flops_per_token=6.0 * H * inter if tiles else 0.0,
         saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),
-        lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True))
+        lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True),
+        route_bytes_per_token=moe.top_k * (7 * H + 3 * moe.expert_inter) * a if moe is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -378,7 +385,8 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
             template = "block"
         shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=width, heads=heads, vocab=V)
         costs = layer_costs("block", shape, attn_w + mlp_active, a, tiles=moe is None,
-                            tile_norm=moe is None and mtype in NORM_WITH_MLP)
+                            tile_norm=moe is None and mtype in NORM_WITH_MLP,
+                            moe=moe if template == "moe-block" else None)
         costs["attn_flops_per_token_per_seq"] = float(attn_dims)
         layers.append(Layer(name=f"block.{i}", kind="block", template=template,
                             params=attn_w + mlp_params + 2 * H + attn_extra, inactive_params=inactive, **costs))

@@ -30,6 +30,8 @@ class HardwareSpec:
     bwd_issue_s: float = 0.0  # BWD: recompute + backward
     attn_flops_per_s: float = 0.0  # fused attention's rate (its FLOPs as cost.matmul_and_attention_flops counts
     # them); 0: the matmul rate
+    route_bytes_per_s: float = 0.0  # the rate a mixture of experts' routing moves its rows at (gathers by expert,
+    # gating, weighting, the sum back per token: Layer.route_bytes_per_token); 0: the device memory's
 
     @property
     def budget_bytes(self) -> int:
@@ -51,7 +53,8 @@ class HardwareSpec:
             raise ValueError(f"hardware spec: name must be a string, got {d['name']!r}")
         for f in names[1:]:
             v = d.get(f, 0)
-            may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s")
+            may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
+                                 "route_bytes_per_s")
             # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
                     not (v >= 0 if may_be_zero else v > 0):
@@ -83,13 +86,15 @@ PRESETS: dict[str, HardwareSpec] = {
     # (cuDNN's fused kernel through SDPA): 510 TFLOP/s fits Qwen2.5-7B steps with 131,072- and 262,144-token
     # sequences within 2% (docs/benchmarks.md, "Long sequences"). Host AdamW: the rate of the optimizer worker's
     # updates read off timed Qwen2.5-7B steps (3.68-4.12 G params/s at 24-80 GiB device budgets; 4.1-4.6 for the
-    # kernel alone, 3.1 with copies both ways running: docs/benchmarks.md, "Device budgets").
+    # kernel alone, 3.1 with copies both ways running: docs/benchmarks.md, "Device budgets"). Mixture-of-experts
+    # routing: 1.8e12 B/s fits the OLMoE-1B-7B-shaped step (0.863 s measured) and puts the Qwen3-30B-A3B-shaped one
+    # within 9% (docs/benchmarks.md, "Mixture-of-experts shapes"): its gathers and small kernels run at ~0.4 of HBM.
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=4 * GiB,
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
         matmul_flops_per_s=620e12, hbm_bytes_per_s=4.3e12,
         cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
-        fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12,
+        fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, route_bytes_per_s=1.8e12,
     ),
     # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same
     # chip). Not measured here.

@@ -41,4 +41,7 @@ def test_grouped_experts_in_bf16_match_a_loop_over_experts(family, impl):
     assert float((out.float() - out_ref).abs().max()) <= 2e-2 * float(out_ref.abs().max())
     assert float((xb.grad.float() - xf.grad).abs().max()) <= 3e-2 * float(xf.grad.abs().max())
     for (n, p), (_, q) in zip(experts.named_parameters(), ref.named_parameters()):
-        assert float((p.grad.float() - q.grad).abs().max()) <= 3e-2 * float(q.grad.abs().max()), n
+        # an expert bias's gradient sums its rows in bf16 in both implementations (GPT-OSS on the H200: 4.0% of
+        # the largest, either one)
+        tol = 5e-2 if n.endswith("_bias") else 3e-2
+        assert float((p.grad.float() - q.grad).abs().max()) <= tol * float(q.grad.abs().max()), n

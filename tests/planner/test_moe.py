@@ -28,7 +28,7 @@ FAMILIES = {  # every MoE layout the planner reads: dense layers mixed in, share
                         n_group=1, topk_group=1),  # MLA: as many key/value heads as query heads
 }
 COST_FIELDS = ("kind", "params", "inactive_params", "matmul_flops_per_token", "attn_flops_per_token_per_seq",
-               "act_bytes_per_token", "work_bytes_per_token", "saved_bytes_per_token")
+               "act_bytes_per_token", "work_bytes_per_token", "saved_bytes_per_token", "route_bytes_per_token")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -52,6 +52,30 @@ def test_the_captured_graph_of_a_moe_model_is_the_config_graph(family):
     # an MoE block's matmuls: attention and the router, plus top-k of the experts (and shared ones), not all E
     one = blocks[sorted(moe.layers)[0]]
     assert one.matmul_flops_per_token < 2 * (one.params - one.inactive_params) + 1
+
+
+def test_a_moe_blocks_compute_time_adds_its_routing_bytes_at_the_routing_rate():
+    """OLMoE's shape: k x (7 H + 3 I) x 2 B a token a forward; a recomputing backward 1 + 1.5 forwards of it, a saved
+    one 1.5; at the H200 spec's routing rate, after the op's matmuls and attention. Dense blocks: none."""
+    import dataclasses
+
+    from megatrain.ir import Op, OpKind, ScheduleConfig, Stream
+    from megatrain.planner.cost import compute_seconds
+    from megatrain.planner.graph import LayerGraph
+    from megatrain.planner.hardware import PRESETS as HW
+
+    g = preset("olmoe-1b-7b")
+    block = g[1]
+    assert block.route_bytes_per_token == 8 * (7 * 2048 + 3 * 1024) * 2 == 278_528
+    assert all(lay.route_bytes_per_token == 0 for lay in preset("qwen2.5-1.5b").layers)
+    bare = LayerGraph([dataclasses.replace(lay, route_bytes_per_token=0) for lay in g.layers])
+    spec = HW["h200"]
+    for saved, passes in (((), 2.5), ((1,), 1.5)):
+        cfg = ScheduleConfig(n_layers=len(g), mb_tokens=32768, seq_len=1024, saved_acts=saved)
+        for kind, n in ((OpKind.FWD, 1.0), (OpKind.BWD, passes)):
+            op = Op(0, kind, Stream.COMPUTE, step=0, layer=1, mb=0)
+            extra = compute_seconds(g, cfg, spec, op) - compute_seconds(bare, cfg, spec, op)
+            assert extra == pytest.approx(n * 278_528 * 32768 / spec.route_bytes_per_s, rel=1e-9)
 
 
 @pytest.mark.parametrize("name,total,active", [

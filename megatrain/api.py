@@ -27,6 +27,7 @@ from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
 from megatrain.runtime.checkpoint import check_checkpoint
+from megatrain.runtime.data_parallel import DataParallel
 from megatrain.runtime.store import HostStore, available_host_bytes, grad_host_dtype, progress_bar, store_nbytes
 
 
@@ -310,6 +311,7 @@ class StreamedModel:
         the loss, dropout off, nothing updated (an evaluation schedule: forwards and EVAL ops)."""
         with self._lock:
             ids, mask, nxt, pos, denom = self._batch(input_ids, attention_mask, labels, position_ids)
+            denom = self._all_tokens(denom)
             schedule = self._eval_plan(*ids.shape)
             t0 = time.perf_counter()
             out = self.executor.run(schedule, self._micro_batches(schedule, ids, mask, nxt, pos), denom)
@@ -383,6 +385,7 @@ class StreamedModel:
     def _train_step(self, input_ids, attention_mask, labels, position_ids, plan_overrides) -> StepStats:
         input_ids, attention_mask, nxt, position_ids, denom = self._batch(input_ids, attention_mask, labels,
                                                                           position_ids)
+        denom = self._all_tokens(denom)
         B, T = input_ids.shape
         first, cont = self._plans(B, T, plan_overrides)
         # a step after one that left every device-updated layer's new weights (and resident states) on the device
@@ -407,6 +410,11 @@ class StreamedModel:
                 raise NonFiniteStepError(f"step {self.step + 1}: {what}; no update was applied (the weights and "
                                          f"Adam moments are those after step {self.step})", stats)
         return stats
+
+    def _all_tokens(self, denom: int) -> int:
+        """The step's trained tokens: this process's, or with data parallel every rank's (the loss's denominator)."""
+        dp = self.executor.dp
+        return denom if dp is None else dp.sum_int(denom)
 
     def _check_packing(self, position_ids: torch.Tensor) -> torch.Tensor:
         """``position_ids`` of packed rows, checked: this model keeps packed documents apart, and each row's positions
@@ -449,7 +457,22 @@ class StreamedModel:
             self.executor.sync_resident()
             opt = self.optimizer
             steps = {l: opt.steps(l) for l in self.store.owners()}
-            return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
+            dp = self.executor.dp
+            if dp is None:
+                return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
+            # data parallel: every rank holds the same state; rank 0 writes it, the others wait for its outcome
+            if dp.rank != 0:
+                ok, said = dp.from_rank0(None)
+                if not ok:
+                    raise RuntimeError(f"rank 0 did not save the training state: {said}")
+                return Path(said)
+            try:
+                saved = train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
+            except Exception as e:
+                dp.from_rank0((False, f"{type(e).__name__}: {e}"))
+                raise
+            dp.from_rank0((True, str(saved)))
+            return saved
 
     def load_state(self, directory: str | Path) -> dict:
         """Go on from a state :meth:`save_state` wrote (for this model: checked before anything changes); returns
@@ -590,7 +613,17 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_bytes / total),
                                                    dev.index if dev.index is not None else torch.cuda.current_device())
+    dp = DataParallel.from_env()
+    if dp is not None and use_streams:
+        raise ValueError(f"data parallel over {dp.world} ranks (torch.distributed is initialized) runs its steps in "
+                         f"program order: pass streams=False (the stream executor does not order the ranks' "
+                         f"collectives yet)")
+    if dp is not None and cap.router_aux is not None:
+        raise ValueError(f"data parallel over {dp.world} ranks: the router's auxiliary loss (output_router_logits) "
+                         f"is computed per micro-batch on one rank and is not supported with several ranks yet; "
+                         f"set output_router_logits=False or train on one process")
     sm = StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels, use_streams)
+    sm.executor.dp = dp
     sm.nonfinite = nonfinite
     sm.measure_host = host_free is not None
     if state is not None:

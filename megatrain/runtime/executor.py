@@ -22,6 +22,7 @@ from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, format_table, initial
 from megatrain.planner.cost import OPT_STATE_ROWS
 from megatrain.runtime import ops, probe, router_aux
 from megatrain.runtime.device import DeviceState
+from megatrain.runtime.data_parallel import DataParallel
 from megatrain.runtime.optim import HostAdamW
 from megatrain.runtime.rng import StepRng
 from megatrain.runtime.step import MicroBatch, StepOutput, StepState
@@ -62,6 +63,8 @@ class Executor:
         self.bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
         # around each op, if set: a context manager (profiling labels, timing); it does not change what runs
         self.on_op: Callable[[Op], ContextManager] | None = None
+        # data parallel: the ranks whose gradients and losses each step sums (runtime.data_parallel); None: alone
+        self.dp: DataParallel | None = None
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int) -> StepOutput:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step."""
@@ -114,6 +117,8 @@ class Executor:
         for layer, k in self._resident_slots(schedule).items():
             self.dev.resident[layer] = (k, self.store.generation)
         sums = self._loss_values(st)
+        if self.dp is not None:  # the step's loss: every rank's micro-batches (denom counts all of their tokens)
+            sums = self.dp.gather_floats(sums)
         return StepOutput(sum(sums) / denom, sums, st.norm(), st.lr, st.ok())
 
     def _template_modes(self, train: bool) -> list[tuple]:

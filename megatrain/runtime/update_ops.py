@@ -36,6 +36,14 @@ def _take_norms(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
     st.param_norms.update(zip((name for name, _, _ in spans), norms))
 
 
+def _complete(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
+    """``owner``'s gradient is complete in ``grad`` (every micro-batch's, every tied part's): summed over the
+    data-parallel ranks where there are several (in place), then its norms taken."""
+    if ex.dp is not None:
+        ex.dp.sum_(grad)
+    _take_norms(ex, st, owner, grad)
+
+
 def store_grad_to_host(ex, op: Op, st: StepState) -> None:
     """The layer's gradient (summed over the micro-batches in its slot) to its host gradient buffer, in the buffer's
     dtype (rounded on the device where that is bf16), its norms taken first unless a NORM took them; a tied
@@ -54,7 +62,7 @@ def store_grad_to_host(ex, op: Op, st: StepState) -> None:
         if not _add_part(ex, op, st, src, buf):
             return
         src = buf
-    _take_norms(ex, st, o, src)
+    _complete(ex, st, o, src)
     dst.copy_(src if dst.dtype == src.dtype else src.to(dst.dtype), non_blocking=ex.non_blocking)
 
 
@@ -63,7 +71,7 @@ def take_norms(ex, op: Op, st: StepState) -> None:
     dtype), where it waits for the update pass; its gradient slot is free after."""
     n = ex.graph.weight_params(op.layer)
     src = ex.dev.g[op.slot("g")][:n]
-    _take_norms(ex, st, op.layer, src)
+    _complete(ex, st, op.layer, src)
     ex.dev.k[op.slot("k")][:n].copy_(src)
 
 
@@ -73,7 +81,7 @@ def store_grad_to_state(ex, op: Op, st: StepState) -> None:
     src = ex.dev.g[op.slot("g")][: ex.graph.weight_params(op.layer)]
     row = ex.dev.opt_block(op)[3]
     if _add_part(ex, op, st, src, row):
-        _take_norms(ex, st, ex.graph.owner(op.layer), row)
+        _complete(ex, st, ex.graph.owner(op.layer), row)
 
 
 def guard(ex, st: StepState) -> None:
@@ -91,6 +99,8 @@ def guard(ex, st: StepState) -> None:
         ex.keep_alive(n)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=dev)
     loss = torch.stack([torch.as_tensor(t, device=dev).float().reshape(()) for t in st.loss_sums]).sum()
+    if ex.dp is not None:  # every rank's micro-batches: the ranks decide alike whether the step updates
+        ex.dp.sum_(loss)
     coef = ex.optimizer.clip_factor(total) if st.clip else torch.ones((), device=dev)
     ok = torch.isfinite(total) & torch.isfinite(loss)
     st.coef = torch.where(ok, coef, float("nan"))

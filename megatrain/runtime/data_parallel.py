@@ -1,0 +1,58 @@
+"""Data parallel training over ``torch.distributed`` (launched by ``torchrun``): each rank runs the same schedule on
+its own share of the step's sequences, and the ranks' gradients are summed where each becomes complete -- before
+its norms are taken, so every rank sees the step's gradient, global norm, clip factor and loss exactly as one
+process running all the micro-batches would, up to the order of the sums (a rank's micro-batches accumulate
+first, then the ranks' sums are added).
+
+What is summed across ranks, in the order every rank issues it (all ranks run one schedule, in program order):
+the step's count of trained tokens (the loss's denominator) before the step; each owner layer's complete gradient
+(a tied gradient once its parts are summed; ``update_ops``); the micro-batches' loss sums at the step's guard and
+its end (each micro-batch's, in rank order). Each rank then applies the same update to its own copy of the master weights and moments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The process group a streamed model trains over: this process's rank among ``world`` ranks."""
+
+    rank: int
+    world: int
+    group: object = None  # the torch.distributed group (None: the default one)
+
+    @classmethod
+    def from_env(cls) -> "DataParallel | None":
+        """The default process group where ``torch.distributed`` is initialized with more than one rank, else
+        None."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return cls(rank=dist.get_rank(), world=dist.get_world_size())
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks, in place."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def sum_int(self, n: int) -> int:
+        return int(self.sum_(torch.tensor([n], dtype=torch.int64)).item())
+
+    def gather_floats(self, values: list[float]) -> list[float]:
+        """Every rank's ``values``, in rank order, on every rank."""
+        out = [None] * self.world
+        dist.all_gather_object(out, list(values), group=self.group)
+        return [v for part in out for v in part]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def from_rank0(self, obj):
+        """``obj`` as rank 0 has it, on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]

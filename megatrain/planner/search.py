@@ -80,7 +80,7 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
                               host_checkpoints=len(graph) - 2, budget_bytes=budget,
-                              seq_tile=min(SEQ_TILES) if seq_len > min(SEQ_TILES) else 0)
+                              seq_tile=min((t for t in tile_choices(seq_len) if t), default=0))
     need = _min_device_nbytes(graph, smallest)
     if need > budget:
         size = slot_nbytes(graph, smallest)
@@ -139,7 +139,7 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     def tiles(m: int) -> list[int]:  # searched for long micro-batches only: shorter ones fit untiled
         if seq_tile is not None:
             return [seq_tile]
-        return [0, *(t for t in SEQ_TILES if t < tokens // m)] if tokens // m >= LONG_SEQ else [0]
+        return tile_choices(tokens // m)
 
     if grad_slots is not None and (not isinstance(grad_slots, int) or isinstance(grad_slots, bool) or grad_slots < 1):
         raise PlanError(f"grad_slots must be an integer >= 1, got {grad_slots!r}")
@@ -157,6 +157,12 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
 # MLP's forward once more (4/3 of its untiled cost), so a tiled plan wins only where an untiled one does not fit
 SEQ_TILES = (65536, 16384)
 LONG_SEQ = 131072  # sequences from this long get checkpoint placements between all on the device and all on the host
+
+
+def tile_choices(mb_tokens: int) -> list[int]:
+    """The tile sizes the search tries for micro-batches of ``mb_tokens`` (0: untiled): the :data:`SEQ_TILES`
+    shorter than the micro-batch once it holds :data:`LONG_SEQ` tokens or more; shorter ones fit untiled."""
+    return [0, *(t for t in SEQ_TILES if t < mb_tokens)] if mb_tokens >= LONG_SEQ else [0]
 
 
 GRAD_HOST_BYTES = {"fp32": 4, "bf16": 2}

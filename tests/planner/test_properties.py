@@ -246,3 +246,18 @@ def test_tiny_budget_is_refused_before_anything_is_built():
         plan(preset("qwen2.5-72b"), SPEC, 32768, 1024)
     with pytest.raises(PlanError, match="multiple of the sequence length"):
         plan(preset("qwen2.5-0.5b"), SPEC, 1000, 1024)
+
+
+def test_the_smallest_plan_checked_first_tiles_as_the_search_would():
+    """The check before the search assumes tiles only where the search tries them (micro-batches of LONG_SEQ tokens
+    or more): a 65,536-token sequence is refused untiled, a 524,288-token one with 16,384-token tiles."""
+    from megatrain.planner.graph import preset
+    from megatrain.planner.search import LONG_SEQ, SEQ_TILES, tile_choices
+
+    assert tile_choices(LONG_SEQ // 2) == [0] and tile_choices(LONG_SEQ) == [0, *SEQ_TILES]
+    g = preset("qwen2.5-7b")
+    with pytest.raises(PlanError, match="too small for one layer") as untiled:
+        plan(g, SPEC, 65536, 65536, budget_bytes=4 << 30)
+    assert "tiles" not in str(untiled.value)
+    with pytest.raises(PlanError, match=r"too small for one layer.*MLPs over 16384-token tiles"):
+        plan(g, SPEC, 524288, 524288, budget_bytes=4 << 30)

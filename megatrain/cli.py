@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -155,9 +156,33 @@ def _plan(args) -> int:
     return 0
 
 
+def _launch(args) -> int | None:
+    """``--gpus N`` (N > 1) outside torchrun: the same command under torchrun with N processes, its exit status;
+    None where this process is to train itself."""
+    if not args.gpus or args.gpus == 1 or "WORLD_SIZE" in os.environ:
+        return None
+    if args.gpus < 1:
+        print(f"megatrain train: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)
+        return 2
+    rest, skip = [], False
+    for a in args.argv:  # the command without --gpus
+        if skip or a == "--gpus" or a.startswith("--gpus="):
+            skip = a == "--gpus"
+            continue
+        rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
+           "-m", "megatrain", *rest]
+    print(f"megatrain train: {args.gpus} data-parallel processes: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
 def _train(args) -> int:
     from megatrain.data import DataError
     from megatrain.train import TrainConfig, load_yaml, resume_config, run
+
+    launched = _launch(args)
+    if launched is not None:
+        return launched
 
     try:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
@@ -345,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--on-nonfinite", dest="on_nonfinite", choices=["stop", "skip"],
                    help="a step whose loss or gradient norm is not finite applies no update; then stop (default) "
                         "or skip to the next batch (stopping after 10 in a row)")
+    t.add_argument("--gpus", type=int, metavar="N",
+                   help="data parallel over N processes (torchrun launched for them; on the CPU, N processes over "
+                        "gloo): each trains batch / N sequences in mb / N micro-batches, the gradients summed across "
+                        "them; the same as one process training the whole batch")
     t.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,
                    help="run the Python files a model directory's config.json names (auto_map); off by default")
     t.add_argument("--tensorboard", action="store_true", default=None,
@@ -411,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--out", default="megatrain-viz", help="output directory")
     v.set_defaults(fn=_viz)
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.fn(args)
 
 

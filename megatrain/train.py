@@ -3,6 +3,7 @@ from scratch on the default corpus, offline."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -256,7 +257,7 @@ def load_yaml(path: str) -> dict:
     return d
 
 
-def _prepare(cfg: TrainConfig):
+def _prepare(cfg: TrainConfig, dp=None):
     """The model source, tokenizer, data and the compiled model with its schedule (with ``cfg.resume``, at the saved
     step, the data where it was); raises on any bad input, before the model's memory is allocated."""
     from transformers import AutoModelForCausalLM
@@ -285,8 +286,9 @@ def _prepare(cfg: TrainConfig):
     optim = cfg.optim_config()
     source_of_weights = (dict(state=Path(cfg.resume) / STATE_DIR) if cfg.resume else
                          dict(checkpoint=model.weights) if model.weights else dict(init_seed=cfg.seed))
-    sm = megatrain.compile(meta, **source_of_weights, optim=optim,
-                           device=cfg.device, n_mb=cfg.mb, weight_slots=cfg.slots,
+    world = 1 if dp is None else dp.world
+    sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
+                           device=cfg.device, n_mb=cfg.mb // world, weight_slots=cfg.slots,
                            host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt, grad_kept=cfg.grad_kept,
@@ -301,7 +303,7 @@ def _prepare(cfg: TrainConfig):
             raise ValueError(f"{cfg.resume}/{STATE_DIR} does not say where the data stood (saved by another "
                              f"program than megatrain train, or by an earlier megatrain)")
         data.batches.restore(extra["data_order"], f"{cfg.resume}/{STATE_DIR}")
-    return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch, cfg.seq)
+    return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch // world, cfg.seq)
 
 
 def freeze(model, patterns: list[str]) -> int:
@@ -398,23 +400,107 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
 
 def run(cfg: TrainConfig) -> dict:
     """Train; returns the summary (also written to ``<out>/summary.json``). SIGINT / SIGTERM stop the run after
-    the step in flight, with the weights and the training state saved (the summary's ``exit_code``: 130 / 143)."""
+    the step in flight, with the weights and the training state saved (the summary's ``exit_code``: 130 / 143).
+    Under ``torchrun`` (WORLD_SIZE > 1) the ranks train data parallel (:func:`_data_parallel`): each takes its
+    share of every batch; rank 0 writes the run directory, the others only compute."""
     cfg.check()
+    dp = _data_parallel(cfg)
     out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    run_dir = RunDirectory(out)
+    if dp is not None:
+        out = Path(dp.from_rank0(str(out)))
+    run_dir = _run_directory(out, dp)
+    lead = dp is None or dp.rank == 0
     try:
-        with StopSignals() as signals:
+        with StopSignals() as signals, _quiet(not lead) as side:
             try:
-                prepared = _prepare(cfg)
+                prepared = _prepare(cfg, dp)
             except BaseException:
-                run_dir.abandon()  # nothing is written before this point
+                if run_dir is not None:
+                    run_dir.abandon()  # nothing is written before this point
                 raise
-            return _train(cfg, out, prepared, signals)
+            return _train(cfg, out if lead else side, prepared, signals, dp)
     finally:
-        run_dir.close()
+        if run_dir is not None:
+            run_dir.close()
 
 
-def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
+def _data_parallel(cfg: TrainConfig):
+    """Under ``torchrun`` (WORLD_SIZE > 1): the default process group (NCCL on GPUs, one per local rank; gloo on
+    the CPU), checked against the batch: each rank trains ``batch / N`` sequences in ``mb / N`` micro-batches, so
+    the step's micro-batches are those of one process training them all. None for a single process."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        return None
+    if cfg.batch % world or cfg.mb % world:
+        raise ValueError(f"{world} data-parallel ranks: --batch ({cfg.batch}) and --mb ({cfg.mb}) must be multiples "
+                         f"of {world} (each rank trains batch / {world} sequences in mb / {world} micro-batches)")
+    import torch.distributed as dist
+
+    from megatrain.runtime.data_parallel import DataParallel
+
+    if not dist.is_initialized():
+        cuda = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return DataParallel.from_env()
+
+
+def _run_directory(out: Path, dp) -> RunDirectory | None:
+    """The run directory, made and locked by the one process that writes it (rank 0 of a data-parallel run, which
+    tells the others whether it could)."""
+    if dp is None:
+        return RunDirectory(out)
+    if dp.rank != 0:
+        refused = dp.from_rank0(None)
+        if refused:
+            raise ValueError(refused)
+        return None
+    try:
+        run_dir = RunDirectory(out)
+    except ValueError as e:
+        dp.from_rank0(str(e))
+        raise
+    dp.from_rank0(None)
+    return run_dir
+
+
+@contextlib.contextmanager
+def _quiet(quiet: bool):
+    """For a data-parallel rank other than 0: its console output dropped and its side files (metrics, plots) in
+    a directory of its own, removed after (yields it; None for the writing process)."""
+    if not quiet:
+        yield None
+        return
+    import os
+    import shutil
+    import tempfile
+
+    side = Path(tempfile.mkdtemp(prefix="megatrain-rank-"))
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+            yield side
+    finally:
+        shutil.rmtree(side, ignore_errors=True)
+
+
+def _share(batch: dict, dp) -> dict:
+    """A data-parallel rank's rows of a step's (or an evaluation's) batch: the rank-th of N equal parts."""
+    if dp is None:
+        return batch
+    n = next(t for t in batch.values() if t is not None).shape[0] // dp.world
+    return {k: None if t is None else t[dp.rank * n: (dp.rank + 1) * n] for k, t in batch.items()}
+
+
+def _stopping(signals: StopSignals, dp) -> bool:
+    """A stop was asked for (with data parallel: on any rank; the ranks agree before each step)."""
+    asked = signals.requested is not None
+    return asked if dp is None else dp.sum_int(int(asked)) > 0
+
+
+def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None) -> dict:
     from tqdm import tqdm
 
     from megatrain.planner.dump import can_plot, plot
@@ -450,8 +536,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
                total=cfg.steps)
     say = lambda m: tqdm.write(m, file=sys.stderr)  # noqa: E731
     try:
-        while sm.step < cfg.steps and signals.requested is None:
-            st = sm.train_step(**data.batches.batch(cfg.batch))
+        while sm.step < cfg.steps and not _stopping(signals, dp):
+            st = sm.train_step(**_share(data.batches.batch(cfg.batch), dp))
             rec = {"step": st.step + st.skipped, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
                    "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds,
                    **meter.step(st.seconds)}
@@ -475,7 +561,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
             bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", **meter.postfix(rec),
                             **({"eval": f"{evals[-1]['eval_loss']:.3f}"} if evals else {}))
             if data.eval_rows is not None and cfg.eval_every and st.step % cfg.eval_every == 0:
-                evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log))
+                evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log, dp))
                 meter.write(evals[-1])
             if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
                 _save_state(sm, data.batches, out, say)
@@ -490,13 +576,14 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals) -> dict:
     wall = time.perf_counter() - t_start
     if data.eval_rows is not None and (not evals or evals[-1]["step"] != sm.step):
         with (out / "metrics.jsonl").open("a") as log:
-            evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log))
+            evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log, dp))
         meter.write(evals[-1])
     meter.close()
     if signals.requested is not None:
         say(f"{signals.requested.name} after step {sm.step}: saving the weights and the training state, then "
             f"stopping (a second one stops at once)")
-    _save_weights(sm, model, tok, out, cfg)  # first: the smaller files survive a disk that fills up with the state
+    if dp is None or dp.rank == 0:  # the ranks' weights are the same
+        _save_weights(sm, model, tok, out, cfg)  # first: the smaller files survive a disk that fills up with the state
     if saved_at != sm.step:
         _save_state(sm, data.batches, out, lambda m: print(m, file=sys.stderr, flush=True))
     done = len(history)
@@ -607,7 +694,7 @@ def _frozen_text(sm) -> str:
     return f"{len(sm.captured.frozen)} parameters frozen ({n / 1e6:.2f}M weights)"
 
 
-def _evaluate(sm, rows, batch: int, log) -> dict:
+def _evaluate(sm, rows, batch: int, log, dp=None) -> dict:
     """The loss on every held-out row (in batches of the training batch's shape; a last batch filled with rows
     whose labels are all ignored), one metrics line."""
     import numpy as np
@@ -618,7 +705,7 @@ def _evaluate(sm, rows, batch: int, log) -> dict:
     total, tokens, t0 = 0.0, 0, time.perf_counter()
     for start in range(0, len(rows), batch):
         b = order.rows_batch(np.arange(start, min(start + batch, len(rows))), batch)
-        ev = sm.evaluate(**b)
+        ev = sm.evaluate(**_share(b, dp))  # with data parallel: the loss and tokens of every rank's share
         total += ev.loss * ev.tokens
         tokens += ev.tokens
     rec = {"step": sm.step, "eval_loss": total / tokens, "eval_tokens": tokens, "seconds": time.perf_counter() - t0}

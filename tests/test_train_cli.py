@@ -532,3 +532,33 @@ def test_optimizer_options_metrics_and_tensorboard(tmp_path, capsys):
     for n in a:
         expect_same = any(fnmatchcase(n, p) for p in frozen.split(",")) or (tied and n == "lm_head.weight")
         assert torch.equal(a[n], b[n]) == expect_same, n
+
+
+def test_two_data_parallel_processes_train_as_one(tmp_path, capsys):
+    """`megatrain train --gpus 2` on the CPU: torchrun with two gloo ranks, each training half of every batch in half
+    of its micro-batches: the same losses and gradient norms as one process (to the order of the gradient sums),
+    the same weights written, once, by rank 0 (an eval split run on the ranks' shares too)."""
+    from safetensors.torch import load_file
+
+    base = ["--steps", "3", "--batch", "4", "--mb", "2", "--seq", "64", "--device", "cpu", "--eval-split", "0.02"]
+    assert main(["train", *base, "--out", str(tmp_path / "one")]) == 0
+    assert main(["train", "--gpus", "2", *base, "--out", str(tmp_path / "two")]) == 0
+    assert "2 data-parallel processes" in capsys.readouterr().err
+    one, two = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("one", "two"))
+    assert [r.get("step") for r in two] == [r.get("step") for r in one]
+    for a, b in zip(one, two):
+        # the first step's to the order of the sums; after it AdamW turns that order's ulps in near-zero gradients
+        # into lr-sized moves (tests/runtime/test_parity.py), which the later steps' norms show most
+        tol = 1e-6 if a.get("step") == 1 else 1e-3
+        for k in ("loss", "grad_norm", "eval_loss"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=tol), (k, a, b)
+        assert b.get("tokens", 0) == a.get("tokens", 0)  # every rank's trained tokens counted
+    wa, wb = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
+    lr = json.loads((tmp_path / "one" / "summary.json").read_text())["config"]["lr"] or 3e-3
+    for n, t in wa.items():  # AdamW moves each weight by up to lr a step: no weight a tenth of one step apart, and
+        # on average a thousandth of that
+        diff = (wb[n].float() - t.float()).abs()
+        assert float(diff.max()) <= 0.1 * lr and float(diff.mean()) <= 1e-4 * lr, (n, float(diff.max()))
+    assert (tmp_path / "two" / "state").is_dir()

@@ -15,8 +15,11 @@
 #           48 and 80 GiB and Qwen2.5-1.5B at 16,384 tokens at 24 GiB (stages budget-<model>-<GiB>, one model each);
 #   packing Qwen2.5-1.5B at 16,384 tokens on random tokens, then on packed chat-like rows (prompts not trained on,
 #           each document attending to itself alone), then random again: what packing and masking cost;
-#   moe     OLMoE-1B-7B shape at 32,768 tokens with clipping, 4 then 2 then 1 micro-batches (the issuing thread bounds
-#           its step: fewer, larger micro-batches issue fewer ops), then at a 24 GiB budget;
+#   moe     OLMoE-1B-7B shape at 32,768 tokens with clipping, one micro-batch then two (the rest of each plan
+#           compile's: saved activations where the routing's cost makes them pay), then at a 24 GiB budget; the
+#           Qwen3-30B-A3B shape cut to 12 blocks;
+#   seq     Qwen2.5-7B's shape cut to 4 blocks with one 262,144-token sequence (untiled, 16,384- and 65,536-token
+#           tiles) and one of 524,288 tokens (3 steps; the planner's device peak next to the measured one);
 #   adamw   the host AdamW rate for 7B-block-sized updates: main or worker thread, thread count, pinned or not, with
 #           copies to and from the GPU running (benchmarks/host_adamw.py);
 #   all     all of them in turn (over ten minutes; not lean or budget: their models take calls of their own).
@@ -56,10 +59,19 @@ if [[ $part == packing || $part == all ]]; then
         --gpu-opt-every auto --steps 5 --variant data=chat --variant data=random --json "$out/packing.json"
 fi
 if [[ $part == moe ]]; then
-    stage moe-olmoe 400 python3 benchmarks/throughput.py --preset olmoe-1b-7b --batch 32 --mb 4 --slots 3 \
-        --gpu-opt-every auto --steps 3 --variant mb=2 --variant mb=1 --json "$out/moe-olmoe.json"
-    stage moe-olmoe-24 200 python3 benchmarks/throughput.py --preset olmoe-1b-7b --batch 32 --mb 4 --slots 3 \
+    stage moe-olmoe 300 python3 benchmarks/throughput.py --preset olmoe-1b-7b --batch 32 --mb 1 --slots 3 \
+        --gpu-opt-every auto --steps 3 --variant mb=2 --json "$out/moe-olmoe.json"
+    stage moe-olmoe-24 150 python3 benchmarks/throughput.py --preset olmoe-1b-7b --batch 32 --mb 1 --slots 3 \
         --gpu-opt-every auto --steps 3 --gpu-gib 24 --json "$out/moe-olmoe-24.json"
+    stage moe-qwen3 150 python3 benchmarks/throughput.py --preset qwen3-30b-a3b --layers 12 --batch 32 --mb 1 \
+        --slots 3 --gpu-opt-every auto --steps 3 --json "$out/moe-qwen3.json"
+fi
+if [[ $part == seq ]]; then
+    stage seq-262k 270 python3 benchmarks/throughput.py --preset qwen2.5-7b --layers 4 --seq 262144 --batch 1 --mb 1 \
+        --slots 3 --gpu-opt-every auto --steps 2 --seq-tile 0 --variant tile=16384 --variant tile=65536 \
+        --json "$out/seq-262k.json"
+    stage seq-524k 440 python3 benchmarks/throughput.py --preset qwen2.5-7b --layers 4 --seq 524288 --batch 1 --mb 1 \
+        --slots 3 --gpu-opt-every auto --warmup 1 --steps 2 --json "$out/seq-524k.json"
 fi
 if [[ $part == adamw || $part == all ]]; then
     stage adamw 200 python3 benchmarks/host_adamw.py --json "$out/host-adamw.json"

@@ -370,10 +370,7 @@ class StreamedModel:
             raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX}")
         nxt = torch.full_like(labels, IGNORE_INDEX)
         nxt[:, :-1] = labels[:, 1:]
-        denom = int((nxt != IGNORE_INDEX).sum())
-        if denom == 0:
-            raise ValueError("the batch has no token to predict (every label is ignored)")
-        return input_ids, attention_mask, nxt, position_ids, denom
+        return input_ids, attention_mask, nxt, position_ids, int((nxt != IGNORE_INDEX).sum())
 
     @staticmethod
     def _micro_batches(schedule: Schedule, ids, mask, nxt, pos) -> list[MicroBatch]:
@@ -412,9 +409,13 @@ class StreamedModel:
         return stats
 
     def _all_tokens(self, denom: int) -> int:
-        """The step's trained tokens: this process's, or with data parallel every rank's (the loss's denominator)."""
+        """The step's trained tokens: this process's, or with data parallel every rank's (the loss's denominator; a
+        rank's share may have none)."""
         dp = self.executor.dp
-        return denom if dp is None else dp.sum_int(denom)
+        total = denom if dp is None else dp.sum_int(denom)
+        if total == 0:
+            raise ValueError("the batch has no token to predict (every label is ignored)")
+        return total
 
     def _check_packing(self, position_ids: torch.Tensor) -> torch.Tensor:
         """``position_ids`` of packed rows, checked: this model keeps packed documents apart, and each row's positions

@@ -459,6 +459,8 @@ class StreamedModel:
             opt = self.optimizer
             steps = {l: opt.steps(l) for l in self.store.owners()}
             dp = self.executor.dp
+            if dp is not None:  # every rank's device copies written back to the one store before rank 0 reads it
+                dp.barrier()
             if dp is None:
                 return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
             # data parallel: every rank holds the same state; rank 0 writes it, the others wait for its outcome
@@ -481,8 +483,17 @@ class StreamedModel:
         Adam bias corrections as an unbroken run."""
         with self._lock:
             self.wait()
-            with progress_bar("loading the training state", self.graph.n_params) as bar:
-                m = train_state.load(self.store, directory, progress=bar.update)
+            dp = self.executor.dp
+            if dp is None:
+                with progress_bar("loading the training state", self.graph.n_params) as bar:
+                    m = train_state.load(self.store, directory, progress=bar.update)
+            else:  # one store for the ranks: each lets go of its device copies, then rank 0 reads the files
+                m = train_state.read_manifest(self.captured, directory)
+                with self.store.loading():
+                    dp.barrier()
+                    if dp.rank == 0:
+                        m = train_state.load(self.store, directory)
+                    dp.barrier()
             opt = self.optimizer
             for l in self.store.owners():
                 opt.set_steps(l, m["optimizer_steps"][str(l)])
@@ -511,6 +522,27 @@ class StreamedModel:
             out["device.kept_weights"] = mem.kept_nbytes
             out["device.saved_activations"] = mem.saved_nbytes
         return out
+
+
+def _data_parallel(cap: Captured, opts: PlanOptions, streams: bool) -> DataParallel | None:
+    """The data-parallel ranks where torch.distributed is initialized with several (None: one process), refused
+    where this runtime cannot train them yet, in one line."""
+    dp = DataParallel.from_env()
+    if dp is None:
+        return None
+    import torch.distributed as dist
+
+    why = ("its steps run in program order: pass streams=False (the stream executor does not order the ranks' "
+           "collectives yet)" if streams else
+           "the router's auxiliary loss (output_router_logits) is computed per micro-batch on one rank; set "
+           "output_router_logits=False or train on one process" if cap.router_aux is not None else
+           "the ranks share one host store, which a bf16 wire's host copy is not part of yet: use wire='fp32'"
+           if opts.wire == "bf16" else
+           "the ranks must share one host (their store is one memory): several nodes are not supported yet"
+           if int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) != dist.get_world_size() else None)
+    if why is not None:
+        raise ValueError(f"data parallel over {dp.world} ranks (torch.distributed is initialized): {why}")
+    return dp
 
 
 def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed: int | None = None,
@@ -595,34 +627,30 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
             f"host memory: the host store of this model needs {fmt_bytes(need)} ({n / 1e9:.3f}B parameters x "
             f"{need // n} bytes: fp32 master weights and two Adam moments"
             f"{', and the bf16 copy a bf16 wire sends' if opts.wire == 'bf16' else ''}), more than {have}")
-    with progress_bar(f"host store ({fmt_bytes(need)}{', pinned' if dev.type == 'cuda' else ''})", n) as bar:
-        store = HostStore(cap, pin=dev.type == "cuda", progress=bar.update)
-    if checkpoint is not None:
-        with progress_bar(f"loading {checkpoint}", n) as bar:
-            store.load_safetensors(checkpoint, progress=bar.update)
-    elif init_seed is not None:
-        with progress_bar("initializing", n) as bar:
-            init_seeded(model, cap, store, init_seed, progress=bar.update)
-    elif state is None:
-        store.load_from_module(model)
     use_streams = dev.type == "cuda" if streams is None else streams
     if use_streams and dev.type != "cuda":
         raise ValueError("streams=True needs a CUDA device")
+    dp = _data_parallel(cap, opts, use_streams)
+    with progress_bar(f"host store ({fmt_bytes(need)}{', pinned' if dev.type == 'cuda' else ''}"
+                      f"{f', shared by {dp.world} ranks' if dp is not None else ''})", n) as bar:
+        store = HostStore(cap, pin=dev.type == "cuda", progress=bar.update, shared=dp)
+    if dp is None or dp.rank == 0:  # data parallel: the store is one memory, rank 0 fills it
+        if checkpoint is not None:
+            with progress_bar(f"loading {checkpoint}", n) as bar:
+                store.load_safetensors(checkpoint, progress=bar.update)
+        elif init_seed is not None:
+            with progress_bar("initializing", n) as bar:
+                init_seeded(model, cap, store, init_seed, progress=bar.update)
+        elif state is None:
+            store.load_from_module(model)
+    if dp is not None:
+        dp.barrier()
     if dev.type == "cuda" and opts.device_budget_gib is not None:  # the caching allocator keeps to the budget too,
         # with the spec's reserve for its rounding and fragmentation: the run behaves as on a card whose plans
         # fill the budget (measured: 2.5 GiB reserved and unallocated at a 48 GiB budget)
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_bytes / total),
                                                    dev.index if dev.index is not None else torch.cuda.current_device())
-    dp = DataParallel.from_env()
-    if dp is not None and use_streams:
-        raise ValueError(f"data parallel over {dp.world} ranks (torch.distributed is initialized) runs its steps in "
-                         f"program order: pass streams=False (the stream executor does not order the ranks' "
-                         f"collectives yet)")
-    if dp is not None and cap.router_aux is not None:
-        raise ValueError(f"data parallel over {dp.world} ranks: the router's auxiliary loss (output_router_logits) "
-                         f"is computed per micro-batch on one rank and is not supported with several ranks yet; "
-                         f"set output_router_logits=False or train on one process")
     sm = StreamedModel(cap, store, optim or OptimConfig(), dev, dtype, opts, spec, use_kernels, use_streams)
     sm.executor.dp = dp
     sm.nonfinite = nonfinite

@@ -112,6 +112,8 @@ class Executor:
             st.saved.clear()
         if cfg.train:
             self._end_step(st)
+            if self.dp is not None:  # the ranks' host updates of the shared store are all done before any loads
+                self.dp.barrier()  # a layer for the next step
         else:
             self._end_evaluation()
         for layer, k in self._resident_slots(schedule).items():

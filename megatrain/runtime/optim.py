@@ -257,6 +257,18 @@ class HostAdamW:
                 self._torch_step(opt, [v], [g], self._grad_scale(g, coef))
         self.store.refresh_shadow(layer, lo, hi)  # a plan with a bf16 wire loads the shadow next
 
+    def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
+        """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by
+        another process to the store this one shares (data parallel): its Adam step counts advance as that update's
+        did."""
+        opt = self.opts.get(layer)
+        if opt is None:
+            return
+        lo, hi = span if span is not None else (0, self.store.master(layer).numel())
+        for v, (a, b, _) in zip(self.params[layer], self.chunks[layer]):
+            if lo <= a and b <= hi:
+                opt.state[v]["step"] += 1
+
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,
                       out: torch.Tensor | None = None) -> bool:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the

@@ -77,7 +77,11 @@ def pinned_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     a power of two (a 3.7 GB block of a 7B model takes 4 GiB, an 8.7 GB one 16 GiB): a 7.6B model's 113 GiB store
     would need far more than a 125 GiB host. Registering an ordinary allocation with cudaHostRegister pins it as is.
     """
-    t = torch.zeros(*shape, dtype=dtype)
+    return _pin(torch.zeros(*shape, dtype=dtype))
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory page-locked where it is (cudaHostRegister), until ``t`` goes."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return t
@@ -159,18 +163,28 @@ class HostStore:
     (1, n_l) tensor where the moments cover all weights or none. ``grads``: the host gradient buffers
     (:class:`GradBuffers`)."""
 
-    def __init__(self, captured: Captured, *, pin: bool | None = None, progress: Callable[[int], None] | None = None):
+    def __init__(self, captured: Captured, *, pin: bool | None = None, progress: Callable[[int], None] | None = None,
+                 shared=None):
         self.captured = captured
         self.pinned = torch.cuda.is_available() if pin is None else pin
         self.flats: list[torch.Tensor | None] = []  # per layer: master, exp_avg, exp_avg_sq end to end
-        for seg in captured.segments:
-            if seg.numel:
-                n = seg.numel + 2 * captured.graph[seg.index].moment_params
-                self.flats.append(pinned_zeros(n) if self.pinned else torch.zeros(n))
+        sizes = [seg.numel + 2 * captured.graph[seg.index].moment_params if seg.numel else 0
+                 for seg in captured.segments]
+        # data parallel (``shared``: runtime.data_parallel.DataParallel): one memory for the ranks of this host
+        base = shared.shared_zeros(sum(sizes)) if shared is not None else None
+        if base is not None and self.pinned:
+            _pin(base)
+        off = 0
+        for seg, n in zip(captured.segments, sizes):
+            if n:
+                self.flats.append(base[off: off + n] if base is not None else
+                                  pinned_zeros(n) if self.pinned else torch.zeros(n))
+                off += n
                 if progress is not None:
                     progress(seg.numel)
             else:
                 self.flats.append(None)
+        self.shared = base is not None
         self.grads = GradBuffers(self.pinned)
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
         self.generation = 0  # counts loads of new weights from outside (copies made of the masters go stale)
@@ -242,7 +256,7 @@ class HostStore:
         return self.row(layer, row)[off: off + n].view(shape)
 
     @contextlib.contextmanager
-    def _loading(self):
+    def loading(self):
         """Around writing new master weights from outside: whoever holds newer rows writes them back first; after,
         copies made of the old masters are stale (the shadow is made again when next needed)."""
         for hook in self.before_load:
@@ -254,7 +268,7 @@ class HostStore:
     def load_state(self, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> None:
         """Copy tensors named as in the model's state_dict into the master weights."""
         names = self.captured.model_param_names
-        with self._loading():
+        with self.loading():
             for name, t in tensors.items():
                 canon = self.captured.tied_names.get(name, name)
                 if canon not in names:
@@ -268,7 +282,7 @@ class HostStore:
                 view.copy_(t)
 
     def load_from_module(self, model: nn.Module) -> None:
-        with self._loading():
+        with self.loading():
             for name, p in model.named_parameters():
                 if p.is_meta:
                     raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to "
@@ -290,7 +304,7 @@ class HostStore:
                     if expert is None:
                         self.load_state({name: t})
                     else:  # one expert's matrix, into its rows of the parameter that holds every expert's
-                        with self._loading():
+                        with self.loading():
                             self.param_view(name)[expert, row: row + t.shape[0]].copy_(t)
                     if progress is not None:
                         progress(t.numel())

@@ -113,6 +113,9 @@ def update_on_host(ex, op: Op, st: StepState) -> None:
     if not st.ok():
         return
     lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    if ex.dp is not None and not ex.dp.owns(op.layer):  # its owner rank updates the shared store
+        ex.optimizer.count_step(op.layer, span=(lo, hi))
+        return
     ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi))
 
 

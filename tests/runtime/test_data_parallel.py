@@ -21,24 +21,39 @@ def _model():
     return TinyGPT(tied=True)
 
 
+def _compile(plan: dict, updated: list):
+    """The rank's streamed model, each host update it runs recorded in ``updated`` (layer)."""
+    sm = compile_cpu(_model(), optim=OPT, n_mb=2, weight_slots=2, **plan)
+    step_layer = sm.optimizer.step_layer
+
+    def recorded(layer, *args, **kw):
+        updated.append(layer)
+        return step_layer(layer, *args, **kw)
+
+    sm.optimizer.step_layer = recorded
+    return sm
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: dict, resume_at: int | None):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        sm = compile_cpu(_model(), optim=OPT, n_mb=2, weight_slots=2, **plan)
-        assert sm.executor.dp is not None and sm.executor.dp.world == world
+        updated: list[int] = []
+        sm = _compile(plan, updated)
+        assert sm.executor.dp is not None and sm.executor.dp.world == world and sm.store.shared
         share = slice(rank * B // world, (rank + 1) * B // world)
         losses, norms = [], []
         for i, (ids, mask, labels) in enumerate(batches(n_steps=STEPS, B=B)):
             if i == resume_at:  # another process goes on from the saved state
                 saved = sm.save_state(os.path.join(out_dir, "state"))
-                sm = compile_cpu(_model(), optim=OPT, n_mb=2, weight_slots=2, **plan)
+                sm = _compile(plan, updated)
                 sm.load_state(saved)
             st = sm.train_step(ids[share], mask[share], labels[share])
             losses.append(st.loss)
             norms.append(st.grad_norm)
-        torch.save({"losses": losses, "norms": norms, "state": {n: t.clone() for n, t in sm.state_dict().items()}},
+        torch.save({"losses": losses, "norms": norms, "state": {n: t.clone() for n, t in sm.state_dict().items()},
+                    "updated": updated, "steps": {l: sm.optimizer.steps(l) for l in sm.store.owners()}},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -54,7 +69,13 @@ def test_two_gloo_ranks_train_as_one_process_over_the_whole_batch(tmp_path, plan
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), plan, resume_at), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for n, t in ranks[0]["state"].items():
-        assert torch.equal(t, ranks[1]["state"][n]), n  # one update, the same on every rank
+        assert torch.equal(t, ranks[1]["state"][n]), n  # one store, which both ranks read
+    # each host update ran on one rank, once a step (the layer's owner), and every rank counts every layer's steps
+    host = [l for l in ref.store.owners() if l not in ref.schedule_for(B, 12).config.gpu_opt]
+    done = [sorted(set(r["updated"])) for r in ranks]
+    assert not set(done[0]) & set(done[1]) and sorted(done[0] + done[1]) == sorted(host), done
+    assert all(r["updated"].count(l) == STEPS for r in ranks for l in set(r["updated"]))
+    assert ranks[0]["steps"] == ranks[1]["steps"] == {l: ref.optimizer.steps(l) for l in ref.store.owners()}
     out = ranks[0]
     assert out["losses"] == pytest.approx([s.loss for s in ref_stats], rel=1e-6)
     assert out["norms"] == pytest.approx([s.grad_norm for s in ref_stats], rel=1e-6)

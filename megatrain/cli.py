@@ -156,14 +156,17 @@ def _plan(args) -> int:
     return 0
 
 
-def _launch(args) -> int | None:
-    """``--gpus N`` (N > 1) outside torchrun: the same command under torchrun with N processes, its exit status;
-    None where this process is to train itself."""
+def _launch(args, cfg) -> int | None:
+    """``--gpus N`` (N > 1) outside torchrun: the same command under torchrun with N processes (``cfg`` checked
+    for them first), its exit status; None where this process is to train itself."""
+    from megatrain.train import check_ranks
+
+    if args.gpus is not None and args.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     if not args.gpus or args.gpus == 1 or "WORLD_SIZE" in os.environ:
         return None
-    if args.gpus < 1:
-        print(f"megatrain train: --gpus must be >= 1, got {args.gpus}", file=sys.stderr)
-        return 2
+    cfg.check()
+    check_ranks(cfg, args.gpus)
     rest, skip = [], False
     for a in args.argv:  # the command without --gpus
         if skip or a == "--gpus" or a.startswith("--gpus="):
@@ -180,10 +183,6 @@ def _train(args) -> int:
     from megatrain.data import DataError
     from megatrain.train import TrainConfig, load_yaml, resume_config, run
 
-    launched = _launch(args)
-    if launched is not None:
-        return launched
-
     try:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                  if f.name != "resume" and getattr(args, f.name, None) is not None}
@@ -192,9 +191,13 @@ def _train(args) -> int:
         if args.resume:
             if args.config:
                 raise ValueError("--resume goes on with the run's own config; --config cannot change it")
-            summary = run(resume_config(args.resume, **given))
+            cfg = resume_config(args.resume, **given)
         else:
-            summary = run(TrainConfig(**{**(load_yaml(args.config) if args.config else {}), **given}))
+            cfg = TrainConfig(**{**(load_yaml(args.config) if args.config else {}), **given})
+        launched = _launch(args, cfg)
+        if launched is not None:
+            return launched
+        summary = run(cfg)
     except (ValueError, DataError, OSError) as e:  # OSError: a file that cannot be read or written (disk full)
         print(f"megatrain train: {e}", file=sys.stderr)
         return 2

@@ -433,9 +433,7 @@ def _data_parallel(cfg: TrainConfig):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world < 2:
         return None
-    if cfg.batch % world or cfg.mb % world:
-        raise ValueError(f"{world} data-parallel ranks: --batch ({cfg.batch}) and --mb ({cfg.mb}) must be multiples "
-                         f"of {world} (each rank trains batch / {world} sequences in mb / {world} micro-batches)")
+    check_ranks(cfg, world)
     import torch.distributed as dist
 
     from megatrain.runtime.data_parallel import DataParallel
@@ -446,6 +444,14 @@ def _data_parallel(cfg: TrainConfig):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
     return DataParallel.from_env()
+
+
+def check_ranks(cfg: TrainConfig, world: int) -> None:
+    """``cfg`` trains on ``world`` data-parallel ranks: each takes batch / world sequences in mb / world micro-batches
+    (ValueError naming the numbers otherwise)."""
+    if cfg.batch % world or cfg.mb % world:
+        raise ValueError(f"{world} data-parallel ranks: --batch ({cfg.batch}) and --mb ({cfg.mb}) must be multiples "
+                         f"of {world} (each rank trains batch / {world} sequences in mb / {world} micro-batches)")
 
 
 def _run_directory(out: Path, dp) -> RunDirectory | None:

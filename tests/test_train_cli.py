@@ -562,3 +562,7 @@ def test_two_data_parallel_processes_train_as_one(tmp_path, capsys):
         diff = (wb[n].float() - t.float()).abs()
         assert float(diff.max()) <= 0.1 * lr and float(diff.mean()) <= 1e-4 * lr, (n, float(diff.max()))
     assert (tmp_path / "two" / "state").is_dir()
+    # a batch the processes cannot split evenly: one line, before any process starts
+    assert main(["train", "--gpus", "2", *base, "--batch", "3", "--mb", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "2 data-parallel ranks: --batch (3) and --mb (1) must be multiples of 2" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -49,6 +49,7 @@ def _plan(args) -> int:
 
     from megatrain.planner import hardware
     from megatrain.planner.cost import device_memory, grad_placement, host_memory
+    from megatrain.planner.critical import critical_path
     from megatrain.planner.search import largest_on_host
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.search import PlanError, plan
@@ -132,6 +133,8 @@ def _plan(args) -> int:
         + ", ".join(f"{r} {v:.3f}" for r, v in b.per_step_busy_s.items())
         + f"); critical path {b.critical_path_s:.3f} s for {cfg.n_steps} steps",
         f"efficiency bound / predicted = {b.step_s / steady:.2f}",
+        f"critical   {critical_path(s, graph, spec).text()}, over {cfg.n_steps} steps: the chain of dependencies "
+        f"and stream order that bounds them",
         f"device     peak {tl.peak_nbytes / GiB:.2f} GiB in use, {mem.total_nbytes / GiB:.2f} GiB reserved "
         f"(weights {mem.pool_nbytes['w'] / GiB:.2f}, gradients {mem.pool_nbytes['g'] / GiB:.2f}, "
         f"activations {mem.pool_nbytes['a'] / GiB:.2f}, "

@@ -13,6 +13,7 @@ from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.search import (PlanError, device_update_sets, plan, saved_act_layers, unsaved,
                                       with_saved_acts)
+from megatrain.planner.critical import critical_path
 from megatrain.planner.simulate import bound, simulate
 from megatrain.planner.verify import verify
 
@@ -83,6 +84,8 @@ def test_every_schedule_verifies_fits_and_respects_the_bound(data):
     assert tl.peak_nbytes <= tl.reserved_nbytes <= cfg.budget_bytes
     assert tl.makespan_s >= b.makespan_s * (1 - 1e-9)
     assert tl.step_s >= b.step_s * (1 - 1e-9)
+    # the networkx event graph's longest path is the bound's critical path (two derivations of one number)
+    assert critical_path(s, graph, SPEC).length_s == pytest.approx(b.critical_path_s, rel=1e-9, abs=1e-12)
     for op in s.ops:  # deps finish before their dependents start; a state load runs alongside the store it waits
         # for (from the store's first row on) and ends after it
         for d in op.deps:

@@ -34,40 +34,54 @@ def _compile(plan: dict, updated: list):
     return sm
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, plan: dict, resume_at: int | None):
+# (plan options, the step before which the run is saved and resumed by new processes): host updates, then device
+# updates with kept gradients; both run in one pair of processes (starting them is most of the test's time)
+CASES = [({}, 2), ({"gpu_opt_every": 2, "grad_kept": 1}, None)]
+
+
+def _run(rank: int, world: int, out: str, plan: dict, resume_at: int | None) -> None:
+    updated: list[int] = []
+    sm = _compile(plan, updated)
+    assert sm.executor.dp is not None and sm.executor.dp.world == world and sm.store.shared
+    share = slice(rank * B // world, (rank + 1) * B // world)
+    losses, norms = [], []
+    for i, (ids, mask, labels) in enumerate(batches(n_steps=STEPS, B=B)):
+        if i == resume_at:  # another process goes on from the saved state
+            saved = sm.save_state(os.path.join(out, "state"))
+            sm = _compile(plan, updated)
+            sm.load_state(saved)
+        st = sm.train_step(ids[share], mask[share], labels[share])
+        losses.append(st.loss)
+        norms.append(st.grad_norm)
+    torch.save({"losses": losses, "norms": norms, "state": {n: t.clone() for n, t in sm.state_dict().items()},
+                "updated": updated, "steps": {l: sm.optimizer.steps(l) for l in sm.store.owners()}},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        updated: list[int] = []
-        sm = _compile(plan, updated)
-        assert sm.executor.dp is not None and sm.executor.dp.world == world and sm.store.shared
-        share = slice(rank * B // world, (rank + 1) * B // world)
-        losses, norms = [], []
-        for i, (ids, mask, labels) in enumerate(batches(n_steps=STEPS, B=B)):
-            if i == resume_at:  # another process goes on from the saved state
-                saved = sm.save_state(os.path.join(out_dir, "state"))
-                sm = _compile(plan, updated)
-                sm.load_state(saved)
-            st = sm.train_step(ids[share], mask[share], labels[share])
-            losses.append(st.loss)
-            norms.append(st.grad_norm)
-        torch.save({"losses": losses, "norms": norms, "state": {n: t.clone() for n, t in sm.state_dict().items()},
-                    "updated": updated, "steps": {l: sm.optimizer.steps(l) for l in sm.store.owners()}},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        for k, (plan, resume_at) in enumerate(CASES):
+            _run(rank, world, os.path.join(out_dir, str(k)), plan, resume_at)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("plan,resume_at", [({}, 2), ({"gpu_opt_every": 2, "grad_kept": 1}, None)],
-                         ids=["host-updates-resumed", "device-updates-kept-gradients"])
-def test_two_gloo_ranks_train_as_one_process_over_the_whole_batch(tmp_path, plan, resume_at):
+def test_two_gloo_ranks_train_as_one_process_over_the_whole_batch(tmp_path):
     import torch.multiprocessing as mp
 
+    for k in range(len(CASES)):
+        (tmp_path / str(k)).mkdir()
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for k, (plan, _) in enumerate(CASES):
+        _check(plan, [torch.load(tmp_path / str(k) / f"rank{r}.pt") for r in range(2)])
+
+
+def _check(plan: dict, ranks: list[dict]) -> None:
     ref = compile_cpu(_model(), optim=OPT, n_mb=4, weight_slots=2, **plan)
     ref_stats = [ref.train_step(*b) for b in batches(n_steps=STEPS, B=B)]
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), plan, resume_at), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for n, t in ranks[0]["state"].items():
         assert torch.equal(t, ranks[1]["state"][n]), n  # one store, which both ranks read
     # each host update ran on one rank, once a step (the layer's owner), and every rank counts every layer's steps

@@ -459,23 +459,13 @@ class StreamedModel:
             opt = self.optimizer
             steps = {l: opt.steps(l) for l in self.store.owners()}
             dp = self.executor.dp
-            if dp is not None:  # every rank's device copies written back to the one store before rank 0 reads it
-                dp.barrier()
             if dp is None:
                 return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
-            # data parallel: every rank holds the same state; rank 0 writes it, the others wait for its outcome
-            if dp.rank != 0:
-                ok, said = dp.from_rank0(None)
-                if not ok:
-                    raise RuntimeError(f"rank 0 did not save the training state: {said}")
-                return Path(said)
-            try:
-                saved = train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
-            except Exception as e:
-                dp.from_rank0((False, f"{type(e).__name__}: {e}"))
-                raise
-            dp.from_rank0((True, str(saved)))
-            return saved
+            # data parallel: every rank's device copies are written back to the one store, then rank 0 writes it
+            dp.barrier()
+            saved = dp.after_rank0(lambda: train_state.save(self.store, directory, step=self.step,
+                                                            optimizer_steps=steps, extra=extra))
+            return Path(dp.from_rank0(str(saved) if saved is not None else None))
 
     def load_state(self, directory: str | Path) -> dict:
         """Go on from a state :meth:`save_state` wrote (for this model: checked before anything changes); returns

@@ -455,22 +455,9 @@ def check_ranks(cfg: TrainConfig, world: int) -> None:
 
 
 def _run_directory(out: Path, dp) -> RunDirectory | None:
-    """The run directory, made and locked by the one process that writes it (rank 0 of a data-parallel run, which
-    tells the others whether it could)."""
-    if dp is None:
-        return RunDirectory(out)
-    if dp.rank != 0:
-        refused = dp.from_rank0(None)
-        if refused:
-            raise ValueError(refused)
-        return None
-    try:
-        run_dir = RunDirectory(out)
-    except ValueError as e:
-        dp.from_rank0(str(e))
-        raise
-    dp.from_rank0(None)
-    return run_dir
+    """The run directory, made and locked by the one process that writes it (rank 0 of a data-parallel run, whose
+    refusal the others raise too)."""
+    return RunDirectory(out) if dp is None else dp.after_rank0(lambda: RunDirectory(out))
 
 
 @contextlib.contextmanager

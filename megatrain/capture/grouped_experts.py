@@ -44,13 +44,13 @@ class _ToPairs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, token, inv, k):
-        ctx.save_for_backward(token, inv)
+        ctx.save_for_backward(inv)
         ctx.k = k
         return x[token]
 
     @staticmethod
     def backward(ctx, g):
-        token, inv = ctx.saved_tensors
+        (inv,) = ctx.saved_tensors
         return _sum_pairs(g, inv, ctx.k), None, None, None
 
 
@@ -59,12 +59,12 @@ class _FromPairs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, token, inv, k):
-        ctx.save_for_backward(token, inv)
+        ctx.save_for_backward(token)
         return _sum_pairs(y, inv, k)
 
     @staticmethod
     def backward(ctx, g):
-        token, inv = ctx.saved_tensors
+        (token,) = ctx.saved_tensors
         return g[token], None, None, None
 
 
@@ -87,7 +87,7 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
 def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output for (tokens, hidden) states routed to ``top_k_index`` with ``top_k_weights`` (tokens, k),
     as transformers' experts modules compute it (``self``: one of them, with its layout flags)."""
-    n_tok, k = top_k_index.shape
+    k = top_k_index.shape[-1]
     n_exp = self.num_experts
     expert, perm = torch.sort(top_k_index.reshape(-1))
     token = perm // k

@@ -13,7 +13,7 @@ rank alike (from the same summed gradient; their write-back to the shared store 
 What is summed across ranks, in the order every rank issues it (all ranks run one schedule, in program order):
 the step's count of trained tokens (the loss's denominator) before the step; each owner layer's complete gradient
 (a tied gradient once its parts are summed; ``update_ops``); the micro-batches' loss sums at the step's guard and
-its end (each micro-batch's, in rank order). Each rank then applies the same update to its own copy of the master weights and moments.
+its end (each micro-batch's, in rank order).
 """
 
 from __future__ import annotations
@@ -80,6 +80,23 @@ class DataParallel:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def after_rank0(self, fn):
+        """``fn()`` run on rank 0 alone (what only one process may do: make the run directory, write a state), the
+        others waiting for its outcome: its result on rank 0, None on the others; an exception it raises is raised
+        on every rank."""
+        if self.rank != 0:
+            failed = self.from_rank0(None)
+            if failed is not None:
+                raise failed
+            return None
+        try:
+            out = fn()
+        except Exception as e:
+            self.from_rank0(e)
+            raise
+        self.from_rank0(None)
+        return out
 
     def from_rank0(self, obj):
         """``obj`` as rank 0 has it, on every rank."""

@@ -241,10 +241,9 @@ class HostAdamW:
             return
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
-        lo, hi = span if span is not None else (0, self.store.master(layer).numel())
+        lo, hi, pairs = self._span_chunks(layer, span)
         if grad.numel() != hi - lo:
             raise AssertionError(f"layer {layer}: a gradient of {grad.numel()} elements for span {lo}..{hi}")
-        pairs = [(v, (a, b)) for v, (a, b, _) in zip(self.params[layer], self.chunks[layer]) if lo <= a and b <= hi]
         if any(a < hi and b > lo and not (lo <= a and b <= hi) for a, b, _ in self.chunks[layer]):
             raise AssertionError(f"layer {layer}: span {lo}..{hi} cuts an update chunk (chunks of "
                                  f"{HOST_UPDATE_CHUNK} elements)")
@@ -264,10 +263,14 @@ class HostAdamW:
         opt = self.opts.get(layer)
         if opt is None:
             return
+        for v, _ in self._span_chunks(layer, span)[2]:
+            opt.state[v]["step"] += 1
+
+    def _span_chunks(self, layer: int, span: tuple[int, int] | None) -> tuple[int, int, list]:
+        """(lo, hi, [(view, (a, b))]): ``span`` (None: the whole block) and the update chunks inside it."""
         lo, hi = span if span is not None else (0, self.store.master(layer).numel())
-        for v, (a, b, _) in zip(self.params[layer], self.chunks[layer]):
-            if lo <= a and b <= hi:
-                opt.state[v]["step"] += 1
+        return lo, hi, [(v, (a, b)) for v, (a, b, _) in zip(self.params[layer], self.chunks[layer])
+                        if lo <= a and b <= hi]
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,
                       out: torch.Tensor | None = None) -> bool:

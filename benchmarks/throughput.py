@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from megatrain.cli import gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile
+from megatrain.cli import gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile, split_opt
 
 
 def main():
@@ -44,6 +44,9 @@ def main():
                     help="tokens per tile the blocks' MLPs run over (0: untiled; auto: the planner's choice)")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
                     help="update every k-th layer on the GPU (0: none; auto: the fastest simulated set)")
+    ap.add_argument("--split-opt", type=split_opt, default=0,
+                    help="host-updated layers whose update runs on the GPU after the backward, state streamed in "
+                         "parts (0: none; auto: the planner's choice)")
     ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="weights on the wire")
     ap.add_argument("--saved-acts", type=saved_acts, default="auto",
                     help="layers that keep their activations, no recompute (auto: as many as fit; 0: none)")
@@ -77,7 +80,7 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved, resident, tile, host_ckpt); "
+                         "saved, resident, tile, host_ckpt, split); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -97,7 +100,8 @@ def main():
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
                            wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt,
                            grad_kept=args.grad_kept, grad_host_dtype=args.grad_host_dtype,
-                           seq_tile=args.seq_tile, host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib)
+                           seq_tile=args.seq_tile, host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib,
+                           split_opt=args.split_opt)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
@@ -107,7 +111,7 @@ def main():
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
             "saved_acts": args.saved_acts, "resident_opt": args.resident_opt, "grad_kept": args.grad_kept,
             "grad_host_dtype": args.grad_host_dtype, "host_checkpoints": args.host_checkpoints,
-            "seq_tile": args.seq_tile}
+            "seq_tile": args.seq_tile, "split_opt": args.split_opt}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         data = variant.pop("data", args.data)
@@ -166,7 +170,8 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
                 "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
                 "resident": ("resident_opt", resident_opt), "data": ("data", str),
-                "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints)}
+                "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints),
+                "split": ("split_opt", split_opt)}
 
 
 def parse_variant(text: str) -> dict:
@@ -183,7 +188,7 @@ def parse_variant(text: str) -> dict:
 
 def print_table(results: list[dict]) -> None:
     cols = [("data", "data", "{}"), ("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"),
-            ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"),
+            ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"), ("split", "split_opt", "{}"),
             ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
@@ -193,7 +198,8 @@ def print_table(results: list[dict]) -> None:
             ("bound/meas", "efficiency_bound_over_measured", "{:.2f}"),
             ("bound/med", "efficiency_bound_over_median", "{:.2f}"), ("GPU GiB", "gpu_peak_gib", "{:.1f}"),
             ("host GiB", "host_rss_gib", "{:.1f}")]
-    rows = [[fmt.format(len(r[key]) if key in ("gpu_opt", "saved_acts", "resident_opt") else r[key])
+    rows = [[fmt.format(len(r.get(key, ())) if key in ("gpu_opt", "saved_acts", "resident_opt", "split_opt")
+                        else r[key])
              + (" lean" if key == "saved_acts" and r.get("saved_lean") else "") for _, key, fmt in cols]
             for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _, _) in enumerate(cols)]
@@ -291,7 +297,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "resident_opt": list(c.resident_opt), "grad_kept": list(c.grad_kept), "grad_host_bytes": c.grad_host_bytes,
         "planned_host_gib": sum(host_memory(graph, sched).values()) / (1 << 30),
         "planned_host_bytes_per_param": sum(host_memory(graph, sched).values()) / n,
-        "saved_lean": c.saved_lean, "seq_tile": c.seq_tile,
+        "saved_lean": c.saved_lean, "seq_tile": c.seq_tile, "split_opt": list(c.split_opt), "opt_part": c.opt_part,
         # the simulator's device memory in use at its peak, for the measured peak below
         "planned_gpu_peak_gib": simulate(sched, graph, spec).peak_nbytes / (1 << 30),
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),

@@ -65,6 +65,11 @@ class PlanOptions:
     # spec's, where one is given)
     seq_tile: int | str = "auto"  # tokens per tile of the blocks' MLPs in recomputed layers (ScheduleConfig.seq_tile;
     # long sequences: the MLP's intermediate held for one tile at a time); 0: untiled; "auto": the search's choice
+    split_opt: int | str = 0  # of the layers updated on the host, how many have their update done on the GPU
+    # instead, in the update pass after the backward (with clipping), their master weights and moments streamed
+    # over PCIe in parts, next to the host's updates of the others; "auto": the simulation's choice (see
+    # megatrain.planner.search.split_sets). compile() makes it "auto" on a CUDA device unless it is given
+    opt_part: int | None = None  # elements of one part of a split update's state (None: the planner's SPLIT_PART)
     device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
     # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),
     # as on a card of that size (a 24, 48 or 80 GB card's plan on a larger one); None: the card's, less the reserve
@@ -91,11 +96,15 @@ class PlanOptions:
             raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
         for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes"),
                            ("resident_opt", "every device update's state goes back to the host each step"),
-                           ("grad_kept", "every gradient goes to the host during the backward")):
+                           ("grad_kept", "every gradient goes to the host during the backward"),
+                           ("split_opt", "every host-updated layer stays on the host")):
             v = getattr(self, name)
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
         check_resident(self.gpu_opt_every, self.resident_opt)  # a PlanError, which is a ValueError
+        if self.opt_part is not None and (not isinstance(self.opt_part, int) or isinstance(self.opt_part, bool)
+                                          or self.opt_part < 1):
+            raise ValueError(f"opt_part must be a number of elements >= 1 or None, got {self.opt_part!r}")
         for name in ("host_budget_gib", "device_budget_gib"):
             h = getattr(self, name)
             if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or
@@ -215,6 +224,7 @@ class StreamedModel:
             auto = lambda v: None if v == "auto" else v  # noqa: E731
             chosen = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
                           saved_acts=opts.saved_acts, grad_kept=opts.grad_kept, grad_host_dtype=opts.grad_host_dtype,
+                          split_opt=opts.split_opt, opt_part=opts.opt_part,
                           n_mb=opts.n_mb, weight_slots=opts.weight_slots,
                           grad_slots=auto(opts.grad_slots), wire_bytes=2 if opts.wire == "bf16" else 4,
                           host_checkpoints=(None if seq_len >= LONG_SEQ else 0)
@@ -555,7 +565,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     cross-entropy; ``StreamedModel.kernels`` lists what they replaced. On the CPU they need Triton's interpreter.
     ``streams`` (default: on with CUDA) issues the schedule on separate CUDA streams with a host optimizer thread
     (:mod:`megatrain.runtime.streams`); off, every op runs in program order. ``plan``: :class:`PlanOptions`; with
-    CUDA ``gpu_opt_every`` defaults to "auto" (the planner picks the layers updated on the GPU), on the CPU to 0.
+    CUDA ``gpu_opt_every`` and ``split_opt`` default to "auto" (the planner picks the layers updated on the GPU),
+    on the CPU to 0.
     """
     from megatrain.planner.hardware import hardware as hardware_spec
 
@@ -572,9 +583,9 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     host_free = available_host_bytes() if hardware is None else None  # a spec given is taken at its word
     if host_free is not None:  # plan with this machine's host memory, not the preset's
         spec = replace(spec, host_bytes=host_free)
-    if "gpu_opt_every" not in plan:  # on the H200 faster at every size measured (docs/benchmarks.md); on the CPU
-        # a "device" update is a host update by another path
-        plan["gpu_opt_every"] = "auto" if dev.type == "cuda" else 0
+    for name in ("gpu_opt_every", "split_opt"):  # on the H200 faster at every size measured (docs/benchmarks.md);
+        # on the CPU a "device" update is a host update by another path
+        plan.setdefault(name, "auto" if dev.type == "cuda" else 0)
     try:
         opts = PlanOptions(**plan)
     except TypeError as e:

@@ -66,7 +66,10 @@ def _plan(args) -> int:
         every = args.gpu_opt_every
         if every is None:  # what compile() does on that device: device updates on a GPU, none on the CPU
             every = "0" if spec.name == "cpu" else "auto"
-        fixed = dict(n_mb=args.mb, weight_slots=args.slots,
+        split = args.split_opt
+        if split is None:  # likewise
+            split = "0" if spec.name == "cpu" else "auto"
+        fixed = dict(n_mb=args.mb, weight_slots=args.slots, split_opt=split_opt(split),
                      wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
                      host_checkpoints=args.host_checkpoints,
                      gpu_opt_every=None if every == "auto" else gpu_opt_every(every),
@@ -123,6 +126,8 @@ def _plan(args) -> int:
         + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else "")
         + (f" ({'all' if len(cfg.resident_opt) == len(cfg.gpu_opt) else len(cfg.resident_opt)} keeping their "
            f"state there)" if cfg.resident_opt else "")
+        + (f"; after the backward layers {list(cfg.split_opt)} updated on the GPU, their state streamed in parts of "
+           f"{cfg.opt_part / 1e6:.1f}M" if cfg.split_opt else "")
         + (f"; {len(cfg.saved_acts)} layers keep their activations for the backward (no recompute"
            + ("; lean: the MLP's gate x up formed again there" if cfg.saved_lean else "") + ")"
            if cfg.saved_acts else "; every backward recomputes its forward")
@@ -281,9 +286,9 @@ def _count_or_auto(name: str):
     return parse
 
 
-gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile, host_checkpoints = (
+gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile, host_checkpoints, split_opt = (
     _count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt", "grad_kept", "seq_tile",
-                                "host_checkpoints"))
+                                "host_checkpoints", "split_opt"))
 
 
 def _slots(value: str):
@@ -411,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
                         "on the host; auto: search every 4th, 3rd and 2nd layer (each with and without the first), "
                         "every layer and the first 2, 4, 6, ...; default: auto, or 0 for --hardware cpu (what "
                         "compile() does on that device)")
+    p.add_argument("--split-opt", metavar="N|auto",
+                   help="of the layers updated on the host, N (spread evenly) updated on the GPU instead after the "
+                        "backward, their master weights and moments streamed over PCIe in parts (with clipping); "
+                        "auto: search a quarter to three quarters of them; default: auto, or 0 for --hardware cpu")
     p.add_argument("--saved-acts", default="auto", metavar="N|auto",
                    help="layers (the last N blocks) whose forward keeps its activations on the GPU so that their "
                         "backward does not recompute it; auto (default): as many as the memory the plan leaves "

@@ -58,8 +58,10 @@ class OpKind(str, enum.Enum):
     # its gradient slot into a kept-gradient slot, for a layer whose gradient stays on the device until the update
     # pass (ScheduleConfig.grad_kept)
     OPT = "OPT"  # cpu: AdamW on the layer's host block; compute: AdamW on the block in an optimizer slot
-    LOAD_OPT = "LOAD_OPT"  # h2d: the layer's master weights and moments -> optimizer slot
-    STORE_OPT = "STORE_OPT"  # d2h: updated master and moments -> the layer's host block
+    LOAD_OPT = "LOAD_OPT"  # h2d: the layer's master weights and moments -> optimizer slot (a layer of split_opt:
+    # one part of them, ``mb`` its index, with the part's gradient from its host buffer unless kept on the device)
+    STORE_OPT = "STORE_OPT"  # d2h: updated master and moments -> the layer's host block (split_opt: one part, and
+    # the part's new weights in bf16 into the host's shadow where there is one)
 
 
 class Stream(str, enum.Enum):
@@ -183,10 +185,10 @@ class Op:
             raise IRError(f"not an op: {d!r} ({e})") from None
 
 
-TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept")  # ScheduleConfig's layer sets
+TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt")  # ScheduleConfig's layer sets
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
 QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "grad_host_bytes": 4, "host_grad_slots": 2,
-                  "host_grad_part": 0, "seq_tile": 0}
+                  "host_grad_part": 0, "seq_tile": 0, "opt_part": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,6 +244,14 @@ class ScheduleConfig:
     # tile_work_bytes_per_token) in its forward and backward: its intermediate exists for one tile at a time, each
     # tile recomputed ahead of its backward; 0: whole micro-batches. Layers in saved_acts are not tiled
     seq_tile: int = 0
+    # layers updated on the device in the update pass after the backward (with clipping), next to the host's
+    # updates of the others: their gradient goes to a host buffer or stays on the device (grad_kept) like a host
+    # update's, and their master weights and moments stream through the optimizer slots in parts of ``opt_part``
+    # elements (the last part of a layer the rest; 0: a layer at a time), each part's LOAD_OPT, OPT (compute) and
+    # STORE_OPT its own ops (``mb``: the part's index). No state stays on the device between steps, and the new
+    # weights go back to the host (the next step's forward loads them as a host update's)
+    split_opt: tuple[int, ...] = ()
+    opt_part: int = 0
 
     def tiled(self, layer: "Layer", index: int) -> bool:
         """Whether layer ``index`` (``layer``) runs its token-wise part over tiles in this schedule."""
@@ -249,16 +259,22 @@ class ScheduleConfig:
             and self.seq_tile < self.mb_tokens
 
     def part_span(self, op: "Op", numel: int) -> tuple[int, int]:
-        """The elements [lo, hi) of a layer's ``numel`` that ``op`` (a STORE_G or OPT) handles: one part, or all."""
-        if op.mb is None or op.kind not in (OpKind.STORE_G, OpKind.OPT):
+        """The elements [lo, hi) of a layer's ``numel`` that ``op`` (a STORE_G, OPT, LOAD_OPT or STORE_OPT)
+        handles: one part, or all."""
+        if op.mb is None or op.kind not in (OpKind.STORE_G, OpKind.OPT, OpKind.LOAD_OPT, OpKind.STORE_OPT):
             return 0, numel
-        lo = op.mb * self.host_grad_part
-        return lo, min(lo + self.host_grad_part, numel)
+        size = (self.opt_part if op.layer in self.split_opt else self.host_grad_part) or numel
+        lo = op.mb * size
+        return lo, min(lo + size, numel)
+
+    def split_parts(self, numel: int) -> list[int]:
+        """The parts a split update of a ``numel``-element layer streams its state in (``mb`` of its ops)."""
+        return list(range(max(1, -(-numel // self.opt_part)))) if self.opt_part else [0]
 
     def parts(self, layer: int, numel: int) -> list[int | None]:
         """The parts a ``numel``-element gradient of ``layer`` passes through the host buffers in (the ``mb`` of
-        its STORE_G and OPT ops): [None] unless it is kept on the device and parts are in use."""
-        if not self.host_grad_part or layer not in self.grad_kept:
+        its STORE_G and OPT ops): [None] unless it is kept on the device for a host update and parts are in use."""
+        if not self.host_grad_part or layer not in self.grad_kept or layer in self.split_opt:
             return [None]
         return list(range(max(1, -(-numel // self.host_grad_part))))
 
@@ -417,6 +433,8 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
         return {"g": ("G", st, l, n_mb)}, {"k": ("K", st, l)}
     if k is OpKind.OPT and op.stream is Stream.CPU:
         return {"h": hg}, {}
+    if k in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT) and j is not None:  # one part of a split update
+        return _split_contents(op, kept(l))
     if k is OpKind.LOAD_OPT:
         return {}, {"o": ("U", st - 1, l) if resident(l) else ("S", st, l)}
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
@@ -424,6 +442,19 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
     if k is OpKind.STORE_OPT:
         return {"o": ("U", st, l)}, {}
     return {}, {}
+
+
+def _split_contents(op: Op, kept: bool) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """:func:`slot_contents` of one part of a split update (``ScheduleConfig.split_opt``): ``("S", step, layer,
+    part)`` the part's state in an optimizer slot, ``("SG", ...)`` with its gradient (from the host buffer, loaded
+    with the state; a kept gradient joins it in the OPT), ``("U", ...)`` updated."""
+    st, l, j = op.step, op.layer, op.mb
+    if op.kind is OpKind.LOAD_OPT:
+        return ({}, {"o": ("S", st, l, j)}) if kept else ({"h": ("HG", st, l)}, {"o": ("SG", st, l, j)})
+    if op.kind is OpKind.OPT:
+        reads = {"o": ("S", st, l, j), "k": ("K", st, l)} if kept else {"o": ("SG", st, l, j)}
+        return reads, {"o": ("U", st, l, j)}
+    return {"o": ("U", st, l, j)}, {}
 
 
 def resident_slots(schedule: Schedule, owner: Callable[[int], int]) -> dict[int, int]:

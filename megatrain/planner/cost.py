@@ -51,7 +51,8 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
         "w": max(graph.weight_params(i) for i in range(n)) * cfg.wire_bytes_per_param,
         "g": max(graph.weight_params(i) for i in range(n)) * GRAD_BYTES,
         "a": max(checkpoint_nbytes(graph, cfg, i) for i in range(1, n)),
-        "o": max((graph[l].params for l in cfg.gpu_opt), default=0) * OPT_SLOT_BYTES,
+        "o": max([graph[l].params for l in cfg.gpu_opt] + [split_part_params(graph, cfg, l) for l in cfg.split_opt],
+                 default=0) * OPT_SLOT_BYTES,
         "k": max((graph[l].params for l in cfg.grad_kept), default=0) * cfg.grad_host_bytes,
     }
 
@@ -73,6 +74,12 @@ def slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     return {p: list(v) for p, v in out.items()}
 
 
+def split_part_params(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int:
+    """Parameters of the largest part of a split update of ``layer`` (``ScheduleConfig.opt_part``)."""
+    n = graph.weight_params(layer)
+    return min(n, cfg.opt_part) if cfg.opt_part else n
+
+
 def _slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {p: [] for p in POOLS + HOST_POOLS}
     for op in schedule.ops:
@@ -82,7 +89,7 @@ def _slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
             if len(sizes) <= idx:
                 sizes.extend([0] * (idx + 1 - len(sizes)))
             if pool != "a":
-                n = op_params(graph, schedule.config, op) if pool == "h" else graph.weight_params(op.layer)
+                n = op_params(graph, schedule.config, op) if pool in ("h", "o") else graph.weight_params(op.layer)
                 sizes[idx] = max(sizes[idx], n)
     return out
 
@@ -173,10 +180,11 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     if op.kind is OpKind.STORE_G:  # on the compute stream: a device copy into the optimizer slot
         return 0 if op.stream is Stream.COMPUTE or tied_part(graph, op) else \
             op_params(graph, cfg, op) * cfg.grad_host_bytes
-    if op.kind is OpKind.LOAD_OPT:
-        return graph[op.layer].params * OPT_IN_BYTES
+    if op.kind is OpKind.LOAD_OPT:  # (a split update's part: with its gradient from the host buffer, if there)
+        grad = cfg.grad_host_bytes if op.mb is not None and op.layer not in cfg.grad_kept else 0
+        return op_params(graph, cfg, op) * (OPT_IN_BYTES + grad)
     if op.kind is OpKind.STORE_OPT:  # plus the refreshed bf16 shadow when that is what goes on the wire
-        return graph[op.layer].params * (OPT_OUT_BYTES + (2 if cfg.wire_bytes_per_param == 2 else 0))
+        return op_params(graph, cfg, op) * (OPT_OUT_BYTES + (2 if cfg.wire_bytes_per_param == 2 else 0))
     if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT):
         return checkpoint_nbytes(graph, cfg, op.layer)
     return 0
@@ -288,7 +296,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k in (OpKind.STORE_G, OpKind.SAVE_ACT, OpKind.STORE_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
-        return max(graph[op.layer].params * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
+        return max(op_params(graph, cfg, op) * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
     if k is OpKind.OPT:
         return opt_seconds(cfg, spec, op_params(graph, cfg, op))
     raise AssertionError(k)

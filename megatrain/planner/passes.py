@@ -218,6 +218,9 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     if bad:
         raise ValueError(f"gpu_opt layers {bad}: only layers that own their weights, shared with at most one other "
                          f"layer (a tied head), and have parameters to train can be updated on the device")
+    split = set(cfg.split_opt)
+    check_split_opt(graph, cfg)
+    prev_split: dict[tuple[int, int], Op] = {}  # (layer, part) -> its STORE_OPT of the step before
     resident = set(cfg.resident_opt)
     if not resident <= on_gpu:
         raise ValueError(f"resident_opt layers {sorted(resident - on_gpu)} are not updated on the device (gpu_opt "
@@ -260,13 +263,17 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         # the kept gradients go to the host in update order, each ``host_grad_slots`` updates ahead of its own:
         # a store into a host buffer follows the update that read it before (see assign_host_grad_slots)
         # (a part at a time where the plan cuts them in parts: ScheduleConfig.host_grad_part)
-        kept = [(l, p) for l in owners if l in cfg.grad_kept for p in cfg.parts(l, graph[l].params)]
+        kept = [(l, p) for l in owners if l in cfg.grad_kept and l not in split
+                for p in cfg.parts(l, graph[l].params)]
         kept_stores = {(l, p): Op(ids(), OpKind.STORE_G, D2H, st, l, p, deps=(norms[(st, l)].id,)) for l, p in kept}
         ahead = max(1, cfg.host_grad_slots)
         after[last.id].extend(kept_stores[u] for u in kept[:ahead])
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]
             deps = tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])
+            if l in split:
+                after[anchor.id].extend(_split_update(cfg, graph, st, l, ids, deps, stores[(st, l)], prev_split))
+                continue
             if l not in on_gpu:
                 for p in cfg.parts(l, graph[l].params):
                     own = (kept_stores[(l, p)].id,) if (l, p) in kept_stores else ()
@@ -281,10 +288,42 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
                 after[anchor.id].append(prev_store_opt[l])
     mode = "after the step's last gradient, layer order (exact clipping)" if cfg.clip else "as gradients arrive"
     where = f"; on the device: layers {list(cfg.gpu_opt)}" if cfg.gpu_opt else ""
+    if split:
+        where += f"; split to the device, state streamed in parts: layers {list(cfg.split_opt)}"
     if resident:
         where += f", the state of {list(cfg.resident_opt)} staying there"
     ops = [_add_deps(op, (loaded[op.id],)) if op.id in loaded else op for op in s.ops]
     return s.with_ops(_insert_after(ops, after), f"add_optimizer: OPT {mode}{where}")
+
+
+def check_split_opt(graph: LayerGraph, cfg: ScheduleConfig) -> None:
+    """Refuse ``split_opt`` layers that cannot be updated on the device in the update pass: it is for layers that
+    own their weights and share them with none, have parameters to train, are not in ``gpu_opt``, with clipping
+    (the update pass follows the backward)."""
+    split = cfg.split_opt
+    bad = sorted(l for l in split if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l)
+                 or graph[l].frozen or l in cfg.gpu_opt)
+    if bad or len(set(split)) != len(split) or (split and not (cfg.clip and cfg.train)) or cfg.opt_part < 0:
+        raise ValueError(f"split_opt {list(split)} (parts of {cfg.opt_part} elements): each layer at most once, "
+                         f"only with clipping, only layers that own their weights, share them with none, train and "
+                         f"are not in gpu_opt (not {bad}); parts of >= 0 elements")
+
+
+def _split_update(cfg: ScheduleConfig, graph: LayerGraph, st: int, l: int, ids: _Ids, deps: tuple[int, ...],
+                  stores: list[Op], prev: dict[tuple[int, int], Op]) -> list[Op]:
+    """The ops of one split update (``ScheduleConfig.split_opt``) of layer ``l`` in step ``st``, part by part:
+    LOAD_OPT (h2d: the part's state, and its gradient from the host buffer after the layer's STORE_G unless the
+    gradient stays on the device), OPT (compute, after ``deps``: the step's gradient norms), STORE_OPT (d2h). A
+    part's load follows its store by the step before (``prev``, updated here)."""
+    out = []
+    for p in cfg.split_parts(graph[l].params):
+        before = prev.get((l, p))
+        grads = () if l in cfg.grad_kept else tuple(op.id for op in stores)
+        load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, p, deps=grads + ((before.id,) if before is not None else ()))
+        opt = Op(ids(), OpKind.OPT, C, st, l, p, deps=deps + (load.id,))
+        prev[(l, p)] = Op(ids(), OpKind.STORE_OPT, D2H, st, l, p, deps=(opt.id,))
+        out += [load, opt, prev[(l, p)]]
+    return out
 
 
 def _opt_owner(graph: LayerGraph, op: Op) -> int | None:
@@ -299,7 +338,7 @@ def _opt_uses(graph: LayerGraph, resident: set[int]) -> Callable[[Op], list[tupl
         o = _opt_owner(graph, op)
         if o is None or o in resident:
             return []
-        return [("o", (op.step, o), op.kind is OpKind.LOAD_OPT)]
+        return [("o", (op.step, o, op.mb), op.kind is OpKind.LOAD_OPT)]  # (mb: a split update's part)
 
     return uses
 
@@ -311,11 +350,11 @@ def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     step without clipping ran one after another, 0.026 s per pair of layers measured on the H200, where a step of
     a longer schedule, which finds the slots of the step before, alternates two)."""
     cfg = s.config
-    if not cfg.gpu_opt:
+    if not cfg.gpu_opt and not cfg.split_opt:
         return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
     # a resident layer's state has slot i (its place in resident_opt) for good; the others share the slots after
     own = {l: i for i, l in enumerate(cfg.resident_opt)}
-    moving = len(cfg.gpu_opt) - len(own)
+    moving = len(cfg.gpu_opt) - len(own) + 2 * bool(cfg.split_opt)
     ops, n = _allocate(list(s.ops), _opt_uses(graph, set(own)), pool=min(2, moving))
     out = []
     for op in ops:
@@ -349,7 +388,10 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     pos = {op.id: i for i, op in enumerate(ops)}
     # the op after which a layer's new weights can be loaded: its OPT (on the host, or on the device, which keeps
     # the new weights there for the next step's load)
-    opt_of = {(op.step, op.layer): op for op in ops if op.kind is OpKind.OPT}
+    # (a split update's: its last STORE_OPT, which writes the new weights to the host)
+    split = set(cfg.split_opt)
+    opt_of = {(op.step, op.layer): op for op in ops
+              if op.kind is OpKind.OPT or op.kind is OpKind.STORE_OPT and op.layer in split}
     computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL)]
     content = [(op.step, graph.owner(op.layer)) for op in computes]
     step_start: dict[int, int] = {}
@@ -442,7 +484,7 @@ def _grad_uses(kept: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
 def _kept_uses(op: Op) -> list[tuple[str, tuple, bool]]:
     if op.kind is OpKind.NORM:
         return [("k", (op.step, op.layer), True)]
-    if op.kind is OpKind.STORE_G:
+    if op.kind is OpKind.STORE_G or op.kind is OpKind.OPT and op.stream is C:  # (a split update's, in parts)
         return [("k", (op.step, op.layer), False)]
     return []
 
@@ -518,7 +560,8 @@ def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     ops, n = _allocate(list(s.ops), _grad_uses(kept), pool=k, limit=k)
     note = f"assign_grad_slots: {n} of {k} gradient slots"
     if kept:
-        kept_ops, m = _allocate([op for op in ops if op.kind in (OpKind.NORM, OpKind.STORE_G) and op.layer in kept],
+        readers = (OpKind.NORM, OpKind.STORE_G, OpKind.OPT)  # (an OPT reading one: a split update's)
+        kept_ops, m = _allocate([op for op in ops if op.kind in readers and op.layer in kept and op.stream is not CPU],
                                 _kept_uses, affinity=lambda key: key[1])
         by_id = {op.id: op for op in kept_ops}
         ops = [by_id.get(op.id, op) for op in ops]
@@ -526,12 +569,14 @@ def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     return s.with_ops(ops, note)
 
 
-def _host_grad_uses(graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
+def _host_grad_uses(graph: LayerGraph, kept: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
     def uses(op: Op) -> list[tuple[str, tuple, bool]]:
         if op.kind is OpKind.STORE_G and op.stream is D2H and graph.owner(op.layer) == op.layer:
             return [("h", (op.step, op.layer, op.mb), True)]
         if op.kind is OpKind.OPT and op.stream is CPU:
             return [("h", (op.step, op.layer, op.mb), False)]
+        if op.kind is OpKind.LOAD_OPT and op.mb is not None and op.layer not in kept:  # a split update's part
+            return [("h", (op.step, op.layer, None), False)]
         return []
 
     return uses
@@ -543,7 +588,8 @@ def assign_host_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     such layer); gradients that pass through (without clipping, or kept on the device until the update pass) take
     turns in ``host_grad_slots`` buffers."""
     cfg = s.config
-    ops, n = _allocate(list(s.ops), _host_grad_uses(graph), pool=cfg.host_grad_slots, affinity=lambda key: key[1:])
+    ops, n = _allocate(list(s.ops), _host_grad_uses(graph, set(cfg.grad_kept)), pool=cfg.host_grad_slots,
+                       affinity=lambda key: key[1:])
     kind = "bf16" if cfg.grad_host_bytes == 2 else "fp32"
     return s.with_ops(ops, f"assign_host_grad_slots: {n} host gradient buffers ({kind})")
 

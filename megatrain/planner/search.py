@@ -391,9 +391,47 @@ def rank(keys: list[tuple | None]) -> list[int]:
     return [i for _, i in sorted(able, key=order)]
 
 
+# elements of one part of a split update's state (ScheduleConfig.opt_part): an optimizer slot of 512 MiB; a part
+# loads in ~10 ms on the H200's PCIe, so the update pass's first device update starts that soon after the norm
+SPLIT_PART = 1 << 25
+# candidates of plan() that get split updates tried (the fastest ones without them)
+SPLIT_TRIED = 3
+
+
+def split_eligible(graph: LayerGraph, cfg: ScheduleConfig) -> list[int]:
+    """Layers a split update can take (``ScheduleConfig.split_opt``): updated on the host, owning their weights and
+    sharing them with none, with parameters to train; none without clipping."""
+    return [l for l in grad_kept_eligible(graph, cfg) if not graph[l].frozen]
+
+
+def split_sets(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) -> list[tuple[int, ...]]:
+    """Sets of layers whose update is split to the device: ``choice`` of :func:`split_eligible` spread evenly over
+    them (the next forward then finds every few layers one the device updated), or for "auto" a quarter, a third,
+    half, two thirds and three quarters of them (the host and the PCIe link share the update pass; which share is
+    fastest depends on their rates and what else the link carries)."""
+    able = split_eligible(graph, cfg)
+    if choice != "auto":
+        if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
+            raise PlanError(f"split_opt must be 'auto' or a count of layers >= 0, got {choice!r}")
+        if choice > len(able):
+            raise PlanError(f"split_opt={choice}: only {len(able)} layers can have their update split to the device "
+                            f"(updated on the host, owning their weights, untied, trained, with clipping)")
+        counts = [choice]
+    else:
+        counts = sorted({round(len(able) * f) for f in (1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4)} - {0})
+    return [tuple(able[int((i + 0.5) * len(able) / n)] for i in range(n)) if n else () for n in counts]
+
+
+def with_split(graph: LayerGraph, cfg: ScheduleConfig, layers: tuple[int, ...], part: int | None) -> ScheduleConfig:
+    """``cfg`` with the updates of ``layers`` split to the device, their state streamed in parts of ``part``
+    elements (None: :data:`SPLIT_PART`)."""
+    return replace(cfg, split_opt=layers, opt_part=(SPLIT_PART if part is None else part) if layers else 0)
+
+
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
          clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", grad_kept: int | str = "auto",
-         workers: int = 1, progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
+         split_opt: int | str = 0, opt_part: int | None = None, workers: int = 1,
+         progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, the leanest on host memory among those within
     :data:`HOST_LEAN_SLACK` of it, then time over ``n_steps`` steps, then the order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host,
     each with the saved activations ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises
@@ -414,6 +452,13 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)
     if grad_kept != "auto" and (not isinstance(grad_kept, int) or isinstance(grad_kept, bool) or grad_kept < 0):
         raise PlanError(f"grad_kept must be 'auto' or a count of layers >= 0, got {grad_kept!r}")
+    if opt_part is not None and (not isinstance(opt_part, int) or isinstance(opt_part, bool) or opt_part < 1):
+        raise PlanError(f"opt_part must be a number of elements >= 1, got {opt_part!r}")
+    if split_opt not in (0, "auto") and configs:  # a fixed count: every candidate splits that many
+        if not clip:
+            raise PlanError(f"split_opt={split_opt} splits the update pass after the backward, which needs "
+                            f"clipping (without it each update follows its gradient)")
+        configs = [with_split(graph, c, split_sets(graph, c, split_opt)[0], opt_part) for c in configs]
     job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept)
     outcomes = []
     with contextlib.ExitStack() as stack:
@@ -425,6 +470,10 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             outcomes.append(out)
             if progress is not None:
                 progress(len(outcomes), len(configs))
+    if split_opt == "auto" and clip:  # the fastest few again with a share of their host updates split to the device
+        best = [configs[i] for i in rank([key for _, _, key in outcomes])[:SPLIT_TRIED]]
+        more = [with_split(graph, c, layers, opt_part) for c in best for layers in split_sets(graph, c, "auto")]
+        outcomes += map(job, more)
     tried: list[tuple[ScheduleConfig, str]] = [(cfg, why) for cfg, why, _ in outcomes]
     for i in rank([key for _, _, key in outcomes]):
         cfg = outcomes[i][0]

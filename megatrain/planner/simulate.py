@@ -141,7 +141,8 @@ class Bound:
 def same_state(load: Op, dep: Op) -> bool:
     """A LOAD_OPT's dependency on the STORE_OPT of the same layer's state (the step before's), which it may follow
     a row behind (``cost.OPT_STATE_ROWS``)."""
-    return load.kind is OpKind.LOAD_OPT and dep.kind is OpKind.STORE_OPT and dep.layer == load.layer
+    return (load.kind is OpKind.LOAD_OPT and dep.kind is OpKind.STORE_OPT
+            and (dep.layer, dep.mb) == (load.layer, load.mb))
 
 
 def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:

@@ -15,7 +15,7 @@ from megatrain.ir import (KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Sch
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.passes import check_grad_kept
+from megatrain.planner.passes import check_grad_kept, check_split_opt
 
 
 EVALUATION_KINDS = (OpKind.LOAD_W, OpKind.FWD, OpKind.EVAL)  # what an evaluation schedule holds
@@ -76,6 +76,10 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         check_grad_kept(graph, cfg)
     except ValueError as e:
         raise ScheduleError("grad-kept", None, str(e)) from None
+    try:
+        check_split_opt(graph, cfg)
+    except ValueError as e:
+        raise ScheduleError("split", None, str(e)) from None
     if cfg.grad_host_bytes not in (2, 4) or cfg.host_grad_slots < 1:
         raise ScheduleError("config", None, f"grad_host_bytes must be 4 (fp32) or 2 (bf16) and host_grad_slots at "
                                             f"least 1, got {cfg.grad_host_bytes} and {cfg.host_grad_slots}")
@@ -94,7 +98,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("range", op, f"step or layer out of range ({cfg.n_steps} steps, {L} layers)")
         has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT)
         parts = cfg.parts(op.layer, graph[op.layer].params)
-        if op.kind is OpKind.STORE_G and op.stream is Stream.D2H or op.kind is OpKind.OPT and op.stream is Stream.CPU:
+        split = op.layer in cfg.split_opt
+        if split and op.kind in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT):
+            if op.mb not in cfg.split_parts(graph.weight_params(op.layer)):
+                raise ScheduleError("range", op, f"layer {op.layer}'s split update runs in parts "
+                                                 f"{cfg.split_parts(graph.weight_params(op.layer))}, not {op.mb}")
+        elif op.kind is OpKind.STORE_G and op.stream is Stream.D2H or op.kind is OpKind.OPT and op.stream is Stream.CPU:
             if op.mb not in parts:  # a gradient kept on the device goes to the host in parts
                 raise ScheduleError("range", op, f"layer {op.layer}'s gradient passes through the host in parts "
                                                  f"{parts}, not {op.mb}")
@@ -111,12 +120,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, f"only checkpoints of layers 1..{cfg.host_checkpoints} go to host")
         if op.kind is OpKind.OPT and graph[op.layer].tie is not None:
             raise ScheduleError("kind", op, f"layer {op.layer} has no weights of its own to optimize")
-        on_gpu = op.layer in cfg.gpu_opt
+        on_gpu = op.layer in cfg.gpu_opt or split
         if op.kind is OpKind.OPT and on_gpu != (op.stream is Stream.COMPUTE):
-            where = "on the device (gpu_opt)" if on_gpu else "on the host"
+            where = "on the device (gpu_opt, split_opt)" if on_gpu else "on the host"
             raise ScheduleError("kind", op, f"layer {op.layer} is updated {where}, not on {op.stream.value}")
         if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT) and not on_gpu:
-            raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt)")
+            raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt, split_opt)")
         if op.kind is OpKind.STORE_OPT and op.layer in resident:
             raise ScheduleError("kind", op, f"layer {op.layer}'s state stays on the device (resident_opt)")
         if op.kind is OpKind.NORM and op.layer not in cfg.grad_kept:
@@ -166,17 +175,20 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                 if l < L - 1 and not hb(seen[(OpKind.FWD, st, l, j)].id, seen[(OpKind.BWD, st, l, j)].id):
                     raise ScheduleError("fwd-before-bwd", seen[(OpKind.BWD, st, l, j)], "its FWD may not have run")
             parts = cfg.parts(l, graph[l].params) if l not in cfg.gpu_opt else [None]
-            for p in parts:
+            split = l in cfg.split_opt
+            for p in parts if not (split and l in cfg.grad_kept) else ():  # (a split update reads it there)
                 if (OpKind.STORE_G, st, l, p) not in seen:
                     raise ScheduleError("complete", None, f"step {st} never stores the gradient of layer {l}"
                                                           + (f" (part {p})" if p is not None else ""))
             if l in cfg.grad_kept and (OpKind.NORM, st, l, None) not in seen:
                 raise ScheduleError("complete", None, f"step {st} never takes the norms of layer {l}'s gradient, "
                                                       f"which stays on the device (grad_kept)")
-            for p in parts if graph[l].tie is None else ():
-                if (OpKind.OPT, st, l, p) not in seen:
-                    raise ScheduleError("complete", None, f"step {st} never optimizes layer {l}"
-                                                          + (f" (part {p})" if p is not None else ""))
+            for p in (cfg.split_parts(graph.weight_params(l)) if split else parts) if graph[l].tie is None else ():
+                for k in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT) if split else (OpKind.OPT,):
+                    if (k, st, l, p) not in seen:
+                        what = f"has no {k.value} of" if split else "never optimizes"
+                        raise ScheduleError("complete", None, f"step {st} {what} layer {l}"
+                                                              + (f" (part {p})" if p is not None else ""))
             if l in cfg.gpu_opt:
                 stays = l in cfg.resident_opt
                 for k, want in ((OpKind.LOAD_OPT, not stays or (st == 0 and not cfg.continues)),
@@ -203,8 +215,11 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     for op in s.ops:
         if op.kind is OpKind.LOAD_W and op.step > 0:
             o = graph.owner(op.layer)
-            # (on the device, its new weights stay there; in parts, every part's update)
-            for opt in (seen[(OpKind.OPT, op.step - 1, o, p)] for p in cfg.parts(o, graph[o].params)):
+            # (on the device, its new weights stay there; in parts, every part's update; a split update's, every
+            # part's store to the host)
+            last = ((OpKind.STORE_OPT, p) for p in cfg.split_parts(graph.weight_params(o))) if o in cfg.split_opt \
+                else ((OpKind.OPT, p) for p in cfg.parts(o, graph[o].params))
+            for opt in (seen[(k, op.step - 1, o, p)] for k, p in last):
                 if not hb(opt.id, op.id):
                     raise ScheduleError("load-after-opt", op,
                                         f"loads weights before '{opt}' of the previous step updated them")

@@ -83,6 +83,10 @@ class DeviceState:
         """The (4, n) block of ``op``'s optimizer slot, contiguous like the host block (copies need no staging)."""
         return self.state_block(self.graph.owner(op.layer), op.slot("o"))
 
+    def part_block(self, op: Op, numel: int) -> torch.Tensor:
+        """The (4, numel) block of ``op``'s optimizer slot that one part of a split update uses."""
+        return self.o[op.slot("o")][: len(OPT_SLOT_ROWS) * numel].view(len(OPT_SLOT_ROWS), numel)
+
     def state_block(self, owner: int, k: int) -> torch.Tensor:
         n = self.graph[owner].params
         return self.o[k][: len(OPT_SLOT_ROWS) * n].view(len(OPT_SLOT_ROWS), n)

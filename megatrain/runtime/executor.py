@@ -255,15 +255,18 @@ class Executor:
     def before_row(self, layer: int, row: int) -> None:
         """Before a LOAD_OPT copies ``row`` of ``layer``'s host block (nothing to wait for in program order)."""
 
-    def store_state(self, layer: int, block: torch.Tensor) -> None:
+    def store_state(self, layer: int, block: torch.Tensor, span: tuple[int, int] | None = None) -> None:
         """Master weights and moments of ``block`` (an optimizer slot's) to the layer's host block, and the bf16
-        shadow, where there is one, refreshed from them."""
+        shadow, where there is one, refreshed from them. ``span``: the elements (lo, hi) of the layer ``block``
+        holds (one part of a split update; None: all)."""
+        lo, hi = span if span is not None else (0, block.shape[1])
         for r, host in enumerate(self.store.rows(layer)):  # moments: of the elements that train (a prefix)
-            host.copy_(block[r, : host.numel()], non_blocking=self.non_blocking)
+            end = min(hi, host.numel())
+            host[lo:end].copy_(block[r, : max(0, end - lo)], non_blocking=self.non_blocking)
             self._row_stored(layer, r)
         if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where the
             # update ran, to nearest even as the host would
-            self.store.shadow(layer).copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
+            self.store.shadow(layer)[lo:hi].copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
         self._row_stored(layer, OPT_STATE_ROWS)
 
     def _row_stored(self, layer: int, row: int) -> None:

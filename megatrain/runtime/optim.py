@@ -273,7 +273,7 @@ class HostAdamW:
                         if lo <= a and b <= hi]
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,
-                      out: torch.Tensor | None = None) -> bool:
+                      out: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> bool:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
         same hyper-parameters and step count as :meth:`step_layer`, learning rate ``lr`` (the step's: the host may
         still work on the previous step's updates) and clip factor ``coef`` (a device tensor spares the host a
@@ -282,12 +282,23 @@ class HostAdamW:
 
         On a GPU (with ``fused``) the update is one Triton pass per range (``kernels.adamw_step``), which also
         writes the new master in ``out``'s dtype into ``out`` if given and the ranges cover the whole block;
-        returns whether it did (else the caller rounds it)."""
-        ranges = self.ranges[layer]
+        returns whether it did (else the caller rounds it).
+
+        ``span``: (lo, hi), the elements of the layer ``block`` holds (one part of a split update, the parts of a
+        step updated in order: the first counts the step); None: all."""
+        first = span is None or span[0] == 0
+        step = self.steps(layer) + first
+        if span is not None:
+            lo, hi = span
+            ranges = [(max(a, lo) - lo, min(b, hi) - lo, decay) for a, b, decay in self.ranges[layer]
+                      if a < hi and b > lo]
+            if first:
+                self.set_steps(layer, step)
+        else:
+            ranges = self.ranges[layer]
         if not ranges:
             return False
         master, exp_avg, exp_avg_sq, grad = block
-        step = self.steps(layer) + 1
         scale = self._grad_scale(grad, coef)
         whole = ranges[0][0] == 0 and ranges[-1][1] == block.shape[1] and all(
             x[1] == y[0] for x, y in zip(ranges, ranges[1:]))

@@ -88,7 +88,7 @@ class StreamExecutor(Executor):
         if not out.applied:  # the device updates were issued with this step's count and changed nothing: the host's
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
             self._no_update_runs += 1
-            for layer in schedule.config.gpu_opt:
+            for layer in schedule.config.gpu_opt + schedule.config.split_opt:
                 self.optimizer.set_steps(layer, self.optimizer.steps(layer) - 1)
         if wait_optimizer:
             self.drain()
@@ -251,8 +251,9 @@ class StreamExecutor(Executor):
                 self._copy_losses(st)
         ctx.events[op.id] = end
         if not self.sync_between_steps:
-            for role, idx in op.slots:
-                if SLOT_POOL[role] in BUFFER_POOLS:
+            for role, idx in op.slots:  # (a host gradient buffer a split update's state load reads: the next
+                # step's store into it waits for that load)
+                if SLOT_POOL[role] in BUFFER_POOLS or role == "h" and op.kind is OpKind.LOAD_OPT:
                     self.slot_use[(SLOT_POOL[role], idx)] = (ctx.step, end, (op.kind, op.layer))
             if op.kind is OpKind.OPT:  # on the device: the kept weights are ready when it ends
                 self.kept_done[op.layer] = (ctx.step, end)

@@ -122,7 +122,10 @@ def update_on_host(ex, op: Op, st: StepState) -> None:
 def update_on_device(ex, op: Op, st: StepState) -> None:
     """AdamW on the layer's optimizer slot, its new weights kept on the device in the compute dtype (written by the
     update where it can). The factor on the device stops a step that must not update (the Triton kernel); torch's
-    AdamW, which would apply it, is not called for such a step (the host decides)."""
+    AdamW, which would apply it, is not called for such a step (the host decides). One part of a split update:
+    :func:`_update_part`."""
+    if op.mb is not None:
+        return _update_part(ex, op, st)
     block = ex.dev.opt_block(op)
     if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
         ex.dev.keep(op.layer, block[0])
@@ -132,15 +135,46 @@ def update_on_device(ex, op: Op, st: StepState) -> None:
     ex.dev.keep(op.layer, block[0], written)
 
 
+def _update_part(ex, op: Op, st: StepState) -> None:
+    """AdamW on one part of a split update (``ScheduleConfig.split_opt``) in its optimizer slot; a gradient kept on
+    the device joins the part's state here (read back into fp32). Its new weights go to the host with its state
+    (STORE_OPT)."""
+    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    block = ex.dev.part_block(op, hi - lo)
+    if op.slot("k") is not None:
+        block[3].copy_(ex.dev.k[op.slot("k")][lo:hi])
+    if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
+        return
+    ex.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef, span=(lo, hi))
+
+
+def _rows(ex, op: Op, st: StepState):
+    """(host row, slot row) pairs of the elements ``op`` (a LOAD_OPT or STORE_OPT) moves: the whole layer's, or one
+    part's of a split update; a moment row holds the elements that train (a prefix of the layer's)."""
+    n = ex.graph.weight_params(op.layer)
+    lo, hi = st.schedule.config.part_span(op, n)
+    block = ex.dev.opt_block(op) if op.mb is None else ex.dev.part_block(op, hi - lo)
+    for r, host in enumerate(ex.store.rows(op.layer)):
+        end = min(hi, host.numel())
+        yield host[lo:end], block[r, : max(0, end - lo)]
+
+
 def load_state(ex, op: Op, st: StepState) -> None:
     """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
-    for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G."""
-    block = ex.dev.opt_block(op)
-    for r, host in enumerate(ex.store.rows(op.layer)):  # moments: of the elements that train (a prefix)
+    for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G. One part of a split
+    update: the part's rows, and its gradient from the layer's host buffer (unless kept on the device)."""
+    for r, (host, dev) in enumerate(_rows(ex, op, st)):
         ex.before_row(op.layer, r)
-        block[r, : host.numel()].copy_(host, non_blocking=ex.non_blocking)
+        dev.copy_(host, non_blocking=ex.non_blocking)
+    if op.slot("h") is not None:
+        lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+        grads = ex.store.grads.view(op.slot("h"), ex.graph.weight_params(op.layer))[lo:hi]
+        ex.dev.part_block(op, hi - lo)[3].copy_(grads, non_blocking=ex.non_blocking)
 
 
 def store_state(ex, op: Op, st: StepState) -> None:
     """Updated master weights and moments back to the host block (and the bf16 shadow, where there is one)."""
-    ex.store_state(op.layer, ex.dev.opt_block(op))
+    if op.mb is None:
+        return ex.store_state(op.layer, ex.dev.opt_block(op))
+    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    ex.store_state(op.layer, ex.dev.part_block(op, hi - lo), span=(lo, hi))

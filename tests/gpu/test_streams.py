@@ -1,11 +1,13 @@
 """The streaming executor on the GPU: same numbers as the synchronous one, run to run identical."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 import megatrain
+from megatrain.planner.search import split_sets
 
 from ..runtime.models import hf_model
 from ..runtime.test_parity import batches
@@ -179,3 +181,33 @@ def test_states_kept_on_the_device_equal_states_sent_back(clip):
     assert runs[0][0] == runs[1][0] and runs[0][0][0] != runs[0][0][-1]
     for i in (1, 2):
         assert all(torch.equal(runs[0][i][n], t) for n, t in runs[1][i].items())
+
+
+@pytest.mark.parametrize("kept", [0, "auto"])
+def test_split_updates_equal_device_updates_of_the_same_layers(kept):
+    """Updates split to the GPU after the backward (state streamed in parts, gradient from a host buffer or kept on
+    the GPU) run the same fused AdamW as whole-layer device updates of the same layers: bit for bit the same
+    weights; against every update on the host, agreement to AdamW's rounding as above; deterministic."""
+    model = small("llama")
+    data = batches(n_steps=3)
+    whole = megatrain.compile(copy.deepcopy(model), device="cuda", n_mb=2, gpu_opt_every=2, split_opt=0)
+    cfg = whole.schedule_for(*data[0][0].shape).config
+    layers = cfg.gpu_opt
+    assert split_sets(whole.graph, replace(cfg, gpu_opt=()), len(layers)) == [layers]  # the same layers
+    del whole
+    runs = {}
+    for name, plan in {"device": dict(gpu_opt_every=2, split_opt=0, resident_opt=0),
+                       "split": dict(gpu_opt_every=0, split_opt=len(layers), opt_part=1 << 16, grad_kept=kept),
+                       "host": dict(gpu_opt_every=0, split_opt=0)}.items():
+        runs[name] = train(copy.deepcopy(model), True, data, clip=0.5, n_mb=2, **plan)
+    again = train(copy.deepcopy(model), True, data, clip=0.5, n_mb=2, gpu_opt_every=0, split_opt=len(layers),
+                  opt_part=1 << 16, grad_kept=kept)
+    losses, norms, sd = runs["split"]
+    assert losses == again[0] and all(torch.equal(sd[n], again[2][n]) for n in sd)
+    assert losses == runs["device"][0] and norms == runs["device"][1]
+    assert all(torch.equal(sd[n], runs["device"][2][n]) for n in sd)
+    assert losses == pytest.approx(runs["host"][0], rel=2e-3) and min(norms) > 0.5
+    for n, p in runs["host"][2].items():
+        d = (sd[n] - p).abs()
+        assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
+

@@ -1,0 +1,127 @@
+"""Updates split between the host and the device after the backward (``ScheduleConfig.split_opt``): each split
+layer's state streams through the optimizer slots a part at a time; the verifier catches each missing link."""
+
+import dataclasses
+
+import pytest
+
+from megatrain.ir import OpKind, Schedule
+from megatrain.planner.cost import OPT_IN_BYTES, OPT_SLOT_BYTES, device_memory, transfer_nbytes
+from megatrain.planner.graph import preset
+from megatrain.planner.hardware import PRESETS
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.search import PlanError, plan, split_sets
+from megatrain.planner.verify import ScheduleError, verify
+
+from .helpers import config, renumber, tiny_graph
+
+G = tiny_graph(num_hidden_layers=4)
+PART = 5000
+
+
+def _schedule(**kw) -> Schedule:
+    kw = {"split_opt": (1, 3), "opt_part": PART, **kw}
+    s = build_schedule(G, config(G, n_steps=2, n_mb=3, **kw))
+    verify(s, G)
+    return s
+
+
+def _find(s: Schedule, kind: OpKind, **kw):
+    return next(op for op in s.ops if op.kind is kind and all(getattr(op, k) == v for k, v in kw.items()))
+
+
+def _broken(s: Schedule, rule: str) -> ScheduleError:
+    with pytest.raises(ScheduleError) as e:
+        verify(s, G)
+    assert e.value.rule == rule, str(e.value)
+    return e.value
+
+
+@pytest.mark.parametrize("kept", [(), (1, 2, 3)])
+def test_a_split_update_streams_its_state_in_parts_after_the_norm(kept):
+    s = _schedule(grad_kept=kept)
+    parts = -(-G.weight_params(1) // PART)
+    assert parts >= 3
+    for st in range(2):
+        last_bwd = max(op.id for op in s.ops if op.kind is OpKind.BWD and op.step == st)
+        for l in (1, 3):
+            for p in range(parts):
+                load, opt, store = (_find(s, k, step=st, layer=l, mb=p)
+                                    for k in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT))
+                assert opt.stream.value == "compute" and load.id in opt.deps and opt.id in store.deps
+                assert opt.id > last_bwd
+                # the gradient: from the layer's host buffer with the state, or from its kept slot in the update
+                assert (load.slot("h") is None) == (l in kept) and (opt.slot("k") is not None) == (l in kept)
+                want = (OPT_IN_BYTES + (0 if l in kept else 4)) * (min(PART * (p + 1), G.weight_params(l)) - PART * p)
+                assert transfer_nbytes(G, s.config, load) == want
+        assert not any(op.kind is OpKind.OPT and op.step == st and op.layer in (1, 3) and op.mb is None for op in s.ops)
+    # two optimizer slots of one part each, whatever the layers' size
+    assert device_memory(G, s).slot_sizes["o"] == [PART * OPT_SLOT_BYTES] * 2
+
+
+def test_a_split_layers_next_load_waits_for_its_last_part_stored():
+    s = _schedule()
+    parts = -(-G.weight_params(3) // PART)
+    load = _find(s, OpKind.LOAD_W, step=1, layer=3)
+    last = _find(s, OpKind.STORE_OPT, step=0, layer=3, mb=parts - 1)
+    assert last.id in load.deps
+    err = _broken(dataclasses.replace(s, ops=tuple(dataclasses.replace(op, deps=tuple(d for d in op.deps
+                                                                                       if d != last.id))
+                                                   if op.id == load.id else op for op in s.ops)),
+                  "load-after-opt")
+    assert "STORE_OPT s0 L3" in str(err)  # (the last part, or one the stream order stored before it)
+
+
+def test_a_part_loaded_with_another_layers_gradient_is_caught():
+    s = _schedule()
+    load = _find(s, OpKind.LOAD_OPT, step=0, layer=1, mb=0)
+    other = _find(s, OpKind.STORE_G, step=0, layer=3)
+    assert _find(s, OpKind.STORE_G, step=0, layer=1).id in load.deps and other.slot("h") != load.slot("h")
+    wrong = tuple(("h", other.slot("h")) if r == "h" else (r, i) for r, i in load.slots)
+    err = _broken(dataclasses.replace(s, ops=tuple(dataclasses.replace(op, slots=wrong) if op.id == load.id else op
+                                                   for op in s.ops)), "slot-content")
+    assert "('HG', 0, 1)" in str(err)
+
+
+def test_a_missing_part_is_caught():
+    s = _schedule()
+    gone = {_find(s, k, step=0, layer=1, mb=1).id for k in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT)}
+    err = _broken(renumber(s, [op for op in s.ops if op.id not in gone]), "complete")
+    assert "layer 1 (part 1)" in str(err)
+
+
+def test_an_update_on_a_part_that_does_not_exist_is_caught():
+    s = _schedule()
+    opt = _find(s, OpKind.OPT, step=0, layer=1, mb=0)
+    _broken(Schedule(s.ops, dataclasses.replace(s.config, opt_part=G.weight_params(1) * 2), s.provenance), "range")
+    assert opt.mb == 0
+
+
+@pytest.mark.parametrize("bad", [dict(split_opt=(0,)), dict(split_opt=(6,)), dict(split_opt=(1, 1)),
+                                 dict(split_opt=(2,), gpu_opt=(2,)), dict(split_opt=(2,), clip=False)])
+def test_split_updates_take_only_untied_host_updated_layers_with_clipping(bad):
+    with pytest.raises(ValueError, match="split_opt"):  # tied embedding (0) and head (6), twice, on the device
+        build_schedule(G, config(G, n_mb=2, **bad))
+
+
+def test_a_split_count_is_spread_and_checked():
+    cfg = config(G, n_mb=2)
+    assert split_sets(G, cfg, 2) == [(2, 4)]  # of the untied layers 1..5
+    assert all(len(set(s)) == len(s) for s in split_sets(G, cfg, "auto"))
+    with pytest.raises(PlanError, match="only 5 layers"):
+        split_sets(G, cfg, 6)
+    with pytest.raises(PlanError, match="needs clipping"):
+        plan(G, PRESETS["h200"], 2048, 1024, clip=False, split_opt=2, n_mb=2, weight_slots=2, wire_bytes=2)
+
+
+def test_split_updates_speed_up_a_7b_step_on_a_24_gib_budget():
+    """On paper: Qwen2.5-7B at 32 x 1,024 tokens with 24 GiB of device memory updates most layers on the host
+    after the backward; splitting a share of them to the GPU, their state over PCIe, shortens the step."""
+    graph = preset("qwen2.5-7b")
+    fixed = dict(budget_bytes=24 << 30, n_mb=4, weight_slots=3, wire_bytes=2, gpu_opt_every=0, grad_slots=2,
+                 host_checkpoints=0)
+    host_only = plan(graph, PRESETS["h200"], 32768, 1024, split_opt=0, **fixed)
+    split = plan(graph, PRESETS["h200"], 32768, 1024, split_opt="auto", **fixed)
+    assert not host_only.schedule.config.split_opt and split.schedule.config.split_opt
+    assert split.timeline.steady_step_s < 0.9 * host_only.timeline.steady_step_s
+    assert device_memory(graph, split.schedule).total_nbytes <= 24 << 30

@@ -80,7 +80,7 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved, resident, tile, host_ckpt, split); "
+                         "saved, resident, tile, host_ckpt, split, split_queues); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -118,8 +118,10 @@ def main():
         if hasattr(sm.executor, "sync_between_steps"):
             sm.wait()  # the previous variant's steps finish before the ordering changes
             sm.executor.sync_between_steps = variant.pop("step_sync", step_sync)
+            sm.executor.split_queues = variant.pop("split_queues", True)
         else:
             variant.pop("step_sync", None)
+            variant.pop("split_queues", None)
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
         overrides = {**base, **variant}
         for threads in args.cpu_threads:
@@ -171,7 +173,7 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
                 "resident": ("resident_opt", resident_opt), "data": ("data", str),
                 "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints),
-                "split": ("split_opt", split_opt)}
+                "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v)))}
 
 
 def parse_variant(text: str) -> dict:
@@ -291,6 +293,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     res = {
         "preset": args.preset, "data": data, "trained_tokens_per_step": trained or None,
         "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
+        "split_queues": getattr(sm.executor, "split_queues", None),
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),

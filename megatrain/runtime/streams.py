@@ -47,6 +47,10 @@ class StreamExecutor(Executor):
     # its host copy; the next step's forward then runs under the previous step's STORE_OPT tail (measured on the
     # H200 with the planner's ordering of device updates: faster, bit-identical results; docs/benchmarks.md).
     sync_between_steps = False
+    # The ops of split updates (one part of a layer's state each: ScheduleConfig.split_opt) on queues of their own,
+    # each first waiting for what its IR stream had issued before it: the next step's weight loads and forward,
+    # issued after them, then run beside the update pass instead of behind its loads and updates
+    split_queues = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,6 +58,7 @@ class StreamExecutor(Executor):
             raise ValueError("the streaming executor needs a CUDA device")
         with torch.cuda.device(self.device):
             self.streams = {s: torch.cuda.Stream() for s in (Stream.COMPUTE, Stream.H2D, Stream.D2H)}
+            self.split_streams = {s: torch.cuda.Stream() for s in (Stream.COMPUTE, Stream.H2D, Stream.D2H)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
         self.timer = OpTimer(self.graph, self.streams[Stream.COMPUTE])
@@ -238,7 +243,7 @@ class StreamExecutor(Executor):
         """Issue a GPU op of step ``ctx`` on its stream after its dependencies' events (recorded by the issuing
         thread, or by the worker for the ops it issued, which run before it in the worker's order). ``in_worker``:
         the optimizer worker issues it."""
-        stream = self.streams[op.stream]
+        stream = self._queue(op)
         for d in op.deps:
             if d in ctx.events:
                 stream.wait_event(ctx.events[d])
@@ -257,6 +262,17 @@ class StreamExecutor(Executor):
                     self.slot_use[(SLOT_POOL[role], idx)] = (ctx.step, end, (op.kind, op.layer))
             if op.kind is OpKind.OPT:  # on the device: the kept weights are ready when it ends
                 self.kept_done[op.layer] = (ctx.step, end)
+
+    def _queue(self, op: Op) -> torch.cuda.Stream:
+        """The CUDA stream ``op`` is issued on: its IR stream's, or for a split update's op with ``split_queues``
+        a queue of its own that first waits for everything issued on the IR stream so far (the program order the
+        schedule's dependencies leave implicit)."""
+        if not (self.split_queues and op.mb is not None
+                and op.kind in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT)):
+            return self.streams[op.stream]
+        queue = self.split_streams[op.stream]
+        queue.wait_stream(self.streams[op.stream])
+        return queue
 
     def _host_buffer_readers(self, op: Op) -> list[Future]:
         """The optimizer task of an earlier step that last read a host gradient buffer ``op`` writes (within a

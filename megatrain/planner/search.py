@@ -458,7 +458,15 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         if not clip:
             raise PlanError(f"split_opt={split_opt} splits the update pass after the backward, which needs "
                             f"clipping (without it each update follows its gradient)")
-        configs = [with_split(graph, c, split_sets(graph, c, split_opt)[0], opt_part) for c in configs]
+        able = []
+        for c in configs:  # (a candidate whose device updates leave fewer layers to split is left out)
+            try:
+                able.append(with_split(graph, c, split_sets(graph, c, split_opt)[0], opt_part))
+            except PlanError as e:
+                refused = e
+        if not able:
+            raise refused
+        configs = able
     job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept)
     outcomes = []
     with contextlib.ExitStack() as stack:

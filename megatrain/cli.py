@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                            ("gpu_opt_every", gpu_opt_every, "update every k-th layer on the GPU, not the host (0: none; "
                                                      "auto: the planner's choice; default auto on a GPU, 0 on "
                                                      "the CPU)"),
+                           ("split_opt", split_opt, "layers updated on the host that are updated on the GPU instead "
+                                                 "after the backward, state streamed in parts (0: none; auto: the "
+                                                 "planner's choice; default auto on a GPU, 0 on the CPU)"),
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
                            ("saved_acts", saved_acts, "layers (the last ones) whose backward reuses the forward's "
                                                   "activations instead of recomputing them (auto: as many as fit)"),

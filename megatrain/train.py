@@ -64,6 +64,8 @@ class TrainConfig:
     host_checkpoints: int = 0  # layers whose checkpoints wait on the host
     gpu_opt_every: int | str | None = None  # every k-th layer updated on the GPU (0: all on the host; "auto": the
     # planner's; None: compile()'s default, "auto" on a GPU and 0 on the CPU)
+    split_opt: int | str | None = None  # host-updated layers updated on the GPU after the backward, state streamed
+    # in parts (0: none; "auto": the planner's; None: compile()'s default, "auto" on a GPU and 0 on the CPU)
     wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
     saved_acts: int | str = "auto"  # layers whose backward reuses the forward's activations, no recompute (a
     # count, the last ones; "auto": as many as the device memory holds)
@@ -163,7 +165,8 @@ class TrainConfig:
         PlanOptions(n_mb=self.mb, host_checkpoints=self.host_checkpoints, weight_slots=self.slots,
                     gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt,
                     grad_kept=self.grad_kept, grad_host_dtype=self.grad_host_dtype, host_budget_gib=self.host_gib,
-                    device_budget_gib=self.gpu_gib, seq_tile=self.seq_tile)
+                    device_budget_gib=self.gpu_gib, seq_tile=self.seq_tile,
+                    split_opt="auto" if self.split_opt is None else self.split_opt)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
@@ -291,6 +294,7 @@ def _prepare(cfg: TrainConfig, dp=None):
                            device=cfg.device, n_mb=cfg.mb // world, weight_slots=cfg.slots,
                            host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
                            **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
+                           **({} if cfg.split_opt is None else {"split_opt": cfg.split_opt}),
                            saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt, grad_kept=cfg.grad_kept,
                            grad_host_dtype=cfg.grad_host_dtype, host_budget_gib=cfg.host_gib,
                            device_budget_gib=cfg.gpu_gib, seq_tile=cfg.seq_tile)

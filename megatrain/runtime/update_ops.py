@@ -140,12 +140,22 @@ def _update_part(ex, op: Op, st: StepState) -> None:
     the device joins the part's state here (read back into fp32). Its new weights go to the host with its state
     (STORE_OPT)."""
     lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    if not _owned(ex, op):  # its owner rank updates the shared store; this one counts the step (once, at part 0)
+        if lo == 0 and st.ok():
+            ex.optimizer.count_step(op.layer)
+        return
     block = ex.dev.part_block(op, hi - lo)
     if op.slot("k") is not None:
         block[3].copy_(ex.dev.k[op.slot("k")][lo:hi])
     if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
         return
     ex.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef, span=(lo, hi))
+
+
+def _owned(ex, op: Op) -> bool:
+    """Whether this process runs ``op``, one part of a split update: with data parallel only the layer's owner rank
+    does (the ranks share one host store, and another rank's store of a part may land before this one's load)."""
+    return ex.dp is None or ex.dp.owns(op.layer)
 
 
 def _rows(ex, op: Op, st: StepState):
@@ -163,6 +173,8 @@ def load_state(ex, op: Op, st: StepState) -> None:
     """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
     for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G. One part of a split
     update: the part's rows, and its gradient from the layer's host buffer (unless kept on the device)."""
+    if op.mb is not None and not _owned(ex, op):
+        return
     for r, (host, dev) in enumerate(_rows(ex, op, st)):
         ex.before_row(op.layer, r)
         dev.copy_(host, non_blocking=ex.non_blocking)
@@ -176,5 +188,7 @@ def store_state(ex, op: Op, st: StepState) -> None:
     """Updated master weights and moments back to the host block (and the bf16 shadow, where there is one)."""
     if op.mb is None:
         return ex.store_state(op.layer, ex.dev.opt_block(op))
+    if not _owned(ex, op):
+        return
     lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
     ex.store_state(op.layer, ex.dev.part_block(op, hi - lo), span=(lo, hi))

@@ -11,6 +11,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 
 def test_plan_cli_matches_the_hand_derived_bound_in_the_docs(tmp_path, capsys):
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
+                 "--split-opt", "0",  # (the docs derive the plan of every update on the host or resident)
                  "--gpu-opt-every", "0", "--saved-acts", "0", "--grad-kept", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     doc_line = re.search(r"^bound .*$", DOCS.read_text(), re.M).group(0)
@@ -27,6 +28,7 @@ def test_plan_cli_on_a_24_gib_budget_gives_the_docs_chain_bound(tmp_path, capsys
     """docs/planner.md derives the bound of Qwen2.5-7B at 32,768 tokens on a 24 GiB device budget by hand: the
     backward plus the host update pass that follows it."""
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
+                 "--split-opt", "0",  # (the docs derive the plan of every update on the host or resident)
                  "--gpu-gib", "24", "--mb", "8", "--slots", "2", "--wire", "fp32", "--host-checkpoints", "29",
                  "--gpu-opt-every", "auto", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -97,7 +99,7 @@ def test_plan_cli_defaults_to_what_compile_does_on_the_device(tmp_path, capsys):
 def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
     """72B needs 813 GiB of host store: refused on the h200 preset's 125 GiB host, planned with --host-gib."""
     one = ["plan", "--preset", "qwen2.5-72b", "--tokens", "16384", "--mb", "1", "--slots", "3", "--wire", "fp32",
-           "--host-checkpoints", "81", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "2"]
+           "--host-checkpoints", "81", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "2", "--split-opt", "0"]
     assert main([*one, "--out", str(tmp_path / "a")]) == 2
     assert "72.71B parameters x 12 B (fp32 master, exp_avg, exp_avg_sq) = 812.56 GiB, the h200 host has 125.00 GiB" \
         in capsys.readouterr().err
@@ -238,13 +240,13 @@ def test_compile_and_megatrain_plan_choose_the_same_plan(tmp_path, capsys):
     cfg = hf_config("qwen2", num_hidden_layers=6)
     cfg.to_json_file(tmp_path / "config.json")
     fixed = dict(n_mb=2, weight_slots=3, host_checkpoints=1, saved_acts=0)
-    for every in ("auto", 2):
+    for every, split in (("auto", "auto"), (2, 0)):
         sm = megatrain.compile(hf_model("qwen2", num_hidden_layers=6), device="cpu", compute_dtype=torch.bfloat16,
-                               hardware=hardware("h200"), gpu_opt_every=every, **fixed)
+                               hardware=hardware("h200"), gpu_opt_every=every, split_opt=split, **fixed)
         mine = sm.schedule_for(8, 64).config
         assert main(["plan", "--config", str(tmp_path / "config.json"), "--hardware", "h200", "--tokens", "512",
                      "--seq", "64", "--mb", "2", "--slots", "3", "--wire", "fp32", "--host-checkpoints", "1",
-                     "--saved-acts", "0", "--gpu-opt-every", str(every), "--jobs", "1",
+                     "--saved-acts", "0", "--gpu-opt-every", str(every), "--split-opt", str(split), "--jobs", "1",
                      "--out", str(tmp_path / f"plan-{every}")]) == 0
         cli = json.loads((tmp_path / f"plan-{every}" / "schedule.json").read_text())["config"]
         assert {**cli, "n_steps": 1} == mine.to_dict()

@@ -35,8 +35,9 @@ def _compile(plan: dict, updated: list):
 
 
 # (plan options, the step before which the run is saved and resumed by new processes): host updates, then device
-# updates with kept gradients; both run in one pair of processes (starting them is most of the test's time)
-CASES = [({}, 2), ({"gpu_opt_every": 2, "grad_kept": 1}, None)]
+# updates with kept gradients, split updates (each by its layer's owner rank, a kept gradient among them); all run in
+# one pair of processes (starting them is most of the test's time)
+CASES = [({}, 2), ({"gpu_opt_every": 2, "grad_kept": 1}, None), ({"split_opt": 2, "opt_part": 500, "grad_kept": 1}, 1)]
 
 
 def _run(rank: int, world: int, out: str, plan: dict, resume_at: int | None) -> None:
@@ -85,7 +86,9 @@ def _check(plan: dict, ranks: list[dict]) -> None:
     for n, t in ranks[0]["state"].items():
         assert torch.equal(t, ranks[1]["state"][n]), n  # one store, which both ranks read
     # each host update ran on one rank, once a step (the layer's owner), and every rank counts every layer's steps
-    host = [l for l in ref.store.owners() if l not in ref.schedule_for(B, 12).config.gpu_opt]
+    cfg = ref.schedule_for(B, 12).config
+    assert len(cfg.split_opt) == plan.get("split_opt", 0)
+    host = [l for l in ref.store.owners() if l not in cfg.gpu_opt + cfg.split_opt]
     done = [sorted(set(r["updated"])) for r in ranks]
     assert not set(done[0]) & set(done[1]) and sorted(done[0] + done[1]) == sorted(host), done
     assert all(r["updated"].count(l) == STEPS for r in ranks for l in set(r["updated"]))

@@ -433,7 +433,7 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
         return {"g": ("G", st, l, n_mb)}, {"k": ("K", st, l)}
     if k is OpKind.OPT and op.stream is Stream.CPU:
         return {"h": hg}, {}
-    if k in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT) and j is not None:  # one part of a split update
+    if split_part(op):
         return _split_contents(op, kept(l))
     if k is OpKind.LOAD_OPT:
         return {}, {"o": ("U", st - 1, l) if resident(l) else ("S", st, l)}
@@ -442,6 +442,12 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
     if k is OpKind.STORE_OPT:
         return {"o": ("U", st, l)}, {}
     return {}, {}
+
+
+def split_part(op: Op) -> bool:
+    """Whether ``op`` is one part of a split update (``ScheduleConfig.split_opt``): a LOAD_OPT, OPT or STORE_OPT
+    with a part index (``mb``)."""
+    return op.mb is not None and op.kind in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT)
 
 
 def _split_contents(op: Op, kept: bool) -> tuple[dict[str, tuple], dict[str, tuple]]:

@@ -470,18 +470,18 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept)
     outcomes = []
     with contextlib.ExitStack() as stack:
-        results = map(job, configs)
+        run = map  # in the order of the configs either way
         if workers > 1 and len(configs) > 1:
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(configs))))
-            results = pool.map(job, configs, chunksize=max(1, len(configs) // (8 * workers)))
-        for out in results:  # in the order of configs either way
+            run = lambda f, cs: pool.map(f, cs, chunksize=max(1, len(cs) // (8 * workers)))  # noqa: E731
+        for out in run(job, configs):
             outcomes.append(out)
             if progress is not None:
                 progress(len(outcomes), len(configs))
-    if split_opt == "auto" and clip:  # the fastest few again with a share of their host updates split to the device
-        best = [configs[i] for i in rank([key for _, _, key in outcomes])[:SPLIT_TRIED]]
-        more = [with_split(graph, c, layers, opt_part) for c in best for layers in split_sets(graph, c, "auto")]
-        outcomes += map(job, more)
+        if split_opt == "auto" and clip:  # the fastest few again, a share of their host updates split to the device
+            best = [configs[i] for i in rank([key for _, _, key in outcomes])[:SPLIT_TRIED]]
+            outcomes += run(job, [with_split(graph, c, layers, opt_part) for c in best
+                                  for layers in split_sets(graph, c, "auto")])
     tried: list[tuple[ScheduleConfig, str]] = [(cfg, why) for cfg, why, _ in outcomes]
     for i in rank([key for _, _, key in outcomes]):
         cfg = outcomes[i][0]

@@ -85,10 +85,12 @@ class DeviceState:
 
     def part_block(self, op: Op, numel: int) -> torch.Tensor:
         """The (4, numel) block of ``op``'s optimizer slot that one part of a split update uses."""
-        return self.o[op.slot("o")][: len(OPT_SLOT_ROWS) * numel].view(len(OPT_SLOT_ROWS), numel)
+        return self._rows_of(op.slot("o"), numel)
 
     def state_block(self, owner: int, k: int) -> torch.Tensor:
-        n = self.graph[owner].params
+        return self._rows_of(k, self.graph[owner].params)
+
+    def _rows_of(self, k: int, n: int) -> torch.Tensor:
         return self.o[k][: len(OPT_SLOT_ROWS) * n].view(len(OPT_SLOT_ROWS), n)
 
     def tied_sum(self, owner: int, numel: int) -> torch.Tensor:

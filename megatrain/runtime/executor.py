@@ -260,9 +260,8 @@ class Executor:
         shadow, where there is one, refreshed from them. ``span``: the elements (lo, hi) of the layer ``block``
         holds (one part of a split update; None: all)."""
         lo, hi = span if span is not None else (0, block.shape[1])
-        for r, host in enumerate(self.store.rows(layer)):  # moments: of the elements that train (a prefix)
-            end = min(hi, host.numel())
-            host[lo:end].copy_(block[r, : max(0, end - lo)], non_blocking=self.non_blocking)
+        for r, (host, row) in enumerate(self.store.row_pairs(layer, block, lo)):
+            host.copy_(row, non_blocking=self.non_blocking)
             self._row_stored(layer, r)
         if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where the
             # update ran, to nearest even as the host would

@@ -213,6 +213,15 @@ class HostStore:
         f, n, t = self._split(layer)
         return (f[:n],) if not t else (f[:n], f[n: n + t], f[n + t:])
 
+    def row_pairs(self, layer: int, block: torch.Tensor, lo: int = 0):
+        """(host row, ``block`` row) pairs of the same elements: ``block`` (an optimizer slot's, rows as
+        :meth:`rows`) holds the layer's elements from ``lo`` on (one part of them, or all); a moment row holds the
+        elements that train, a prefix of the layer's."""
+        hi = lo + block.shape[1]
+        for r, host in enumerate(self.rows(layer)):
+            end = min(hi, host.numel())
+            yield host[lo:end], block[r, : max(0, end - lo)]
+
     def block(self, layer: int) -> torch.Tensor:
         """The layer's rows as one (3, n) fp32 tensor (master, exp_avg, exp_avg_sq); (1, n), the master alone, for
         a layer frozen whole. A layer frozen in part has shorter moments than masters: see :meth:`rows`."""

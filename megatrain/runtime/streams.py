@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, split_part
 from megatrain.planner.cost import OPT_STATE_ROWS
 from megatrain.runtime import ops
 from megatrain.runtime.executor import Executor
@@ -267,8 +267,7 @@ class StreamExecutor(Executor):
         """The CUDA stream ``op`` is issued on: its IR stream's, or for a split update's op with ``split_queues``
         a queue of its own that first waits for everything issued on the IR stream so far (the program order the
         schedule's dependencies leave implicit)."""
-        if not (self.split_queues and op.mb is not None
-                and op.kind in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT)):
+        if not (self.split_queues and split_part(op)):
             return self.streams[op.stream]
         queue = self.split_streams[op.stream]
         queue.wait_stream(self.streams[op.stream])

@@ -127,7 +127,7 @@ def update_on_device(ex, op: Op, st: StepState) -> None:
     if op.mb is not None:
         return _update_part(ex, op, st)
     block = ex.dev.opt_block(op)
-    if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
+    if _skips(ex, block, st):
         ex.dev.keep(op.layer, block[0])
         return
     written = ex.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef,
@@ -135,19 +135,24 @@ def update_on_device(ex, op: Op, st: StepState) -> None:
     ex.dev.keep(op.layer, block[0], written)
 
 
+def _skips(ex, block: torch.Tensor, st: StepState) -> bool:
+    """Whether a device update is not called for a step that must not update: only where the fused GPU kernel,
+    which reads the factor on the device, would not stop it itself."""
+    return not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok()
+
+
 def _update_part(ex, op: Op, st: StepState) -> None:
     """AdamW on one part of a split update (``ScheduleConfig.split_opt``) in its optimizer slot; a gradient kept on
     the device joins the part's state here (read back into fp32). Its new weights go to the host with its state
     (STORE_OPT)."""
-    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    block, lo, hi = _part(ex, op, st)
     if not _owned(ex, op):  # its owner rank updates the shared store; this one counts the step (once, at part 0)
         if lo == 0 and st.ok():
             ex.optimizer.count_step(op.layer)
         return
-    block = ex.dev.part_block(op, hi - lo)
     if op.slot("k") is not None:
         block[3].copy_(ex.dev.k[op.slot("k")][lo:hi])
-    if not (block.is_cuda and ex.optimizer.cfg.fused) and not st.ok():
+    if _skips(ex, block, st):
         return
     ex.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef, span=(lo, hi))
 
@@ -158,37 +163,35 @@ def _owned(ex, op: Op) -> bool:
     return ex.dp is None or ex.dp.owns(op.layer)
 
 
-def _rows(ex, op: Op, st: StepState):
-    """(host row, slot row) pairs of the elements ``op`` (a LOAD_OPT or STORE_OPT) moves: the whole layer's, or one
-    part's of a split update; a moment row holds the elements that train (a prefix of the layer's)."""
-    n = ex.graph.weight_params(op.layer)
-    lo, hi = st.schedule.config.part_span(op, n)
-    block = ex.dev.opt_block(op) if op.mb is None else ex.dev.part_block(op, hi - lo)
-    for r, host in enumerate(ex.store.rows(op.layer)):
-        end = min(hi, host.numel())
-        yield host[lo:end], block[r, : max(0, end - lo)]
+def _part(ex, op: Op, st: StepState) -> tuple[torch.Tensor, int, int]:
+    """(its block in the optimizer slot, lo, hi): the elements [lo, hi) of its layer one part of a split update
+    handles."""
+    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    return ex.dev.part_block(op, hi - lo), lo, hi
 
 
 def load_state(ex, op: Op, st: StepState) -> None:
     """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
     for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G. One part of a split
     update: the part's rows, and its gradient from the layer's host buffer (unless kept on the device)."""
-    if op.mb is not None and not _owned(ex, op):
+    if op.mb is None:
+        block, lo = ex.dev.opt_block(op), 0
+    elif _owned(ex, op):
+        block, lo, _ = _part(ex, op, st)
+    else:
         return
-    for r, (host, dev) in enumerate(_rows(ex, op, st)):
+    for r, (host, row) in enumerate(ex.store.row_pairs(op.layer, block, lo)):
         ex.before_row(op.layer, r)
-        dev.copy_(host, non_blocking=ex.non_blocking)
+        row.copy_(host, non_blocking=ex.non_blocking)
     if op.slot("h") is not None:
-        lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
-        grads = ex.store.grads.view(op.slot("h"), ex.graph.weight_params(op.layer))[lo:hi]
-        ex.dev.part_block(op, hi - lo)[3].copy_(grads, non_blocking=ex.non_blocking)
+        grads = ex.store.grads.view(op.slot("h"), ex.graph.weight_params(op.layer))[lo: lo + block.shape[1]]
+        block[3].copy_(grads, non_blocking=ex.non_blocking)
 
 
 def store_state(ex, op: Op, st: StepState) -> None:
     """Updated master weights and moments back to the host block (and the bf16 shadow, where there is one)."""
     if op.mb is None:
         return ex.store_state(op.layer, ex.dev.opt_block(op))
-    if not _owned(ex, op):
-        return
-    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
-    ex.store_state(op.layer, ex.dev.part_block(op, hi - lo), span=(lo, hi))
+    if _owned(ex, op):
+        block, lo, hi = _part(ex, op, st)
+        ex.store_state(op.layer, block, span=(lo, hi))

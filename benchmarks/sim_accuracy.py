@@ -11,7 +11,7 @@ import json
 from dataclasses import replace
 
 from megatrain.ir import ScheduleConfig
-from megatrain.planner.graph import PRESETS, LayerGraph, from_config, preset
+from megatrain.planner.graph import PRESETS, LayerGraph, from_config, preset, preset_model_type
 from megatrain.planner.hardware import hardware
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.simulate import bound, simulate
@@ -32,9 +32,12 @@ def graph_of(r: dict):
     run's parameter count says so (the benchmarks' models since 46bbcfd), with the saved bytes per token the run
     measured (runs since saved activations record it)."""
     graph = preset(r["preset"])
+    cut = r.get("layers", PRESETS[r["preset"]]["num_hidden_layers"])  # a model cut to its first blocks
     if graph.n_params != r["params"]:
-        shape = {**PRESETS[r["preset"]], "tie_word_embeddings": False}
-        graph = from_config(shape, name=r["preset"])
+        shape = {**PRESETS[r["preset"]], "num_hidden_layers": cut}
+        if cut == PRESETS[r["preset"]]["num_hidden_layers"]:
+            shape["tie_word_embeddings"] = False
+        graph = from_config({"model_type": preset_model_type(r["preset"]), **shape}, name=r["preset"])
         if graph.n_params != r["params"]:
             raise ValueError(f"{r['source']}: {r['params']:,} parameters match neither form of {r['preset']}")
     if r.get("saved_bytes_per_token"):
@@ -52,7 +55,10 @@ def predict(r: dict, spec) -> tuple[float, float, str]:
                          seq_len=seq, weight_slots=r["weight_slots"], grad_slots=2,
                          wire_bytes_per_param=r["wire_bytes_per_param"], host_checkpoints=r["host_checkpoints"],
                          clip=r["clip"], budget_bytes=spec.budget_bytes, gpu_opt=tuple(r["gpu_opt"]),
-                         saved_acts=tuple(r.get("saved_acts", ())), saved_lean=r.get("saved_lean", False))
+                         saved_acts=tuple(r.get("saved_acts", ())), saved_lean=r.get("saved_lean", False),
+                         resident_opt=tuple(r.get("resident_opt") or ()), grad_kept=tuple(r.get("grad_kept") or ()),
+                         grad_host_bytes=r.get("grad_host_bytes", 4), split_opt=tuple(r.get("split_opt") or ()),
+                         opt_part=r.get("opt_part") or 0, seq_tile=r.get("seq_tile") or 0)
     s = build_schedule(graph, cfg)
     b = bound(s, graph, spec)
     return simulate(s, graph, spec).steady_step_s, b.step_s, b.limiter

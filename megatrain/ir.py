@@ -450,6 +450,33 @@ def split_part(op: Op) -> bool:
     return op.mb is not None and op.kind in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT)
 
 
+Queue = tuple[Stream, bool]
+# the queues ops are issued on: each stream's, then the split updates' own on the GPU streams
+QUEUES: tuple[Queue, ...] = tuple((s, False) for s in STREAM_ORDER) + tuple(
+    (s, True) for s in STREAM_ORDER if s is not Stream.CPU)
+
+
+def queue_of(op: Op) -> Queue:
+    """The queue ``op`` is issued on: its stream's, or for a split update's GPU op a queue of its own beside it
+    (the stream issuer's split queues), which runs the split ops in program order after what the stream's own
+    queue issued before each of them, while the stream's later ops do not wait for them."""
+    return op.stream, op.stream is not Stream.CPU and split_part(op)
+
+
+def issue_preds(ops: Iterable[Op]) -> list[tuple[int, ...]]:
+    """Per op (by id, ``ops`` in program order), the ops the issue order alone makes it follow: the op before it on
+    its queue and, for an op on a split queue, the latest op before it on its stream's own queue. With its
+    dependencies, these are every op that must end before it starts."""
+    last: dict[Queue, int] = {}
+    out: list[tuple[int, ...]] = []
+    for op in ops:
+        q = queue_of(op)
+        preds = [last[x] for x in {q, (op.stream, False)} if x in last]
+        out.append(tuple(sorted(preds)))
+        last[q] = op.id
+    return out
+
+
 def _split_contents(op: Op, kept: bool) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """:func:`slot_contents` of one part of a split update (``ScheduleConfig.split_opt``): ``("S", step, layer,
     part)`` the part's state in an optimizer slot, ``("SG", ...)`` with its gradient (from the host buffer, loaded

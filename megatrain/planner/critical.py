@@ -3,8 +3,8 @@
 The bound (:func:`megatrain.planner.simulate.bound`) takes the critical path's length in one pass over the ops in
 program order, on plain lists (it runs for every candidate plan the search weighs). This module builds the same
 ordering as a graph of events -- each op's start and end, an edge from start to end weighted with the op's
-modelled duration, an edge from an op's end to the start of every op that depends on it or follows it on its
-stream, and, for a state load that may follow its layer's store of the step before a row behind
+modelled duration, an edge from an op's end to the start of every op that depends on it or follows it in issue
+order (``ir.issue_preds``), and, for a state load that may follow its layer's store of the step before a row behind
 (``simulate.same_state``), an edge from the store's start weighted with one row of it and one from the store's end
 to the load's end -- and asks networkx for the longest weighted path: its length is the bound's critical path
 (tests check that they agree), and its ops say where the time goes (``megatrain plan`` prints the split by
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from megatrain.ir import Op, Schedule, Stream
+from megatrain.ir import Op, Schedule, Stream, issue_preds
 from megatrain.planner.cost import OPT_STATE_ROWS, duration_s
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -39,19 +39,17 @@ def event_dag(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> nx.D
     """Nodes ("s", id) and ("e", id) for each op's start and end; edge weights in seconds."""
     g = nx.DiGraph()
     row = 1.0 / OPT_STATE_ROWS
-    last_on: dict[Stream, int] = {}
     ops = schedule.ops
-    for op in ops:
+    for op, implicit in zip(ops, issue_preds(ops)):
         d = duration_s(graph, schedule.config, spec, op)
         g.add_edge(("s", op.id), ("e", op.id), weight=d, op=op.id)
-        preds = set(op.deps) | ({last_on[op.stream]} if op.stream in last_on else set())
+        preds = set(op.deps) | set(implicit)
         for x in preds:
             if x in op.deps and same_state(op, ops[x]):  # after the store's first row; ends after the store
                 g.add_edge(("s", x), ("s", op.id), weight=row * duration_s(graph, schedule.config, spec, ops[x]))
                 g.add_edge(("e", x), ("e", op.id), weight=0.0)
             else:
                 g.add_edge(("e", x), ("s", op.id), weight=0.0)
-        last_on[op.stream] = op.id
     return g
 
 

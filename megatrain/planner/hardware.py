@@ -32,6 +32,10 @@ class HardwareSpec:
     # them); 0: the matmul rate
     route_bytes_per_s: float = 0.0  # the rate a mixture of experts' routing moves its rows at (gathers by expert,
     # gating, weighting, the sum back per token: Layer.route_bytes_per_token); 0: the device memory's
+    # the share of the host AdamW's rate lost while host-to-device (device-to-host) copies run at their full rate:
+    # the copy engines read (write) the host's DRAM, which the update threads stream through; 0: not modelled
+    cpu_h2d_slowdown: float = 0.0
+    cpu_d2h_slowdown: float = 0.0
 
     @property
     def budget_bytes(self) -> int:
@@ -54,7 +58,7 @@ class HardwareSpec:
         for f in names[1:]:
             v = d.get(f, 0)
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
-                                 "route_bytes_per_s")
+                                 "route_bytes_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown")
             # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
                     not (v >= 0 if may_be_zero else v > 0):
@@ -64,6 +68,10 @@ class HardwareSpec:
         if spec.gpu_reserved_bytes >= spec.gpu_bytes:
             raise ValueError(f"hardware spec {spec.name!r}: gpu_reserved_bytes ({spec.gpu_reserved_bytes}) leaves "
                              f"nothing of gpu_bytes ({spec.gpu_bytes})")
+        if spec.cpu_h2d_slowdown + spec.cpu_d2h_slowdown >= 1:
+            raise ValueError(f"hardware spec {spec.name!r}: cpu_h2d_slowdown + cpu_d2h_slowdown must be below 1 "
+                             f"(the host's updates would stop while both copy directions run), got "
+                             f"{spec.cpu_h2d_slowdown} + {spec.cpu_d2h_slowdown}")
         return spec
 
     @classmethod
@@ -84,9 +92,11 @@ PRESETS: dict[str, HardwareSpec] = {
     # 8192^3 bf16 GEMM alone reaches 784), the issue floors what one FWD / BWD op of a Qwen2 block with the Triton
     # kernels cost the host thread (1.5B at 4,096 tokens per op: 1.2 / 4.4 ms whatever the op's size). Attention
     # (cuDNN's fused kernel through SDPA): 510 TFLOP/s fits Qwen2.5-7B steps with 131,072- and 262,144-token
-    # sequences within 2% (docs/benchmarks.md, "Long sequences"). Host AdamW: the rate of the optimizer worker's
-    # updates read off timed Qwen2.5-7B steps (3.68-4.12 G params/s at 24-80 GiB device budgets; 4.1-4.6 for the
-    # kernel alone, 3.1 with copies both ways running: docs/benchmarks.md, "Device budgets"). Mixture-of-experts
+    # sequences within 2% (docs/benchmarks.md, "Long sequences"). Host AdamW: the optimizer worker's rate (3.7 G
+    # params/s; 3.9-4.4 with no copies running, 3.68-4.12 read off timed 7B steps), and the share of it copies take
+    # (4.25 alone, 3.7 with h2d copies at 49 GB/s, 3.2 with d2h at 52, 3.1 with both: docs/benchmarks.md, "Device
+    # budgets"); with these the simulation puts Qwen2.5-7B's steps at 24-141 GiB budgets, split updates among
+    # them, within 6% of their measured means (docs/planner.md, "Host DRAM, shared"). Mixture-of-experts
     # routing: 1.8e12 B/s fits the OLMoE-1B-7B-shaped step (0.863 s measured) and puts the Qwen3-30B-A3B-shaped one
     # within 9% (docs/benchmarks.md, "Mixture-of-experts shapes"): its gathers and small kernels run at ~0.4 of HBM.
     "h200": HardwareSpec(
@@ -95,6 +105,7 @@ PRESETS: dict[str, HardwareSpec] = {
         matmul_flops_per_s=620e12, hbm_bytes_per_s=4.3e12,
         cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
         fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, route_bytes_per_s=1.8e12,
+        cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25,
     ),
     # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same
     # chip). Not measured here.

@@ -1,8 +1,11 @@
 """Event simulation of a schedule over its streams, and the roofline bound.
 
-Streams run their ops in program order; an op starts when its stream is free and its dependencies are done.
-Compute and cpu ops take the cost model's seconds. Transfers are fluid: alone, a direction moves at its own rate;
-when both directions run, each is slowed so that together they stay within the duplex rate. A device update's
+Queues run their ops in program order (a stream's own queue, and beside each GPU stream the split updates' queue, as
+the stream issuer runs them: ``ir.queue_of``); an op starts when its queue is free and its dependencies and issue
+predecessors are done. Compute and cpu ops take the cost model's seconds, transfers move their bytes, all fluid:
+alone, a copy direction moves at its own rate; when both directions run, each is slowed so that together they stay
+within the duplex rate; queues of one direction (or of the GPU's compute) share it; the host's AdamW slows while
+copies run (the spec's ``cpu_h2d_slowdown`` / ``cpu_d2h_slowdown``: they share the host's DRAM). A device update's
 state moves a row at a time (``cost.OPT_STATE_ROWS``): its LOAD_OPT may start once the STORE_OPT it waits for has
 stored the first row, and ends no earlier than that store.
 """
@@ -12,7 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from megatrain.ir import SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, resident_slots
+from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, Stream, issue_preds, queue_of,
+                          resident_slots)
 from megatrain.planner.cost import (OPT_STATE_ROWS, POOLS, device_memory, duration_s, host_memory, saved_nbytes,
                                     slot_sizes, transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
@@ -152,10 +156,9 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
     nbytes = last_nbytes = 0
     finish: list[float] = []
     begin: list[float] = []
-    last_on: dict[Stream, int] = {}
     row = 1.0 / OPT_STATE_ROWS
     durations = []
-    for op in schedule.ops:
+    for op, implicit in zip(schedule.ops, issue_preds(schedule.ops)):
         d = duration_s(graph, cfg, spec, op)
         durations.append(d)
         busy[op.stream.value] += d
@@ -167,11 +170,9 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         rows = [x for x in op.deps if same_state(op, schedule.ops[x])]
         # a state load may start after the first row of the store it waits for (see simulate)
         preds = [begin[x] + row * (finish[x] - begin[x]) if x in rows else finish[x] for x in op.deps]
-        if op.stream in last_on:
-            preds.append(finish[last_on[op.stream]])
+        preds += [finish[x] for x in implicit]
         begin.append(max(preds, default=0.0))
         finish.append(max([begin[-1] + d] + [finish[x] for x in rows]))
-        last_on[op.stream] = op.id
     busy["pcie"] = nbytes / spec.duplex_bytes_per_s
     last["pcie"] = last_nbytes / spec.duplex_bytes_per_s
     return Bound(busy, max(finish, default=0.0), cfg.n_steps, last, _chain(schedule, graph, spec, durations))
@@ -183,16 +184,14 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
     dependencies and stream order, plus step k+1's compute from that BWD to its last gradient op. Each resource runs
     its ops one at a time at their modelled durations, so no step's last gradient can follow the one before sooner.
     With exact clipping every update of step k is in that window (the next forward waits for them): the bound the
-    roofline misses where the host update pass, not a resource's total, is what a step waits for. ``dur``: each
-    op's modelled duration."""
+    roofline misses where the host update pass, not a resource's total, is what a step waits for. The host's
+    updates count the share of the window's copies they lose to them (``spec.cpu_h2d_slowdown``,
+    ``cpu_d2h_slowdown``). ``dur``: each op's modelled duration."""
     cfg, ops = schedule.config, schedule.ops
     if cfg.n_steps < 2 or not cfg.train:
         return None
-    preds: list[list[int]] = []
-    last_on: dict[Stream, int] = {}
-    for op in ops:  # ops are in an order that respects both
-        preds.append(list(op.deps) + ([last_on[op.stream]] if op.stream in last_on else []))
-        last_on[op.stream] = op.id
+    preds = [list(op.deps) + list(implicit) for op, implicit in zip(ops, issue_preds(ops))]  # ops are in an
+    # order that respects both
     grads = [[op.id for op in ops if op.step == k and op.stream is Stream.COMPUTE
               and op.kind in (OpKind.BWD, OpKind.NORM)] for k in range(cfg.n_steps)]
     if not all(grads):
@@ -211,10 +210,15 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
                 for p in preds[i]:
                     before[p] = True
         busy = dict.fromkeys(RESOURCES, 0.0)
+        slowed = 0.0  # the host updates' time lost to the copies in the window (see _rates)
         for i in range(first + 1, nxt):
             if after[i] and before[i]:
                 busy[ops[i].stream.value] += dur[i]
                 busy["pcie"] += transfer_nbytes(graph, cfg, ops[i]) / spec.duplex_bytes_per_s
+                slowed += dur[i] * {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}.get(
+                    ops[i].stream, 0.0)
+        if busy["cpu"]:  # each copy in the window slows the host's updates while they overlap, or adds its own
+            busy["cpu"] += slowed  # time where they do not (the slowdowns are below 1)
         backward = sum(dur[i] for i in range(nxt, grads[k + 1][-1] + 1) if ops[i].stream is Stream.COMPUTE)
         r = max(busy, key=lambda x: busy[x])
         if best is None or busy[r] + backward < best[0]:
@@ -222,15 +226,39 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
     return best
 
 
+def _rates(spec: HardwareSpec, running: list[Queue]) -> dict[Queue, float]:
+    """Each running queue's rate: bytes per second for a transfer, seconds of work per second for the rest. The
+    queues of one copy direction share its rate; when both directions run, each is slowed so that together they
+    stay within the duplex rate; the compute queues share the GPU; the host's AdamW loses
+    ``spec.cpu_h2d_slowdown`` (``cpu_d2h_slowdown``) of its rate per unit of the h2d (d2h) direction's full rate
+    in use (the copy engines and the update threads share the host's DRAM)."""
+    alone = {Stream.H2D: spec.h2d_bytes_per_s, Stream.D2H: spec.d2h_bytes_per_s}
+    count = {s: sum(1 for q in running if q[0] is s) for s in STREAM_ORDER}
+    both = count[Stream.H2D] and count[Stream.D2H]
+    scale = min(1.0, spec.duplex_bytes_per_s / (alone[Stream.H2D] + alone[Stream.D2H])) if both else 1.0
+    use = {s: scale if count[s] else 0.0 for s in alone}  # each direction's share of its full rate in use
+    out = {}
+    for q in running:
+        if q[0] in alone:
+            out[q] = alone[q[0]] * scale / count[q[0]]
+        elif q[0] is Stream.CPU:
+            out[q] = 1.0 - spec.cpu_h2d_slowdown * use[Stream.H2D] - spec.cpu_d2h_slowdown * use[Stream.D2H]
+        else:
+            out[q] = 1.0 / count[q[0]]
+    return out
+
+
 def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timeline:
     cfg = schedule.config
     ops = schedule.ops
     n = len(ops)
-    queues = {s: [op for op in ops if op.stream is s] for s in STREAM_ORDER}
-    head = dict.fromkeys(STREAM_ORDER, 0)
+    queues = {q: [op for op in ops if queue_of(op) == q] for q in QUEUES}
+    # a split queue's op also waits for what its stream's own queue issued before it (issue_preds)
+    across = [tuple(p for p in pp if queue_of(ops[p]) != queue_of(op)) for op, pp in zip(ops, issue_preds(ops))]
+    head = dict.fromkeys(QUEUES, 0)
     start = [0.0] * n
     end: list[float | None] = [None] * n
-    active: dict[Stream, list] = {}  # stream -> [op, remaining, total]; units: bytes for transfers, seconds else
+    active: dict[Queue, list] = {}  # queue -> [op, remaining, total]; units: bytes for transfers, seconds else
     alone = {Stream.H2D: spec.h2d_bytes_per_s, Stream.D2H: spec.d2h_bytes_per_s}
     row = 1.0 / OPT_STATE_ROWS
     t = 0.0
@@ -238,67 +266,63 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
 
     def started_rows(load: Op, d: int) -> bool:  # a LOAD_OPT's dependency on its own layer's store of the step
         # before, whose first row is done (a store of another layer that reads the slot must end first)
-        a = active.get(Stream.D2H)
-        return (same_state(load, ops[d]) and a is not None and a[0].id == d
-                and a[1] <= (1 - row) * a[2] * (1 + 1e-9))
+        return same_state(load, ops[d]) and any(
+            a[0].id == d and a[1] <= (1 - row) * a[2] * (1 + 1e-9) for q, a in active.items() if q[0] is Stream.D2H)
 
-    blocked: dict[Stream, int] = {}  # stream -> a dependency its next op was last found waiting for
+    blocked: dict[Queue, int] = {}  # queue -> a dependency its next op was last found waiting for
     while finished < n:
         progress = True
         while progress:
             progress = False
-            for s in STREAM_ORDER:
-                if s in active or head[s] >= len(queues[s]):
+            for q in QUEUES:
+                if q in active or head[q] >= len(queues[q]):
                     continue
-                op = queues[s][head[s]]
-                b = blocked.get(s)
+                op = queues[q][head[q]]
+                b = blocked.get(q)
                 if b is not None and end[b] is None and op.kind is not OpKind.LOAD_OPT:
                     continue  # still waiting for it (a state load may also go on a store's first row)
                 b = next((d for d in op.deps if end[d] is None and not started_rows(op, d)), None)
+                if b is None:
+                    b = next((d for d in across[op.id] if end[d] is None), None)
                 if b is not None:
-                    blocked[s] = b
+                    blocked[q] = b
                     continue
-                blocked.pop(s, None)
-                head[s] += 1
+                blocked.pop(q, None)
+                head[q] += 1
                 start[op.id] = t
-                units = transfer_nbytes(graph, cfg, op) if s in alone else duration_s(graph, cfg, spec, op)
+                units = transfer_nbytes(graph, cfg, op) if q[0] in alone else duration_s(graph, cfg, spec, op)
                 if units <= 0:
                     end[op.id] = t
                     finished += 1
                 else:
-                    active[s] = [op, float(units), float(units)]
+                    active[q] = [op, float(units), float(units)]
                 progress = True
         if not active:
             if finished < n:
                 raise AssertionError("simulation stalled with ops left (dependencies point forward?)")
             break
-        waiting = {s for s, a in active.items() if a[1] <= 1e-12 * a[2]}  # a load done before its store
-        rate = {s: 1.0 for s in active}
-        both = Stream.H2D in active and Stream.D2H in active and not waiting
-        scale = min(1.0, spec.duplex_bytes_per_s / (alone[Stream.H2D] + alone[Stream.D2H])) if both else 1.0
-        for s in alone:
-            if s in active:
-                rate[s] = alone[s] * scale
+        waiting = {q for q, a in active.items() if a[1] <= 1e-12 * a[2]}  # a load done before its store
+        rate = _rates(spec, [q for q in active if q not in waiting])
         # next event: an op ends, or a state store finishes its first row (a load may be waiting for it); a load
         # done before its store waits for the store's end
-        dt = min([a[1] / rate[s] for s, a in active.items() if s not in waiting]
-                 + [(a[1] - (1 - row) * a[2]) / rate[s] for s, a in active.items()
+        dt = min([a[1] / rate[q] for q, a in active.items() if q not in waiting]
+                 + [(a[1] - (1 - row) * a[2]) / rate[q] for q, a in active.items()
                     if a[0].kind is OpKind.STORE_OPT and a[1] > (1 - row) * a[2] * (1 + 1e-9)])
         t += dt
-        for s in list(active):
-            a = active[s]
-            if s not in waiting:
-                a[1] -= rate[s] * dt
+        for q in list(active):
+            a = active[q]
+            if q not in waiting:
+                a[1] -= rate[q] * dt
             if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps if same_state(a[0], ops[d])):
                 end[a[0].id] = t
                 finished += 1
-                del active[s]
-        for s in list(active):  # a load that waited for its store, which ended just now
-            a = active[s]
+                del active[q]
+        for q in list(active):  # a load that waited for its store, which ended just now
+            a = active[q]
             if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps):
                 end[a[0].id] = t
                 finished += 1
-                del active[s]
+                del active[q]
     end_s = [float(e) for e in end]
     mem = device_memory(graph, schedule)
     return Timeline(

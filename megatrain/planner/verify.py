@@ -1,7 +1,8 @@
 """verify(schedule, graph, spec): every invariant of the schedule, or a ScheduleError naming the op and the rule.
 
-Happens-before is decided with one vector clock per op over the four streams: an op happens after everything its
-dependencies and its stream predecessor happen after. Slot rules are checked against it, so a schedule that verifies
+Happens-before is decided with one vector clock per op over the issue queues (the four streams, and the split
+updates' own queues beside the GPU streams): an op happens after everything its dependencies and its issue
+predecessors happen after. Slot rules are checked against it, so a schedule that verifies
 is correct for every timing the streams can produce.
 """
 
@@ -10,8 +11,8 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from megatrain.ir import (KIND_STREAMS, SLOT_POOL, STREAM_ORDER, Op, OpKind, Schedule, Stream, initial_contents,
-                          resident_slots, slot_contents)
+from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, initial_contents,
+                          issue_preds, queue_of, resident_slots, slot_contents)
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -29,28 +30,28 @@ class ScheduleError(ValueError):
 
 
 class HappensBefore:
-    """Vector clocks: ``hb(a, b)`` is true when op a finishes before op b starts in every execution."""
+    """Vector clocks: ``hb(a, b)`` is true when op a finishes before op b starts in every execution. One clock entry
+    per issue queue (:data:`~megatrain.ir.QUEUES`): an op follows its dependencies and :func:`~megatrain.ir.issue_preds`
+    (the op before it on its queue; on a split queue also the latest op of its stream's own queue)."""
 
     def __init__(self, ops: tuple[Op, ...]):
-        n_streams = len(STREAM_ORDER)
-        s_index = {s: i for i, s in enumerate(STREAM_ORDER)}
-        self.pos = [0] * len(ops)  # position of each op within its stream
-        self.sid = [s_index[op.stream] for op in ops]
+        n_queues = len(QUEUES)
+        q_index = {q: i for i, q in enumerate(QUEUES)}
+        self.pos = [0] * len(ops)  # position of each op within its queue
+        self.sid = [q_index[queue_of(op)] for op in ops]
         self.vc: list[list[int]] = []
-        last_on = [-1] * n_streams  # id of the latest op per stream
-        count = [0] * n_streams
-        for op in ops:
+        count = [0] * n_queues
+        for op, implicit in zip(ops, issue_preds(ops)):
             s = self.sid[op.id]
-            clock = list(self.vc[last_on[s]]) if last_on[s] >= 0 else [-1] * n_streams
-            for d in op.deps:
+            clock = [-1] * n_queues
+            for d in (*implicit, *op.deps):
                 dv = self.vc[d]
-                for k in range(n_streams):
+                for k in range(n_queues):
                     if dv[k] > clock[k]:
                         clock[k] = dv[k]
             self.pos[op.id] = count[s]
             clock[s] = count[s]
             count[s] += 1
-            last_on[s] = op.id
             self.vc.append(clock)
 
     def __call__(self, a: int, b: int) -> bool:

@@ -6,7 +6,7 @@ import pytest
 
 from megatrain.ir import OpKind
 from megatrain.planner.graph import Layer, LayerGraph
-from megatrain.planner.hardware import PRESETS
+from megatrain.planner.hardware import PRESETS, HardwareSpec
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.simulate import bound, simulate
 
@@ -15,7 +15,8 @@ from .helpers import config
 # Round numbers: 1 GB/s each way, 1.5 GB/s both at once, 1 GFLOP/s, 1 M params/s of Adam, no issue floors.
 SPEC = dataclasses.replace(PRESETS["h200"], h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex_bytes_per_s=1.5e9,
                            matmul_flops_per_s=1e9, hbm_bytes_per_s=1e15, cpu_adam_params_per_s=1e6,
-                           cpu_cast_params_per_s=1e30, fwd_issue_s=0.0, bwd_issue_s=0.0)
+                           cpu_cast_params_per_s=1e30, fwd_issue_s=0.0, bwd_issue_s=0.0, cpu_h2d_slowdown=0.0,
+                           cpu_d2h_slowdown=0.0)
 
 
 def two_layer_graph():
@@ -57,6 +58,28 @@ def test_two_layer_step_by_hand():
     assert [(op.kind, op.layer) for op in cp.ops] == [(OpKind.LOAD_W, 0), (OpKind.LOAD_W, 1), (OpKind.LOSS, 1),
                                                       (OpKind.STORE_G, 1), (OpKind.OPT, 1), (OpKind.OPT, 0)]
     assert cp.by_stream_s == pytest.approx({"compute": 0.003, "h2d": 0.004, "d2h": 0.004, "cpu": 2.0})
+
+
+def test_host_updates_slow_while_copies_run():
+    """The step of test_two_layer_step_by_hand with the host's AdamW losing 25% of its rate while d2h copies run at
+    their full rate (12.5% for h2d): the head's update starts under the embedding's 4 ms gradient store, doing
+    3 ms of work in it, and ends 1 ms later; the chain between two clipped steps counts that share of the copies."""
+    g = two_layer_graph()
+    spec = dataclasses.replace(SPEC, cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25)
+    s = build_schedule(g, config(g, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2, clip=False))
+    tl = simulate(s, g, spec)
+    t = {(op.kind, op.layer): (a, b) for op, a, b in zip(s.ops, tl.start_s, tl.end_s)}
+    assert t[(OpKind.STORE_G, 0)] == pytest.approx((0.011, 0.015))
+    assert t[(OpKind.OPT, 1)] == pytest.approx((0.011, 1.012))
+    assert t[(OpKind.OPT, 0)] == pytest.approx((1.012, 2.012))
+    two = build_schedule(g, config(g, n_steps=2, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2, clip=True))
+    plain, slowed = bound(two, g, SPEC).chain, bound(two, g, spec).chain
+    # between the backwards: both updates (2 s), the embedding's gradient store (4 ms of d2h) and the next
+    # step's two weight loads (2 ms each of h2d)
+    assert plain[1] == slowed[1] == "cpu"
+    assert slowed[0] - plain[0] == pytest.approx(0.25 * 0.004 + 0.125 * 0.004)
+    with pytest.raises(ValueError, match="below 1"):
+        HardwareSpec.from_dict({**spec.to_dict(), "cpu_h2d_slowdown": 0.5, "cpu_d2h_slowdown": 0.5})
 
 
 def test_transfers_running_together_are_slowed():

@@ -125,3 +125,33 @@ def test_split_updates_speed_up_a_7b_step_on_a_24_gib_budget():
     assert not host_only.schedule.config.split_opt and split.schedule.config.split_opt
     assert split.timeline.steady_step_s < 0.9 * host_only.timeline.steady_step_s
     assert device_memory(graph, split.schedule).total_nbytes <= 24 << 30
+
+
+def test_split_ops_run_on_queues_of_their_own():
+    """As the stream issuer runs them: a split op follows what its stream's own queue issued before it, and the
+    stream's later ops do not wait for it -- in the verifier's happens-before, the simulation and the bound."""
+    from megatrain.ir import Op, Stream, issue_preds, queue_of
+    from megatrain.planner.simulate import simulate, same_state
+    from megatrain.planner.verify import HappensBefore
+
+    split = Op(0, OpKind.LOAD_OPT, Stream.H2D, 0, 1, mb=0, slots=(("o", 0),))
+    load = Op(1, OpKind.LOAD_W, Stream.H2D, 0, 2, slots=(("w", 0),))
+    after = Op(2, OpKind.LOAD_OPT, Stream.H2D, 0, 3, mb=0, slots=(("o", 1),))
+    assert queue_of(split) == (Stream.H2D, True) and queue_of(load) == (Stream.H2D, False)
+    assert issue_preds((split, load, after)) == [(), (), (0, 1)]
+    hb = HappensBefore((split, load, after))
+    assert not hb(0, 1) and hb(1, 2) and hb(0, 2)
+    # a host update stays on the one cpu queue, parts or not
+    assert queue_of(Op(0, OpKind.OPT, Stream.CPU, 0, 1, mb=0)) == (Stream.CPU, False)
+
+    s = _schedule()
+    tl = simulate(s, G, PRESETS["h200"])
+    preds = issue_preds(s.ops)
+    for op in s.ops:
+        for d in (*op.deps, *preds[op.id]):
+            if not same_state(op, s.ops[d]):
+                assert tl.start_s[op.id] >= tl.end_s[d] - 1e-12, (str(op), str(s.ops[d]))
+    # the next step's weight loads go beside the split state loads issued before them
+    overlaps = [(a, b) for a in s.ops for b in s.ops if a.id < b.id and a.kind is OpKind.LOAD_OPT and a.mb is not None
+                and b.kind is OpKind.LOAD_W and b.stream is Stream.H2D and tl.start_s[b.id] < tl.end_s[a.id] - 1e-12]
+    assert overlaps

@@ -96,7 +96,7 @@ PRESETS: dict[str, HardwareSpec] = {
     # params/s; 3.9-4.4 with no copies running, 3.68-4.12 read off timed 7B steps), and the share of it copies take
     # (4.25 alone, 3.7 with h2d copies at 49 GB/s, 3.2 with d2h at 52, 3.1 with both: docs/benchmarks.md, "Device
     # budgets"); with these the simulation puts Qwen2.5-7B's steps at 24-141 GiB budgets, split updates among
-    # them, within 6% of their measured means (docs/planner.md, "Host DRAM, shared"). Mixture-of-experts
+    # them, within 8% of their measured means (docs/planner.md, "Host DRAM, shared"). Mixture-of-experts
     # routing: 1.8e12 B/s fits the OLMoE-1B-7B-shaped step (0.863 s measured) and puts the Qwen3-30B-A3B-shaped one
     # within 9% (docs/benchmarks.md, "Mixture-of-experts shapes"): its gathers and small kernels run at ~0.4 of HBM.
     "h200": HardwareSpec(

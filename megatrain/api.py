@@ -401,7 +401,7 @@ class StreamedModel:
         schedule = cont if self.executor.can_continue(cont) else first
         mbs = self._micro_batches(schedule, input_ids, attention_mask, nxt, position_ids)
         t0 = time.perf_counter()
-        if self.overlap_steps and hasattr(self.executor, "drain"):
+        if self.overlap_steps:
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False)
         else:
             out = self.executor.run(schedule, mbs, denom)
@@ -444,8 +444,7 @@ class StreamedModel:
     def wait(self) -> None:
         """Wait until every step's work is done (with ``overlap_steps``, the last step's updates run on after
         ``train_step`` returns)."""
-        if hasattr(self.executor, "drain"):
-            self.executor.drain()
+        self.executor.drain()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The current master weights by parameter name (views into the host store). With ``overlap_steps`` the

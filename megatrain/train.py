@@ -50,7 +50,7 @@ class TrainConfig:
     lr: float | None = None  # peak learning rate; None: 1e-5 where the model brings weights, else 3e-3
     warmup: int | None = None  # warmup steps, then the schedule; None: a tenth of the steps, at most 30 (fine-tuning
     # a model with weights: 3% of the steps)
-    schedule: str = "cosine_with_min_lr"  # after warmup: one of transformers.get_scheduler's (optim.SCHEDULES)
+    schedule: str = "cosine_with_min_lr"  # after warmup: one of transformers.get_scheduler's (optim_config.SCHEDULES)
     min_lr: float | None = None  # where cosine_with_min_lr / warmup_stable_decay end; None: lr / 10 / 0
     decay_steps: int | None = None  # warmup_stable_decay's decaying steps (None: a tenth of those after warmup)
     betas: str = "0.9,0.95"  # Adam's beta1,beta2

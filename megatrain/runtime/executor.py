@@ -43,11 +43,13 @@ class Executor:
     non_blocking = False  # host <-> device copies: synchronous here, asynchronous on the streaming executor
 
     def __init__(self, captured: Captured, store: HostStore, optimizer: HostAdamW, device: torch.device,
-                 compute_dtype: torch.dtype, head_loss=None):
+                 compute_dtype: torch.dtype, head_loss=None, runner: LayerRunner | None = None):
         self.captured, self.store, self.optimizer = captured, store, optimizer
         self.graph = captured.graph
         self.device, self.dtype = torch.device(device), compute_dtype
-        self.runner = LayerRunner(captured, self.device)
+        # the templates bound to weight views (one runner per captured model: another executor over the same model
+        # takes the first one's)
+        self.runner = runner if runner is not None else LayerRunner(captured, self.device)
         self.head_loss = head_loss  # HeadLossSpec: the head runs as the fused linear + cross-entropy kernel
         self.dev = DeviceState(self.graph, store, self.device, compute_dtype, self._quiesce)
         self.rng = StepRng(self.device)  # each (layer, micro-batch) draws from its own seed (runtime/rng.py)
@@ -66,8 +68,9 @@ class Executor:
         # data parallel: the ranks whose gradients and losses each step sums (runtime.data_parallel); None: alone
         self.dp: DataParallel | None = None
 
-    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int) -> StepOutput:
-        """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step."""
+    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True) -> StepOutput:
+        """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step. ``wait_optimizer``: False
+        lets an issuer that overlaps steps return before the step's updates are done (here they always are)."""
         cfg = schedule.config
         if cfg.n_steps != 1 or cfg.n_mb != len(mbs):
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
@@ -276,6 +279,9 @@ class Executor:
         return packed.view_of(self.bwd_weights) if isinstance(packed, ops.WeightRef) else packed
 
     # ---- step bookkeeping the streaming issuer does its own way ------------------------------------------------
+    def drain(self) -> None:
+        """Wait until every step's work is done (here each step's work is done when ``run`` returns)."""
+
     def _quiesce(self) -> None:
         """Wait until no earlier op can still touch a device buffer (here every op has run by the time it returns)."""
 

@@ -9,15 +9,14 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
-import torch
-
 from megatrain.ir import Op, Schedule
 from megatrain.planner.graph import LayerGraph
+from megatrain.runtime.cuda_api import TORCH_CUDA
 
 
 class OpTimer:
-    def __init__(self, graph: LayerGraph, compute: torch.cuda.Stream):
-        self.graph, self.compute = graph, compute
+    def __init__(self, graph: LayerGraph, compute, cuda=TORCH_CUDA):
+        self.graph, self.compute, self.cuda = graph, compute, cuda
         self.schedule: Schedule | None = None
         self._timing: list = []
         self.host_issue_s: dict[str, float] = {}  # the last step's host time issuing ops, by kind (waits included)
@@ -27,7 +26,7 @@ class OpTimer:
     def begin(self, schedule: Schedule) -> None:
         self.schedule, self._timing = schedule, []
         self.host_issue_s, self.host_wait_s, self.host_loss_wait_s = {}, 0.0, 0.0
-        self.t0_event = torch.cuda.Event(enable_timing=True)
+        self.t0_event = self.cuda.new_event(timing=True)
         self.t0_event.record(self.compute)
         self.t0_host = time.perf_counter()
 
@@ -57,16 +56,16 @@ class OpTimer:
         return self._timing
 
     @contextlib.contextmanager
-    def on_stream(self, op: Op, stream: torch.cuda.Stream, into: list | None = None):
+    def on_stream(self, op: Op, stream, into: list | None = None):
         """Around a GPU op issued on ``stream``: yields the event that marks its end; its timing goes ``into`` its
         step's records (default: the current step's)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = self.cuda.new_event(timing=True), self.cuda.new_event(timing=True)
         start.record(stream)
         yield end
         end.record(stream)
         (self._timing if into is None else into).append((op, (start, end)))
 
-    def task(self, op: Op, handler, ex, st, deps: list[Future], events: Callable[[], list[torch.cuda.Event]]):
+    def task(self, op: Op, handler, ex, st, deps: list[Future], events: Callable[[], list]):
         """The worker's task for a ``cpu`` op: wait for the ops it depends on (``deps``: worker tasks; ``events()``,
         once they are done: the GPU ops', some of which the worker itself issued), run it, return its host
         times."""

@@ -1,0 +1,158 @@
+"""The stream issuer on the CPU: StreamExecutor with a fake CUDA (tests/runtime/fake_cuda.py) that runs each op when it
+is issued and keeps what a GPU would guarantee about order. Checked: every op goes to its queue, no op can start
+before its inputs end (a GPU input through the events its stream waited for, an optimizer task's through the host
+having waited for it), a slot a step first rewrites only after the step before has done with it, and the run
+trains exactly as the program-order executor does."""
+
+import copy
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from megatrain.ir import SLOT_POOL, OpKind, Stream, queue_of
+from megatrain.planner.cost import OPT_STATE_ROWS
+from megatrain.runtime.step_order import BUFFER_POOLS
+from megatrain.runtime.streams import StreamExecutor
+
+from .fake_cuda import FakeCuda
+from .models import compile_cpu, hf_model
+from .test_parity import OPT, batches
+
+PLANS = {
+    "host": dict(n_mb=3, weight_slots=2),
+    "device-and-split": dict(n_mb=3, weight_slots=2, gpu_opt_every=3, resident_opt=0, split_opt=2, opt_part=700,
+                             grad_kept="auto"),
+    "resident": dict(n_mb=2, weight_slots="all", gpu_opt_every=1, resident_opt="auto"),
+}
+
+
+def _streamed(model, fake, **plan):
+    sm = compile_cpu(model, optim=OPT, **plan)
+    sm.executor = StreamExecutor(sm.captured, sm.store, sm.optimizer, torch.device("cpu"), sm.compute_dtype,
+                                 runner=sm.executor.runner, cuda=fake)
+    sm.overlap_steps = True
+    return sm
+
+
+def _run(name, monkeypatch=None, skip=None):
+    """Train the plan ``name`` for 3 steps with the program-order executor and with the stream issuer on the fake;
+    the order violations found (strings) and the issuer. ``skip``: an issuer method to replace with a no-op."""
+    model, data = hf_model("qwen2"), batches(n_steps=3)
+    ref = compile_cpu(copy.deepcopy(model), optim=OPT, **PLANS[name])
+    fake = FakeCuda()
+    sm = _streamed(copy.deepcopy(model), fake, **PLANS[name])
+    ex = sm.executor
+    if skip is not None:
+        monkeypatch.setattr(*skip)
+    steps = []  # per step: its schedule, slot contents per op, timing records, the STORE_OPT rows' events
+    for b in data:
+        want = ref.train_step(*b)
+        got = sm.train_step(*b)
+        steps.append((ex.timer.schedule, ex.tags, ex.timer.records(), dict(ex.order.store_opt_done)))
+        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)  # work runs at issue: program order
+    sm.wait()
+    ref_sd, sd = ref.state_dict(), sm.state_dict()
+    assert all(torch.equal(sd[n], ref_sd[n]) for n in sd)
+    bad = []
+    last_use: dict[tuple[str, int], list] = {}  # slot -> (op, end) of the previous step's ops that used it
+    stored_before: dict = {}  # layer -> (step, row events) of the previous step's STORE_OPT
+    for schedule, tags, records, stored in steps:
+        ends = {op.id: t for op, t in records}
+        this_use: dict[tuple[str, int], list] = {}
+        for op, t in sorted(records, key=lambda r: r[0].id):
+            if isinstance(t, Future):  # an optimizer task: after the GPU ops it reads, synchronized by the host
+                start = t.result()[0]
+                bad += [f"{op} before {schedule.ops[d]}" for d in op.deps if not isinstance(ends[d], Future)
+                        and not (ends[d][1].synced and ends[d][1].t <= start)]
+                continue
+            begin, end = t
+            if begin.stream is not ex.queues[queue_of(op)]:
+                bad.append(f"{op} on the wrong queue")
+            for d in op.deps:
+                dep = ends[d]
+                if isinstance(dep, Future):  # the host (or the worker) issued the op after the task ended
+                    ok = dep.done() and dep.result()[1] <= begin.t
+                else:
+                    ok = fake.happened(dep[1], begin)
+                if not ok:
+                    bad.append(f"{op} before {schedule.ops[d]}")
+            writes = tags[op.id][1]
+            for role, idx in op.slots:
+                key = (SLOT_POOL[role], idx)
+                if key[0] not in BUFFER_POOLS:
+                    continue
+                if role in writes and key not in this_use:  # the step's first use of the slot rewrites it: the
+                    # step before is done with it (the step's later users follow this one, as its schedule says)
+                    for prev, e in last_use.get(key, []):
+                        if (prev.kind, prev.layer) == (OpKind.STORE_OPT, op.layer) and op.kind is OpKind.LOAD_OPT:
+                            # its own state's store: the load copies each row after that row is stored
+                            rows = stored_before[op.layer][1][:OPT_STATE_ROWS]
+                            ok = rows and all(fake.happened(r, end) for r in rows)
+                        else:
+                            ok = fake.happened(e, begin)
+                        if not ok:
+                            bad.append(f"{op} rewrites {key} before the step before's {prev}")
+                this_use.setdefault(key, []).append((op, end))
+        last_use, stored_before = this_use, stored
+    return bad, ex, steps
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_stream_issuer_orders_every_op_after_its_inputs(name):
+    bad, ex, steps = _run(name)
+    assert not bad, bad[:5]
+    cfg = steps[-1][0].config
+    used = {queue_of(op) for _, _, records, _ in steps for op, t in records if not isinstance(t, Future)}
+    assert {(Stream.H2D, False), (Stream.COMPUTE, False)} <= used
+    if name == "device-and-split":
+        assert cfg.gpu_opt and cfg.split_opt and cfg.grad_kept
+        assert {(Stream.H2D, True), (Stream.COMPUTE, True), (Stream.D2H, True)} <= used
+
+
+@pytest.mark.parametrize("skip", ["dependencies", "earlier steps"])
+def test_the_order_check_catches_a_missing_wait(monkeypatch, skip):
+    """The issuer with its waits on dependencies' events, or its waits for the step before, taken out: the check
+    finds ops that could start too soon."""
+    from megatrain.runtime import step_order, streams
+
+    if skip == "dependencies":
+        class NoWaits:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __getattr__(self, name):
+                return getattr(self.stream, name)
+
+            def wait_event(self, event):
+                pass
+
+        real = streams.StreamExecutor._queue
+        target = (streams.StreamExecutor, "_queue", lambda self, op: NoWaits(real(self, op)))
+    else:
+        target = (step_order.StepOrder, "wait_for_earlier_steps", lambda *a, **k: None)
+    bad, _, _ = _run("device-and-split", monkeypatch, target)
+    assert bad, "no violation found with the waits taken out"
+    assert any((" before " in b) if skip == "dependencies" else (" rewrites " in b) for b in bad), bad[:5]
+
+
+def test_the_checks_see_a_missing_wait():
+    """The same run with the issuer's waits for dependencies dropped fails the order check it should fail."""
+    fake = FakeCuda()
+    a, b = fake.new_stream(), fake.new_stream()
+    e1, e2 = fake.new_event(), fake.new_event()
+    e1.record(a)
+    e2.record(b)
+    assert not fake.happened(e1, e2)
+    b.wait_event(e1)
+    e3 = fake.new_event()
+    e3.record(b)
+    assert fake.happened(e1, e3) and fake.happened(e2, e3) and not fake.happened(e3, e1)
+    c = fake.new_stream()
+    e4 = fake.new_event()
+    e4.record(c)
+    assert not fake.happened(e3, e4)
+    e3.synchronize()  # the host saw it end: what it issues next starts after
+    e5 = fake.new_event()
+    e5.record(c)
+    assert fake.happened(e3, e5)

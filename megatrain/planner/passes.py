@@ -183,7 +183,9 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     (h2d) -> OPT (compute) -> STORE_OPT (d2h); for the layers in ``resident_opt``, LOAD_OPT in a run's first step
     only, and no STORE_OPT.
 
-    clip: after the step's last STORE_G (the global norm needs every gradient), in layer order 0..L-1 so the next
+    Every OPT follows the step's GUARD (the global norm, the loss, the clip factor; ``OpKind.GUARD``): with
+    clipping after the step's last gradient norm, without it after its last LOSS. clip: after the step's last
+    STORE_G (the global norm needs every gradient), in layer order 0..L-1 so the next
     step's forward can start on the first layers while the rest update. Otherwise: as soon as the layer's gradients
     (its own and a tied layer's) are stored, overlapping the backward. A device update's LOAD_OPT (master weights
     and moments, which the step's gradients do not change) goes after the first backward op of the layer above, so
@@ -267,10 +269,16 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
                 for p in cfg.parts(l, graph[l].params)]
         kept_stores = {(l, p): Op(ids(), OpKind.STORE_G, D2H, st, l, p, deps=(norms[(st, l)].id,)) for l, p in kept}
         ahead = max(1, cfg.host_grad_slots)
+        # the step's guard, before its first update: with clipping after every gradient's norms; without it, right
+        # after the step's last LOSS (it needs the losses alone, and waiting there for a gradient store would hold
+        # up the backward behind it on the compute stream)
+        losses = [op for op in s.ops if op.step == st and op.kind is OpKind.LOSS]
+        guard = Op(ids(), OpKind.GUARD, C, st, 0, deps=tuple(op.id for op in ends) if cfg.clip else ())
+        after[(last if cfg.clip else losses[-1]).id].append(guard)
         after[last.id].extend(kept_stores[u] for u in kept[:ahead])
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]
-            deps = tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])
+            deps = (tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])) + (guard.id,)
             if l in split:
                 after[anchor.id].extend(_split_update(cfg, graph, st, l, ids, deps, stores[(st, l)], prev_split))
                 continue

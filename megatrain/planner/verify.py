@@ -203,12 +203,22 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
         stores = [op for op in s.ops if op.step == st and (
             op.kind is OpKind.NORM or op.kind is OpKind.STORE_G and op.layer not in cfg.grad_kept)]
         own = [op for op in s.ops if op.kind is OpKind.STORE_G and op.step == st]
+        guard = seen.get((OpKind.GUARD, st, 0, None))
+        if guard is None:
+            raise ScheduleError("complete", None, f"step {st} has no GUARD (the global norm and clip factor its "
+                                                  f"updates wait for)")
+        # the guard reads every gradient's norms with clipping, and every micro-batch's loss
+        losses = [op for op in s.ops if op.step == st and op.kind is OpKind.LOSS]
+        for g in (stores if cfg.clip else []) + losses:
+            if not hb(g.id, guard.id):
+                raise ScheduleError("store-before-guard", guard, f"the step's guard needs every "
+                                                                 f"{'gradient norm and ' if cfg.clip else ''}loss: "
+                                                                 f"'{g}' may not have finished")
         readers = (op for op in s.ops if op.step == st and op.kind is OpKind.OPT)
         for opt in readers:
-            for g in stores if cfg.clip else ():
-                if not hb(g.id, opt.id):
-                    raise ScheduleError("store-before-opt", opt, f"clipping needs every gradient's norms of the "
-                                                                 f"step: '{g}' may not have finished")
+            if not hb(guard.id, opt.id):
+                raise ScheduleError("guard-before-opt", opt, f"it scales its gradient by the step's clip factor, "
+                                                             f"which '{guard}' may not have formed")
             for g in own:  # (of a gradient in parts, the store of the part it updates)
                 if graph.owner(g.layer) == opt.layer and g.mb in (None, opt.mb) and not hb(g.id, opt.id):
                     raise ScheduleError("store-before-opt", opt, f"it updates weights whose gradient '{g}' may not "

@@ -17,7 +17,7 @@ import torch
 from megatrain.capture import Captured
 from megatrain.capture import packed_attention
 from megatrain.capture.tracer import PACKED, Packed
-from megatrain.ir import (SLOT_POOL, Op, OpKind, Schedule, format_table, initial_contents, resident_slots,
+from megatrain.ir import (SLOT_POOL, Op, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.planner.cost import OPT_STATE_ROWS
 from megatrain.runtime import ops, probe, router_aux
@@ -96,7 +96,6 @@ class Executor:
                        clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs))
         if self.captured.router_aux is not None:
             st.aux = [router_aux.Stats() for _ in mbs]
-        st.fetch = lambda: st.guard.detach().cpu()
         self.st = st
         self.rng.begin(draw=cfg.train)
         modes = self._template_modes(cfg.train)
@@ -171,8 +170,6 @@ class Executor:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
 
     def _issue(self, op: Op, st: StepState) -> None:
-        if op.kind is OpKind.OPT and st.guard is None:
-            ops.guard(self, st)
         ops.HANDLERS[(op.kind, op.stream)](self, op, st)
 
     def _slot_plan(self, schedule: Schedule):
@@ -254,6 +251,10 @@ class Executor:
 
     def keep_alive(self, t: torch.Tensor) -> None:
         """``t``, made on another stream, is used on the current one (nothing to do in program order)."""
+
+    def guard_to_host(self, st: StepState) -> None:
+        """The step's guard (:func:`~megatrain.runtime.update_ops.guard`), just formed: how the host reads it."""
+        st.fetch = lambda: st.guard.detach().cpu()
 
     def before_row(self, layer: int, row: int) -> None:
         """Before a LOAD_OPT copies ``row`` of ``layer``'s host block (nothing to wait for in program order)."""

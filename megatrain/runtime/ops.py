@@ -5,9 +5,8 @@ issuer's copies: ``ex.to_host``, ``ex.to_device``, ``ex.keep_alive``, ``ex.non_b
 the step's :class:`~megatrain.runtime.step.StepState`. The program-order issuer calls it in program order; the
 stream issuer calls it on the op's CUDA stream (a ``cpu`` op on the optimizer worker) once the op's dependencies
 are met. Nothing else in the runtime does an op's work. This module holds the loads, copies and compute of weights
-and activations; :mod:`megatrain.runtime.update_ops` the gradients' stores, norms and the updates (``guard``, the
-step's clip factor, with them, ``ops.guard`` to the issuers); :data:`HANDLERS` maps every (op kind, stream) to its
-handler.
+and activations; :mod:`megatrain.runtime.update_ops` the gradients' stores and norms, the step's guard (its clip
+factor) and the updates; :data:`HANDLERS` maps every (op kind, stream) to its handler.
 """
 
 from __future__ import annotations
@@ -18,15 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.ir import Op, OpKind, Stream
-from megatrain.runtime import router_aux, update_ops
+from megatrain.runtime import router_aux
 from megatrain.runtime.grad_sink import GradSink, sink_to
 from megatrain.runtime.kernel_rewrite import keep_less
 from megatrain.runtime.step import StepState
-from megatrain.runtime.update_ops import (load_state, store_grad_to_host, store_grad_to_state, store_state,
-                                          take_norms, update_on_device, update_on_host)
+from megatrain.runtime.update_ops import (form_guard, load_state, store_grad_to_host, store_grad_to_state,
+                                          store_state, take_norms, update_on_device, update_on_host)
 
 IGNORE_INDEX = -100
-guard = update_ops.guard  # the issuers make the step's clip factor and update guard through ops.guard
 
 
 # ---- weights and activations -----------------------------------------------------------------------------------
@@ -286,4 +284,5 @@ HANDLERS = {
     (OpKind.OPT, Stream.COMPUTE): update_on_device,
     (OpKind.LOAD_OPT, Stream.H2D): load_state,
     (OpKind.STORE_OPT, Stream.D2H): store_state,
+    (OpKind.GUARD, Stream.COMPUTE): form_guard,
 }

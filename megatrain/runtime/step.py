@@ -49,8 +49,9 @@ class StepState:
     tied_parts: dict[int, int] = field(default_factory=dict)  # owner -> parts of its tied gradient summed so far
     # per mb, where the model has a router loss: its routers' sums over the layers run so far (runtime.router_aux)
     aux: list | None = None
-    # made at the step's first OPT (ops.guard), on the device: the factor updates scale the gradient by (the clip
-    # factor, or 1; NaN where the loss or the norm is not finite), and (global norm or 0, the step's loss, factor)
+    # made by the step's GUARD op (update_ops.guard), on the device: the factor updates scale the gradient by (the
+    # clip factor, or 1; NaN where the loss or the norm is not finite), and (global norm or 0, the step's loss,
+    # factor)
     guard: torch.Tensor | None = None
     coef: torch.Tensor | None = None
     fetch: Callable[[], torch.Tensor] | None = None  # the guard's values on the host (the issuer's copy), once

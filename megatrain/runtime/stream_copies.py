@@ -2,8 +2,7 @@
 
 A mixin of :class:`~megatrain.runtime.streams.StreamExecutor`: it uses ``self.cuda`` (a
 :class:`~megatrain.runtime.cuda_api.TorchCuda` or a fake), ``self.streams``, ``self.device``, ``self.order`` (its
-:class:`~megatrain.runtime.step_order.StepOrder`), ``self.steps_issued``, ``self.timer``, ``self.host_keep``, and the
-step's ``self.events`` and ``self.futures``.
+:class:`~megatrain.runtime.step_order.StepOrder`), ``self.steps_issued``, ``self.timer`` and ``self.host_keep``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import torch
 
 from megatrain.ir import Stream
 from megatrain.runtime.step import StepState
-from megatrain.runtime.update_ops import guard
 
 
 class StreamCopies:
@@ -60,20 +58,11 @@ class StreamCopies:
         self.timer.loss_wait(self.loss_copied.synchronize)
         return self.loss_host.tolist()
 
-    def _guard(self, st: StepState, store_deps: tuple[int, ...]) -> None:
-        """The step's guard (:func:`ops.guard`) on the compute stream once ``store_deps`` (which end the gradient
-        stores and norms on each stream) are done, and its copy to pinned memory on the ``d2h`` stream: device
+    def guard_to_host(self, st: StepState) -> None:
+        """The step's guard, just formed on the compute stream, to pinned memory on the ``d2h`` stream: device
         updates read the factor on the device, host updates and the step's result wait for the copy."""
-        compute = self.streams[Stream.COMPUTE]
-        for d in store_deps:
-            if d in self.futures:  # an optimizer task or a GPU op the worker issues (none before the first OPT)
-                self.timer.waited(self.futures[d])
-            if d in self.events:
-                compute.wait_event(self.events[d])
-        with self.cuda.use(compute):
-            guard(self, st)
         host = self.cuda.pinned(3, st.guard.dtype)
-        copied = self._to_pinned(st.guard, host, compute)
+        copied = self._to_pinned(st.guard, host, self.cuda.current_stream())
         st.fetch = lambda: (copied.synchronize(), host)[1]
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:

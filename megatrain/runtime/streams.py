@@ -125,8 +125,6 @@ class StreamExecutor(StreamCopies, Executor):
         later = [d for d in op.deps if d in self.futures]
         if op.kind is OpKind.LOAD_W and self.graph.owner(op.layer) in self.last_opt:  # the previous step's update
             self.timer.waited(self.last_opt[self.graph.owner(op.layer)])
-        if op.kind is OpKind.OPT and st.guard is None:
-            self._guard(st, op.deps)
         handler = ops.HANDLERS[(op.kind, op.stream)]
         earlier = self.order.host_buffer_readers(op, self.steps_issued)  # may still read a buffer it writes
         # this step's, as they are now: the worker may issue one of its ops after the next step's run began
@@ -141,9 +139,10 @@ class StreamExecutor(StreamCopies, Executor):
             if op.kind is OpKind.OPT:
                 self.last_opt[op.layer] = fut
             return
-        if later and op.kind is not OpKind.LOAD_W:
+        if later and op.kind not in (OpKind.LOAD_W, OpKind.GUARD):
             # a GPU op that waits for an optimizer task (a gradient store into a host buffer an update still reads):
-            # the worker issues it after that task, so this thread goes on issuing (the next step's forward)
+            # the worker issues it after that task, so this thread goes on issuing (the next step's forward); the
+            # guard, which every update waits for, this thread issues once the task is done
             fut = self.worker.submit(self._issue_gpu, op, st, handler, ctx, True)
             self.futures[op.id] = fut
             self.order.worker_issues(op, fut)

@@ -84,17 +84,24 @@ def store_grad_to_state(ex, op: Op, st: StepState) -> None:
         _complete(ex, st, ex.graph.owner(op.layer), row)
 
 
+def form_guard(ex, op: Op, st: StepState) -> None:
+    """The step's GUARD: :func:`guard`, and its copy to the host (the issuer's)."""
+    guard(ex, st)
+    ex.guard_to_host(st)
+
+
 def guard(ex, st: StepState) -> None:
-    """At the step's first OPT (every LOSS has run; with clipping every gradient is stored): on the device, the
-    global gradient norm (the per-parameter norms in the model's order, as torch.nn.utils.clip_grad_norm_ takes
-    it), the step's loss, and the factor device updates scale the gradient by: the clip factor (1 without
-    clipping), NaN where the norm or the loss is not finite, which makes a device update change nothing."""
+    """The step's GUARD, before its first OPT (every LOSS has run; with clipping every gradient's norm is taken): on
+    the device, the global gradient norm (the per-parameter norms in the model's order, as
+    torch.nn.utils.clip_grad_norm_ takes it), the step's loss, and the factor device updates scale the gradient by:
+    the clip factor (1 without clipping), NaN where the norm or the loss is not finite, which makes a device update
+    change nothing."""
     dev = ex.device
     norms = [st.param_norms[n] for n in ex.captured.model_param_names if n in st.param_norms]
     if st.clip and len(norms) != sum(len(spans) for spans in ex.param_spans.values()):
         missing = sorted(n for spans in ex.param_spans.values() for n, _, _ in spans if n not in st.param_norms)
         raise AssertionError(f"the global norm lacks the gradient norms of {len(missing)} parameters, e.g. "
-                             f"{missing[:3]}: no op took them before the step's first update")
+                             f"{missing[:3]}: no op took them before the step's GUARD")
     for n in norms:
         ex.keep_alive(n)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=dev)

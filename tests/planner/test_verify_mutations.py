@@ -159,13 +159,33 @@ def test_reusing_an_optimizer_slot_too_early_is_caught():
     _broken(_replace(s, reuse, deps=war), "slot-overwritten")
 
 
-def test_a_device_update_before_every_gradient_is_stored_is_caught():
-    s = _gpu_schedule(clip=True)  # clipping: the update needs the global norm, so every gradient of the step
-    # the first device update in program order (the later ones follow it in stream order): with clipping, the
-    # device updates go in the order the next backward loads their state back, top layer first
-    opt = next(op for op in s.ops if op.kind is OpKind.OPT and op.step == 0 and op.stream is Stream.COMPUTE)
-    assert opt.layer == 3
-    _broken(_replace(s, opt, deps=()), "store-before-opt")
+def test_a_guard_before_every_gradient_is_stored_is_caught():
+    s = _gpu_schedule(clip=True)  # clipping: the updates need the global norm, so every gradient of the step
+    guard = _find(s, OpKind.GUARD, step=0, layer=0)
+    last_host_store = max(op.id for op in s.ops if op.kind is OpKind.STORE_G and op.step == 0
+                          and op.stream is Stream.D2H)
+    assert guard.deps == (last_host_store,)  # (the compute stream's gradients precede it in stream order)
+    err = _broken(_replace(s, guard, deps=()), "store-before-guard")
+    assert "needs every gradient norm and loss" in str(err)
+
+
+def test_an_update_that_does_not_wait_for_the_guard_is_caught():
+    s = _gpu_schedule(clip=True)
+    guard = _find(s, OpKind.GUARD, step=0, layer=0)
+    host_opt = next(op for op in s.ops if op.kind is OpKind.OPT and op.step == 0 and op.stream is Stream.CPU)
+    assert guard.id in host_opt.deps
+    _broken(_replace(s, host_opt, deps=tuple(d for d in host_opt.deps if d != guard.id)), "guard-before-opt")
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_a_step_without_its_guard_or_with_two_is_caught(clip):
+    s = _gpu_schedule(clip=clip)
+    guard = _find(s, OpKind.GUARD, step=1, layer=0)
+    assert clip or not guard.deps  # without clipping it follows the step's last LOSS alone
+    _broken(renumber(s, [op for op in s.ops if op.id != guard.id]), "complete")
+    twice = [op for op in s.ops]
+    twice.insert(guard.id + 1, dataclasses.replace(guard, id=-1))
+    _broken(renumber(s, twice), "once")
 
 
 def test_storing_the_gradient_before_its_optimizer_slot_is_loaded_is_caught():
@@ -318,7 +338,8 @@ def test_a_norm_of_a_layer_not_kept_is_caught():
 
 
 def test_an_update_before_every_norm_is_taken_is_caught():
-    """The last norm (layer 1's) and its store moved after the first update, which no longer waits for it."""
+    """The last norm (layer 1's) and its store moved after the step's guard and first update, which no longer wait
+    for it."""
     s = _kept_schedule()
     opt = min((op for op in s.ops if op.kind is OpKind.OPT and op.step == 0), key=lambda op: op.id)
     norm = _find(s, OpKind.NORM, step=0, layer=1)
@@ -328,7 +349,11 @@ def test_an_update_before_every_norm_is_taken_is_caught():
     ops = [early if op.id == opt.id else op for op in s.ops if op.id not in (norm.id, store.id)]
     at = next(i for i, op in enumerate(ops) if op.id == opt.id) + 1
     ops[at:at] = [norm, store]
-    assert "clipping needs every gradient's norms" in str(_broken(renumber(s, ops), "store-before-opt"))
+    guard = _find(s, OpKind.GUARD, step=0, layer=0)
+    ops = [op for op in ops if op.id != guard.id]
+    ops.insert(next(i for i, op in enumerate(ops) if op.id == opt.id),
+               dataclasses.replace(guard, deps=tuple(d for d in guard.deps if d != norm.id)))
+    assert "needs every gradient norm" in str(_broken(renumber(s, ops), "store-before-guard"))
 
 
 def test_a_kept_gradient_read_from_the_wrong_slot_is_caught():

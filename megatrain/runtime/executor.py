@@ -252,6 +252,10 @@ class Executor:
     def keep_alive(self, t: torch.Tensor) -> None:
         """``t``, made on another stream, is used on the current one (nothing to do in program order)."""
 
+    def losses_to_host(self, st: StepState) -> None:
+        """After the step's last LOSS (or EVAL): its loss sums on their way to the host (read in program order here,
+        at the step's end)."""
+
     def guard_to_host(self, st: StepState) -> None:
         """The step's guard (:func:`~megatrain.runtime.update_ops.guard`), just formed: how the host reads it."""
         st.fetch = lambda: st.guard.detach().cpu()

@@ -44,7 +44,7 @@ class StreamCopies:
             done.record()
         return done
 
-    def _copy_losses(self, st: StepState) -> None:
+    def losses_to_host(self, st: StepState) -> None:
         """Right after the step's last LOSS: its loss sums to pinned host memory, on the ``d2h`` stream, so reading
         them at the step's end waits for this copy alone (on the compute stream it would queue behind the step
         before's optimizer-state stores, up to a third of a step on the H200)."""

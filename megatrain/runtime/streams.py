@@ -164,8 +164,6 @@ class StreamExecutor(StreamCopies, Executor):
         with self.cuda.on_device(self.device), self.cuda.use(stream), \
                 self.timer.on_stream(op, stream, ctx.timing) as end:
             handler(self, op, st)
-            if op.kind in (OpKind.LOSS, OpKind.EVAL) and op.mb == len(st.loss_sums) - 1:
-                self._copy_losses(st)
         ctx.events[op.id] = end
         if not self.sync_between_steps:
             self.order.issued(op, ctx.step, end)

@@ -27,11 +27,17 @@ def two_layer_graph():
     ])
 
 
-def test_two_layer_step_by_hand():
+def _two_layer_times(spec):
+    """The unclipped one-step schedule of the two-layer graph, simulated: (graph, schedule, timeline, (kind, layer)
+    -> (start, end))."""
     g = two_layer_graph()
     s = build_schedule(g, config(g, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2, clip=False))
-    tl = simulate(s, g, SPEC)
-    t = {(op.kind, op.layer): (a, b) for op, a, b in zip(s.ops, tl.start_s, tl.end_s)}
+    tl = simulate(s, g, spec)
+    return g, s, tl, {(op.kind, op.layer): (a, b) for op, a, b in zip(s.ops, tl.start_s, tl.end_s)}
+
+
+def test_two_layer_step_by_hand():
+    g, s, tl, t = _two_layer_times(SPEC)
     # both loads on h2d: 2 MB each at 1 GB/s
     assert t[(OpKind.LOAD_W, 0)] == pytest.approx((0.0, 0.002))
     assert t[(OpKind.LOAD_W, 1)] == pytest.approx((0.002, 0.004))
@@ -64,11 +70,8 @@ def test_host_updates_slow_while_copies_run():
     """The step of test_two_layer_step_by_hand with the host's AdamW losing 25% of its rate while d2h copies run at
     their full rate (12.5% for h2d): the head's update starts under the embedding's 4 ms gradient store, doing
     3 ms of work in it, and ends 1 ms later; the chain between two clipped steps counts that share of the copies."""
-    g = two_layer_graph()
     spec = dataclasses.replace(SPEC, cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25)
-    s = build_schedule(g, config(g, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2, clip=False))
-    tl = simulate(s, g, spec)
-    t = {(op.kind, op.layer): (a, b) for op, a, b in zip(s.ops, tl.start_s, tl.end_s)}
+    g, _, _, t = _two_layer_times(spec)
     assert t[(OpKind.STORE_G, 0)] == pytest.approx((0.011, 0.015))
     assert t[(OpKind.OPT, 1)] == pytest.approx((0.011, 1.012))
     assert t[(OpKind.OPT, 0)] == pytest.approx((1.012, 2.012))

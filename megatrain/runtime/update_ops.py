@@ -97,7 +97,8 @@ def guard(ex, st: StepState) -> None:
     the clip factor (1 without clipping), NaN where the norm or the loss is not finite, which makes a device update
     change nothing."""
     dev = ex.device
-    norms = [st.param_norms[n] for n in ex.captured.model_param_names if n in st.param_norms]
+    # without clipping the guard runs right after the last LOSS, before the backward's norms: it reads none
+    norms = [st.param_norms[n] for n in ex.captured.model_param_names if n in st.param_norms] if st.clip else []
     if st.clip and len(norms) != sum(len(spans) for spans in ex.param_spans.values()):
         missing = sorted(n for spans in ex.param_spans.values() for n, _, _ in spans if n not in st.param_norms)
         raise AssertionError(f"the global norm lacks the gradient norms of {len(missing)} parameters, e.g. "

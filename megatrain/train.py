@@ -408,24 +408,38 @@ def run(cfg: TrainConfig) -> dict:
     Under ``torchrun`` (WORLD_SIZE > 1) the ranks train data parallel (:func:`_data_parallel`): each takes its
     share of every batch; rank 0 writes the run directory, the others only compute."""
     cfg.check()
+    import torch.distributed as dist
+
+    ours = dist.is_available() and not dist.is_initialized()  # the process group, if this run starts one
     dp = _data_parallel(cfg)
-    out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-    if dp is not None:
-        out = Path(dp.from_rank0(str(out)))
-    run_dir = _run_directory(out, dp)
-    lead = dp is None or dp.rank == 0
+    ours = ours and dp is not None
+    done = False
     try:
-        with StopSignals() as signals, _quiet(not lead) as side:
-            try:
-                prepared = _prepare(cfg, dp)
-            except BaseException:
-                if run_dir is not None:
-                    run_dir.abandon()  # nothing is written before this point
-                raise
-            return _train(cfg, out if lead else side, prepared, signals, dp)
+        out = Path(cfg.out or f"megatrain-runs/{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        if dp is not None:
+            out = Path(dp.from_rank0(str(out)))
+        run_dir = _run_directory(out, dp)
+        lead = dp is None or dp.rank == 0
+        try:
+            with StopSignals() as signals, _quiet(not lead) as side:
+                try:
+                    prepared = _prepare(cfg, dp)
+                except BaseException:
+                    if run_dir is not None:
+                        run_dir.abandon()  # nothing is written before this point
+                    raise
+                summary = _train(cfg, out if lead else side, prepared, signals, dp)
+                done = True
+                return summary
+        finally:
+            if run_dir is not None:
+                run_dir.close()
     finally:
-        if run_dir is not None:
-            run_dir.close()
+        if ours:  # torn down here, not at the interpreter's exit (where gloo's threads can abort the process); after
+            # a run that ended well, once every rank is done with its collectives
+            if done:
+                dp.barrier()
+            dist.destroy_process_group()
 
 
 def _data_parallel(cfg: TrainConfig):

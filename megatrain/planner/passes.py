@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 from dataclasses import replace
 from typing import Callable, Iterable
 
-from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
+from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream, queue_of
 from megatrain.planner.cost import defers_head_store, grad_slot_count, weights_kept
 from megatrain.planner.graph import LayerGraph
 
@@ -50,11 +50,13 @@ def _insert_after(ops: list[Op], after: dict[int | None, list[Op]]) -> list[Op]:
 
 
 def _finalize(ops: list[Op]) -> list[Op]:
-    """Renumber so ``id == position``; drop duplicate deps and deps implied by same-stream program order."""
+    """Renumber so ``id == position``; drop duplicate deps and deps implied by issue order (an earlier op on the same
+    queue, or, for an op on a split queue, on its stream's own queue: ``ir.issue_preds``)."""
     new_id = {op.id: i for i, op in enumerate(ops)}
     out = []
     for i, op in enumerate(ops):
-        deps = sorted({new_id[d] for d in op.deps if ops[new_id[d]].stream != op.stream})
+        q = queue_of(op)
+        deps = sorted({new_id[d] for d in op.deps if queue_of(ops[new_id[d]]) not in (q, (op.stream, False))})
         bad = [d for d in deps if d >= i]
         if bad:
             raise AssertionError(f"pass produced a forward dependency: op {op} on {bad}")

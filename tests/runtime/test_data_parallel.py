@@ -66,6 +66,11 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str):
     try:
         for k, (plan, resume_at) in enumerate(CASES):
             _run(rank, world, os.path.join(out_dir, str(k)), plan, resume_at)
+        import gc
+
+        gc.collect()  # the runs' process-group users gone, and both ranks done with every collective, before
+        dist.barrier()  # either tears its group down (a rank that exited first once left the other's gloo thread
+        # to abort the process at its exit)
     finally:
         dist.destroy_process_group()
 

@@ -95,9 +95,9 @@ PRESETS: dict[str, HardwareSpec] = {
     # sequences within 2% (docs/benchmarks.md, "Long sequences"). Host AdamW: the optimizer worker's rate (3.7 G
     # params/s; 3.9-4.4 with no copies running, 3.68-4.12 read off timed 7B steps), and the share of it copies take
     # (4.25 alone, 3.7 with h2d copies at 49 GB/s, 3.2 with d2h at 52, 3.1 with both: docs/benchmarks.md, "Device
-    # budgets"); with these the simulation puts Qwen2.5-7B's steps at 24-141 GiB budgets, split updates among
-    # them, within 8% of their measured means (docs/planner.md, "Host DRAM, shared"). Mixture-of-experts
-    # routing: 1.8e12 B/s fits the OLMoE-1B-7B-shaped step (0.863 s measured) and puts the Qwen3-30B-A3B-shaped one
+    # budgets"); with these the simulation put Qwen2.5-7B's steps at 24-141 GiB budgets, split updates among
+    # them, within 8% of their measured means (the schedules they ran; docs/planner.md, "Host DRAM, shared").
+    # Mixture-of-experts routing: 1.8e12 B/s fits the OLMoE-1B-7B-shaped step (0.863 s measured) and puts the Qwen3-30B-A3B-shaped one
     # within 9% (docs/benchmarks.md, "Mixture-of-experts shapes"): its gathers and small kernels run at ~0.4 of HBM.
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=4 * GiB,

@@ -417,6 +417,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     slots: list[tuple | None] = [None] * cfg.weight_slots  # content per slot
     upcoming: list[float] = [float("inf")] * cfg.weight_slots  # next use of each slot's content
     last_reader: list[Op | None] = [None] * cfg.weight_slots
+    size = [0] * cfg.weight_slots  # parameters of the largest layer each slot has held
     loader: list[Op | None] = [None] * cfg.weight_slots
     after: dict[int | None, list[Op]] = defaultdict(list)
     prev_load_anchor = None
@@ -429,7 +430,13 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
             k = slots.index(c)
         else:
             empty = [k for k in range(cfg.weight_slots) if slots[k] is None]
-            k = empty[0] if empty else max(range(cfg.weight_slots), key=lambda k: (upcoming[k], -k))
+            # Belady; among slots whose contents are needed equally late (none again this step: the next step's
+            # weights are new ones), one already as large as the layer (a slot is sized for the largest layer it
+            # holds), then the one its last reader freed first, so the load can start soonest and the slots take
+            # turns instead of one slot's load waiting for the compute op just before it
+            need = graph.weight_params(c[1])
+            k = empty[0] if empty else max(range(cfg.weight_slots), key=lambda k: (
+                upcoming[k], size[k] >= need, -pos[last_reader[k].id], -k))
             anchors = [a for a in (last_reader[k], prev_load_anchor) if a is not None]
             war = [last_reader[k].id] if last_reader[k] is not None else []
             opt = opt_of.get((c[0] - 1, c[1]))
@@ -445,6 +452,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
             after[anchor.id if anchor is not None else None].append(load)
             prev_load_anchor = anchor
             slots[k], loader[k] = c, load
+            size[k] = max(size[k], graph.weight_params(c[1]))
             deps = (load.id,)
             n_loads += 1
         upcoming[k] = next_use[i]

@@ -181,8 +181,10 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
 def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[float]) -> tuple[float, str] | None:
     """The shortest, over consecutive steps k, k+1, of: the work on the busiest resource among the ops that follow
     step k's last gradient op (BWD or NORM on the compute stream) and precede step k+1's first BWD, through
-    dependencies and stream order, plus step k+1's compute from that BWD to its last gradient op. Each resource runs
-    its ops one at a time at their modelled durations, so no step's last gradient can follow the one before sooner.
+    dependencies and issue order, plus the busiest resource's work among the ops from that BWD to step k+1's last
+    gradient op that follow the one and precede the other (its compute, or the weight loads it waits for where it
+    reloads layers into freed slots). Each resource runs its ops one at a time at their modelled durations, and the
+    two sets run in disjoint times, so no step's last gradient can follow the one before sooner.
     With exact clipping every update of step k is in that window (the next forward waits for them): the bound the
     roofline misses where the host update pass, not a resource's total, is what a step waits for. The host's
     updates count the share of the window's copies they lose to them (``spec.cpu_h2d_slowdown``,
@@ -196,30 +198,39 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
               and op.kind in (OpKind.BWD, OpKind.NORM)] for k in range(cfg.n_steps)]
     if not all(grads):
         return None
+
+    def between(a: int, b: int) -> list[int]:
+        """The ops from ``a`` to ``b`` (both included) that follow ``a`` and precede ``b`` through dependencies
+        and issue order."""
+        after = {a}
+        for op in ops[a + 1: b + 1]:
+            if any(p in after for p in preds[op.id]):
+                after.add(op.id)
+        before = {b}
+        for i in range(b, a - 1, -1):
+            if i in before:
+                before.update(preds[i])
+        return sorted(after & before)
+
+    def busy_on(ids: list[int]) -> dict[str, float]:
+        busy = dict.fromkeys(RESOURCES, 0.0)
+        for i in ids:
+            busy[ops[i].stream.value] += dur[i]
+            busy["pcie"] += transfer_nbytes(graph, cfg, ops[i]) / spec.duplex_bytes_per_s
+        return busy
+
     best = None
     for k in range(cfg.n_steps - 1):
         first, nxt = grads[k][-1], min(i for i in grads[k + 1] if ops[i].kind is OpKind.BWD)
-        after = [False] * len(ops)
-        after[first] = True
-        for op in ops[first + 1: nxt]:
-            after[op.id] = any(after[p] for p in preds[op.id])
-        before = [False] * len(ops)
-        before[nxt] = True
-        for i in range(nxt, first, -1):
-            if before[i]:
-                for p in preds[i]:
-                    before[p] = True
-        busy = dict.fromkeys(RESOURCES, 0.0)
-        slowed = 0.0  # the host updates' time lost to the copies in the window (see _rates)
-        for i in range(first + 1, nxt):
-            if after[i] and before[i]:
-                busy[ops[i].stream.value] += dur[i]
-                busy["pcie"] += transfer_nbytes(graph, cfg, ops[i]) / spec.duplex_bytes_per_s
-                slowed += dur[i] * {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}.get(
-                    ops[i].stream, 0.0)
+        window = [i for i in between(first, nxt) if i not in (first, nxt)]
+        busy = busy_on(window)
+        slowed = sum(dur[i] * {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}.get(
+            ops[i].stream, 0.0) for i in window)  # the host updates' time lost to the copies in the window
         if busy["cpu"]:  # each copy in the window slows the host's updates while they overlap, or adds its own
             busy["cpu"] += slowed  # time where they do not (the slowdowns are below 1)
-        backward = sum(dur[i] for i in range(nxt, grads[k + 1][-1] + 1) if ops[i].stream is Stream.COMPUTE)
+        # the next backward: its compute, or the transfers that must run within it (the weights it loads back
+        # once it has freed their slots), whichever is longer
+        backward = max(busy_on(between(nxt, grads[k + 1][-1])).values())
         r = max(busy, key=lambda x: busy[x])
         if best is None or busy[r] + backward < best[0]:
             best = (busy[r] + backward, r)

@@ -203,7 +203,10 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     first_bwd = {}  # (step, layer) -> the layer's first backward op (BWD or LOSS of micro-batch 0)
     first_fwd = {}  # (step, layer) -> the layer's first forward op
     norms = {}  # (step, layer) -> the NORM of a gradient kept on the device
+    last_loss: dict[int, Op] = {}  # step -> its last LOSS
     for op in s.ops:
+        if op.kind is OpKind.LOSS:
+            last_loss[op.step] = op
         if op.kind is OpKind.STORE_G:
             stores[(op.step, graph.owner(op.layer))].append(op)
             last_store[(op.step, op.stream)] = op
@@ -274,9 +277,8 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         # the step's guard, before its first update: with clipping after every gradient's norms; without it, right
         # after the step's last LOSS (it needs the losses alone, and waiting there for a gradient store would hold
         # up the backward behind it on the compute stream)
-        losses = [op for op in s.ops if op.step == st and op.kind is OpKind.LOSS]
         guard = Op(ids(), OpKind.GUARD, C, st, 0, deps=tuple(op.id for op in ends) if cfg.clip else ())
-        after[(last if cfg.clip else losses[-1]).id].append(guard)
+        after[(last if cfg.clip else last_loss[st]).id].append(guard)
         after[last.id].extend(kept_stores[u] for u in kept[:ahead])
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]

@@ -158,7 +158,8 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
     begin: list[float] = []
     row = 1.0 / OPT_STATE_ROWS
     durations = []
-    for op, implicit in zip(schedule.ops, issue_preds(schedule.ops)):
+    issued_after = issue_preds(schedule.ops)
+    for op, implicit in zip(schedule.ops, issued_after):
         d = duration_s(graph, cfg, spec, op)
         durations.append(d)
         busy[op.stream.value] += d
@@ -175,10 +176,12 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         finish.append(max([begin[-1] + d] + [finish[x] for x in rows]))
     busy["pcie"] = nbytes / spec.duplex_bytes_per_s
     last["pcie"] = last_nbytes / spec.duplex_bytes_per_s
-    return Bound(busy, max(finish, default=0.0), cfg.n_steps, last, _chain(schedule, graph, spec, durations))
+    return Bound(busy, max(finish, default=0.0), cfg.n_steps, last,
+                 _chain(schedule, graph, spec, durations, issued_after))
 
 
-def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[float]) -> tuple[float, str] | None:
+def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[float],
+           issued_after: list[tuple[int, ...]]) -> tuple[float, str] | None:
     """The shortest, over consecutive steps k, k+1, of: the work on the busiest resource among the ops that follow
     step k's last gradient op (BWD or NORM on the compute stream) and precede step k+1's first BWD, through
     dependencies and issue order, plus the busiest resource's work among the ops from that BWD to step k+1's last
@@ -188,12 +191,13 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
     With exact clipping every update of step k is in that window (the next forward waits for them): the bound the
     roofline misses where the host update pass, not a resource's total, is what a step waits for. The host's
     updates count the share of the window's copies they lose to them (``spec.cpu_h2d_slowdown``,
-    ``cpu_d2h_slowdown``). ``dur``: each op's modelled duration."""
+    ``cpu_d2h_slowdown``). ``dur``: each op's modelled duration; ``issued_after``: :func:`~megatrain.ir.issue_preds`
+    of the ops."""
     cfg, ops = schedule.config, schedule.ops
     if cfg.n_steps < 2 or not cfg.train:
         return None
-    preds = [list(op.deps) + list(implicit) for op, implicit in zip(ops, issue_preds(ops))]  # ops are in an
-    # order that respects both
+    preds = [list(op.deps) + list(implicit) for op, implicit in zip(ops, issued_after)]  # ops are in an order
+    # that respects both
     grads = [[op.id for op in ops if op.step == k and op.stream is Stream.COMPUTE
               and op.kind in (OpKind.BWD, OpKind.NORM)] for k in range(cfg.n_steps)]
     if not all(grads):
@@ -219,13 +223,14 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
             busy["pcie"] += transfer_nbytes(graph, cfg, ops[i]) / spec.duplex_bytes_per_s
         return busy
 
+    slowdown = {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}
     best = None
     for k in range(cfg.n_steps - 1):
         first, nxt = grads[k][-1], min(i for i in grads[k + 1] if ops[i].kind is OpKind.BWD)
         window = [i for i in between(first, nxt) if i not in (first, nxt)]
         busy = busy_on(window)
-        slowed = sum(dur[i] * {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}.get(
-            ops[i].stream, 0.0) for i in window)  # the host updates' time lost to the copies in the window
+        # the host updates' time lost to the copies in the window
+        slowed = sum(dur[i] * slowdown.get(ops[i].stream, 0.0) for i in window)
         if busy["cpu"]:  # each copy in the window slows the host's updates while they overlap, or adds its own
             busy["cpu"] += slowed  # time where they do not (the slowdowns are below 1)
         # the next backward: its compute, or the transfers that must run within it (the weights it loads back
@@ -237,13 +242,18 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
     return best
 
 
+def _copy_rates(spec: HardwareSpec) -> dict[Stream, float]:
+    """Each copy direction's rate alone, bytes per second."""
+    return {Stream.H2D: spec.h2d_bytes_per_s, Stream.D2H: spec.d2h_bytes_per_s}
+
+
 def _rates(spec: HardwareSpec, running: list[Queue]) -> dict[Queue, float]:
     """Each running queue's rate: bytes per second for a transfer, seconds of work per second for the rest. The
     queues of one copy direction share its rate; when both directions run, each is slowed so that together they
     stay within the duplex rate; the compute queues share the GPU; the host's AdamW loses
     ``spec.cpu_h2d_slowdown`` (``cpu_d2h_slowdown``) of its rate per unit of the h2d (d2h) direction's full rate
     in use (the copy engines and the update threads share the host's DRAM)."""
-    alone = {Stream.H2D: spec.h2d_bytes_per_s, Stream.D2H: spec.d2h_bytes_per_s}
+    alone = _copy_rates(spec)
     count = {s: sum(1 for q in running if q[0] is s) for s in STREAM_ORDER}
     both = count[Stream.H2D] and count[Stream.D2H]
     scale = min(1.0, spec.duplex_bytes_per_s / (alone[Stream.H2D] + alone[Stream.D2H])) if both else 1.0
@@ -270,7 +280,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
     start = [0.0] * n
     end: list[float | None] = [None] * n
     active: dict[Queue, list] = {}  # queue -> [op, remaining, total]; units: bytes for transfers, seconds else
-    alone = {Stream.H2D: spec.h2d_bytes_per_s, Stream.D2H: spec.d2h_bytes_per_s}
+    alone = _copy_rates(spec)
     row = 1.0 / OPT_STATE_ROWS
     t = 0.0
     finished = 0

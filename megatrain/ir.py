@@ -42,6 +42,8 @@ FORMAT_VERSION = 1
 
 
 class OpKind(str, enum.Enum):
+    LOAD_IN = "LOAD_IN"  # h2d: one micro-batch's inputs (token ids, labels, positions, the mask where it has padding
+    # or the offsets of its packed documents) -> the device, first on the copy stream in its step; layer 0, ``mb`` it
     LOAD_W = "LOAD_W"  # h2d: host weights of a layer -> weight slot (compute: the copy a device update left)
     FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept (a layer in saved_acts keeps its saved
     # activations, without the weights, for its BWD)
@@ -79,6 +81,7 @@ STREAM_ORDER = (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU)
 
 # Which stream each kind may run on.
 KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
+    OpKind.LOAD_IN: (Stream.H2D,),
     OpKind.LOAD_W: (Stream.H2D, Stream.COMPUTE),
     OpKind.FWD: (Stream.COMPUTE,),
     OpKind.LOSS: (Stream.COMPUTE,),

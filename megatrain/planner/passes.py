@@ -74,34 +74,36 @@ def _index(ops: list[Op]) -> dict[tuple, Op]:
 
 # --------------------------------------------------------------------------------------------------------------
 def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Layer-major compute: FWD of layers 0..L-2 over all mbs, LOSS of the head per mb, BWD of L-2..0."""
+    """Layer-major compute: each micro-batch's inputs to the device (LOAD_IN, h2d), FWD of layers 0..L-2 over all
+    mbs, LOSS of the head per mb, BWD of L-2..0."""
     cfg = s.config
     L, M = len(graph), cfg.n_mb
     ops: list[Op] = []
     ids = _Ids(s.ops)
     at: dict[tuple, int] = {}
 
-    def emit(kind: OpKind, step: int, layer: int, mb: int, deps: tuple) -> None:
-        op = Op(ids(), kind, C, step, layer, mb, deps=tuple(at[d] for d in deps if d in at))
+    def emit(kind: OpKind, step: int, layer: int, mb: int, deps: tuple, stream: Stream = C) -> None:
+        op = Op(ids(), kind, stream, step, layer, mb, deps=tuple(at[d] for d in deps if d in at))
         at[(kind, step, layer, mb)] = op.id
         ops.append(op)
 
     for st in range(cfg.n_steps):
+        for j in range(M):  # the inputs first (the embedding reads the tokens, the head the labels)
+            emit(OpKind.LOAD_IN, st, 0, j, (), H2D)
         for l in range(L - 1):
             for j in range(M):
-                emit(OpKind.FWD, st, l, j, ((OpKind.FWD, st, l - 1, j),))
-        if not cfg.train:  # an evaluation: the loss, no backward
-            for j in range(M):
-                emit(OpKind.EVAL, st, L - 1, j, ((OpKind.FWD, st, L - 2, j),))
-            continue
+                emit(OpKind.FWD, st, l, j, ((OpKind.FWD, st, l - 1, j), (OpKind.LOAD_IN, st, l, j)))
+        head = OpKind.LOSS if cfg.train else OpKind.EVAL  # an evaluation: the loss, no backward
         for j in range(M):
-            emit(OpKind.LOSS, st, L - 1, j, ((OpKind.FWD, st, L - 2, j),))
+            emit(head, st, L - 1, j, ((OpKind.FWD, st, L - 2, j), (OpKind.LOAD_IN, st, 0, j)))
+        if not cfg.train:
+            continue
         for l in range(L - 2, -1, -1):
             for j in range(M):
                 up = (OpKind.LOSS if l + 1 == L - 1 else OpKind.BWD, st, l + 1, j)
                 emit(OpKind.BWD, st, l, j, (up, (OpKind.FWD, st, l, j)))
     what = "" if cfg.train else " (an evaluation)"
-    return s.with_ops(list(s.ops) + ops, f"emit_compute: {len(ops)} compute ops, {cfg.n_steps} step(s) x {M} mb{what}")
+    return s.with_ops(list(s.ops) + ops, f"emit_compute: {len(ops)} compute and input ops, {cfg.n_steps} step(s) x {M} mb{what}")
 
 
 def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
@@ -405,6 +407,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     opt_of = {(op.step, op.layer): op for op in ops
               if op.kind is OpKind.OPT or op.kind is OpKind.STORE_OPT and op.layer in split}
     computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL)]
+    inputs = {op.step: op for op in ops if op.kind is OpKind.LOAD_IN}  # each step's last input load
     content = [(op.step, graph.owner(op.layer)) for op in computes]
     step_start: dict[int, int] = {}
     for i, op in enumerate(computes):
@@ -446,7 +449,8 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
                 anchors.append(opt)
             if i - ahead >= step_start[op.step]:
                 anchors.append(computes[i - ahead])
-            anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else None
+            # (none: behind the step's input loads, which go first on the copy stream)
+            anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else inputs.get(op.step)
             # weights a device update of the step before left on the device: a device copy, on the compute stream
             # (in the h2d queue it would wait behind optimizer-state loads that wait for the wire)
             load = Op(ids(), OpKind.LOAD_W, C if weights_kept(cfg, op.step, c[1]) else H2D, op.step, op.layer, slots=(("w", k),),

@@ -19,7 +19,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import check_grad_kept, check_split_opt
 
 
-EVALUATION_KINDS = (OpKind.LOAD_W, OpKind.FWD, OpKind.EVAL)  # what an evaluation schedule holds
+EVALUATION_KINDS = (OpKind.LOAD_IN, OpKind.LOAD_W, OpKind.FWD, OpKind.EVAL)  # what an evaluation schedule holds
 
 
 class ScheduleError(ValueError):
@@ -97,7 +97,8 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("stream", op, f"{op.kind.value} cannot run on stream {op.stream.value}")
         if not (0 <= op.step < cfg.n_steps and 0 <= op.layer < L):
             raise ScheduleError("range", op, f"step or layer out of range ({cfg.n_steps} steps, {L} layers)")
-        has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT)
+        has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT,
+                             OpKind.LOAD_IN)
         parts = cfg.parts(op.layer, graph[op.layer].params)
         split = op.layer in cfg.split_opt
         if split and op.kind in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT):
@@ -112,6 +113,8 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("range", op, f"micro-batch must be in 0..{cfg.n_mb - 1} for {op.kind.value}")
         if op.kind in (OpKind.FWD, OpKind.BWD) and op.layer == L - 1:
             raise ScheduleError("kind", op, "the head+loss layer runs as LOSS (or EVAL), not FWD/BWD")
+        if op.kind is OpKind.LOAD_IN and op.layer != 0:
+            raise ScheduleError("kind", op, "a micro-batch's inputs load as layer 0's (the embedding reads them)")
         if op.kind in (OpKind.LOSS, OpKind.EVAL) and op.layer != L - 1:
             raise ScheduleError("kind", op, f"{op.kind.value} runs only on the last (head) layer")
         if (op.kind is OpKind.EVAL) if cfg.train else op.kind not in EVALUATION_KINDS:
@@ -158,6 +161,16 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
             what = "optimized" if op.kind is OpKind.OPT else "scheduled"
             raise ScheduleError("once", op, f"{op.kind.value} of layer {op.layer} {what} twice (first: '{seen[key]}')")
         seen[key] = op
+    head = OpKind.LOSS if cfg.train else OpKind.EVAL
+    for st in range(cfg.n_steps):  # each micro-batch's inputs, loaded before the embedding and the loss read them
+        for j in range(cfg.n_mb):
+            load = seen.get((OpKind.LOAD_IN, st, 0, j))
+            if load is None:
+                raise ScheduleError("complete", None, f"step {st} never loads the inputs of mb {j} (LOAD_IN)")
+            for user in (seen.get((OpKind.FWD, st, 0, j)), seen.get((head, st, L - 1, j))):
+                if user is not None and not hb(load.id, user.id):
+                    raise ScheduleError("input-before-use", user, f"it reads mb {j}'s inputs, which '{load}' may "
+                                                                  f"not have loaded")
     if not cfg.train:  # an evaluation: each layer's forward of each micro-batch, the head's as EVAL
         for st in range(cfg.n_steps):
             for l in range(L):

@@ -79,20 +79,13 @@ class Executor:
         self.store.grads.fit(self.dev.slot_numels(schedule)["h"], grad_host_dtype(cfg), self._quiesce)
         tags, accesses = self._slot_plan(schedule)
         self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
-        # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional), one
-        # of packed documents the PACKED marker: decided here, on the host copy, so the embedding layer does not
-        # read the mask back from the device
+        # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional):
+        # decided here, on the host copy, so the embedding layer does not read the mask back from the device; its
+        # LOAD_IN op moves it to the device
         optional = self.captured.mask_optional
-        masks = [self._packed(mb.position_ids) if mb.position_ids is not None
-                 else None if optional and bool(mb.attention_mask.all()) else mb.attention_mask for mb in mbs]
-        dev_mbs = []
-        for mb, mask in zip(mbs, masks):
-            ids, labels = self._to_device(mb.input_ids), self._to_device(mb.next_labels)
-            pos = self._to_device(mb.position_ids) if mb.position_ids is not None else \
-                torch.arange(ids.shape[1], device=self.device).expand(ids.shape)
-            dev_mbs.append(MicroBatch(ids, self._to_device(mask) if isinstance(mask, torch.Tensor) else mask, labels,
-                                      pos))
-        st = StepState(schedule, dev_mbs, denom, lr=self._begin_step() if cfg.train else 0.0,
+        host_mbs = [mb if mb.position_ids is not None or not (optional and bool(mb.attention_mask.all()))
+                    else MicroBatch(mb.input_ids, None, mb.next_labels) for mb in mbs]
+        st = StepState(schedule, host_mbs, denom, lr=self._begin_step() if cfg.train else 0.0,
                        clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs))
         if self.captured.router_aux is not None:
             st.aux = [router_aux.Stats() for _ in mbs]
@@ -299,17 +292,17 @@ class Executor:
     def _end_evaluation(self) -> None:
         """After an evaluation, which takes no optimizer step."""
 
-    def _packed(self, position_ids: torch.Tensor) -> Packed:
+    def packed_mask(self, position_ids: torch.Tensor) -> Packed:
         """The mask marker of a micro-batch of packed rows: with the documents' offsets, on the device, where the
         model's attention reads them there (runtime.packed_attention); else the mask builders work them out."""
         if not (self.captured.varlen and self.device.type == "cuda"):
             return PACKED
         cu, longest = packed_attention.doc_offsets(position_ids)
-        return Packed(self._to_device(cu), longest)
+        return Packed(self.input_to_device(cu), longest)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """An input tensor on the compute device; from pinned memory on a GPU, so the host does not wait for the
-        copy (a copy from pageable memory does)."""
+    def input_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """An input tensor on the compute device (a LOAD_IN op's copy); from pinned memory on a GPU, so the host
+        does not wait for the copy (a copy from pageable memory does)."""
         if self.device.type != "cuda" or t.device.type != "cpu":
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)

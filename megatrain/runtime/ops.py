@@ -20,14 +20,29 @@ from megatrain.ir import Op, OpKind, Stream
 from megatrain.runtime import router_aux
 from megatrain.runtime.grad_sink import GradSink, sink_to
 from megatrain.runtime.kernel_rewrite import keep_less
-from megatrain.runtime.step import StepState
+from megatrain.runtime.step import MicroBatch, StepState
 from megatrain.runtime.update_ops import (form_guard, load_state, store_grad_to_host, store_grad_to_state,
                                           store_state, take_norms, update_on_device, update_on_host)
 
 IGNORE_INDEX = -100
 
 
-# ---- weights and activations -----------------------------------------------------------------------------------
+# ---- inputs, weights and activations --------------------------------------------------------------------------
+def load_inputs(ex, op: Op, st: StepState) -> None:
+    """The micro-batch's inputs to the device: token ids, labels, position ids (0..T-1 in every row where it has
+    none), and its mask -- None where :meth:`Executor.run` found no padding and the model allows None, the packed
+    documents' marker (with their offsets on the device, where the model's attention reads them) where its rows
+    hold several."""
+    mb, put = st.mbs[op.mb], ex.input_to_device
+    ids = put(mb.input_ids)
+    if mb.position_ids is not None:
+        pos, mask = put(mb.position_ids), ex.packed_mask(mb.position_ids)
+    else:
+        pos = put(torch.arange(ids.shape[1]).unsqueeze(0)).expand(ids.shape)
+        mask = put(mb.attention_mask) if isinstance(mb.attention_mask, torch.Tensor) else mb.attention_mask
+    st.mbs[op.mb] = MicroBatch(ids, mask, put(mb.next_labels), pos)
+
+
 def load_weights(ex, op: Op, st: StepState) -> None:
     """The layer's weights into its weight slot: the copy a device update left on the device, or from the host
     (the fp32 master, cast where it lands, or the bf16 shadow); all three hold the same values in the compute
@@ -279,6 +294,7 @@ class WeightRef:
 
 
 HANDLERS = {
+    (OpKind.LOAD_IN, Stream.H2D): load_inputs,
     (OpKind.LOAD_W, Stream.H2D): load_weights,
     (OpKind.LOAD_W, Stream.COMPUTE): load_weights,
     (OpKind.FWD, Stream.COMPUTE): forward,

@@ -17,20 +17,14 @@ class StreamCopies:
     loss_host: torch.Tensor | None = None  # pinned: the step's loss sums, copied right after its last LOSS
     loss_copied = None  # the event that marks that copy done
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """An input on the device, copied from pinned memory on the ``h2d`` stream, which the compute stream waits
-        for. A host-to-device copy queues behind the copies already waiting on the copy engine: on the compute
-        stream it waited for the step's first optimizer-state loads (0.3 s measured on the H200); issued here,
-        before them, it goes first."""
+    def input_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """An input on the device, copied from pinned memory on the stream its LOAD_IN runs on (``h2d``, where the
+        schedule issues it first in its step: on the compute stream it waited for the step's first optimizer-state
+        loads, 0.3 s measured on the H200); the compute stream that reads it waits for the op's event."""
         if t.device.type != "cpu":
             return t.to(self.device)
-        h2d, compute = self.streams[Stream.H2D], self.streams[Stream.COMPUTE]
-        with self.cuda.use(h2d):
-            out = self.cuda.pin(t).to(self.device, non_blocking=True)
-            copied = self.cuda.new_event()
-            copied.record()
-        self.cuda.record_stream(out, compute)
-        compute.wait_event(copied)
+        out = self.cuda.pin(t).to(self.device, non_blocking=True)
+        self.cuda.record_stream(out, self.streams[Stream.COMPUTE])
         return out
 
     def _to_pinned(self, src: torch.Tensor, dst: torch.Tensor, made_on):

@@ -58,10 +58,12 @@ def test_two_layer_step_by_hand():
     assert tl.makespan_s == pytest.approx(b.makespan_s)
     from megatrain.planner.critical import critical_path
 
-    # along it: both weight loads, the LOSS, the head's gradient out, then the two updates on the one cpu stream
+    # along it: the inputs (no time), both weight loads, the LOSS, the head's gradient out, then the two updates on
+    # the one cpu stream
     cp = critical_path(s, g, SPEC)
     assert cp.length_s == pytest.approx(2.011)
-    assert [(op.kind, op.layer) for op in cp.ops] == [(OpKind.LOAD_W, 0), (OpKind.LOAD_W, 1), (OpKind.LOSS, 1),
+    assert [(op.kind, op.layer) for op in cp.ops] == [(OpKind.LOAD_IN, 0), (OpKind.LOAD_W, 0), (OpKind.LOAD_W, 1),
+                                                      (OpKind.LOSS, 1),
                                                       (OpKind.STORE_G, 1), (OpKind.OPT, 1), (OpKind.OPT, 0)]
     assert cp.by_stream_s == pytest.approx({"compute": 0.003, "h2d": 0.004, "d2h": 0.004, "cpu": 2.0})
 

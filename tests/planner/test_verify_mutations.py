@@ -188,6 +188,40 @@ def test_a_step_without_its_guard_or_with_two_is_caught(clip):
     _broken(renumber(s, twice), "once")
 
 
+def test_a_forward_that_does_not_wait_for_its_inputs_is_caught():
+    s = _schedule()
+    load = _find(s, OpKind.LOAD_IN, step=1, mb=2)
+    assert load.stream is Stream.H2D and load.layer == 0
+    fwd = _find(s, OpKind.FWD, step=1, layer=0, mb=2)
+    assert load.id in fwd.deps  # on another queue: the dependency is what orders them
+    err = _broken(_replace(s, fwd, deps=tuple(d for d in fwd.deps if d != load.id)), "input-before-use")
+    assert "mb 2's inputs" in str(err)
+    # the head reads the labels: it follows the load too (here also through the forward chain)
+    assert load.id in _find(s, OpKind.LOSS, step=1, mb=2).deps
+
+
+def test_a_step_without_an_input_load_or_with_two_is_caught():
+    s = _schedule()
+    load = _find(s, OpKind.LOAD_IN, step=0, mb=1)
+    err = _broken(renumber(s, [op for op in s.ops if op.id != load.id]), "complete")
+    assert "never loads the inputs of mb 1" in str(err)
+    twice = list(s.ops)
+    twice.insert(load.id + 1, dataclasses.replace(load, id=-1))
+    _broken(renumber(s, twice), "once")
+    _broken(_replace(s, load, layer=1), "kind")
+    _broken(_replace(s, load, stream=Stream.COMPUTE), "stream")
+
+
+def test_an_evaluation_loads_its_inputs_first_on_the_copy_stream():
+    s = build_schedule(G, config(G, n_steps=1, n_mb=2, train=False))
+    verify(s, G)
+    loads = [op for op in s.ops if op.kind is OpKind.LOAD_IN]
+    assert [(op.step, op.mb) for op in loads] == [(0, 0), (0, 1)]
+    assert [op.id for op in loads] == [0, 1]  # before the first weight load
+    assert all(loads[op.mb].id in op.deps for op in s.ops if op.kind is OpKind.EVAL)
+    _broken(renumber(s, s.ops[1:]), "complete")
+
+
 def test_storing_the_gradient_before_its_optimizer_slot_is_loaded_is_caught():
     # every layer's weights stay in a slot through the step: no weight load after the LOAD_OPT orders it either
     s = _schedule(gpu_opt=(1, 3), clip=False, weight_slots=len(G))

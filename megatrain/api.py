@@ -14,6 +14,7 @@ from torch import nn
 
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.capture import Captured, capture
+from megatrain.planner.carried import carried_deps, join
 from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_params
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -26,6 +27,7 @@ from megatrain.runtime.ops import IGNORE_INDEX
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
+from megatrain.runtime.step_order import Successions
 from megatrain.runtime.checkpoint import check_checkpoint
 from megatrain.runtime.data_parallel import DataParallel
 from megatrain.runtime.store import HostStore, available_host_bytes, grad_host_dtype, progress_bar, store_nbytes
@@ -171,6 +173,7 @@ class StreamedModel:
         else:
             self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         self._schedules: dict[tuple, tuple[Schedule, Schedule]] = {}  # plan key -> (first step, the steps after)
+        self._successions: Successions = {}  # (id(prev), id(next)) -> the verified pair and its carried dependencies
         self._graphs: dict[int, LayerGraph] = {}  # sequence length -> the planner's layer graph (planning_graph)
         self.step = 0
         # streams: let a step's optimizer work run on while the next step starts (each layer's next load waits for
@@ -239,6 +242,13 @@ class StreamedModel:
                 plans.append(s)
             self._check_grad_buffers(plans[0], batch_size, seq_len)
             self._schedules[key] = (plans[0], plans[-1])
+            # the pairs a run issues back to back (the first step's schedule then the steady one's, the steady one's
+            # again), each verified as one schedule with what the second carries over from the first
+            for prev, nxt in {(id(a), id(b)): (a, b) for a, b in ((plans[0], plans[-1]), (plans[-1], plans[-1]))
+                              }.values():
+                carried = carried_deps(prev, nxt, graph)
+                verify(join(prev, nxt, carried), graph)
+                self._successions[(id(prev), id(nxt))] = (prev, nxt, carried)
         return self._schedules[key]
 
     def _check_grad_buffers(self, schedule: Schedule, batch_size: int, seq_len: int) -> None:
@@ -402,7 +412,8 @@ class StreamedModel:
         mbs = self._micro_batches(schedule, input_ids, attention_mask, nxt, position_ids)
         t0 = time.perf_counter()
         if self.overlap_steps:
-            out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False)
+            out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False,
+                                                successions=self._successions)
         else:
             out = self.executor.run(schedule, mbs, denom)
         if out.applied:

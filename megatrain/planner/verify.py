@@ -247,6 +247,11 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                 if not hb(opt.id, op.id):
                     raise ScheduleError("load-after-opt", op,
                                         f"loads weights before '{opt}' of the previous step updated them")
+        if op.kind is OpKind.LOAD_OPT and op.step > 0:  # the host block (its part) as the step before stored it
+            store = seen.get((OpKind.STORE_OPT, op.step - 1, op.layer, op.mb))
+            if store is not None and not hb(store.id, op.id):
+                raise ScheduleError("state-after-store", op, f"loads the optimizer state before '{store}' of the "
+                                                             f"previous step stored it")
 
 
 def _contents(s: Schedule, graph: LayerGraph, op: Op) -> tuple[dict[str, tuple], dict[str, tuple]]:

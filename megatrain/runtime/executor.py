@@ -68,9 +68,12 @@ class Executor:
         # data parallel: the ranks whose gradients and losses each step sums (runtime.data_parallel); None: alone
         self.dp: DataParallel | None = None
 
-    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True) -> StepOutput:
+    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
+            successions=None) -> StepOutput:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step. ``wait_optimizer``: False
-        lets an issuer that overlaps steps return before the step's updates are done (here they always are)."""
+        lets an issuer that overlaps steps return before the step's updates are done (here they always are).
+        ``successions``: the verified pairs of schedules and their carried dependencies
+        (:mod:`megatrain.runtime.step_order`), for an issuer that overlaps steps (here each step ends first)."""
         cfg = schedule.config
         if cfg.n_steps != 1 or cfg.n_mb != len(mbs):
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")

@@ -1,93 +1,110 @@
-"""How the stream issuer orders one step's ops after the steps issued before it, without a device-wide sync.
+"""How the stream issuer orders a step after the steps issued before it, without a device-wide sync.
 
-A step's schedule orders its own ops; it cannot say what the step before still does. :class:`StepOrder` keeps, on
-CUDA events and worker futures, what a later step's op may have to wait for: each buffer slot's last use (an op that
-rewrites the slot waits for it), the rows of each layer's host block an earlier STORE_OPT wrote (a load of that
-block waits for them, row by row for a state load), the device update that left a layer's weights on the device
-(the next load of them waits for it), the optimizer task that last read a host gradient buffer (the next gradient
-store into it waits for it), and the worker's issue of a GPU op on a slot (the next writer waits for that before it
-looks at the slot's last use).
+Within a step the schedule's dependencies order its ops. Across two steps issued back to back, the dependencies the
+planner carries from one to the next (:func:`megatrain.planner.carried.carried_deps`, verified with the two steps
+joined into one schedule) do: :class:`StepOrder` keeps what the step before left -- its ops' end events, its worker
+tasks, the last event on each queue, the row events of its optimizer-state stores -- and turns each carried
+dependency into a wait: on the event of the op it names; on the host for an optimizer task, or for the worker's
+issue of a GPU op; row by row for a state load after the same layer's store (each row once that row is stored).
+A step that follows one it has no verified dependencies on (an evaluation, another plan's step) is fenced: every
+queue waits for every queue's last event of that step, and the host for its worker tasks. Every step also fences
+the step before the one before it, so no wait reaches further back (free in steady state: each layer's weight load
+of the step in between waited for that step's update of the layer).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from megatrain.ir import SLOT_POOL, Op, OpKind
-from megatrain.planner.cost import OPT_STATE_ROWS
+from megatrain.ir import Op, OpKind, Schedule
+from megatrain.planner.carried import Carried
 
-BUFFER_POOLS = ("w", "g", "o", "k")  # pools of buffers allocated once and rewritten every step (activations are
-# fresh tensors, which the caching allocator keeps apart across streams)
+Successions = dict[tuple[int, int], tuple[Schedule, Schedule, Carried]]  # (id(prev), id(next)) -> verified pair
+
+
+@dataclass
+class Issued:
+    """Of one step, what the waits of a later step use."""
+    schedule: Schedule
+    events: dict = field(default_factory=dict)  # op id -> its end event (a GPU op the worker issues: once issued)
+    futures: dict = field(default_factory=dict)  # op id -> the worker's task (a cpu op, or a GPU op it issues)
+    last: dict = field(default_factory=dict)  # queue -> the last end event recorded on it
+    tail: list = field(default_factory=lambda: [None])  # the step's last worker task (its end-of-step bookkeeping)
+
+
+class PrevDeps(NamedTuple):
+    """The ops of the step before (``step``, by id) that an op of the current step follows."""
+    step: Issued | None
+    ids: tuple[int, ...]
+
+    def tasks(self) -> list[Future]:
+        """Their worker tasks (optimizer tasks, GPU ops the worker issued)."""
+        return [self.step.futures[d] for d in self.ids if d in self.step.futures]
+
+    def events(self, op: Op) -> list:
+        """Their end events (those issued by now: the worker's, once its task ran), but for a state load's own
+        layer's stores, which it follows row by row (:meth:`StepOrder.wait_for_rows`)."""
+        out = []
+        for d in self.ids:
+            dep = self.step.schedule.ops[d]
+            if op.kind is OpKind.LOAD_OPT and dep.kind is OpKind.STORE_OPT and dep.layer == op.layer:
+                continue
+            ev = self.step.events.get(d)
+            if ev is not None:
+                out.append(ev)
+        return out
 
 
 class StepOrder:
-    def __init__(self, owner, kept_weights, waited):
-        """``owner(layer)``: the layer holding a layer's weights; ``kept_weights(owner)``: the weights a device
-        update left on the device (None: none); ``waited(future)``: wait for a worker task, timed."""
-        self.owner, self.kept_weights, self.waited = owner, kept_weights, waited
-        # (step, event, (kind, layer)) of each slot's last use; layer -> (step, events) of each row's copy to the
-        # host block by its latest STORE_OPT; layer -> (step, event) of its latest device OPT
-        self.slot_use: dict[tuple[str, int], tuple[int, object, tuple[OpKind, int]]] = {}
-        self.store_opt_done: dict[int, tuple[int, list]] = {}
-        self.kept_done: dict[int, tuple[int, object]] = {}
-        # host gradient buffer -> (step, the optimizer task that read it last); slot -> the worker's issue of a GPU
-        # op that uses it, which the next step's writer waits for before it looks at slot_use
-        self.host_buffer_user: dict[int, tuple[int, Future]] = {}
-        self.slot_pending: dict[tuple[str, int], Future] = {}
+    def __init__(self, waited):
+        """``waited(future)``: wait on the host for a worker task, timed."""
+        self.waited = waited
+        self.prev: Issued | None = None  # the step issued last, and the one before it
+        self.older: Issued | None = None
+        self.carried: Carried | None = None  # the current step's dependencies on ``prev`` (None: fenced, or none)
+        self.current: Issued | None = None
+        self.store_opt_done: dict[int, tuple[int, list]] = {}  # layer -> (step, row events) of its latest STORE_OPT
 
-    def cpu_task(self, op: Op, step: int, fut: Future) -> None:
-        """A worker task of ``step`` for ``op``: the host gradient buffers it reads."""
-        for role, idx in op.slots:
-            if role == "h":
-                self.host_buffer_user[idx] = (step, fut)
+    def begin(self, schedule: Schedule, successions: Successions | None, queues) -> Issued:
+        """Before ``schedule``'s ops are issued on ``queues``: fence the step before last, and the step before
+        unless the pair is a verified succession (then its carried dependencies apply op by op)."""
+        if self.older is not None:
+            self._fence(self.older, queues)
+        pair = None
+        if self.prev is not None and successions is not None:
+            pair = successions.get((id(self.prev.schedule), id(schedule)))
+            if pair is not None and not (pair[0] is self.prev.schedule and pair[1] is schedule):
+                pair = None
+        if self.prev is not None and pair is None:
+            self._fence(self.prev, queues)
+        self.carried = pair[2] if pair is not None else None
+        self.current = Issued(schedule)
+        return self.current
 
-    def worker_issues(self, op: Op, fut: Future) -> None:
-        """The worker issues GPU op ``op`` once ``fut`` runs."""
-        for role, idx in op.slots:
-            if SLOT_POOL[role] in BUFFER_POOLS:
-                self.slot_pending[(SLOT_POOL[role], idx)] = fut
+    def end(self) -> None:
+        """The current step is issued (its worker tasks and worker-issued ops may still be pending)."""
+        self.older, self.prev, self.current = self.prev, self.current, None
 
-    def issued(self, op: Op, step: int, end) -> None:
-        """GPU op ``op`` of ``step`` is issued; ``end`` marks its end."""
-        for role, idx in op.slots:  # (a host gradient buffer a split update's state load reads: the next step's
-            # store into it waits for that load)
-            if SLOT_POOL[role] in BUFFER_POOLS or role == "h" and op.kind is OpKind.LOAD_OPT:
-                self.slot_use[(SLOT_POOL[role], idx)] = (step, end, (op.kind, op.layer))
-        if op.kind is OpKind.OPT:  # on the device: the kept weights are ready when it ends
-            self.kept_done[op.layer] = (step, end)
+    def drained(self) -> None:
+        """Every step's work is done: nothing to wait for."""
+        self.prev = self.older = None
 
-    def host_buffer_readers(self, op: Op, step: int) -> list[Future]:
-        """The optimizer task of an earlier step than ``step`` that last read a host gradient buffer ``op`` writes
-        (within a step the schedule orders them)."""
-        out = []
-        for role, idx in op.slots:
-            last = self.host_buffer_user.get(idx) if role == "h" and op.kind is OpKind.STORE_G else None
-            if last is not None and last[0] < step:
-                out.append(last[1])
-        return out
+    def _fence(self, step: Issued, queues) -> None:
+        if step.tail[0] is not None:  # first: the worker's issues of that step's GPU ops come before its tail
+            self.waited(step.tail[0])
+        events = list(step.last.values())
+        for q in queues:
+            for ev in events:
+                q.wait_event(ev)
 
-    def wait_for_earlier_steps(self, op: Op, stream, step: int, writes, in_worker: bool) -> None:
-        """``stream``, about to run ``op`` of ``step`` (``writes``: the slot roles it writes), waits for the earlier
-        steps' ops it conflicts with. An op the worker issues does not wait for the worker's pending ops: those
-        submitted before it have run (the worker runs its queue in order), and the one found may be itself or a
-        later one."""
-        for role, idx in op.slots:
-            pending = None if in_worker else self.slot_pending.get((SLOT_POOL[role], idx))
-            if role in writes and pending is not None and not pending.done():
-                self.waited(pending)
-            last = self.slot_use.get((SLOT_POOL[role], idx))
-            if role in writes and last is not None and last[0] < step:
-                if op.kind is OpKind.LOAD_OPT and last[2] == (OpKind.STORE_OPT, op.layer):
-                    continue  # its own state's store: each row waits for that row's (wait_for_rows)
-                stream.wait_event(last[1])
-        if op.kind is OpKind.LOAD_W:
-            o = self.owner(op.layer)
-            if self.kept_weights(o) is not None:
-                done = self.kept_done.get(o)
-                if done is not None and done[0] < step:
-                    stream.wait_event(done[1])
-            else:  # from the host block (or its shadow), which a device update of the step before may still write
-                self.wait_for_rows(o, stream, (OPT_STATE_ROWS,), step)
+    # ---- the current step's ops ------------------------------------------------------------------------------
+    def on_prev(self, op: Op) -> "PrevDeps":
+        """What ``op`` of the current step follows of the step before."""
+        if self.carried is None or not self.carried[op.id]:
+            return PrevDeps(None, ())
+        return PrevDeps(self.prev, self.carried[op.id])
 
     def wait_for_rows(self, layer: int, stream, rows, step: int) -> None:
         """``stream`` waits for the copies of ``rows`` of ``layer``'s host block by a STORE_OPT of a step before

@@ -6,8 +6,9 @@ op is a ``wait_event`` on the issuing stream, so the host never waits for the GP
 host block) go to one worker thread, which first waits for the events of the GPU ops they depend on; a GPU op that
 depends on a ``cpu`` op makes the host wait for that worker task before issuing it (the next step's weight load), or
 hands the op to the worker to issue after it. Steps overlap without a barrier: what one step's schedule cannot say
-about the steps before it, :class:`~megatrain.runtime.step_order.StepOrder` orders on events (or, with
-``sync_between_steps``, the whole device is synchronized before a step). Every op is timed
+about the steps before it, the dependencies the planner carries from one step to the next do (verified pairs of
+schedules; :class:`~megatrain.runtime.step_order.StepOrder` turns them into waits and fences any other pair), or,
+with ``sync_between_steps``, the whole device is synchronized before a step. Every op is timed
 (:mod:`megatrain.runtime.timing`). CUDA is reached through ``cuda`` (:mod:`megatrain.runtime.cuda_api`), which the
 tests replace with a fake that checks the order on the CPU.
 """
@@ -23,14 +24,15 @@ from megatrain.runtime.cuda_api import TORCH_CUDA
 from megatrain.runtime.executor import Executor
 from megatrain.runtime.optim import lr_at
 from megatrain.runtime.step import MicroBatch, StepOutput, StepState
-from megatrain.runtime.step_order import StepOrder
+from megatrain.runtime.step_order import Issued, PrevDeps, StepOrder, Successions
 from megatrain.runtime.stream_copies import StreamCopies
 from megatrain.runtime.timing import OpTimer
 
 
 class _Step(NamedTuple):
-    """Of one step, what issuing its ops uses: end events, slot contents, index among steps issued, timings."""
-    events: dict
+    """Of one step, what issuing its ops uses: what it issued (events, worker tasks, each queue's last event), slot
+    contents, index among steps issued, timings."""
+    issued: Issued
     tags: list
     step: int
     timing: list
@@ -59,23 +61,26 @@ class StreamExecutor(StreamCopies, Executor):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
         self.timer = OpTimer(self.graph, self.streams[Stream.COMPUTE], cuda)
-        self.order = StepOrder(self.graph.owner, self.dev.kept_weights, self.timer.waited)
+        self.order = StepOrder(self.timer.waited)
         self.steps_issued = 0
         self._no_update_runs = 0  # of which no optimizer step: evaluations, steps whose loss or norm was not finite
         self._step_base = 0  # steps taken before this executor's first (set_step)
         self.host_keep: list = []  # pinned host buffers in flight, kept alive for the step
 
     # ---- step ---------------------------------------------------------------------------------------------
-    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True) -> StepOutput:
-        self.events: dict[int, object] = {}
-        self.futures: dict[int, Future] = {}
+    def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
+            successions: Successions | None = None) -> StepOutput:
+        self.issued = self.order.begin(schedule, None if self.sync_between_steps else successions,
+                                       list(self.queues.values()))
+        self.events, self.futures = self.issued.events, self.issued.futures
         self.prev_host_keep = self.host_keep  # the step before may still be copying from these (no device sync)
         self.host_keep = []
         if self.sync_between_steps:
             self.cuda.synchronize(self.device)
         self.timer.begin(schedule)
-        with self.cuda.use(self.streams[Stream.COMPUTE]):  # inputs are moved on the compute stream
+        with self.cuda.use(self.streams[Stream.COMPUTE]):  # what run() puts on the device between ops
             out = super().run(schedule, mbs, denom)  # issues everything; reading the losses waits for compute
+        self.order.end()
         if not out.applied:  # the device updates were issued with this step's count and changed nothing: the host's
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
             self._no_update_runs += 1
@@ -90,6 +95,7 @@ class StreamExecutor(StreamCopies, Executor):
             f.result()
         self.worker.submit(lambda: None).result()  # and the step's begin / end bookkeeping queued behind them
         self.cuda.synchronize(self.device)
+        self.order.drained()
 
     def set_step(self, steps_done: int) -> None:
         """Go on as if ``steps_done`` steps had been taken (a loaded training state): the learning rate and the
@@ -108,7 +114,7 @@ class StreamExecutor(StreamCopies, Executor):
         return lr_at(self.optimizer.cfg, self._step_base + self.steps_issued - self._no_update_runs)
 
     def _end_step(self, st: StepState) -> None:
-        self.worker.submit(lambda: self.optimizer.end_step(applied=st.ok()))
+        self.issued.tail[0] = self.worker.submit(lambda: self.optimizer.end_step(applied=st.ok()))
         self.steps_issued += 1
 
     def _end_evaluation(self) -> None:  # a run of its own for the ordering across runs; no optimizer step
@@ -121,21 +127,21 @@ class StreamExecutor(StreamCopies, Executor):
             self._issue_op(op, st)
 
     def _issue_op(self, op: Op, st: StepState) -> None:
-        # dependencies on what the worker runs or issues are futures; on the others, events this thread recorded
+        # dependencies on what the worker runs or issues are futures; on the others, events this thread recorded;
+        # on the step before, what it carries over (its tasks as a rule long done)
         later = [d for d in op.deps if d in self.futures]
-        if op.kind is OpKind.LOAD_W and self.graph.owner(op.layer) in self.last_opt:  # the previous step's update
-            self.timer.waited(self.last_opt[self.graph.owner(op.layer)])
+        prev = self.order.on_prev(op)
         handler = ops.HANDLERS[(op.kind, op.stream)]
-        earlier = self.order.host_buffer_readers(op, self.steps_issued)  # may still read a buffer it writes
         # this step's, as they are now: the worker may issue one of its ops after the next step's run began
-        ctx = _Step(self.events, self.tags, self.steps_issued, self.timer.records())
-        events = ctx.events
+        ctx = _Step(self.issued, self.tags, self.steps_issued, self.timer.records())
+        events = ctx.issued.events
         if op.stream is Stream.CPU:
-            fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in later] + earlier,
-                                                     lambda: [events[d] for d in op.deps if d in events]))
+            fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in later]
+                                                     + prev.tasks(),
+                                                     lambda: [events[d] for d in op.deps if d in events]
+                                                     + prev.events(op)))
             self.timer.record_task(op, fut)
             self.futures[op.id] = fut
-            self.order.cpu_task(op, self.steps_issued, fut)
             if op.kind is OpKind.OPT:
                 self.last_opt[op.layer] = fut
             return
@@ -143,30 +149,27 @@ class StreamExecutor(StreamCopies, Executor):
             # a GPU op that waits for an optimizer task (a gradient store into a host buffer an update still reads):
             # the worker issues it after that task, so this thread goes on issuing (the next step's forward); the
             # guard, which every update waits for, this thread issues once the task is done
-            fut = self.worker.submit(self._issue_gpu, op, st, handler, ctx, True)
-            self.futures[op.id] = fut
-            self.order.worker_issues(op, fut)
+            self.futures[op.id] = self.worker.submit(self._issue_gpu, op, st, handler, ctx, prev)
             return
-        for f in [self.futures[d] for d in later] + earlier:
+        for f in [self.futures[d] for d in later] + prev.tasks():
             self.timer.waited(f)
-        self._issue_gpu(op, st, handler, ctx)
+        self._issue_gpu(op, st, handler, ctx, prev)
 
-    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: _Step, in_worker: bool = False) -> None:
+    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: _Step, prev: PrevDeps) -> None:
         """Issue a GPU op of step ``ctx`` on its queue after its dependencies' events (recorded by the issuing
-        thread, or by the worker for the ops it issued, which run before it in the worker's order). ``in_worker``:
-        the optimizer worker issues it."""
+        thread, or by the worker for the ops it issued, which run before it in the worker's order) and those of
+        the ops of the step before it follows (``prev``)."""
         stream = self._queue(op)
         for d in op.deps:
-            if d in ctx.events:
-                stream.wait_event(ctx.events[d])
-        if not self.sync_between_steps:
-            self.order.wait_for_earlier_steps(op, stream, ctx.step, ctx.tags[op.id][1], in_worker)
+            if d in ctx.issued.events:
+                stream.wait_event(ctx.issued.events[d])
+        for ev in prev.events(op):
+            stream.wait_event(ev)
         with self.cuda.on_device(self.device), self.cuda.use(stream), \
                 self.timer.on_stream(op, stream, ctx.timing) as end:
             handler(self, op, st)
-        ctx.events[op.id] = end
-        if not self.sync_between_steps:
-            self.order.issued(op, ctx.step, end)
+        ctx.issued.events[op.id] = end
+        ctx.issued.last[queue_of(op)] = end
 
     def _queue(self, op: Op):
         """The CUDA stream ``op`` is issued on: its IR stream's, or for a split update's op with ``split_queues``

@@ -15,7 +15,8 @@ from megatrain.planner.search import (PlanError, device_update_sets, plan, saved
                                       with_saved_acts)
 from megatrain.planner.critical import critical_path
 from megatrain.planner.simulate import bound, simulate
-from megatrain.planner.verify import verify
+from megatrain.planner.carried import carried_deps, join, unroll
+from megatrain.planner.verify import ScheduleError, verify
 
 SPEC = PRESETS["h200"]
 MiB = 1 << 20
@@ -98,6 +99,26 @@ def test_every_schedule_verifies_fits_and_respects_the_bound(data):
     assert build_schedule(graph, cfg).to_text() == s.to_text()
     # the saved activations change what the cost model charges, not the ops (the search builds once per candidate)
     assert build_schedule(graph, unsaved(cfg)).ops == s.ops
+
+
+@given(st.data())
+def test_a_run_s_first_step_then_its_steady_steps_verify_as_one_schedule(data):
+    """The pairs a run issues back to back -- a one-step schedule, then the same plan's steady one (``continues``),
+    then that again -- joined with what each carries over from the step before verify as one schedule; without
+    the carried dependencies they do not where a layer is updated on the host (the next step would load weights
+    the step before still updates; device updates are ordered by their stream alone)."""
+    graph = data.draw(graphs(max_layers=12))
+    cfg = dataclasses.replace(data.draw(configs(graph)), n_steps=1, continues=False, budget_bytes=1 << 40)
+    first = build_schedule(graph, cfg)
+    steady = build_schedule(graph, dataclasses.replace(cfg, continues=True)) if cfg.gpu_opt else first
+    for prev, nxt in ((first, steady), (steady, steady)):
+        carried = carried_deps(prev, nxt, graph)
+        verify(join(prev, nxt, carried), graph)
+        assert all(d < len(prev.ops) for deps in carried for d in deps)
+        if any(graph[l].tie is None and l not in cfg.gpu_opt for l in range(len(graph))):
+            with pytest.raises(ScheduleError, match="load-after-opt|state-after-store"):
+                verify(join(prev, nxt, tuple(() for _ in carried)), graph)
+    verify(unroll(first, steady, graph, 3), graph)  # what the runtime issues over three steps
 
 
 @given(st.data())

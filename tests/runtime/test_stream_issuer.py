@@ -12,13 +12,13 @@ import torch
 
 from megatrain.ir import SLOT_POOL, OpKind, Stream, queue_of
 from megatrain.planner.cost import OPT_STATE_ROWS
-from megatrain.runtime.step_order import BUFFER_POOLS
 from megatrain.runtime.streams import StreamExecutor
 
 from .fake_cuda import FakeCuda
 from .models import compile_cpu, hf_model
 from .test_parity import OPT, batches
 
+BUFFER_POOLS = ("w", "g", "o", "k")  # buffers every step rewrites (activations are fresh tensors)
 PLANS = {
     "host": dict(n_mb=3, weight_slots=2),
     "device-and-split": dict(n_mb=3, weight_slots=2, gpu_opt_every=3, resident_opt=0, split_opt=2, opt_part=700,
@@ -49,7 +49,8 @@ def _run(name, monkeypatch=None, skip=None):
     for b in data:
         want = ref.train_step(*b)
         got = sm.train_step(*b)
-        steps.append((ex.timer.schedule, ex.tags, ex.timer.records(), dict(ex.order.store_opt_done)))
+        steps.append((ex.timer.schedule, ex.tags, ex.timer.records(), dict(ex.order.store_opt_done),
+                      ex.order.carried))
         assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)  # work runs at issue: program order
     sm.wait()
     ref_sd, sd = ref.state_dict(), sm.state_dict()
@@ -57,8 +58,11 @@ def _run(name, monkeypatch=None, skip=None):
     bad = []
     last_use: dict[tuple[str, int], list] = {}  # slot -> (op, end) of the previous step's ops that used it
     stored_before: dict = {}  # layer -> (step, row events) of the previous step's STORE_OPT
-    for schedule, tags, records, stored in steps:
+    prev_ends: dict = {}
+    for k, (schedule, tags, records, stored, carried) in enumerate(steps):
         ends = {op.id: t for op, t in records}
+        assert (carried is not None) == (k > 0)  # the API's verified pairs: the steady step after the first, after
+        # itself
         this_use: dict[tuple[str, int], list] = {}
         for op, t in sorted(records, key=lambda r: r[0].id):
             if isinstance(t, Future):  # an optimizer task: after the GPU ops it reads, synchronized by the host
@@ -69,14 +73,17 @@ def _run(name, monkeypatch=None, skip=None):
             begin, end = t
             if begin.stream is not ex.queues[queue_of(op)]:
                 bad.append(f"{op} on the wrong queue")
-            for d in op.deps:
-                dep = ends[d]
+            for d, dep, what in [(d, ends[d], "") for d in op.deps] + [
+                    (d, prev_ends[d], "the step before's ") for d in (carried[op.id] if carried else ())]:
                 if isinstance(dep, Future):  # the host (or the worker) issued the op after the task ended
                     ok = dep.done() and dep.result()[1] <= begin.t
+                elif what and op.kind is OpKind.LOAD_OPT and steps[k - 1][0].ops[d].kind is OpKind.STORE_OPT \
+                        and steps[k - 1][0].ops[d].layer == op.layer:
+                    continue  # its own state's store: row by row, checked below
                 else:
                     ok = fake.happened(dep[1], begin)
                 if not ok:
-                    bad.append(f"{op} before {schedule.ops[d]}")
+                    bad.append(f"{op} before {what}{(steps[k - 1][0] if what else schedule).ops[d]}")
             writes = tags[op.id][1]
             for role, idx in op.slots:
                 key = (SLOT_POOL[role], idx)
@@ -94,7 +101,7 @@ def _run(name, monkeypatch=None, skip=None):
                         if not ok:
                             bad.append(f"{op} rewrites {key} before the step before's {prev}")
                 this_use.setdefault(key, []).append((op, end))
-        last_use, stored_before = this_use, stored
+        last_use, stored_before, prev_ends = this_use, stored, ends
     return bad, ex, steps
 
 
@@ -103,7 +110,7 @@ def test_stream_issuer_orders_every_op_after_its_inputs(name):
     bad, ex, steps = _run(name)
     assert not bad, bad[:5]
     cfg = steps[-1][0].config
-    used = {queue_of(op) for _, _, records, _ in steps for op, t in records if not isinstance(t, Future)}
+    used = {queue_of(op) for _, _, records, _, _ in steps for op, t in records if not isinstance(t, Future)}
     assert {(Stream.H2D, False), (Stream.COMPUTE, False)} <= used
     if name == "device-and-split":
         assert cfg.gpu_opt and cfg.split_opt and cfg.grad_kept
@@ -130,7 +137,7 @@ def test_the_order_check_catches_a_missing_wait(monkeypatch, skip):
         real = streams.StreamExecutor._queue
         target = (streams.StreamExecutor, "_queue", lambda self, op: NoWaits(real(self, op)))
     else:
-        target = (step_order.StepOrder, "wait_for_earlier_steps", lambda *a, **k: None)
+        target = (step_order.StepOrder, "on_prev", lambda *a, **k: step_order.PrevDeps(None, ()))
     bad, _, _ = _run("device-and-split", monkeypatch, target)
     assert bad, "no violation found with the waits taken out"
     assert any((" before " in b) if skip == "dependencies" else (" rewrites " in b) for b in bad), bad[:5]
@@ -156,3 +163,26 @@ def test_the_checks_see_a_missing_wait():
     e5 = fake.new_event()
     e5.record(c)
     assert fake.happened(e3, e5)
+
+
+def test_an_evaluation_after_a_step_is_fenced_and_training_goes_on_as_in_program_order():
+    """An evaluation after a training step is no verified pair with it: it waits for all of that step (every
+    queue's last event, the host for its worker tasks) before its first op; the results stay program order's."""
+    model, data = hf_model("qwen2"), batches(n_steps=3)
+    ref = compile_cpu(copy.deepcopy(model), optim=OPT, **PLANS["device-and-split"])
+    fake = FakeCuda()
+    sm = _streamed(copy.deepcopy(model), fake, **PLANS["device-and-split"])
+    ex = sm.executor
+    for k, b in enumerate(data):
+        if k == 2:
+            trained = ex.order.prev
+            assert trained is not None and trained.last and trained.tail[0] is not None
+            assert ref.evaluate(*b).loss == sm.evaluate(*b).loss
+            assert ex.order.carried is None  # fenced
+            _, (begin, _) = min(ex.timer.records(), key=lambda r: r[0].id)
+            assert all(fake.happened(e, begin) for e in trained.last.values())
+            assert trained.tail[0].done()
+        want, got = ref.train_step(*b), sm.train_step(*b)
+        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+    sm.wait()
+    assert all(torch.equal(a, b) for a, b in zip(sm.state_dict().values(), ref.state_dict().values()))

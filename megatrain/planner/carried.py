@@ -1,0 +1,111 @@
+"""What a step's ops wait for of the step issued just before them, as dependencies the verifier checks.
+
+A run issues one schedule per step without a device-wide sync between them: the steps overlap (the next step's
+forward runs under the update pass of the one before). :func:`carried_deps` says, for each op of the next step,
+which ops of the step before it must follow:
+
+- **slots** (weight, gradient, optimizer and kept-gradient slots, host gradient buffers: buffers that outlive a
+  step): every op of the next step that touches a slot up to and including its first write there follows the step
+  before's accesses of that slot since its last write there (the later accesses in the next step follow that first
+  write by the step's own dependencies, which the verifier checks);
+- **weights**: the first load of a layer's weights (each queue's) follows the step before's update of that layer:
+  for a load from the host, its last STORE_OPT (master and bf16 shadow), else its last OPT (on the host, or on the
+  device, which left the weights a compute-stream load copies);
+- **optimizer state**: the first LOAD_OPT of a layer follows the step before's update of that layer likewise (the
+  stream issuer copies each row once the same row is stored, which the simulator models as well; its later parts
+  follow it on their queue).
+
+:func:`join` puts two steps into one schedule with these as ordinary dependencies; ``verify`` on it checks the pair
+with every rule it checks across the steps of one schedule. The API verifies the pairs a run issues back to back
+(its first step's schedule, then the steady step's, then the steady step's again) and gives the runtime these
+dependencies; any other pair (an evaluation in between, another plan) the stream issuer fences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, slot_contents
+from megatrain.planner.graph import LayerGraph
+
+OUTLIVING_POOLS = ("w", "g", "o", "k", "h")  # allocated once and rewritten every step (activations are fresh tensors)
+
+Carried = tuple[tuple[int, ...], ...]  # per op of the next step, the ids of the ops of the step before it follows
+
+
+def _writes(s: Schedule, graph: LayerGraph, op: Op) -> dict[str, tuple]:
+    cfg = s.config
+    return slot_contents(op, graph.owner, cfg.n_mb, lambda layer: bool(graph.tied_to(layer)),
+                         set(cfg.resident_opt).__contains__, set(cfg.grad_kept).__contains__)[1]
+
+
+def _buffers(op: Op):
+    return [(role, (SLOT_POOL[role], idx)) for role, idx in op.slots if SLOT_POOL[role] in OUTLIVING_POOLS]
+
+
+def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
+    """Per op of ``nxt`` (by id), the ops of ``prev`` it must follow when ``nxt`` is issued right after ``prev``."""
+    out: list[set[int]] = [set() for _ in nxt.ops]
+    since_write: dict[tuple[str, int], list[int]] = {}  # buffer -> prev's accesses since its last write
+    last_opt: dict[int, int] = {}  # layer -> prev's last OPT of it (one part's: they run in order on one queue)
+    last_store: dict[int, int] = {}  # layer -> prev's last STORE_OPT of it (which follows every part's OPT)
+    for op in prev.ops:
+        writes = _writes(prev, graph, op)
+        for role, key in _buffers(op):
+            if role in writes:
+                since_write[key] = [op.id]
+            else:
+                since_write.setdefault(key, []).append(op.id)
+        if op.kind is OpKind.OPT:
+            last_opt[op.layer] = op.id
+        elif op.kind is OpKind.STORE_OPT:
+            last_store[op.layer] = op.id
+    written: set[tuple[str, int]] = set()
+    loaded: set[tuple[int, Stream]] = set()
+    loaded_state: set[tuple[int, Stream]] = set()
+    for op in nxt.ops:
+        writes = _writes(nxt, graph, op)
+        for role, key in _buffers(op):
+            if key not in written:
+                out[op.id].update(since_write.get(key, ()))
+        written.update(key for role, key in _buffers(op) if role in writes)
+        if op.kind is OpKind.LOAD_W and (graph.owner(op.layer), op.stream) not in loaded:
+            o = graph.owner(op.layer)
+            loaded.add((o, op.stream))
+            # (a copy of the weights a device update left on the device waits for that update alone)
+            out[op.id].update(_last_update(o, last_opt, last_store if op.stream is Stream.H2D else {}))
+        elif op.kind is OpKind.LOAD_OPT and (op.layer, op.stream) not in loaded_state:  # (its later parts follow
+            # it on its queue)
+            loaded_state.add((op.layer, op.stream))
+            out[op.id].update(_last_update(op.layer, last_opt, last_store))
+    return tuple(tuple(sorted(d)) for d in out)
+
+
+def _last_update(layer: int, last_opt: dict[int, int], last_store: dict[int, int]) -> tuple[int, ...]:
+    """The op of the step before that ends ``layer``'s update: its last STORE_OPT where there is one, else its last
+    OPT (none: not updated)."""
+    last = last_store.get(layer, last_opt.get(layer))
+    return () if last is None else (last,)
+
+
+def join(prev: Schedule, nxt: Schedule, carried: Carried) -> Schedule:
+    """``prev`` then ``nxt`` as one schedule of their steps (``nxt``'s after ``prev``'s, its ops after ``prev``'s,
+    each with its ``carried`` dependencies on ``prev``'s ops): what the verifier and the simulator take for the
+    two issued back to back. The configuration is ``prev``'s (a first step's schedule then the steady one's is
+    what a run's first two steps of one plan are)."""
+    n, steps = len(prev.ops), prev.config.n_steps
+    ops = list(prev.ops) + [replace(op, id=op.id + n, step=op.step + steps,
+                                    deps=tuple(carried[op.id]) + tuple(d + n for d in op.deps)) for op in nxt.ops]
+    cfg = replace(prev.config, n_steps=steps + nxt.config.n_steps)
+    return Schedule(tuple(ops), cfg, prev.provenance + (f"join: {len(nxt.ops)} ops of a next step, "
+                                                        f"{sum(map(len, carried))} dependencies on the step before",))
+
+
+def unroll(first: Schedule, steady: Schedule, graph: LayerGraph, n_steps: int) -> Schedule:
+    """A run's first ``n_steps`` steps as the runtime issues them -- ``first``, then ``steady`` again and again --
+    as one schedule, each step joined with what it carries over from the one before: what the simulator times for
+    a run and the verifier checks."""
+    s = first
+    for _ in range(n_steps - 1):
+        s = join(s, steady, carried_deps(s, steady, graph))
+    return s

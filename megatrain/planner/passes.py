@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream, queue_of
+from megatrain.planner.carried import unroll
 from megatrain.planner.cost import defers_head_store, grad_slot_count, weights_kept
 from megatrain.planner.graph import LayerGraph
 
@@ -633,14 +634,25 @@ def relabel_saved(s: Schedule, cfg: ScheduleConfig) -> Schedule:
 
 
 def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool | None = None) -> Schedule:
-    """Run every pass on an empty schedule. With ``verify_each`` (default: env MEGATRAIN_VERIFY=1) the final
-    schedule is checked by :func:`megatrain.planner.verify.verify` (intermediate ones lack slots by design)."""
+    """Run every pass on an empty schedule. A schedule of several steps is what a run issues step after step: the
+    first step's schedule, then the steady step's (``continues``: the device-updated layers' weights and resident
+    states where the step before left them), each joined with what it carries over from the step before
+    (:mod:`megatrain.planner.carried`). With ``verify_each`` (default: env MEGATRAIN_VERIFY=1) the final schedule
+    is checked by :func:`megatrain.planner.verify.verify` (intermediate ones lack slots by design)."""
     if cfg.n_layers != len(graph):
         raise ValueError(f"config is for {cfg.n_layers} layers, the graph has {len(graph)}")
-    s = Schedule((), cfg)
-    for p in PASSES:
-        s = p(s, graph)
-    s = Schedule(tuple(_finalize(list(s.ops))), cfg, s.provenance + (f"finalize: {len(s.ops)} ops",))
+    if cfg.n_steps == 1:
+        s = Schedule((), cfg)
+        for p in PASSES:
+            s = p(s, graph)
+        s = Schedule(tuple(_finalize(list(s.ops))), cfg, s.provenance + (f"finalize: {len(s.ops)} ops",))
+    else:
+        first = build_schedule(graph, replace(cfg, n_steps=1), verify_each=False)
+        steady = build_schedule(graph, replace(first.config, continues=True), verify_each=False) \
+            if cfg.gpu_opt and not cfg.continues else first
+        run = unroll(first, steady, graph, cfg.n_steps)
+        steady_passes = tuple(f"steady step: {p}" for p in steady.provenance) if steady is not first else ()
+        s = Schedule(run.ops, cfg, first.provenance + steady_passes + run.provenance[len(first.provenance):])
     if verify_each if verify_each is not None else os.environ.get("MEGATRAIN_VERIFY") == "1":
         from megatrain.planner.verify import verify
 

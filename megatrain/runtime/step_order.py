@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from megatrain.ir import Op, OpKind, Schedule
-from megatrain.planner.carried import Carried
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule
+from megatrain.planner.carried import OUTLIVING_POOLS, Carried
 
 Successions = dict[tuple[int, int], tuple[Schedule, Schedule, Carried]]  # (id(prev), id(next)) -> verified pair
 
@@ -66,6 +66,9 @@ class StepOrder:
         self.carried: Carried | None = None  # the current step's dependencies on ``prev`` (None: fenced, or none)
         self.current: Issued | None = None
         self.store_opt_done: dict[int, tuple[int, list]] = {}  # layer -> (step, row events) of its latest STORE_OPT
+        # buffer slot -> the worker's issue of a GPU op that uses it: an op issued after it that rewrites the slot
+        # waits for that issue (the worker issues in its own time; the queue's order is the order of issue)
+        self.slot_pending: dict[tuple[str, int], Future] = {}
 
     def begin(self, schedule: Schedule, successions: Successions | None, queues) -> Issued:
         """Before ``schedule``'s ops are issued on ``queues``: fence the step before last, and the step before
@@ -105,6 +108,20 @@ class StepOrder:
         if self.carried is None or not self.carried[op.id]:
             return PrevDeps(None, ())
         return PrevDeps(self.prev, self.carried[op.id])
+
+    def worker_issues(self, op: Op, fut: Future) -> None:
+        """The worker issues GPU op ``op`` once ``fut`` runs."""
+        for role, idx in op.slots:
+            if SLOT_POOL[role] in OUTLIVING_POOLS:
+                self.slot_pending[(SLOT_POOL[role], idx)] = fut
+
+    def wait_for_pending(self, op: Op, writes) -> None:
+        """Before this thread issues ``op`` (``writes``: the slot roles it writes): the worker's issue of the ops
+        that use a slot it rewrites."""
+        for role, idx in op.slots:
+            pending = self.slot_pending.get((SLOT_POOL[role], idx)) if role in writes else None
+            if pending is not None and not pending.done():
+                self.waited(pending)
 
     def wait_for_rows(self, layer: int, stream, rows, step: int) -> None:
         """``stream`` waits for the copies of ``rows`` of ``layer``'s host block by a STORE_OPT of a step before

@@ -149,16 +149,20 @@ class StreamExecutor(StreamCopies, Executor):
             # a GPU op that waits for an optimizer task (a gradient store into a host buffer an update still reads):
             # the worker issues it after that task, so this thread goes on issuing (the next step's forward); the
             # guard, which every update waits for, this thread issues once the task is done
-            self.futures[op.id] = self.worker.submit(self._issue_gpu, op, st, handler, ctx, prev)
+            fut = self.futures[op.id] = self.worker.submit(self._issue_gpu, op, st, handler, ctx, prev, True)
+            self.order.worker_issues(op, fut)
             return
         for f in [self.futures[d] for d in later] + prev.tasks():
             self.timer.waited(f)
         self._issue_gpu(op, st, handler, ctx, prev)
 
-    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: _Step, prev: PrevDeps) -> None:
+    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: _Step, prev: PrevDeps, in_worker: bool = False) -> None:
         """Issue a GPU op of step ``ctx`` on its queue after its dependencies' events (recorded by the issuing
         thread, or by the worker for the ops it issued, which run before it in the worker's order) and those of
-        the ops of the step before it follows (``prev``)."""
+        the ops of the step before it follows (``prev``). ``in_worker``: the optimizer worker issues it (the
+        worker's pending issues are then its own earlier tasks, done)."""
+        if not in_worker:
+            self.order.wait_for_pending(op, ctx.tags[op.id][1])
         stream = self._queue(op)
         for d in op.deps:
             if d in ctx.issued.events:

@@ -5,6 +5,7 @@ having waited for it), a slot a step first rewrites only after the step before h
 trains exactly as the program-order executor does."""
 
 import copy
+import dataclasses
 from concurrent.futures import Future
 
 import pytest
@@ -186,3 +187,38 @@ def test_an_evaluation_after_a_step_is_fenced_and_training_goes_on_as_in_program
         assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
     sm.wait()
     assert all(torch.equal(a, b) for a, b in zip(sm.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("drop_pending_waits", [False, True])
+def test_without_clipping_ops_the_worker_issues_keep_their_queue_order(monkeypatch, drop_pending_waits):
+    """Without clipping the updates run during the backward: a gradient store into a host buffer an update still
+    reads is issued by the worker after that update, and so is the backward op that rewrites the store's gradient
+    slot; the ops this thread issues after them that rewrite their slots wait for those issues. Trains exactly as
+    program order; with those waits taken out it does not."""
+    from megatrain.runtime import step_order
+
+    model, data = hf_model("qwen2"), batches(n_steps=3)
+    opt = dataclasses.replace(OPT, max_grad_norm=None)
+    plan = dict(n_mb=3, weight_slots=2)
+    ref = compile_cpu(copy.deepcopy(model), optim=opt, **plan)
+    sm = compile_cpu(copy.deepcopy(model), optim=opt, **plan)
+    sm.executor = StreamExecutor(sm.captured, sm.store, sm.optimizer, torch.device("cpu"), sm.compute_dtype,
+                                 runner=sm.executor.runner, cuda=FakeCuda())
+    sm.overlap_steps = True
+    issued_by_worker = []
+    real = step_order.StepOrder.worker_issues
+    monkeypatch.setattr(step_order.StepOrder, "worker_issues",
+                        lambda self, op, fut: (issued_by_worker.append(op), real(self, op, fut))[1])
+    if drop_pending_waits:
+        monkeypatch.setattr(step_order.StepOrder, "wait_for_pending", lambda *a, **k: None)
+    same = True
+    try:
+        for b in data:
+            want, got = ref.train_step(*b), sm.train_step(*b)
+            same = same and (got.loss == want.loss)
+        sm.wait()
+        same = same and all(torch.equal(a, b) for a, b in zip(sm.state_dict().values(), ref.state_dict().values()))
+    except Exception:  # an op issued after its slot's content was gone
+        same = False
+    assert {op.kind for op in issued_by_worker} >= {OpKind.STORE_G, OpKind.BWD}
+    assert same != drop_pending_waits

@@ -195,7 +195,7 @@ class Op:
 
 TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt")  # ScheduleConfig's layer sets
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
-QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "grad_host_bytes": 4, "host_grad_slots": 2,
+QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "write_back": False, "grad_host_bytes": 4, "host_grad_slots": 2,
                   "host_grad_part": 0, "seq_tile": 0, "opt_part": 0}
 
 
@@ -233,6 +233,10 @@ class ScheduleConfig:
     resident_opt: tuple[int, ...] = ()
     # False: an evaluation: each micro-batch's forward and its loss (EVAL), no backward, no update
     train: bool = True
+    # the states kept on the device (resident_opt, each in the optimizer slot the steady step keeps it in) written
+    # back to their host blocks: one STORE_OPT each, nothing else (before the store is read or saved, or another
+    # plan runs)
+    write_back: bool = False
     # layers updated on the host whose gradient stays on the device until the update pass (with clipping): after
     # its backward a NORM takes its norms and moves it to a kept-gradient slot (in the host buffers' dtype), and it
     # goes to a host buffer just ahead of its update. Device memory until then instead of a host buffer for the
@@ -447,8 +451,8 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
         return {}, {"o": ("U", st - 1, l) if resident(l) else ("S", st, l)}
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return {"o": ("SG", st, l)}, {"o": ("U", st, l)}
-    if k is OpKind.STORE_OPT:
-        return {"o": ("U", st, l)}, {}
+    if k is OpKind.STORE_OPT:  # (a resident state's: written back, as the step before left it)
+        return {"o": ("U", st - 1 if resident(l) else st, l)}, {}
     return {}, {}
 
 

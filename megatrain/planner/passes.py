@@ -658,3 +658,14 @@ def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool 
 
         verify(s, graph)
     return s
+
+
+def write_back_schedule(graph: LayerGraph, homes: dict[int, int]) -> Schedule:
+    """The optimizer states kept on the device (``homes``: layer -> the optimizer slot it lives in) back to their
+    host blocks: one STORE_OPT each on the d2h stream. The runtime runs it before the host store is read or saved
+    and before a plan that keeps other states runs."""
+    layers = tuple(sorted(homes))
+    cfg = ScheduleConfig(n_layers=len(graph), gpu_opt=layers, resident_opt=layers, continues=True, clip=False,
+                         write_back=True)
+    ops = [Op(i, OpKind.STORE_OPT, D2H, 0, l, slots=(("o", homes[l]),)) for i, l in enumerate(layers)]
+    return Schedule(tuple(ops), cfg, (f"write_back: {len(ops)} states kept on the device to the host",))

@@ -307,8 +307,36 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                                     f"overwrites {role}{idx} while '{op}' may still read it (missing dependency)")
 
 
+def _check_write_back(s: Schedule, graph: LayerGraph) -> None:
+    """A write-back schedule (``ScheduleConfig.write_back``): one STORE_OPT on the d2h stream per resident state,
+    from its slot, nothing else."""
+    cfg = s.config
+    seen: dict[int, Op] = {}
+    for i, op in enumerate(s.ops):
+        if op.id != i:
+            raise ScheduleError("ids", op, f"op at position {i} has id {op.id}")
+        if op.kind is not OpKind.STORE_OPT or op.stream is not Stream.D2H or op.step != 0 or op.mb is not None:
+            raise ScheduleError("kind", op, "a write-back schedule holds one STORE_OPT (d2h) per resident state")
+        if op.layer not in cfg.resident_opt:
+            raise ScheduleError("kind", op, f"layer {op.layer}'s state is not kept on the device (resident_opt "
+                                            f"{list(cfg.resident_opt)})")
+        if op.layer in seen:
+            raise ScheduleError("once", op, f"layer {op.layer}'s state written back twice")
+        if [r for r, _ in op.slots] != ["o"]:
+            raise ScheduleError("slots", op, "a state is written back from its optimizer slot")
+        seen[op.layer] = op
+    missing = sorted(set(cfg.resident_opt) - set(seen))
+    if missing:
+        raise ScheduleError("complete", None, f"the states of layers {missing} are not written back")
+    slots = [op.slot("o") for op in s.ops]
+    if len(set(slots)) != len(slots):
+        raise ScheduleError("slots", None, f"two states written back from one slot ({slots})")
+
+
 def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = None) -> None:
     """Raise :class:`ScheduleError` at the first broken invariant; return None when the schedule is sound."""
+    if schedule.config.write_back:
+        return _check_write_back(schedule, graph)
     _check_shape(schedule, graph)
     check_memory(schedule, graph, spec)
     hb = HappensBefore(schedule.ops)

@@ -127,14 +127,3 @@ class DeviceState:
             buf.copy_(master)  # rounded to the compute dtype as a load would (to nearest even)
         self.kept[layer] = (buf, self.store.generation)
 
-    # ---- optimizer states kept on the device -----------------------------------------------------------------
-    def write_back(self, states: dict[int, tuple[int, int]], store_state: Callable) -> None:
-        """Copy each of ``states`` (owner -> (slot, generation)) that belongs to the store's current generation to
-        its host block with ``store_state(owner, block)``, once every update is done, and wait for the copies."""
-        states = {l: k for l, (k, gen) in states.items() if gen == self.store.generation}
-        if not states:
-            return
-        self.quiesce()
-        for l, k in states.items():
-            store_state(l, self.state_block(l, k))
-        self.quiesce()

@@ -20,6 +20,8 @@ from megatrain.capture.tracer import PACKED, Packed
 from megatrain.ir import (SLOT_POOL, Op, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.planner.cost import OPT_STATE_ROWS
+from megatrain.planner.passes import write_back_schedule
+from megatrain.planner.verify import verify
 from megatrain.runtime import ops, probe, router_aux
 from megatrain.runtime.device import DeviceState
 from megatrain.runtime.data_parallel import DataParallel
@@ -62,6 +64,7 @@ class Executor:
         store.before_load.append(self._release_resident)  # new masters from outside: the moments stay current
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
         self._homes: dict[int, tuple] = {}  # id(schedule) -> (schedule, its resident layers' optimizer slots)
+        self._write_backs: dict[tuple, Schedule] = {}  # ((layer, slot), ...) -> its write-back schedule
         self.bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
         # around each op, if set: a context manager (profiling labels, timing); it does not change what runs
         self.on_op: Callable[[Op], ContextManager] | None = None
@@ -216,7 +219,7 @@ class Executor:
                              f"this executor does not hold (run the plan's first-step schedule first)")
         leave = {l: v for l, v in self.dev.resident.items() if keep.get(l) != v[0]}
         if leave:
-            self.dev.write_back(leave, self.store_state)
+            self._write_back(leave)
             for l in leave:
                 del self.dev.resident[l]
 
@@ -227,7 +230,25 @@ class Executor:
     def sync_resident(self) -> None:
         """Write every resident state back to the host store, which then holds the current master weights and
         moments (they stay on the device too: the next step continues from there)."""
-        self.dev.write_back(self.dev.resident, self.store_state)
+        self._write_back(self.dev.resident)
+
+    def _write_back(self, states: dict[int, tuple[int, int]]) -> None:
+        """Run the write-back schedule (:func:`~megatrain.planner.passes.write_back_schedule`, verified) of those
+        of ``states`` (owner -> (slot, generation)) that belong to the store's current generation, once every
+        update is done, and wait for its copies."""
+        homes = {l: k for l, (k, gen) in states.items() if gen == self.store.generation}
+        if not homes:
+            return
+        key = tuple(sorted(homes.items()))
+        schedule = self._write_backs.get(key)
+        if schedule is None:
+            schedule = self._write_backs[key] = write_back_schedule(self.graph, homes)
+            verify(schedule, self.graph)
+        self._quiesce()
+        for op in schedule.ops:
+            with self.on_op(op) if self.on_op is not None else contextlib.nullcontext():
+                ops.HANDLERS[(op.kind, op.stream)](self, op, None)
+        self._quiesce()
 
     def _release_resident(self) -> None:
         """Write every resident state back and keep none (the store's masters are about to change)."""

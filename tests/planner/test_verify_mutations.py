@@ -6,7 +6,7 @@ import pytest
 
 from megatrain.ir import Op, OpKind, Schedule, Stream
 from megatrain.planner.cost import device_memory
-from megatrain.planner.passes import build_schedule
+from megatrain.planner.passes import build_schedule, write_back_schedule
 from megatrain.planner.verify import ScheduleError, verify
 
 from .helpers import config, renumber, tiny_graph
@@ -429,3 +429,16 @@ def test_kept_gradients_take_only_layers_updated_on_the_host_without_ties():
         build_schedule(G, config(G, n_mb=3, grad_kept=(1,), clip=False))
     with pytest.raises(ValueError, match="grad_kept"):
         build_schedule(G, config(G, n_mb=3, grad_kept=(1,), gpu_opt=(1,)))
+
+
+def test_a_write_back_schedule_stores_each_resident_state_once_from_its_slot():
+    s = write_back_schedule(G, {3: 1, 1: 0})
+    verify(s, G)
+    assert [(op.kind, op.stream, op.layer, op.slot("o")) for op in s.ops] == [
+        (OpKind.STORE_OPT, Stream.D2H, 1, 0), (OpKind.STORE_OPT, Stream.D2H, 3, 1)]
+    assert Schedule.from_text(s.to_text()) == s
+    _broken(renumber(s, s.ops[:1]), "complete")
+    _broken(renumber(s, [s.ops[0], s.ops[0], s.ops[1]]), "once")
+    _broken(_replace(s, s.ops[1], layer=2), "kind")  # not kept on the device
+    _broken(_replace(s, s.ops[1], kind=OpKind.LOAD_OPT, stream=Stream.H2D), "kind")
+    _broken(_replace(s, s.ops[1], slots=(("o", 0),)), "slots")

@@ -5,6 +5,7 @@ state is resident and current after ``state_dict()``; a plan that does not keep 
 the host; new weights loaded from outside win over a resident state.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -47,7 +48,12 @@ def test_resident_states_equal_states_sent_back_every_step(clip):
         for r in range(3):
             assert not torch.equal(sm.store.block(layer)[r], _slot_state(sm, layer)[r])
     assert losses == host_losses
+    ran = []  # the write-back runs as a schedule of its own through the ops' handlers
+    sm.executor.on_op = lambda op: ran.append(op) or contextlib.nullcontext()
     sd = sm.state_dict()  # writes the resident states back
+    sm.executor.on_op = None
+    homes = dict((l, k) for l, (k, _) in sm.executor.dev.resident.items())
+    assert [(op.kind, op.layer, op.slot("o")) for op in ran] == [(OpKind.STORE_OPT, l, homes[l]) for l in kept]
     assert all(torch.equal(host.state_dict()[n], t) for n, t in sd.items())
     for layer in kept:
         for r, name in enumerate(("master", "exp_avg", "exp_avg_sq")):

@@ -222,3 +222,24 @@ def test_without_clipping_ops_the_worker_issues_keep_their_queue_order(monkeypat
         same = False
     assert {op.kind for op in issued_by_worker} >= {OpKind.STORE_G, OpKind.BWD}
     assert same != drop_pending_waits
+
+
+def test_steps_of_two_batch_shapes_in_turn_are_fenced_and_train_as_in_program_order():
+    """Batches of two shapes in turn run two plans' schedules, no verified pair between them: each step waits for
+    all of the step before (fenced), and the run trains exactly as program order does."""
+    model = hf_model("qwen2")
+    data = [b for pair in zip(batches(n_steps=2, T=12), batches(n_steps=2, T=8, seed=2)) for b in pair]
+    ref = compile_cpu(copy.deepcopy(model), optim=OPT, **PLANS["device-and-split"])
+    fake = FakeCuda()
+    sm = _streamed(copy.deepcopy(model), fake, **PLANS["device-and-split"])
+    ex = sm.executor
+    for b in data:
+        before = ex.order.prev
+        want, got = ref.train_step(*b), sm.train_step(*b)
+        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+        if before is not None:
+            assert ex.order.carried is None  # another shape than the step before: fenced
+            _, (begin, _) = min(ex.timer.records(), key=lambda r: r[0].id)
+            assert all(fake.happened(e, begin) for e in before.last.values())
+    sm.wait()
+    assert all(torch.equal(a, b) for a, b in zip(sm.state_dict().values(), ref.state_dict().values()))

@@ -64,6 +64,8 @@ class OpKind(str, enum.Enum):
     # one part of them, ``mb`` its index, with the part's gradient from its host buffer unless kept on the device)
     STORE_OPT = "STORE_OPT"  # d2h: updated master and moments -> the layer's host block (split_opt: one part, and
     # the part's new weights in bf16 into the host's shadow where there is one)
+    LOSS_OUT = "LOSS_OUT"  # d2h: the step's per-micro-batch loss sums to the host, right after its last LOSS (or
+    # EVAL), which it follows with every other; layer: the head's
     GUARD = "GUARD"  # compute: the step's guard, once per training step before its first OPT, which every OPT
     # follows: the global gradient norm (with clipping, after every gradient's norms), the step's loss, the factor
     # updates scale gradients by (the clip factor; NaN where the norm or the loss is not finite: no update), and
@@ -95,6 +97,7 @@ KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.LOAD_OPT: (Stream.H2D,),
     OpKind.STORE_OPT: (Stream.D2H,),
     OpKind.GUARD: (Stream.COMPUTE,),
+    OpKind.LOSS_OUT: (Stream.D2H,),
 }
 
 ROLES = ("w", "g", "x", "y", "dy", "a", "o", "k", "h")

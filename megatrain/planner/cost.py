@@ -283,8 +283,8 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         return max(compute_seconds(graph, cfg, spec, op),
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s,
                    spec.bwd_issue_s if k is OpKind.BWD else spec.fwd_issue_s)
-    if loads_from_device(graph, cfg, op) or k in (OpKind.GUARD, OpKind.LOAD_IN):  # a device copy, a few scalars
-        # (the norms' norm, the factor, their copy out), or a micro-batch's inputs (at most 32 B a token: 16 MB for
+    if loads_from_device(graph, cfg, op) or k in (OpKind.GUARD, OpKind.LOAD_IN, OpKind.LOSS_OUT):  # a device copy, a few scalars
+        # (the norms' norm, the factor, their copy out; the loss sums out), or a micro-batch's inputs (at most 32 B a token: 16 MB for
         # 512K tokens, a third of a millisecond on the wire): not modelled
         return 0.0
     if k in (OpKind.LOAD_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):

@@ -619,8 +619,21 @@ def assign_host_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     return s.with_ops(ops, f"assign_host_grad_slots: {n} host gradient buffers ({kind})")
 
 
+def add_loss_copies(s: Schedule, graph: LayerGraph) -> Schedule:
+    """LOSS_OUT (d2h) right after each step's last LOSS (or EVAL), following every one of them: the micro-batches'
+    loss sums on their way to the host, ahead of the step's other copies out."""
+    heads: dict[int, list[Op]] = defaultdict(list)
+    for op in s.ops:
+        if op.kind in (OpKind.LOSS, OpKind.EVAL):
+            heads[op.step].append(op)
+    ids = _Ids(s.ops)
+    after = {ops[-1].id: [Op(ids(), OpKind.LOSS_OUT, D2H, st, len(graph) - 1, deps=tuple(op.id for op in ops))]
+             for st, ops in heads.items()}
+    return s.with_ops(_insert_after(list(s.ops), after), f"add_loss_copies: {len(after)} loss copies")
+
+
 PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_opt_slots,
-          assign_weight_slots, assign_activation_slots, assign_grad_slots, assign_host_grad_slots)
+          assign_weight_slots, assign_activation_slots, assign_grad_slots, assign_host_grad_slots, add_loss_copies)
 
 
 def relabel_saved(s: Schedule, cfg: ScheduleConfig) -> Schedule:

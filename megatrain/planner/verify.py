@@ -19,7 +19,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import check_grad_kept, check_split_opt
 
 
-EVALUATION_KINDS = (OpKind.LOAD_IN, OpKind.LOAD_W, OpKind.FWD, OpKind.EVAL)  # what an evaluation schedule holds
+EVALUATION_KINDS = (OpKind.LOAD_IN, OpKind.LOAD_W, OpKind.FWD, OpKind.EVAL, OpKind.LOSS_OUT)  # what an evaluation schedule holds
 
 
 class ScheduleError(ValueError):
@@ -115,7 +115,7 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, "the head+loss layer runs as LOSS (or EVAL), not FWD/BWD")
         if op.kind is OpKind.LOAD_IN and op.layer != 0:
             raise ScheduleError("kind", op, "a micro-batch's inputs load as layer 0's (the embedding reads them)")
-        if op.kind in (OpKind.LOSS, OpKind.EVAL) and op.layer != L - 1:
+        if op.kind in (OpKind.LOSS, OpKind.EVAL, OpKind.LOSS_OUT) and op.layer != L - 1:
             raise ScheduleError("kind", op, f"{op.kind.value} runs only on the last (head) layer")
         if (op.kind is OpKind.EVAL) if cfg.train else op.kind not in EVALUATION_KINDS:
             raise ScheduleError("kind", op, f"{op.kind.value} has no place in "
@@ -171,6 +171,14 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                 if user is not None and not hb(load.id, user.id):
                     raise ScheduleError("input-before-use", user, f"it reads mb {j}'s inputs, which '{load}' may "
                                                                   f"not have loaded")
+        out = seen.get((OpKind.LOSS_OUT, st, L - 1, None))
+        if out is None:
+            raise ScheduleError("complete", None, f"step {st} never copies its loss sums to the host (LOSS_OUT)")
+        for j in range(cfg.n_mb):
+            loss = seen.get((head, st, L - 1, j))
+            if loss is not None and not hb(loss.id, out.id):
+                raise ScheduleError("loss-before-copy", out, f"it copies every micro-batch's loss sum: '{loss}' may "
+                                                             f"not have made its own")
     if not cfg.train:  # an evaluation: each layer's forward of each micro-batch, the head's as EVAL
         for st in range(cfg.n_steps):
             for l in range(L):

@@ -155,14 +155,12 @@ def loss(ex, op: Op, st: StepState) -> None:
     st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ex, st, op.mb)
     _accumulate(sink, views, dws)
     st.act[op.slot("x")] = dx
-    _losses_out(ex, op, st)
 
 
-def _losses_out(ex, op: Op, st: StepState) -> None:
-    """After the step's last micro-batch's loss: every micro-batch's loss sum on its way to the host (the issuer's
-    copy)."""
-    if op.mb == len(st.loss_sums) - 1:
-        ex.losses_to_host(st)
+def losses_out(ex, op: Op, st: StepState) -> None:
+    """After the step's last LOSS (or EVAL): every micro-batch's loss sum on its way to the host (the issuer's
+    copy; program order reads them at the step's end)."""
+    ex.losses_to_host(st)
 
 
 def evaluate(ex, op: Op, st: StepState) -> None:
@@ -181,7 +179,6 @@ def evaluate(ex, op: Op, st: StepState) -> None:
             total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels[:, a:b].reshape(-1),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
     st.loss_sums[op.mb] = total + st.denom * _aux_loss(ex, st, op.mb)
-    _losses_out(ex, op, st)
 
 
 def _fused_loss(ex, op: Op, st: StepState) -> None:
@@ -202,7 +199,6 @@ def _fused_loss(ex, op: Op, st: StepState) -> None:
                                                    grad_weight=grad_w, softcap=spec.softcap)
     st.loss_sums[op.mb] = loss_sum * st.denom + st.denom * _aux_loss(ex, st, op.mb)
     st.act[op.slot("x")] = dh.view_as(x)
-    _losses_out(ex, op, st)
 
 
 def backward(ex, op: Op, st: StepState) -> None:
@@ -311,4 +307,5 @@ HANDLERS = {
     (OpKind.LOAD_OPT, Stream.H2D): load_state,
     (OpKind.STORE_OPT, Stream.D2H): store_state,
     (OpKind.GUARD, Stream.COMPUTE): form_guard,
+    (OpKind.LOSS_OUT, Stream.D2H): losses_out,
 }

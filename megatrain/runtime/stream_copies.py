@@ -39,8 +39,8 @@ class StreamCopies:
         return done
 
     def losses_to_host(self, st: StepState) -> None:
-        """Right after the step's last LOSS: its loss sums to pinned host memory, on the ``d2h`` stream, so reading
-        them at the step's end waits for this copy alone (on the compute stream it would queue behind the step
+        """The step's LOSS_OUT (on the ``d2h`` stream, right after its last LOSS): its loss sums to pinned host
+        memory, so reading them at the step's end waits for this copy alone (on the compute stream it would queue behind the step
         before's optimizer-state stores, up to a third of a step on the H200)."""
         n = len(st.loss_sums)
         if self.loss_host is None or self.loss_host.numel() != n:

@@ -442,3 +442,18 @@ def test_a_write_back_schedule_stores_each_resident_state_once_from_its_slot():
     _broken(_replace(s, s.ops[1], layer=2), "kind")  # not kept on the device
     _broken(_replace(s, s.ops[1], kind=OpKind.LOAD_OPT, stream=Stream.H2D), "kind")
     _broken(_replace(s, s.ops[1], slots=(("o", 0),)), "slots")
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_loss_copy_before_the_last_loss_or_missing_or_twice_is_caught(train):
+    s = _schedule() if train else build_schedule(G, config(G, n_steps=2, n_mb=3, train=False))
+    head = OpKind.LOSS if train else OpKind.EVAL
+    out = _find(s, OpKind.LOSS_OUT, step=1)
+    last = _find(s, head, step=1, mb=2)
+    assert out.stream is Stream.D2H and out.layer == len(G) - 1 and out.id == last.id + 1 and last.id in out.deps
+    err = _broken(_replace(s, out, deps=tuple(d for d in out.deps if d != last.id)), "loss-before-copy")
+    assert f"'{last}'" in str(err)
+    _broken(renumber(s, [op for op in s.ops if op.id != out.id]), "complete")
+    twice = list(s.ops)
+    twice.insert(out.id + 1, dataclasses.replace(out, id=-1))
+    _broken(renumber(s, twice), "once")

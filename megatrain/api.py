@@ -244,8 +244,8 @@ class StreamedModel:
             self._schedules[key] = (plans[0], plans[-1])
             # the pairs a run issues back to back (the first step's schedule then the steady one's, the steady one's
             # again), each verified as one schedule with what the second carries over from the first
-            for prev, nxt in {(id(a), id(b)): (a, b) for a, b in ((plans[0], plans[-1]), (plans[-1], plans[-1]))
-                              }.values():
+            first, steady = plans[0], plans[-1]
+            for prev, nxt in ((first, steady), (steady, steady)) if first is not steady else ((steady, steady),):
                 carried = carried_deps(prev, nxt, graph)
                 verify(join(prev, nxt, carried), graph)
                 self._successions[(id(prev), id(nxt))] = (prev, nxt, carried)

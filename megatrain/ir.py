@@ -459,6 +459,14 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
     return {}, {}
 
 
+def op_contents(schedule: "Schedule", graph, op: Op) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """:func:`slot_contents` of ``op`` in ``schedule`` over ``graph`` (a LayerGraph: its owners, tied layers, and
+    the schedule's resident states and kept gradients)."""
+    cfg = schedule.config
+    return slot_contents(op, graph.owner, cfg.n_mb, lambda layer: bool(graph.tied_to(layer)),
+                         set(cfg.resident_opt).__contains__, set(cfg.grad_kept).__contains__)
+
+
 def split_part(op: Op) -> bool:
     """Whether ``op`` is one part of a split update (``ScheduleConfig.split_opt``): a LOAD_OPT, OPT or STORE_OPT
     with a part index (``mb``)."""

@@ -25,18 +25,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, slot_contents
+from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, op_contents
 from megatrain.planner.graph import LayerGraph
 
 OUTLIVING_POOLS = ("w", "g", "o", "k", "h")  # allocated once and rewritten every step (activations are fresh tensors)
 
 Carried = tuple[tuple[int, ...], ...]  # per op of the next step, the ids of the ops of the step before it follows
-
-
-def _writes(s: Schedule, graph: LayerGraph, op: Op) -> dict[str, tuple]:
-    cfg = s.config
-    return slot_contents(op, graph.owner, cfg.n_mb, lambda layer: bool(graph.tied_to(layer)),
-                         set(cfg.resident_opt).__contains__, set(cfg.grad_kept).__contains__)[1]
 
 
 def _buffers(op: Op):
@@ -50,7 +44,7 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
     last_opt: dict[int, int] = {}  # layer -> prev's last OPT of it (one part's: they run in order on one queue)
     last_store: dict[int, int] = {}  # layer -> prev's last STORE_OPT of it (which follows every part's OPT)
     for op in prev.ops:
-        writes = _writes(prev, graph, op)
+        writes = op_contents(prev, graph, op)[1]
         for role, key in _buffers(op):
             if role in writes:
                 since_write[key] = [op.id]
@@ -64,7 +58,7 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
     loaded: set[tuple[int, Stream]] = set()
     loaded_state: set[tuple[int, Stream]] = set()
     for op in nxt.ops:
-        writes = _writes(nxt, graph, op)
+        writes = op_contents(nxt, graph, op)[1]
         for role, key in _buffers(op):
             if key not in written:
                 out[op.id].update(since_write.get(key, ()))

@@ -12,7 +12,7 @@ import bisect
 from collections import defaultdict
 
 from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, initial_contents,
-                          issue_preds, queue_of, resident_slots, slot_contents)
+                          issue_preds, op_contents, queue_of, resident_slots)
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -138,7 +138,7 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         if op.kind is OpKind.STORE_G and (graph.owner(op.layer) in cfg.gpu_opt) != (op.stream is Stream.COMPUTE):
             want = "into its optimizer slot (compute)" if graph.owner(op.layer) in cfg.gpu_opt else "to the host (d2h)"
             raise ScheduleError("stream", op, f"layer {op.layer}'s gradient goes {want}, not on {op.stream.value}")
-        reads, writes = _contents(s, graph, op)
+        reads, writes = op_contents(s, graph, op)
         want = sorted(set(reads) | set(writes))
         have = sorted(r for r, _ in op.slots)
         if want != have:
@@ -262,18 +262,12 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                                                              f"previous step stored it")
 
 
-def _contents(s: Schedule, graph: LayerGraph, op: Op) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    resident = set(s.config.resident_opt)
-    return slot_contents(op, graph.owner, s.config.n_mb, lambda layer: bool(graph.tied_to(layer)),
-                         resident.__contains__, set(s.config.grad_kept).__contains__)
-
-
 def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     writers: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (pool, slot) -> writers in program order
     tags: dict[int, tuple[dict, dict]] = {}
     initial = initial_contents(s, resident_slots(s, graph.owner))
     for op in s.ops:
-        tags[op.id] = _contents(s, graph, op)
+        tags[op.id] = op_contents(s, graph, op)
         for role, idx in op.slots:
             if role in tags[op.id][1]:
                 writers[(SLOT_POOL[role], idx)].append(op)

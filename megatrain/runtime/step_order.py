@@ -31,7 +31,7 @@ class Issued:
     events: dict = field(default_factory=dict)  # op id -> its end event (a GPU op the worker issues: once issued)
     futures: dict = field(default_factory=dict)  # op id -> the worker's task (a cpu op, or a GPU op it issues)
     last: dict = field(default_factory=dict)  # queue -> the last end event recorded on it
-    tail: list = field(default_factory=lambda: [None])  # the step's last worker task (its end-of-step bookkeeping)
+    tail: Future | None = None  # the step's last worker task (its end-of-step bookkeeping)
 
 
 class PrevDeps(NamedTuple):
@@ -95,8 +95,8 @@ class StepOrder:
         self.prev = self.older = None
 
     def _fence(self, step: Issued, queues) -> None:
-        if step.tail[0] is not None:  # first: the worker's issues of that step's GPU ops come before its tail
-            self.waited(step.tail[0])
+        if step.tail is not None:  # first: the worker's issues of that step's GPU ops come before its tail
+            self.waited(step.tail)
         events = list(step.last.values())
         for q in queues:
             for ev in events:

@@ -31,10 +31,9 @@ from megatrain.runtime.timing import OpTimer
 
 class _Step(NamedTuple):
     """Of one step, what issuing its ops uses: what it issued (events, worker tasks, each queue's last event), slot
-    contents, index among steps issued, timings."""
+    contents, timings."""
     issued: Issued
     tags: list
-    step: int
     timing: list
 
 
@@ -114,7 +113,7 @@ class StreamExecutor(StreamCopies, Executor):
         return lr_at(self.optimizer.cfg, self._step_base + self.steps_issued - self._no_update_runs)
 
     def _end_step(self, st: StepState) -> None:
-        self.issued.tail[0] = self.worker.submit(lambda: self.optimizer.end_step(applied=st.ok()))
+        self.issued.tail = self.worker.submit(lambda: self.optimizer.end_step(applied=st.ok()))
         self.steps_issued += 1
 
     def _end_evaluation(self) -> None:  # a run of its own for the ordering across runs; no optimizer step
@@ -133,7 +132,7 @@ class StreamExecutor(StreamCopies, Executor):
         prev = self.order.on_prev(op)
         handler = ops.HANDLERS[(op.kind, op.stream)]
         # this step's, as they are now: the worker may issue one of its ops after the next step's run began
-        ctx = _Step(self.issued, self.tags, self.steps_issued, self.timer.records())
+        ctx = _Step(self.issued, self.tags, self.timer.records())
         events = ctx.issued.events
         if op.stream is Stream.CPU:
             fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in later]

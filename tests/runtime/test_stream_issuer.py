@@ -177,12 +177,12 @@ def test_an_evaluation_after_a_step_is_fenced_and_training_goes_on_as_in_program
     for k, b in enumerate(data):
         if k == 2:
             trained = ex.order.prev
-            assert trained is not None and trained.last and trained.tail[0] is not None
+            assert trained is not None and trained.last and trained.tail is not None
             assert ref.evaluate(*b).loss == sm.evaluate(*b).loss
             assert ex.order.carried is None  # fenced
             _, (begin, _) = min(ex.timer.records(), key=lambda r: r[0].id)
             assert all(fake.happened(e, begin) for e in trained.last.values())
-            assert trained.tail[0].done()
+            assert trained.tail.done()
         want, got = ref.train_step(*b), sm.train_step(*b)
         assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
     sm.wait()

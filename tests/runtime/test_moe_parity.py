@@ -144,7 +144,9 @@ def test_grouped_expert_gemms_train_as_a_loop_over_experts(family):
     """The streamed templates compute the experts through grouped GEMMs (capture.grouped_experts in place of
     transformers' grouped_mm implementation, torch's grouped matmul: one call for all experts of a layer); the
     reference is the same model computing each expert in turn in plain PyTorch (the eager implementation, a loop
-    over the experts that have tokens): 3 steps x 3 micro-batches with clipping agree to fp32 rounding. (GPT-OSS's loop orders its sums otherwise: its layers
+    over the experts that have tokens): 3 steps x 3 micro-batches with clipping agree to fp32 rounding, which the
+    two sum in different orders and three Adam steps amplify (the weights within 2e-4 of each parameter's largest:
+    up to 8.8e-5 measured on an AMD EPYC CPU, under 1e-5 on others). (GPT-OSS's loop orders its sums otherwise: its layers
     are checked one call at a time below and trained against transformers' grouped implementation in the family
     test above.)"""
     model = moe_model(family)
@@ -159,7 +161,7 @@ def test_grouped_expert_gemms_train_as_a_loop_over_experts(family):
     assert model.config._experts_implementation == "grouped_mm"  # the user's model is not switched
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms,
-          skip=lambda name: name.endswith("k_proj.bias"))
+          skip=lambda name: name.endswith("k_proj.bias"), tol=2e-4)
 
 
 @pytest.mark.parametrize("family,hidden", [("olmoe", 64), ("gpt_oss", 64), ("olmoe", 36)])

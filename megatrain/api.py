@@ -18,7 +18,7 @@ from megatrain.planner.carried import carried_deps, join
 from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_params
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.passes import build_schedule
+from megatrain.planner.passes import build_schedule, setup_schedule
 from megatrain.planner.search import LONG_SEQ, SEQ_TILES, GiB, check_resident, plan
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
@@ -172,7 +172,7 @@ class StreamedModel:
             self.executor = StreamExecutor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         else:
             self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
-        self._schedules: dict[tuple, tuple[Schedule, Schedule]] = {}  # plan key -> (first step, the steps after)
+        self._schedules: dict[tuple, tuple[Schedule | None, Schedule]] = {}  # plan key -> (set-up, step)
         self._successions: Successions = {}  # (id(prev), id(next)) -> the verified pair and its carried dependencies
         self._graphs: dict[int, LayerGraph] = {}  # sequence length -> the planner's layer graph (planning_graph)
         self.step = 0
@@ -203,15 +203,17 @@ class StreamedModel:
         self._nonfinite = value
 
     # ---- planning -----------------------------------------------------------------------------------------
-    def schedule_for(self, batch_size: int, seq_len: int, *, continues: bool = False, **overrides) -> Schedule:
-        """The verified schedule for a step of ``batch_size`` sequences of ``seq_len`` tokens (cached).
-        ``continues``: the schedule of a step that follows one of the same plan (see ``ScheduleConfig.continues``;
-        the same as the first step's when no layer is updated on the device)."""
-        first, cont = self._plans(batch_size, seq_len, overrides)
-        return cont if continues else first
+    def schedule_for(self, batch_size: int, seq_len: int, **overrides) -> Schedule:
+        """The verified schedule every step of ``batch_size`` sequences of ``seq_len`` tokens runs (cached)."""
+        return self._plans(batch_size, seq_len, overrides)[1]
 
-    def _plans(self, batch_size: int, seq_len: int, overrides: dict) -> tuple[Schedule, Schedule]:
-        """(schedule of a run's first step, schedule of the steps after it): the plan search's choice
+    def setup_for(self, batch_size: int, seq_len: int, **overrides) -> Schedule | None:
+        """The verified set-up of that plan (``ScheduleConfig.setup``: what its steps find on the device, run before
+        the first of them), or None where it keeps nothing on the device."""
+        return self._plans(batch_size, seq_len, overrides)[0]
+
+    def _plans(self, batch_size: int, seq_len: int, overrides: dict) -> tuple[Schedule | None, Schedule]:
+        """(the plan's set-up or None, the schedule of each of its steps): the plan search's choice
         (:func:`megatrain.planner.search.plan`, the one ``megatrain plan`` runs) with the plan options as fixed
         decisions ("auto": searched), for one step."""
         opts = replace(self.plan_options, **overrides)
@@ -234,21 +236,19 @@ class StreamedModel:
                           if opts.host_checkpoints == "auto" else opts.host_checkpoints,
                           gpu_opt_every=auto(opts.gpu_opt_every),
                           resident_opt=auto(opts.resident_opt), seq_tile=auto(opts.seq_tile)).schedule.config
-            cfg = replace(chosen, n_steps=1)
-            plans = []
-            for c in ([cfg, replace(cfg, continues=True)] if cfg.gpu_opt else [cfg]):
-                s = build_schedule(graph, c)
-                verify(s, graph, self.hardware)  # the memory rule with it: the continuing step's is its own
-                plans.append(s)
-            self._check_grad_buffers(plans[0], batch_size, seq_len)
-            self._schedules[key] = (plans[0], plans[-1])
-            # the pairs a run issues back to back (the first step's schedule then the steady one's, the steady one's
-            # again), each verified as one schedule with what the second carries over from the first
-            first, steady = plans[0], plans[-1]
-            for prev, nxt in ((first, steady), (steady, steady)) if first is not steady else ((steady, steady),):
-                carried = carried_deps(prev, nxt, graph)
-                verify(join(prev, nxt, carried), graph)
-                self._successions[(id(prev), id(nxt))] = (prev, nxt, carried)
+            step = build_schedule(graph, replace(chosen, n_steps=1))
+            setup = setup_schedule(graph, step)
+            for s in (setup, step):
+                if s is not None:
+                    verify(s, graph, self.hardware)
+            self._check_grad_buffers(step, batch_size, seq_len)
+            self._schedules[key] = (setup, step)
+            # the pairs a run issues back to back (the set-up then a step, a step then the next), each verified as
+            # one schedule with what the second carries over from the first
+            for prev in (setup, step) if setup is not None else (step,):
+                carried = carried_deps(prev, step, graph)
+                verify(join(prev, step, carried), graph)
+                self._successions[(id(prev), id(step))] = (prev, step, carried)
         return self._schedules[key]
 
     def _check_grad_buffers(self, schedule: Schedule, batch_size: int, seq_len: int) -> None:
@@ -354,8 +354,8 @@ class StreamedModel:
                                  seq_tile=min(SEQ_TILES) if opts.seq_tile == "auto" else opts.seq_tile)
             s = build_schedule(self.graph, cfg)
             verify(s, self.graph, self.hardware)
-            self._schedules[key] = (s, s)
-        return self._schedules[key][0]
+            self._schedules[key] = (None, s)
+        return self._schedules[key][1]
 
     def _batch(self, input_ids, attention_mask, labels, position_ids):
         """A batch checked and completed: (ids, mask, next labels, position ids or None, valid tokens)."""
@@ -404,13 +404,13 @@ class StreamedModel:
                                                                           position_ids)
         denom = self._all_tokens(denom)
         B, T = input_ids.shape
-        first, cont = self._plans(B, T, plan_overrides)
-        # a step after one that left every device-updated layer's new weights (and resident states) on the device
-        # runs the continuing schedule (those weights are not loaded again; with clipping the other states load
-        # from the forward on)
-        schedule = cont if self.executor.can_continue(cont) else first
+        setup, schedule = self._plans(B, T, plan_overrides)
         mbs = self._micro_batches(schedule, input_ids, attention_mask, nxt, position_ids)
         t0 = time.perf_counter()
+        # the plan's set-up before its first step, and again where something took what the steps keep on the
+        # device away (new weights in the store, an evaluation, another plan)
+        if setup is not None and not self.executor.holds(schedule):
+            self.executor.set_up(setup, schedule, successions=self._successions)
         if self.overlap_steps:
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False,
                                                 successions=self._successions)
@@ -524,9 +524,9 @@ class StreamedModel:
         set of its schedule."""
         out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
         if batch_size and seq_len:
-            plans = self._plans(batch_size, seq_len, {})
-            out["host.gradients"] = max(host_memory(self.graph_for(s), s)["gradients"] for s in plans)
-            mem = max((device_memory(self.graph_for(s), s) for s in plans), key=lambda m: m.total_nbytes)
+            step = self._plans(batch_size, seq_len, {})[1]
+            out["host.gradients"] = host_memory(self.graph_for(step), step)["gradients"]
+            mem = device_memory(self.graph_for(step), step)
             out.update({f"device.{p}_slots": v for p, v in mem.pool_nbytes.items()})
             out["device.working_set"] = mem.workspace_nbytes
             out["device.kept_weights"] = mem.kept_nbytes

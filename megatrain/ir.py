@@ -44,7 +44,10 @@ FORMAT_VERSION = 1
 class OpKind(str, enum.Enum):
     LOAD_IN = "LOAD_IN"  # h2d: one micro-batch's inputs (token ids, labels, positions, the mask where it has padding
     # or the offsets of its packed documents) -> the device, first on the copy stream in its step; layer 0, ``mb`` it
-    LOAD_W = "LOAD_W"  # h2d: host weights of a layer -> weight slot (compute: the copy a device update left)
+    LOAD_W = "LOAD_W"  # h2d: host weights of a layer -> weight slot; compute (a layer updated on the device): the
+    # weights its device update of the step before (or the set-up's KEEP_W) left on the device -> weight slot
+    KEEP_W = "KEEP_W"  # h2d, in a set-up (ScheduleConfig.setup): a device-updated layer's host weights -> the device
+    # buffer its device updates keep its new weights in, which the steady step's compute-stream LOAD_W copies
     FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept (a layer in saved_acts keeps its saved
     # activations, without the weights, for its BWD)
     LOSS = "LOSS"  # compute: forward + backward of the head+loss layer for one mb
@@ -85,6 +88,7 @@ STREAM_ORDER = (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU)
 KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.LOAD_IN: (Stream.H2D,),
     OpKind.LOAD_W: (Stream.H2D, Stream.COMPUTE),
+    OpKind.KEEP_W: (Stream.H2D,),
     OpKind.FWD: (Stream.COMPUTE,),
     OpKind.LOSS: (Stream.COMPUTE,),
     OpKind.EVAL: (Stream.COMPUTE,),
@@ -198,8 +202,8 @@ class Op:
 
 TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt")  # ScheduleConfig's layer sets
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
-QUIET_DEFAULTS = {"continues": False, "saved_lean": False, "train": True, "write_back": False, "grad_host_bytes": 4, "host_grad_slots": 2,
-                  "host_grad_part": 0, "seq_tile": 0, "opt_part": 0}
+QUIET_DEFAULTS = {"saved_lean": False, "train": True, "setup": False, "write_back": False, "grad_host_bytes": 4,
+                  "host_grad_slots": 2, "host_grad_part": 0, "seq_tile": 0, "opt_part": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,11 +221,9 @@ class ScheduleConfig:
     host_checkpoints: int = 0  # checkpoints of layers 1..host_checkpoints are offloaded to host; the rest stay on GPU
     clip: bool = True  # exact global-norm clipping: every OPT waits for all of the step's gradients
     budget_bytes: int = 0  # device bytes the plan may use (slots + largest working set)
-    gpu_opt: tuple[int, ...] = ()  # layers updated on the device (LOAD_OPT, OPT on compute, STORE_OPT)
-    # the schedule's first step follows a step of the same plan, as every step of a run but the first does: the
-    # device-updated layers' new weights are still on the device (no load over the wire), and with clipping their
-    # state loads from the forward on
-    continues: bool = False
+    # layers updated on the device (LOAD_OPT, OPT on compute, STORE_OPT). Every step finds their weights on the
+    # device, where the step before left them (or the set-up put them: ``setup``), and copies them from there
+    gpu_opt: tuple[int, ...] = ()
     # layers whose forward keeps, on the device, every activation its backward needs (autograd's saved tensors,
     # weights excepted): their BWD back-propagates through them instead of recomputing the forward from the
     # checkpoint. Device memory for it: Layer.saved_bytes_per_token per token of every micro-batch, from the
@@ -230,12 +232,16 @@ class ScheduleConfig:
     # saved layers keep less (Layer.lean_saved_bytes_per_token): cheap products are formed again in the backward
     saved_lean: bool = False
     # device-updated layers (a subset of gpu_opt) whose master weights and moments stay in an optimizer slot of
-    # their own between steps: loaded by a run's first step, never stored by a schedule (no state crosses the bus
-    # in a continuing step); the runtime writes them back to the host store when the store is read or another
-    # plan runs
+    # their own between steps: loaded by the set-up, never by a step, and never stored by a step (no state crosses
+    # the bus); the runtime writes them back to the host store when the store is read or another plan runs
     resident_opt: tuple[int, ...] = ()
     # False: an evaluation: each micro-batch's forward and its loss (EVAL), no backward, no update
     train: bool = True
+    # a set-up: what the steps of the plan with this gpu_opt and resident_opt find on the device, put there from
+    # the host store: one KEEP_W per device-updated layer, one LOAD_OPT per resident state into the optimizer slot
+    # the steps keep it in; nothing else, and no step of its own (joined to a step, its ops are that step's first).
+    # A run issues it before its first step, and again after anything that took those copies away
+    setup: bool = False
     # the states kept on the device (resident_opt, each in the optimizer slot the steady step keeps it in) written
     # back to their host blocks: one STORE_OPT each, nothing else (before the store is read or saved, or another
     # plan runs)
@@ -412,6 +418,8 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
     k = op.kind
     if k is OpKind.LOAD_W:
         return {}, {"w": w}
+    if k is OpKind.KEEP_W:  # (the kept weights are no slot: cost.device_memory counts them; verify orders them)
+        return {}, {}
     if k is OpKind.FWD:
         reads = {"w": w}
         if l > 0:
@@ -526,10 +534,23 @@ def resident_slots(schedule: Schedule, owner: Callable[[int], int]) -> dict[int,
     return out
 
 
+def setup_ops(schedule: Schedule) -> list[Op]:
+    """The ops of a set-up (``ScheduleConfig.setup``), or of one joined to the schedule's first step
+    (``carried.join``): its first ops, each a KEEP_W or a resident state's LOAD_OPT."""
+    resident = schedule.config.resident_opt
+    out = []
+    for op in schedule.ops:
+        if not (op.kind is OpKind.KEEP_W or op.kind is OpKind.LOAD_OPT and op.layer in resident):
+            break
+        out.append(op)
+    return out
+
+
 def initial_contents(schedule: Schedule, homes: dict[int, int]) -> dict[tuple[str, int], tuple]:
-    """What a schedule expects in its slots before its first op: for a continuing schedule, the state of each
-    resident layer in its slot (``homes``: :func:`resident_slots`), as the step before left it."""
-    if not schedule.config.continues:
+    """What a schedule expects in its slots before its first op: the state of each resident layer in its slot
+    (``homes``: :func:`resident_slots`), as the step before (or a set-up) left it; a set-up, or a schedule that
+    begins with one, expects nothing."""
+    if schedule.config.setup or setup_ops(schedule):
         return {}
     return {("o", k): ("U", -1, l) for l, k in homes.items()}
 

@@ -10,14 +10,14 @@ which ops of the step before it must follow:
   write by the step's own dependencies, which the verifier checks);
 - **weights**: the first load of a layer's weights (each queue's) follows the step before's update of that layer:
   for a load from the host, its last STORE_OPT (master and bf16 shadow), else its last OPT (on the host, or on the
-  device, which left the weights a compute-stream load copies);
+  device, which left the weights a compute-stream load copies; after a set-up, its KEEP_W);
 - **optimizer state**: the first LOAD_OPT of a layer follows the step before's update of that layer likewise (the
   stream issuer copies each row once the same row is stored, which the simulator models as well; its later parts
   follow it on their queue).
 
 :func:`join` puts two steps into one schedule with these as ordinary dependencies; ``verify`` on it checks the pair
 with every rule it checks across the steps of one schedule. The API verifies the pairs a run issues back to back
-(its first step's schedule, then the steady step's, then the steady step's again) and gives the runtime these
+(the plan's set-up, where it has one, then its step's schedule, then the step's again) and gives the runtime these
 dependencies; any other pair (an evaluation in between, another plan) the stream issuer fences.
 """
 
@@ -43,6 +43,7 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
     since_write: dict[tuple[str, int], list[int]] = {}  # buffer -> prev's accesses since its last write
     last_opt: dict[int, int] = {}  # layer -> prev's last OPT of it (one part's: they run in order on one queue)
     last_store: dict[int, int] = {}  # layer -> prev's last STORE_OPT of it (which follows every part's OPT)
+    kept: set[int] = set()  # layers whose last such op in prev is a set-up's KEEP_W (no update of their state)
     for op in prev.ops:
         writes = op_contents(prev, graph, op)[1]
         for role, key in _buffers(op):
@@ -50,8 +51,9 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
                 since_write[key] = [op.id]
             else:
                 since_write.setdefault(key, []).append(op.id)
-        if op.kind is OpKind.OPT:
+        if op.kind in (OpKind.OPT, OpKind.KEEP_W):  # (a set-up's KEEP_W: the weights a device update would leave)
             last_opt[op.layer] = op.id
+            (kept.add if op.kind is OpKind.KEEP_W else kept.discard)(op.layer)
         elif op.kind is OpKind.STORE_OPT:
             last_store[op.layer] = op.id
     written: set[tuple[str, int]] = set()
@@ -71,7 +73,7 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
         elif op.kind is OpKind.LOAD_OPT and (op.layer, op.stream) not in loaded_state:  # (its later parts follow
             # it on its queue)
             loaded_state.add((op.layer, op.stream))
-            out[op.id].update(_last_update(op.layer, last_opt, last_store))
+            out[op.id].update(_last_update(op.layer, {} if op.layer in kept else last_opt, last_store))
     return tuple(tuple(sorted(d)) for d in out)
 
 
@@ -85,21 +87,22 @@ def _last_update(layer: int, last_opt: dict[int, int], last_store: dict[int, int
 def join(prev: Schedule, nxt: Schedule, carried: Carried) -> Schedule:
     """``prev`` then ``nxt`` as one schedule of their steps (``nxt``'s after ``prev``'s, its ops after ``prev``'s,
     each with its ``carried`` dependencies on ``prev``'s ops): what the verifier and the simulator take for the
-    two issued back to back. The configuration is ``prev``'s (a first step's schedule then the steady one's is
-    what a run's first two steps of one plan are)."""
-    n, steps = len(prev.ops), prev.config.n_steps
+    two issued back to back. The configuration is ``prev``'s (steps of one plan), or, after a set-up
+    (``ScheduleConfig.setup``), which is no step of its own, ``nxt``'s: the set-up's ops are its first step's
+    first."""
+    n, steps = len(prev.ops), 0 if prev.config.setup else prev.config.n_steps
     ops = list(prev.ops) + [replace(op, id=op.id + n, step=op.step + steps,
                                     deps=tuple(carried[op.id]) + tuple(d + n for d in op.deps)) for op in nxt.ops]
-    cfg = replace(prev.config, n_steps=steps + nxt.config.n_steps)
+    cfg = replace(nxt.config if prev.config.setup else prev.config, n_steps=steps + nxt.config.n_steps)
     return Schedule(tuple(ops), cfg, prev.provenance + (f"join: {len(nxt.ops)} ops of a next step, "
                                                         f"{sum(map(len, carried))} dependencies on the step before",))
 
 
-def unroll(first: Schedule, steady: Schedule, graph: LayerGraph, n_steps: int) -> Schedule:
-    """A run's first ``n_steps`` steps as the runtime issues them -- ``first``, then ``steady`` again and again --
-    as one schedule, each step joined with what it carries over from the one before: what the simulator times for
-    a run and the verifier checks."""
-    s = first
+def unroll(setup: Schedule | None, step: Schedule, graph: LayerGraph, n_steps: int) -> Schedule:
+    """A run's first ``n_steps`` steps as the runtime issues them -- the ``setup`` (None: the plan has none), then
+    ``step`` again and again -- as one schedule, each joined with what it carries over from the one before: what
+    the simulator times for a run and the verifier checks."""
+    s = step if setup is None else join(setup, step, carried_deps(setup, step, graph))
     for _ in range(n_steps - 1):
-        s = join(s, steady, carried_deps(s, steady, graph))
+        s = join(s, step, carried_deps(s, step, graph))
     return s

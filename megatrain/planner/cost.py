@@ -161,22 +161,24 @@ def tied_part(graph: LayerGraph, op: Op) -> bool:
     return op.kind is OpKind.STORE_G and op.stream is Stream.D2H and graph.owner(op.layer) != op.layer
 
 
-def weights_kept(cfg: ScheduleConfig, step: int, owner: int) -> bool:
-    """Whether step ``step`` finds ``owner``'s weights on the device, left there by its device update of the step
-    before (the first step of a run has no such copy and loads from the host)."""
-    return (step > 0 or cfg.continues) and owner in cfg.gpu_opt
+def weights_kept(cfg: ScheduleConfig, owner: int) -> bool:
+    """Whether a step finds ``owner``'s weights on the device, left there by its device update of the step before
+    (or by the set-up's KEEP_W)."""
+    return owner in cfg.gpu_opt
 
 
 def loads_from_device(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> bool:
     """A LOAD_W of weights a device update kept on the device (:func:`weights_kept`): a device copy, no PCIe
     bytes."""
-    return op.kind is OpKind.LOAD_W and weights_kept(cfg, op.step, graph.owner(op.layer))
+    return op.kind is OpKind.LOAD_W and weights_kept(cfg, graph.owner(op.layer))
 
 
 def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     """Bytes an h2d/d2h op moves (0 for other ops)."""
     if op.kind is OpKind.LOAD_W:
         return 0 if loads_from_device(graph, cfg, op) else graph.weight_params(op.layer) * cfg.wire_bytes_per_param
+    if op.kind is OpKind.KEEP_W:
+        return graph.weight_params(op.layer) * cfg.wire_bytes_per_param
     if op.kind is OpKind.STORE_G:  # on the compute stream: a device copy into the optimizer slot
         return 0 if op.stream is Stream.COMPUTE or tied_part(graph, op) else \
             op_params(graph, cfg, op) * cfg.grad_host_bytes
@@ -287,7 +289,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         # (the norms' norm, the factor, their copy out; the loss sums out), or a micro-batch's inputs (at most 32 B a token: 16 MB for
         # 512K tokens, a third of a millisecond on the wire): not modelled
         return 0.0
-    if k in (OpKind.LOAD_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
+    if k in (OpKind.LOAD_W, OpKind.KEEP_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
         return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # read from the gradient slot, write the optimizer slot
         return graph.weight_params(op.layer) * 2 * GRAD_BYTES / spec.hbm_bytes_per_s

@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 from dataclasses import replace
 from typing import Callable, Iterable
 
-from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream, queue_of
+from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream, queue_of, resident_slots
 from megatrain.planner.carried import unroll
 from megatrain.planner.cost import defers_head_store, grad_slot_count, weights_kept
 from megatrain.planner.graph import LayerGraph
@@ -185,8 +185,8 @@ def check_grad_kept(graph: LayerGraph, cfg: ScheduleConfig) -> None:
 
 def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     """One update per owning layer per step: OPT on the cpu stream, or, for the layers in ``gpu_opt``, LOAD_OPT
-    (h2d) -> OPT (compute) -> STORE_OPT (d2h); for the layers in ``resident_opt``, LOAD_OPT in a run's first step
-    only, and no STORE_OPT.
+    (h2d) -> OPT (compute) -> STORE_OPT (d2h); for the layers in ``resident_opt``, OPT alone (the set-up loads
+    their state: :func:`setup_schedule`).
 
     Every OPT follows the step's GUARD (the global norm, the loss, the clip factor; ``OpKind.GUARD``): with
     clipping after the step's last gradient norm, without it after its last LOSS. clip: after the step's last
@@ -195,7 +195,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     (its own and a tied layer's) are stored, overlapping the backward. A device update's LOAD_OPT (master weights
     and moments, which the step's gradients do not change) goes after the first backward op of the layer above, so
     it loads while the backward works its way down and the gradient can go straight into the optimizer slot; with
-    clipping, from the second step of a run on, earlier (see below).
+    clipping earlier (see below).
     """
     cfg = s.config
     if not cfg.train:
@@ -245,20 +245,18 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     head_owner = graph.owner(len(graph) - 1) if defers_head_store(graph, cfg) else None
     need = {l: 0 if l == head_owner else top[l] for l in on_gpu}
     backward_order = sorted(on_gpu, key=lambda l: (-need[l], -top[l]))
-    # with clipping every device update's slot is in use until after the backward anyway, so from the second step
-    # on its state loads as early as the wire allows: in the order the backward needs it, once the forward has
-    # issued its last load of a host-updated layer's weights (the other layers' weights stay on the device)
+    # with clipping every device update's slot is in use until after the backward anyway, so its state loads as
+    # early as the wire allows: in the order the backward needs it, once the forward has issued its last load of a
+    # host-updated layer's weights (the other layers' weights stay on the device)
     host_read = [l for l in range(len(graph)) if graph.owner(l) not in on_gpu]
     early = max(max(host_read, default=0) - PREFETCH_LAYERS, 0)
     for st in range(cfg.n_steps):
-        # (the first step loads every layer's weights over the wire: its state waits for the backward)
-        early_load = cfg.clip and (st > 0 or cfg.continues)
         for l in backward_order:
-            if l in resident and (st > 0 or cfg.continues):  # its state is still in its slot
+            if l in resident:  # its state is in its slot (the set-up loaded it)
                 continue
             prev = prev_store_opt.get(l)
             load = Op(ids(), OpKind.LOAD_OPT, H2D, st, l, deps=(prev.id,) if prev is not None else ())
-            anchor = first_fwd[(st, early)] if early_load else first_bwd[(st, need[l] + 1)]
+            anchor = first_fwd[(st, early)] if cfg.clip else first_bwd[(st, need[l] + 1)]
             after[anchor.id].append(load)
             for store in stores[(st, l)]:  # the tied layer's part too
                 loaded[store.id] = load.id
@@ -454,7 +452,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
             anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else inputs.get(op.step)
             # weights a device update of the step before left on the device: a device copy, on the compute stream
             # (in the h2d queue it would wait behind optimizer-state loads that wait for the wire)
-            load = Op(ids(), OpKind.LOAD_W, C if weights_kept(cfg, op.step, c[1]) else H2D, op.step, op.layer, slots=(("w", k),),
+            load = Op(ids(), OpKind.LOAD_W, C if weights_kept(cfg, c[1]) else H2D, op.step, op.layer, slots=(("w", k),),
                       deps=tuple(war) + ((opt.id,) if opt is not None else ()))
             after[anchor.id if anchor is not None else None].append(load)
             prev_load_anchor = anchor
@@ -647,9 +645,10 @@ def relabel_saved(s: Schedule, cfg: ScheduleConfig) -> Schedule:
 
 
 def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool | None = None) -> Schedule:
-    """Run every pass on an empty schedule. A schedule of several steps is what a run issues step after step: the
-    first step's schedule, then the steady step's (``continues``: the device-updated layers' weights and resident
-    states where the step before left them), each joined with what it carries over from the step before
+    """Run every pass on an empty schedule: one step, as every step of a run is (the steady step: the
+    device-updated layers' weights and resident states where the step before, or the set-up, left them). A schedule
+    of several steps is what a run issues: the set-up (:func:`setup_schedule`, where there is one), then the step's
+    schedule again and again, each joined with what it carries over from the one before
     (:mod:`megatrain.planner.carried`). With ``verify_each`` (default: env MEGATRAIN_VERIFY=1) the final schedule
     is checked by :func:`megatrain.planner.verify.verify` (intermediate ones lack slots by design)."""
     if cfg.n_layers != len(graph):
@@ -660,12 +659,10 @@ def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool 
             s = p(s, graph)
         s = Schedule(tuple(_finalize(list(s.ops))), cfg, s.provenance + (f"finalize: {len(s.ops)} ops",))
     else:
-        first = build_schedule(graph, replace(cfg, n_steps=1), verify_each=False)
-        steady = build_schedule(graph, replace(first.config, continues=True), verify_each=False) \
-            if cfg.gpu_opt and not cfg.continues else first
-        run = unroll(first, steady, graph, cfg.n_steps)
-        steady_passes = tuple(f"steady step: {p}" for p in steady.provenance) if steady is not first else ()
-        s = Schedule(run.ops, cfg, first.provenance + steady_passes + run.provenance[len(first.provenance):])
+        step = build_schedule(graph, replace(cfg, n_steps=1), verify_each=False)
+        setup = setup_schedule(graph, step)
+        run = unroll(setup, step, graph, cfg.n_steps)  # (its provenance: the set-up's or the step's, and the joins)
+        s = Schedule(run.ops, cfg, run.provenance if setup is None else step.provenance + run.provenance)
     if verify_each if verify_each is not None else os.environ.get("MEGATRAIN_VERIFY") == "1":
         from megatrain.planner.verify import verify
 
@@ -673,12 +670,32 @@ def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool 
     return s
 
 
+def setup_schedule(graph: LayerGraph, step: Schedule) -> Schedule | None:
+    """What the steps of ``step``'s plan find on the device, from the host store: a KEEP_W (h2d) of each
+    device-updated layer's weights, in the order the step's forward reads them, then a LOAD_OPT of each resident
+    state into the optimizer slot the steps keep it in, in the order its backward updates them. None where the plan
+    keeps nothing on the device (no device updates)."""
+    cfg = step.config
+    if not cfg.gpu_opt or not cfg.train:
+        return None
+    homes = resident_slots(step, graph.owner)
+    order = {}  # layer -> its state's first reader in the step (a gradient store into it, in the backward)
+    for op in step.ops:
+        if op.slot("o") is not None:
+            order.setdefault(graph.owner(op.layer), op.id)
+    keep = [Op(0, OpKind.KEEP_W, H2D, 0, l) for l in sorted(cfg.gpu_opt)]
+    load = [Op(0, OpKind.LOAD_OPT, H2D, 0, l, slots=(("o", homes[l]),)) for l in sorted(homes, key=order.__getitem__)]
+    ops = [replace(op, id=i) for i, op in enumerate(keep + load)]
+    setup = ScheduleConfig(n_layers=cfg.n_layers, gpu_opt=cfg.gpu_opt, resident_opt=cfg.resident_opt,
+                           wire_bytes_per_param=cfg.wire_bytes_per_param, budget_bytes=cfg.budget_bytes, setup=True)
+    return Schedule(tuple(ops), setup, (f"setup_schedule: {len(keep)} kept weights, {len(load)} resident states",))
+
+
 def write_back_schedule(graph: LayerGraph, homes: dict[int, int]) -> Schedule:
     """The optimizer states kept on the device (``homes``: layer -> the optimizer slot it lives in) back to their
     host blocks: one STORE_OPT each on the d2h stream. The runtime runs it before the host store is read or saved
     and before a plan that keeps other states runs."""
     layers = tuple(sorted(homes))
-    cfg = ScheduleConfig(n_layers=len(graph), gpu_opt=layers, resident_opt=layers, continues=True, clip=False,
-                         write_back=True)
+    cfg = ScheduleConfig(n_layers=len(graph), gpu_opt=layers, resident_opt=layers, clip=False, write_back=True)
     ops = [Op(i, OpKind.STORE_OPT, D2H, 0, l, slots=(("o", homes[l]),)) for i, l in enumerate(layers)]
     return Schedule(tuple(ops), cfg, (f"write_back: {len(ops)} states kept on the device to the host",))

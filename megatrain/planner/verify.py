@@ -12,7 +12,7 @@ import bisect
 from collections import defaultdict
 
 from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, initial_contents,
-                          issue_preds, op_contents, queue_of, resident_slots)
+                          issue_preds, op_contents, queue_of, resident_slots, setup_ops)
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -132,6 +132,9 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("kind", op, f"layer {op.layer} is not updated on the device (gpu_opt, split_opt)")
         if op.kind is OpKind.STORE_OPT and op.layer in resident:
             raise ScheduleError("kind", op, f"layer {op.layer}'s state stays on the device (resident_opt)")
+        if op.kind is OpKind.KEEP_W and (op.layer not in cfg.gpu_opt or op.step != 0 or op.mb is not None):
+            raise ScheduleError("kind", op, f"a KEEP_W sets up the weights of a layer updated on the device (gpu_opt "
+                                            f"{list(cfg.gpu_opt)}) before its first step's forward: step 0, no mb")
         if op.kind is OpKind.NORM and op.layer not in cfg.grad_kept:
             raise ScheduleError("kind", op, f"layer {op.layer}'s gradient does not stay on the device (grad_kept "
                                             f"{list(cfg.grad_kept)}): its store takes its norms")
@@ -152,6 +155,14 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
 def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     cfg = s.config
     L = len(graph)
+    setup = {op.id for op in setup_ops(s)}
+    late = next((op for op in s.ops if op.kind is OpKind.KEEP_W and op.id not in setup), None)
+    if late is not None:
+        raise ScheduleError("kind", late, "a KEEP_W belongs to a set-up, ahead of every op of the first step")
+    have = {s.ops[i].layer for i in setup if s.ops[i].kind is OpKind.KEEP_W}
+    if setup and have != set(cfg.gpu_opt):  # a set-up joined to the first step: all the steps keep on the device
+        raise ScheduleError("complete", None, f"the set-up keeps the weights of layers {sorted(have)} on the "
+                                              f"device, not those of every device-updated layer {list(cfg.gpu_opt)}")
     seen: dict[tuple, Op] = {}
     for op in s.ops:
         if op.kind in (OpKind.LOAD_W, OpKind.LOAD_ACT):
@@ -213,12 +224,14 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                                                               + (f" (part {p})" if p is not None else ""))
             if l in cfg.gpu_opt:
                 stays = l in cfg.resident_opt
-                for k, want in ((OpKind.LOAD_OPT, not stays or (st == 0 and not cfg.continues)),
-                                (OpKind.STORE_OPT, not stays)):
-                    if ((k, st, l, None) in seen) != want:
-                        why = (f"layer {l}'s state stays on the device: it loads in a run's first step only and is "
-                               f"never stored" if stays else f"layer {l} is updated on the device")
-                        raise ScheduleError("complete", seen.get((k, st, l, None)),
+                for k, want in ((OpKind.LOAD_OPT, not stays), (OpKind.STORE_OPT, not stays)):
+                    op = seen.get((k, st, l, None))
+                    if stays and op is not None and op.id in setup:  # loaded by a set-up joined to the step
+                        continue
+                    if (op is not None) != want:
+                        why = (f"layer {l}'s state stays on the device: a set-up loads it, no step loads or stores "
+                               f"it" if stays else f"layer {l} is updated on the device")
+                        raise ScheduleError("complete", op,
                                             f"step {st} {'has no' if want else 'has a'} {k.value} of layer {l} ({why})")
         # where each gradient's norms are taken: its NORM where it stays on the device, else its store
         stores = [op for op in s.ops if op.step == st and (
@@ -245,6 +258,17 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                     raise ScheduleError("store-before-opt", opt, f"it updates weights whose gradient '{g}' may not "
                                                                  f"have finished")
     for op in s.ops:
+        if op.kind is OpKind.LOAD_W and op.stream is Stream.COMPUTE:  # a copy of the weights kept on the device:
+            # after the set-up put them there (where one is joined to the step), before the step's update rewrites
+            # them
+            o = graph.owner(op.layer)
+            keep = seen.get((OpKind.KEEP_W, 0, o, None))
+            if op.step == 0 and keep is not None and not hb(keep.id, op.id):
+                raise ScheduleError("kept-before-load", op, f"copies weights '{keep}' may not have put on the device")
+            opt = seen.get((OpKind.OPT, op.step, o, None))
+            if opt is not None and not hb(op.id, opt.id):
+                raise ScheduleError("kept-overwritten", opt, f"rewrites the weights kept on the device while '{op}' "
+                                                             f"may still copy them")
         if op.kind is OpKind.LOAD_W and op.step > 0:
             o = graph.owner(op.layer)
             # (on the device, its new weights stay there; in parts, every part's update; a split update's, every
@@ -289,7 +313,7 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
             key = (SLOT_POOL[role], idx)
             ws = writers[key]
             at = bisect.bisect_left(writer_ids[key], op.id)  # writers before `op`: ws[:at]
-            if at == 0:  # what the slot holds before the schedule: a resident state, in a continuing schedule
+            if at == 0:  # what the slot holds before the schedule: a resident state (left by a step or a set-up)
                 if initial.get(key) != reads[role]:
                     have = f"it starts with {initial[key]}" if key in initial else "nothing loaded it before"
                     raise ScheduleError("slot-content", op, f"reads {role}{idx} expecting {reads[role]}: {have}")
@@ -307,6 +331,34 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
             if nxt is not None and not hb(op.id, nxt.id):
                 raise ScheduleError("slot-overwritten", nxt,
                                     f"overwrites {role}{idx} while '{op}' may still read it (missing dependency)")
+
+
+def _check_setup(s: Schedule, graph: LayerGraph, spec: HardwareSpec | None) -> None:
+    """A set-up (``ScheduleConfig.setup``): on the h2d stream, one KEEP_W per device-updated layer and one LOAD_OPT
+    per resident state into its optimizer slot (each in a slot of its own), nothing else, and within the budget."""
+    cfg = s.config
+    seen: dict[tuple, Op] = {}
+    for i, op in enumerate(s.ops):
+        if op.id != i or op.deps:
+            raise ScheduleError("ids", op, f"op at position {i} has id {op.id} and dependencies {op.deps}")
+        want = cfg.gpu_opt if op.kind is OpKind.KEEP_W else cfg.resident_opt if op.kind is OpKind.LOAD_OPT else ()
+        if op.stream is not Stream.H2D or op.step != 0 or op.mb is not None or op.layer not in want:
+            raise ScheduleError("kind", op, f"a set-up holds one KEEP_W (h2d) per layer updated on the device (gpu_opt "
+                                            f"{list(cfg.gpu_opt)}) and one LOAD_OPT per resident state (resident_opt "
+                                            f"{list(cfg.resident_opt)})")
+        if (op.kind, op.layer) in seen:
+            raise ScheduleError("once", op, f"{op.kind.value} of layer {op.layer} twice in the set-up")
+        if [r for r, _ in op.slots] != (["o"] if op.kind is OpKind.LOAD_OPT else []):
+            raise ScheduleError("slots", op, "a state loads into its optimizer slot; kept weights take no slot")
+        seen[(op.kind, op.layer)] = op
+    for kind, layers in ((OpKind.KEEP_W, cfg.gpu_opt), (OpKind.LOAD_OPT, cfg.resident_opt)):
+        missing = sorted(l for l in layers if (kind, l) not in seen)
+        if missing:
+            raise ScheduleError("complete", None, f"the set-up has no {kind.value} of layers {missing}")
+    slots = [op.slot("o") for op in s.ops if op.kind is OpKind.LOAD_OPT]
+    if len(set(slots)) != len(slots):
+        raise ScheduleError("slots", None, f"two states set up in one slot ({slots})")
+    check_memory(s, graph, spec)
 
 
 def _check_write_back(s: Schedule, graph: LayerGraph) -> None:
@@ -339,6 +391,8 @@ def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = No
     """Raise :class:`ScheduleError` at the first broken invariant; return None when the schedule is sound."""
     if schedule.config.write_back:
         return _check_write_back(schedule, graph)
+    if schedule.config.setup:
+        return _check_setup(schedule, graph, spec)
     _check_shape(schedule, graph)
     check_memory(schedule, graph, spec)
     hb = HappensBefore(schedule.ops)

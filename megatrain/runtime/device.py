@@ -120,9 +120,10 @@ class DeviceState:
             buf = self.kept_buf[layer] = torch.empty(numel, dtype=self.dtype, device=self.device)
         return buf
 
-    def keep(self, layer: int, master: torch.Tensor, written: bool = False) -> None:
-        """The updated ``master`` kept on the device in the compute dtype; ``written``: the update wrote it."""
-        buf = self.kept_buffer(layer, master.numel())
+    def keep(self, layer: int, master: torch.Tensor | None, written: bool = False) -> None:
+        """The updated ``master`` kept on the device in the compute dtype; ``written``: already in the layer's
+        kept buffer (the update or a set-up wrote it there; ``master`` may then be None)."""
+        buf = self.kept_buf[layer] if written else self.kept_buffer(layer, master.numel())
         if not written:
             buf.copy_(master)  # rounded to the compute dtype as a load would (to nearest even)
         self.kept[layer] = (buf, self.store.generation)

@@ -194,12 +194,26 @@ class Executor:
         self._slot_plans[id(schedule)] = (schedule, tags, accesses)
         return tags, accesses
 
-    # ---- optimizer states kept on the device between steps ---------------------------------------------------
-    def can_continue(self, schedule: Schedule) -> bool:
-        """Whether the continuing ``schedule`` can run now: every device-updated layer's new weights are kept here
-        and every resident layer's state is in the slot the schedule expects it in, from the current store."""
+    # ---- what stays on the device between steps: the set-up, optimizer states kept there -----------------------
+    def holds(self, schedule: Schedule) -> bool:
+        """Whether the device holds what the step ``schedule`` expects to find there: every device-updated layer's
+        weights and every resident layer's state in the slot the schedule keeps it in, from the current store
+        (else the plan's set-up runs first)."""
         return self.dev.keeps(schedule.config.gpu_opt) and all(
             self.dev.resident.get(l) == (k, self.store.generation) for l, k in self._resident_slots(schedule).items())
+
+    def set_up(self, setup: Schedule, step: Schedule, successions=None) -> None:
+        """Run ``setup`` (:func:`~megatrain.planner.passes.setup_schedule`), the set-up of the plan whose steps run
+        ``step``: the states kept on the device go back to the host store first (it loads the current ones from
+        there), the step's slots are allocated, and its ops issued as a step's are."""
+        self._release_resident()
+        self.dev.fit(step)
+        tags, accesses = self._slot_plan(setup)
+        self.tags = tags
+        st = StepState(setup, [], 0, lr=0.0, clip=False)
+        self._interpret(setup, st, tags, accesses)
+        for layer, k in self._resident_slots(setup).items():
+            self.dev.resident[layer] = (k, self.store.generation)
 
     def _resident_slots(self, schedule: Schedule) -> dict[int, int]:
         """:func:`~megatrain.ir.resident_slots` of ``schedule``, computed once per schedule."""
@@ -209,19 +223,18 @@ class Executor:
         return cached[1]
 
     def _settle_resident(self, schedule: Schedule) -> None:
-        """Before a step: a continuing schedule finds its resident states where it expects them (else an error,
-        before anything runs); every other resident state goes back to the host store, which the step may read
-        (a state that a new load of the store made stale is dropped)."""
-        keep = self._resident_slots(schedule) if schedule.config.continues else {}
+        """Before a step: it finds its resident states where it expects them (else an error, before anything
+        runs); every other resident state goes back to the host store, which the step may read (a state that a new
+        load of the store made stale is dropped)."""
+        keep = self._resident_slots(schedule)
         missing = [l for l, k in keep.items() if self.dev.resident.get(l) != (k, self.store.generation)]
         if missing:
-            raise ValueError(f"the continuing schedule expects the state of layers {missing} on the device, which "
-                             f"this executor does not hold (run the plan's first-step schedule first)")
+            raise ValueError(f"the schedule expects the state of layers {missing} on the device, which this "
+                             f"executor does not hold (run the plan's set-up first)")
         leave = {l: v for l, v in self.dev.resident.items() if keep.get(l) != v[0]}
         if leave:
             self._write_back(leave)
-            for l in leave:
-                del self.dev.resident[l]
+            self.dev.resident = {l: v for l, v in self.dev.resident.items() if l not in leave}
 
     def set_step(self, steps_done: int) -> None:
         """Go on as if ``steps_done`` steps had been taken (a loaded training state): the learning rate follows."""

@@ -43,15 +43,35 @@ def load_inputs(ex, op: Op, st: StepState) -> None:
     st.mbs[op.mb] = MicroBatch(ids, mask, put(mb.next_labels), pos)
 
 
+def _host_weights(ex, layer: int, st: StepState) -> torch.Tensor:
+    """The layer's weights in the host store as the schedule sends them: the fp32 master (cast where it lands) or
+    the bf16 shadow; both hold the same values in the compute dtype."""
+    return ex.store.shadow(layer) if st.schedule.config.wire_bytes_per_param == 2 else ex.store.master(layer)
+
+
 def load_weights(ex, op: Op, st: StepState) -> None:
-    """The layer's weights into its weight slot: the copy a device update left on the device, or from the host
-    (the fp32 master, cast where it lands, or the bf16 shadow); all three hold the same values in the compute
-    dtype."""
+    """LOAD_W (h2d): the layer's host weights into its weight slot."""
+    src = _host_weights(ex, ex.graph.owner(op.layer), st)
+    ex.dev.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=ex.non_blocking)
+
+
+def copy_kept_weights(ex, op: Op, st: StepState) -> None:
+    """LOAD_W (compute): the weights the layer's device update of the step before, or the set-up's KEEP_W, left on
+    the device, into its weight slot (the same values a load from the host would bring)."""
     o = ex.graph.owner(op.layer)
     src = ex.dev.kept_weights(o)
     if src is None:
-        src = ex.store.shadow(o) if st.schedule.config.wire_bytes_per_param == 2 else ex.store.master(o)
-    ex.dev.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=ex.non_blocking)
+        raise RuntimeError(f"layer {o}'s weights are not on the device, where the step expects them (its plan's "
+                           f"set-up has not run since the host store changed)")
+    ex.dev.w[op.slot("w")][: src.numel()].copy_(src)
+
+
+def keep_weights(ex, op: Op, st: StepState) -> None:
+    """KEEP_W (a set-up's): the layer's host weights into the device buffer its device updates keep its new weights
+    in, which the steps' compute-stream LOAD_W copies."""
+    src = _host_weights(ex, op.layer, st)
+    ex.dev.kept_buffer(op.layer, src.numel()).copy_(src, non_blocking=ex.non_blocking)
+    ex.dev.keep(op.layer, None, written=True)
 
 
 def save_act(ex, op: Op, st: StepState) -> None:
@@ -292,7 +312,8 @@ class WeightRef:
 HANDLERS = {
     (OpKind.LOAD_IN, Stream.H2D): load_inputs,
     (OpKind.LOAD_W, Stream.H2D): load_weights,
-    (OpKind.LOAD_W, Stream.COMPUTE): load_weights,
+    (OpKind.LOAD_W, Stream.COMPUTE): copy_kept_weights,
+    (OpKind.KEEP_W, Stream.H2D): keep_weights,
     (OpKind.FWD, Stream.COMPUTE): forward,
     (OpKind.LOSS, Stream.COMPUTE): loss,
     (OpKind.EVAL, Stream.COMPUTE): evaluate,

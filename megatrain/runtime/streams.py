@@ -30,8 +30,7 @@ from megatrain.runtime.timing import OpTimer
 
 
 class _Step(NamedTuple):
-    """Of one step, what issuing its ops uses: what it issued (events, worker tasks, each queue's last event), slot
-    contents, timings."""
+    """Of one step, what issuing its ops uses: what it issued (events, tasks, queues' last events), slots, timings."""
     issued: Issued
     tags: list
     timing: list
@@ -88,6 +87,16 @@ class StreamExecutor(StreamCopies, Executor):
         if wait_optimizer:
             self.drain()
         return out
+
+    def set_up(self, setup: Schedule, step: Schedule, successions: Successions | None = None) -> None:
+        """The plan's set-up on the copy stream; the next step follows it by the dependencies carried from it."""
+        self.drain()  # (the write-back of other states waits for everything anyway)
+        self.issued = self.order.begin(setup, None, list(self.queues.values()))
+        self.events, self.futures = self.issued.events, self.issued.futures
+        self.timer.begin(setup)
+        with self.cuda.use(self.streams[Stream.COMPUTE]):
+            super().set_up(setup, step)
+        self.order.end()
 
     def drain(self) -> None:  # every queued optimizer task and every stream
         for f in list(self.last_opt.values()):

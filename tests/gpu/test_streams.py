@@ -174,7 +174,7 @@ def test_states_kept_on_the_device_equal_states_sent_back(clip):
         losses = [sm.train_step(*[t.cuda() for t in b]).loss for b in data[:2]]
         mid = {n: t.clone() for n, t in sm.state_dict().items()}
         losses += [sm.train_step(*[t.cuda() for t in b]).loss for b in data[2:]]
-        cont = sm.schedule_for(6, 12, continues=True)
+        cont = sm.schedule_for(6, 12)
         runs.append((losses, mid, {n: t.clone() for n, t in sm.state_dict().items()}, cont))
     assert not runs[0][3].config.resident_opt and runs[1][3].config.resident_opt == runs[1][3].config.gpu_opt
     assert not any(op.kind.value in ("LOAD_OPT", "STORE_OPT") for op in runs[1][3].ops)

@@ -1,13 +1,13 @@
 """What a step carries over from the step issued before it (planner/carried.py), checked by verifying the two
 steps joined into one schedule."""
 
-from dataclasses import replace
-
 import pytest
 
-from megatrain.ir import OpKind, Stream
+from dataclasses import replace
+
+from megatrain.ir import OpKind, Schedule, Stream
 from megatrain.planner.carried import carried_deps, join
-from megatrain.planner.passes import build_schedule
+from megatrain.planner.passes import build_schedule, setup_schedule
 from megatrain.planner.verify import ScheduleError, verify
 
 from .helpers import config, tiny_graph
@@ -16,10 +16,9 @@ G = tiny_graph(num_hidden_layers=4)
 
 
 def _pair(**kw):
-    cfg = config(G, **kw)
-    first = build_schedule(G, cfg)
-    steady = build_schedule(G, replace(cfg, continues=True))
-    return first, steady
+    """(the plan's set-up, its step)."""
+    step = build_schedule(G, config(G, **kw))
+    return setup_schedule(G, step), step
 
 
 def _without(carried, op_id, dep):
@@ -43,43 +42,67 @@ def test_the_first_load_of_a_host_updated_layer_waits_for_its_update():
 
 
 def test_a_kept_copy_waits_for_the_device_update_and_a_state_load_for_the_state_s_store():
-    first, steady = _pair(gpu_opt=(1, 2, 3), resident_opt=(1,), weight_slots=3)
-    for prev in (first, steady):
-        carried = carried_deps(prev, steady, G)
-        verify(join(prev, steady, carried), G)
-        for layer in (2, 3):  # state loaded and stored every step
-            load = next(op for op in steady.ops if op.kind is OpKind.LOAD_OPT and op.layer == layer)
-            store = next(op for op in prev.ops if op.kind is OpKind.STORE_OPT and op.layer == layer)
-            assert store.id in carried[load.id]
-            with pytest.raises(ScheduleError) as e:
-                verify(join(prev, steady, _without(carried, load.id, store.id)), G)
-            assert e.value.rule == "state-after-store"
-        # the weights the device update of the step before left: copied on the compute stream after that update,
-        # with no wait for the state's store to the host
-        copy = next(op for op in steady.ops if op.kind is OpKind.LOAD_W and op.layer == 2)
-        assert copy.stream is Stream.COMPUTE
-        opt = next(op for op in prev.ops if op.kind is OpKind.OPT and op.layer == 2)
-        assert carried[copy.id] == (opt.id,) or opt.id in carried[copy.id]
-        assert not any(prev.ops[d].kind is OpKind.STORE_OPT for d in carried[copy.id])
+    _, steady = _pair(gpu_opt=(1, 2, 3), resident_opt=(1,), weight_slots=3)
+    carried = carried_deps(steady, steady, G)
+    verify(join(steady, steady, carried), G)
+    for layer in (2, 3):  # state loaded and stored every step
+        load = next(op for op in steady.ops if op.kind is OpKind.LOAD_OPT and op.layer == layer)
+        store = next(op for op in steady.ops if op.kind is OpKind.STORE_OPT and op.layer == layer)
+        assert store.id in carried[load.id]
+        with pytest.raises(ScheduleError) as e:
+            verify(join(steady, steady, _without(carried, load.id, store.id)), G)
+        assert e.value.rule == "state-after-store"
+    # the weights the device update of the step before left: copied on the compute stream after that update,
+    # with no wait for the state's store to the host
+    copy = next(op for op in steady.ops if op.kind is OpKind.LOAD_W and op.layer == 2)
+    assert copy.stream is Stream.COMPUTE
+    opt = next(op for op in steady.ops if op.kind is OpKind.OPT and op.layer == 2)
+    assert opt.id in carried[copy.id]
+    assert not any(steady.ops[d].kind is OpKind.STORE_OPT for d in carried[copy.id])
 
 
-def test_a_resident_state_carries_no_load():
-    first, steady = _pair(gpu_opt=(1, 2, 3), resident_opt=(1,), weight_slots=3)
-    assert any(op.kind is OpKind.LOAD_OPT and op.layer == 1 for op in first.ops)
+def test_the_set_up_puts_what_the_step_finds_on_the_device():
+    """The set-up: a KEEP_W per device-updated layer, a LOAD_OPT per resident state into its home slot; the step's
+    copies of kept weights wait for their KEEP_W, and its first users of a resident slot for that slot's load.
+    Without those dependencies, or without the set-up's ops, the joined pair does not verify."""
+    setup, steady = _pair(gpu_opt=(0, 1, 2, 3), resident_opt=(1,), weight_slots=3)
+    verify(setup, G)
+    assert [(op.kind, op.layer) for op in setup.ops] == [(OpKind.KEEP_W, l) for l in range(4)] + [(OpKind.LOAD_OPT, 1)]
     assert not any(op.kind is OpKind.LOAD_OPT and op.layer == 1 for op in steady.ops)
-    # the resident slot's first user in the steady step follows the step before's users of that slot
-    carried = carried_deps(first, steady, G)
-    slot = next(op.slot("o") for op in first.ops if op.kind is OpKind.OPT and op.layer == 1)
-    user = next(op for op in steady.ops if op.slot("o") == slot)
-    assert carried[user.id]
-    assert all(slot in [i for r, i in first.ops[d].slots if r == "o"] for d in carried[user.id])
-    # joined the other way round (the steady step first), the resident state would be missing its load
+    carried = carried_deps(setup, steady, G)
+    joined = join(setup, steady, carried)
+    assert joined.config == steady.config and joined.ops[:len(setup.ops)] == setup.ops  # no step of its own
+    verify(joined, G)
+    for layer in range(4):
+        copy = next(op for op in steady.ops if op.kind is OpKind.LOAD_W and op.layer == layer)
+        keep = next(op for op in setup.ops if op.kind is OpKind.KEEP_W and op.layer == layer)
+        assert copy.stream is Stream.COMPUTE and carried[copy.id] == (keep.id,)
+    # the embedding's copy is the step's first compute op: nothing but that dependency puts it after its KEEP_W
+    # (the later layers' copies follow the forward, which follows the inputs, queued behind the set-up's copies)
+    copy = next(op for op in steady.ops if op.kind is OpKind.LOAD_W and op.layer == 0)
+    with pytest.raises(ScheduleError) as e:
+        verify(join(setup, steady, _without(carried, copy.id, setup.ops[0].id)), G)
+    assert e.value.rule == "kept-before-load"
+    load = setup.ops[-1]
+    user = next(op for op in steady.ops if op.slot("o") == load.slot("o"))
+    assert carried[user.id] == (load.id,)
+    # a set-up without the resident state's load, or without a layer's kept weights
+    for drop, rule in ((load, "slot-content"), (setup.ops[2], "complete")):
+        short = Schedule(tuple(replace(op, id=i) for i, op in enumerate(o for o in setup.ops if o is not drop)),
+                         setup.config)
+        with pytest.raises(ScheduleError) as e:
+            verify(short, G)
+        assert e.value.rule == "complete"
+        with pytest.raises(ScheduleError) as e:
+            verify(join(short, steady, carried_deps(short, steady, G)), G)
+        assert e.value.rule == rule
+    # joined the other way round (a step, then the set-up), the set-up's ops would come after the step's
     with pytest.raises(ScheduleError):
-        verify(join(steady, first, carried_deps(steady, first, G)), G)
+        verify(join(steady, setup, carried_deps(steady, setup, G)), G)
 
 
 def test_split_parts_wait_once_per_layer_and_queue():
-    first, steady = _pair(gpu_opt=(1,), split_opt=(2, 3), opt_part=2000, grad_kept=(2,))
+    _, steady = _pair(gpu_opt=(1,), split_opt=(2, 3), opt_part=2000, grad_kept=(2,))
     carried = carried_deps(steady, steady, G)
     verify(join(steady, steady, carried), G)
     for layer in (2, 3):

@@ -10,7 +10,7 @@ from megatrain.ir import OpKind, Schedule, ScheduleConfig
 from megatrain.planner.cost import device_memory, host_memory
 from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import PRESETS
-from megatrain.planner.passes import build_schedule
+from megatrain.planner.passes import build_schedule, setup_schedule
 from megatrain.planner.search import (PlanError, device_update_sets, plan, saved_act_layers, unsaved,
                                       with_saved_acts)
 from megatrain.planner.critical import critical_path
@@ -62,7 +62,7 @@ def configs(draw, graph):
         host_checkpoints=host_checkpoints, clip=clip,
         budget_bytes=draw(st.integers(64 * MiB, 4096 * MiB)), gpu_opt=gpu_opt,
         saved_acts=tuple(sorted(draw(st.sets(st.sampled_from(savable))) if savable else ())),
-        resident_opt=tuple(draw(st.permutations(resident))), continues=draw(st.booleans()),
+        resident_opt=tuple(draw(st.permutations(resident))),
         saved_lean=draw(st.booleans()),
         grad_kept=tuple(sorted(draw(st.sets(st.sampled_from(keepable))) if keepable else ())),
         grad_host_bytes=draw(st.sampled_from([2, 4])), host_grad_slots=draw(st.integers(1, 3)),
@@ -102,23 +102,25 @@ def test_every_schedule_verifies_fits_and_respects_the_bound(data):
 
 
 @given(st.data())
-def test_a_run_s_first_step_then_its_steady_steps_verify_as_one_schedule(data):
-    """The pairs a run issues back to back -- a one-step schedule, then the same plan's steady one (``continues``),
-    then that again -- joined with what each carries over from the step before verify as one schedule; without
-    the carried dependencies they do not where a layer is updated on the host (the next step would load weights
-    the step before still updates; device updates are ordered by their stream alone)."""
+def test_a_run_s_set_up_then_its_steps_verify_as_one_schedule(data):
+    """The pairs a run issues back to back -- the plan's set-up (where it keeps anything on the device), then its
+    step, then the step again -- joined with what each carries over from the one before verify as one schedule;
+    without the carried dependencies two steps do not where a layer is updated on the host (the next step would
+    load weights the step before still updates; device updates are ordered by their stream alone)."""
     graph = data.draw(graphs(max_layers=12))
-    cfg = dataclasses.replace(data.draw(configs(graph)), n_steps=1, continues=False, budget_bytes=1 << 40)
-    first = build_schedule(graph, cfg)
-    steady = build_schedule(graph, dataclasses.replace(cfg, continues=True)) if cfg.gpu_opt else first
-    for prev, nxt in ((first, steady), (steady, steady)):
-        carried = carried_deps(prev, nxt, graph)
-        verify(join(prev, nxt, carried), graph)
+    cfg = dataclasses.replace(data.draw(configs(graph)), n_steps=1, budget_bytes=1 << 40)
+    step = build_schedule(graph, cfg)
+    setup = setup_schedule(graph, step)
+    assert (setup is None) == (not cfg.gpu_opt)
+    for prev in (setup, step) if setup is not None else (step,):
+        verify(prev, graph)
+        carried = carried_deps(prev, step, graph)
+        verify(join(prev, step, carried), graph)
         assert all(d < len(prev.ops) for deps in carried for d in deps)
-        if any(graph[l].tie is None and l not in cfg.gpu_opt for l in range(len(graph))):
+        if prev is step and any(graph[l].tie is None and l not in cfg.gpu_opt for l in range(len(graph))):
             with pytest.raises(ScheduleError, match="load-after-opt|state-after-store"):
-                verify(join(prev, nxt, tuple(() for _ in carried)), graph)
-    verify(unroll(first, steady, graph, 3), graph)  # what the runtime issues over three steps
+                verify(join(prev, step, tuple(() for _ in carried)), graph)
+    verify(unroll(setup, step, graph, 3), graph)  # what the runtime issues over three steps
 
 
 @given(st.data())
@@ -240,7 +242,7 @@ def test_saved_layers_keep_less_only_where_that_keeps_more(data, room):
     """Budgets from no room for saved activations to room for all of them kept in full: the choice fits, and a
     lean plan keeps more layers than keeping everything would (``auto``) or is the only one that fits (a count)."""
     graph = data.draw(graphs(max_layers=16))
-    cfg = dataclasses.replace(data.draw(configs(graph)), saved_acts=(), saved_lean=False, n_steps=1, continues=False)
+    cfg = dataclasses.replace(data.draw(configs(graph)), saved_acts=(), saved_lean=False, n_steps=1)
     able = [l for l in range(cfg.host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token]
     base = device_memory(graph, build_schedule(graph, cfg)).total_nbytes
     full_need = sum(graph[l].saved_bytes_per_token for l in able) * cfg.mb_tokens * cfg.n_mb

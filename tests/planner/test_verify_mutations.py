@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from megatrain.ir import Op, OpKind, Schedule, Stream
+from megatrain.ir import Op, OpKind, Schedule, Stream, setup_ops
 from megatrain.planner.cost import device_memory
 from megatrain.planner.passes import build_schedule, write_back_schedule
 from megatrain.planner.verify import ScheduleError, verify
@@ -311,33 +311,58 @@ def test_without_clipping_state_loads_alternate_two_optimizer_slots():
 
 
 def test_a_resident_state_overwritten_or_missing_is_caught():
-    """Layers 1 and 3 keep their optimizer state on the device between steps (resident_opt)."""
-    s = _schedule(gpu_opt=(1, 2, 3), resident_opt=(1, 3))
-    cont = build_schedule(G, config(G, n_steps=2, n_mb=3, gpu_opt=(1, 2, 3), resident_opt=(1, 3), continues=True))
-    verify(cont, G)
-    # a continuing schedule expects layer 1's state in its own slot: layer 3's first gradient store goes into it
-    home = _find(cont, OpKind.STORE_G, step=0, layer=1).slot("o")
-    store3 = _find(cont, OpKind.STORE_G, step=0, layer=3)
-    err = _broken(_replace(cont, store3, slots=tuple((r, home if r == "o" else k) for r, k in store3.slots)),
+    """Layers 1 and 3 keep their optimizer state on the device between steps (resident_opt): the set-up loads it
+    into a slot of its own, no step loads or stores it."""
+    s = _schedule(gpu_opt=(1, 2, 3), resident_opt=(1, 3))  # the set-up, then two steps
+    assert [(op.kind, op.layer) for op in setup_ops(s)] == [(OpKind.KEEP_W, 1), (OpKind.KEEP_W, 2),
+                                                            (OpKind.KEEP_W, 3), (OpKind.LOAD_OPT, 3),
+                                                            (OpKind.LOAD_OPT, 1)]
+    step = build_schedule(G, config(G, n_mb=3, gpu_opt=(1, 2, 3), resident_opt=(1, 3)))
+    verify(step, G)
+    # a step expects layer 1's state in its own slot: layer 3's first gradient store goes into it
+    home = _find(step, OpKind.STORE_G, step=0, layer=1).slot("o")
+    store3 = _find(step, OpKind.STORE_G, step=0, layer=3)
+    err = _broken(_replace(step, store3, slots=tuple((r, home if r == "o" else k) for r, k in store3.slots)),
                   "resident")
     assert "share optimizer slots" in str(err)
     # another layer's state loaded into that slot (layer 2's, which goes to the host and back each step), and
     # everything layer 2 does with it there: layer 1's store then finds layer 2's state
     ops = [dataclasses.replace(op, slots=tuple((r, home if r == "o" else k) for r, k in op.slots))
-           if op.layer == 2 and any(r == "o" for r, _ in op.slots) else op for op in cont.ops]
-    err = _broken(Schedule(tuple(ops), cont.config, cont.provenance), "slot-content")
-    assert "expecting ('U', 0, 1)" in str(err) or "expecting ('U', -1, 1)" in str(err), str(err)
-    # the state load of the run's first step is dropped: the step's store finds nothing in the slot
+           if op.layer == 2 and any(r == "o" for r, _ in op.slots) else op for op in step.ops]
+    err = _broken(Schedule(tuple(ops), step.config, step.provenance), "slot-content")
+    assert "expecting ('U', -1, 1)" in str(err), str(err)
+    # the set-up's load of layer 3's state is dropped: the step's store finds nothing in the slot
     load = _find(s, OpKind.LOAD_OPT, step=0, layer=3)
-    _broken(renumber(s, [op for op in s.ops if op is not load]), "complete")
+    err = _broken(renumber(s, [op for op in s.ops if op is not load]), "slot-content")
+    assert "nothing loaded it" in str(err)
     # a resident state stored back to the host in a step (a STORE_OPT that the plan does not have)
     opt = _find(s, OpKind.OPT, step=1, layer=3)
     extra = Op(len(s.ops), OpKind.STORE_OPT, Stream.D2H, 1, 3, slots=(("o", opt.slot("o")),), deps=(opt.id,))
     _broken(Schedule(s.ops + (extra,), s.config, s.provenance), "kind")
-    # a continuing schedule read as a first step: layer 1's store finds a slot nothing loaded
-    first = Schedule(cont.ops, dataclasses.replace(cont.config, continues=False), cont.provenance)
-    err = _broken(first, "complete")
-    assert "has no LOAD_OPT" in str(err)
+    # ... or loaded by a step, as if its slot did not hold it
+    extra = Op(len(s.ops), OpKind.LOAD_OPT, Stream.H2D, 1, 3, slots=(("o", opt.slot("o")),), deps=(opt.id,))
+    err = _broken(Schedule(s.ops + (extra,), s.config, s.provenance), "complete")
+    assert "step 1 has a LOAD_OPT of layer 3" in str(err)
+
+
+def test_kept_weights_set_up_copied_and_rewritten_in_order():
+    """The weights of device-updated layers: each KEEP_W of the set-up once, ahead of the step's ops; a step's copy
+    of them before its own update rewrites them."""
+    s = _schedule(gpu_opt=(0, 2), weight_slots=4)
+    keep = _find(s, OpKind.KEEP_W, layer=2)
+    # twice, or after the first op of the step
+    _broken(Schedule(s.ops + (dataclasses.replace(keep, id=len(s.ops)),), s.config, s.provenance), "kind")
+    moved = [op for op in s.ops if op is not keep]
+    moved.insert(len(setup_ops(s)) + 1, keep)
+    _broken(renumber(s, moved), "kind")
+    # for a layer updated on the host, or none for a device-updated one
+    _broken(_replace(s, keep, layer=1), "kind")
+    err = _broken(renumber(s, [op for op in s.ops if op is not keep]), "complete")
+    assert "not those of every device-updated layer" in str(err)
+    # a copy of the weights step 0 reads, made after step 0's update of layer 2 rewrote them
+    copy = _find(s, OpKind.LOAD_W, step=1, layer=2, stream=Stream.COMPUTE)
+    assert copy.id > _find(s, OpKind.OPT, step=0, layer=2).id
+    _broken(_replace(s, copy, step=0), "kept-overwritten")
 
 
 # ---- gradient placements: host gradient buffers (h), gradients kept on the device (NORM, k) -----------------

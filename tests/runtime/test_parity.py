@@ -187,28 +187,27 @@ def test_updates_on_the_device_match_too(clip):
     assert all(torch.equal(host[n], t) for n, t in sm2.state_dict().items())
 
 
-def test_steps_after_the_first_run_the_continuing_schedule():
-    """A step that follows a device update of every device-updated layer runs the continuing schedule (their kept
-    weights copied on the device, no load over the wire); new weights from outside send the next step back to the
-    first step's schedule."""
+def test_a_run_sets_the_device_up_once_then_runs_one_step_schedule():
+    """The plan's set-up puts the device-updated layers' weights on the device (KEEP_W); every step then copies them
+    there (no load over the wire) and leaves its own updates for the next; new weights from outside send the run
+    through the set-up again."""
     data = batches()
     sm = compile_cpu(hf_model("llama"), optim=OPT, n_mb=2, gpu_opt_every=2)
-    first, cont = sm.schedule_for(6, 12), sm.schedule_for(6, 12, continues=True)
-    assert not first.config.continues and cont.config.continues and cont.config.gpu_opt == (1, 3, 5)
-
-    def load_streams(s):
-        return {op.layer: op.stream for op in s.ops if op.kind is OpKind.LOAD_W and op.layer in s.config.gpu_opt}
-
-    assert set(load_streams(first).values()) == {Stream.H2D} and set(load_streams(cont).values()) == {Stream.COMPUTE}
+    setup, step = sm.setup_for(6, 12), sm.schedule_for(6, 12)
+    assert setup.config.setup and step.config.gpu_opt == (1, 3, 5)
+    assert [op.layer for op in setup.ops if op.kind is OpKind.KEEP_W] == [1, 3, 5]
+    loads = {op.stream for op in step.ops if op.kind is OpKind.LOAD_W and op.layer in step.config.gpu_opt}
+    assert loads == {Stream.COMPUTE}
     ran = []
-    run = sm.executor.run
+    run, set_up = sm.executor.run, sm.executor.set_up
     sm.executor.run = lambda s, *a, **k: ran.append(s) or run(s, *a, **k)
+    sm.executor.set_up = lambda s, *a, **k: ran.append(s) or set_up(s, *a, **k)
     for b in data:
         sm.train_step(*b)
-    assert ran == [first, cont, cont]
+    assert ran == [setup, step, step, step]
     sm.store.load_state({n: t.clone() for n, t in sm.state_dict().items()})
     sm.train_step(*data[0])
-    assert ran[-1] is first
+    assert ran[-2:] == [setup, step]
 
 
 def test_a_new_plan_frees_the_buffers_of_the_one_before():

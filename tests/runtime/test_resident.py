@@ -36,13 +36,13 @@ def test_resident_states_equal_states_sent_back_every_step(clip):
     data = batches(n_steps=4)
     host, host_losses = _train(data, clip=clip, gpu_opt_every=2, resident_opt=0)
     sm, losses = _train(data, clip=clip, gpu_opt_every=2, resident_opt=2)
-    first, cont = sm.schedule_for(6, 12), sm.schedule_for(6, 12, continues=True)
-    kept = cont.config.resident_opt
-    assert kept == cont.config.gpu_opt[:2] == (1, 3) and host.schedule_for(6, 12).config.resident_opt == ()
-    # the first step loads every device update's state; after it, the kept ones never cross the bus
-    assert {op.layer for op in first.ops if op.kind is OpKind.LOAD_OPT} == set(first.config.gpu_opt)
-    assert {op.layer for op in cont.ops if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT)} \
-        == set(cont.config.gpu_opt) - set(kept)
+    setup, step = sm.setup_for(6, 12), sm.schedule_for(6, 12)
+    kept = step.config.resident_opt
+    assert kept == step.config.gpu_opt[:2] == (1, 3) and host.schedule_for(6, 12).config.resident_opt == ()
+    # the set-up loads the kept states; no step moves them over the bus
+    assert {op.layer for op in setup.ops if op.kind is OpKind.LOAD_OPT} == set(kept)
+    assert {op.layer for op in step.ops if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT)} \
+        == set(step.config.gpu_opt) - set(kept)
     # while resident, the host block holds an older state than the device slot
     for layer in kept:
         for r in range(3):
@@ -68,15 +68,17 @@ def test_reading_the_weights_mid_run_and_switching_plans_lose_nothing():
     host, host_losses = _train(data, gpu_opt_every=1, resident_opt=0)
     opt = dataclasses.replace(OPT, fused=True)
     sm = compile_cpu(hf_model("qwen2"), optim=opt, n_mb=2, gpu_opt_every=1, resident_opt="auto")
-    ran = []
-    run = sm.executor.run
+    ran = []  # the set-ups and steps the executor ran
+    run, set_up = sm.executor.run, sm.executor.set_up
     sm.executor.run = lambda s, *a, **k: ran.append(s) or run(s, *a, **k)
+    sm.executor.set_up = lambda s, *a, **k: ran.append(s) or set_up(s, *a, **k)
     losses = [sm.train_step(*data[0]).loss]
     mid = {n: t.clone() for n, t in sm.state_dict().items()}
     losses.append(sm.train_step(*data[1]).loss)
-    assert ran[1].config.continues and ran[1].config.resident_opt  # reading the weights did not end residency
-    losses.append(sm.train_step(*data[2], gpu_opt_every=2).loss)  # other layers, other slots: a first step
-    assert not ran[2].config.continues and ran[2].config.resident_opt != ran[1].config.resident_opt
+    assert ran[0].config.setup and ran[2] is ran[1] and ran[1].config.resident_opt  # reading the weights did not
+    # end residency: no set-up again
+    losses.append(sm.train_step(*data[2], gpu_opt_every=2).loss)  # other layers, other slots: set up again
+    assert ran[3].config.setup and ran[4].config.resident_opt != ran[1].config.resident_opt
     losses.append(sm.train_step(*data[3], resident_opt=0).loss)  # nothing kept: every state from the host
     losses.append(sm.train_step(*data[4]).loss)  # and back to the first plan
     assert not sm.executor.dev.resident or ran[-1].config.resident_opt
@@ -107,9 +109,9 @@ def test_weights_loaded_from_outside_replace_the_masters_of_a_resident_state():
     assert all(torch.equal(host.state_dict()[n], t) for n, t in sm.state_dict().items())
 
 
-def test_a_continuing_schedule_without_its_states_is_refused():
+def test_a_step_without_its_set_up_is_refused():
     sm = compile_cpu(hf_model("qwen2"), optim=dataclasses.replace(OPT, fused=True), n_mb=2, gpu_opt_every=1)
-    cont = sm.schedule_for(6, 12, continues=True)
+    cont = sm.schedule_for(6, 12)
     assert cont.config.resident_opt
     ids, mask, labels = batches(n_steps=1)[0]
     from megatrain.runtime.executor import MicroBatch
@@ -117,7 +119,7 @@ def test_a_continuing_schedule_without_its_states_is_refused():
     nxt = torch.full_like(labels, -100)
     nxt[:, :-1] = labels[:, 1:]
     mbs = [MicroBatch(ids[i * 3:(i + 1) * 3], mask[i * 3:(i + 1) * 3], nxt[i * 3:(i + 1) * 3]) for i in range(2)]
-    with pytest.raises(ValueError, match=r"expects the state of layers \[.*\] on the device"):
+    with pytest.raises(ValueError, match=r"expects the state of layers \[.*\] on the device.*run the plan's set-up"):
         sm.executor.run(cont, mbs, int((nxt != -100).sum()))
 
 

@@ -46,13 +46,22 @@ def _run(name, monkeypatch=None, skip=None):
     ex = sm.executor
     if skip is not None:
         monkeypatch.setattr(*skip)
-    steps = []  # per step: its schedule, slot contents per op, timing records, the STORE_OPT rows' events
+    steps = []  # per step (and set-up): its schedule, slot contents per op, timing records, the STORE_OPT rows'
+    # events, what it carries over from the one before
+
+    def issued():
+        steps.append((ex.timer.schedule, ex.tags, ex.timer.records(), dict(ex.order.store_opt_done),
+                      ex.order.carried))
+
+    set_up = ex.set_up
+    ex.set_up = lambda *a, **k: (set_up(*a, **k), issued())
     for b in data:
         want = ref.train_step(*b)
         got = sm.train_step(*b)
-        steps.append((ex.timer.schedule, ex.tags, ex.timer.records(), dict(ex.order.store_opt_done),
-                      ex.order.carried))
+        issued()
         assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)  # work runs at issue: program order
+    has_setup = bool(steps[-1][0].config.gpu_opt)  # the plan's set-up first, where it keeps anything on the device
+    assert [s[0].config.setup for s in steps] == [True] * has_setup + [False] * len(data)
     sm.wait()
     ref_sd, sd = ref.state_dict(), sm.state_dict()
     assert all(torch.equal(sd[n], ref_sd[n]) for n in sd)
@@ -62,7 +71,7 @@ def _run(name, monkeypatch=None, skip=None):
     prev_ends: dict = {}
     for k, (schedule, tags, records, stored, carried) in enumerate(steps):
         ends = {op.id: t for op, t in records}
-        assert (carried is not None) == (k > 0)  # the API's verified pairs: the steady step after the first, after
+        assert (carried is not None) == (k > 0)  # the API's verified pairs: the step after the set-up, after
         # itself
         this_use: dict[tuple[str, int], list] = {}
         for op, t in sorted(records, key=lambda r: r[0].id):

@@ -73,8 +73,8 @@ def test_executor_refuses_a_slot_overwritten_too_early():
     ops = list(s.ops)
     ops[load.id] = dataclasses.replace(load, slots=(("w", held),))
     bad = Schedule(tuple(ops), s.config, s.provenance)
-    # the cache key: shape, plan options, clipping; the first step's schedule and the one of the steps after it
-    sm._schedules[(4, 8, sm.plan_options, True)] = (bad, bad)
+    # the cache key: shape, plan options, clipping; the plan's set-up (none: no device updates) and its step
+    sm._schedules[(4, 8, sm.plan_options, True)] = (None, bad)
     with pytest.raises(ExecutionError) as e:
         sm.train_step(torch.randint(0, 97, (4, 8)))
     msg = str(e.value)

@@ -410,7 +410,7 @@ class StreamedModel:
         # the plan's set-up before its first step, and again where something took what the steps keep on the
         # device away (new weights in the store, an evaluation, another plan)
         if setup is not None and not self.executor.holds(schedule):
-            self.executor.set_up(setup, schedule, successions=self._successions)
+            self.executor.set_up(setup, schedule)
         if self.overlap_steps:
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False,
                                                 successions=self._successions)

@@ -202,7 +202,7 @@ class Executor:
         return self.dev.keeps(schedule.config.gpu_opt) and all(
             self.dev.resident.get(l) == (k, self.store.generation) for l, k in self._resident_slots(schedule).items())
 
-    def set_up(self, setup: Schedule, step: Schedule, successions=None) -> None:
+    def set_up(self, setup: Schedule, step: Schedule) -> None:
         """Run ``setup`` (:func:`~megatrain.planner.passes.setup_schedule`), the set-up of the plan whose steps run
         ``step``: the states kept on the device go back to the host store first (it loads the current ones from
         there), the step's slots are allocated, and its ops issued as a step's are."""

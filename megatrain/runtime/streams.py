@@ -88,7 +88,7 @@ class StreamExecutor(StreamCopies, Executor):
             self.drain()
         return out
 
-    def set_up(self, setup: Schedule, step: Schedule, successions: Successions | None = None) -> None:
+    def set_up(self, setup: Schedule, step: Schedule) -> None:
         """The plan's set-up on the copy stream; the next step follows it by the dependencies carried from it."""
         self.drain()  # (the write-back of other states waits for everything anyway)
         self.issued = self.order.begin(setup, None, list(self.queues.values()))

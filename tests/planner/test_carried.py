@@ -64,7 +64,7 @@ def test_a_kept_copy_waits_for_the_device_update_and_a_state_load_for_the_state_
 def test_the_set_up_puts_what_the_step_finds_on_the_device():
     """The set-up: a KEEP_W per device-updated layer, a LOAD_OPT per resident state into its home slot; the step's
     copies of kept weights wait for their KEEP_W, and its first users of a resident slot for that slot's load.
-    Without those dependencies, or without the set-up's ops, the joined pair does not verify."""
+    Without the embedding copy's dependency, or without one of the set-up's ops, the joined pair does not verify."""
     setup, steady = _pair(gpu_opt=(0, 1, 2, 3), resident_opt=(1,), weight_slots=3)
     verify(setup, G)
     assert [(op.kind, op.layer) for op in setup.ops] == [(OpKind.KEEP_W, l) for l in range(4)] + [(OpKind.LOAD_OPT, 1)]

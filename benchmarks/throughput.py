@@ -80,7 +80,7 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved, resident, tile, host_ckpt, split, split_queues); "
+                         "saved, resident, tile, host_ckpt, split, split_queues, pace); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -119,9 +119,11 @@ def main():
             sm.wait()  # the previous variant's steps finish before the ordering changes
             sm.executor.sync_between_steps = variant.pop("step_sync", step_sync)
             sm.executor.split_queues = variant.pop("split_queues", True)
+            sm.executor.pace_split = variant.pop("pace_split", True)
         else:
             variant.pop("step_sync", None)
             variant.pop("split_queues", None)
+            variant.pop("pace_split", None)
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
         overrides = {**base, **variant}
         for threads in args.cpu_threads:
@@ -173,7 +175,8 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
                 "resident": ("resident_opt", resident_opt), "data": ("data", str),
                 "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints),
-                "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v)))}
+                "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v))),
+                "pace": ("pace_split", lambda v: bool(int(v)))}
 
 
 def parse_variant(text: str) -> dict:
@@ -191,7 +194,7 @@ def parse_variant(text: str) -> dict:
 def print_table(results: list[dict]) -> None:
     cols = [("data", "data", "{}"), ("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"),
             ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"), ("split", "split_opt", "{}"),
-            ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"),
+            ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"), ("paced", "pace_split", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
             ("tok/s med", "tokens_per_s_median", "{:,.0f}"),
@@ -294,6 +297,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "preset": args.preset, "data": data, "trained_tokens_per_step": trained or None,
         "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
         "split_queues": getattr(sm.executor, "split_queues", None),
+        "pace_split": getattr(sm.executor, "pace_split", None),
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),

@@ -51,6 +51,7 @@ class FakeEvent:
         self.stream: FakeStream | None = None
         self.t = 0.0
         self.synced = False
+        self.waited_t: float | None = None  # when the host last waited for it to fire (wait_done)
 
     def record(self, stream: FakeStream | None = None) -> None:
         with self.cuda.lock:
@@ -64,6 +65,10 @@ class FakeEvent:
             for k, v in self.clock.items():
                 self.cuda.host[k] = max(self.cuda.host.get(k, -1), v)
             self.synced = True
+
+    def query(self) -> bool:  # work runs when issued: a recorded event has fired (the host now knows it)
+        self.synchronize()
+        return True
 
     def elapsed_time(self, end: "FakeEvent") -> float:
         return (end.t - self.t) * 1e3
@@ -102,6 +107,11 @@ class FakeCuda:
 
     def on_device(self, device):
         return contextlib.nullcontext()
+
+    @staticmethod
+    def wait_done(event: FakeEvent) -> None:
+        event.synchronize()
+        event.waited_t = time.perf_counter()
 
     def synchronize(self, device=None) -> None:
         with self.lock:

@@ -110,4 +110,6 @@ def _check(plan: dict, ranks: list[dict]) -> None:
             # not the same (tests/runtime/test_parity.py says the same)
             keep = torch.cat([torch.arange(d), torch.arange(2 * d, 3 * d)])
             got, t = got[keep], t[keep]
-        torch.testing.assert_close(got, t, rtol=1e-5, atol=1e-6, msg=n)
+        # to 1e-5 of the parameter's largest element: the ranks' gradients are summed in another order than the
+        # one process's micro-batches (1.2e-6 measured on blocks.0.qkv.weight, largest 0.31, on an AMD EPYC CPU)
+        torch.testing.assert_close(got, t, rtol=1e-5, atol=max(1e-6, 1e-5 * t.abs().max().item()), msg=n)

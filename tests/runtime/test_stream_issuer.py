@@ -50,6 +50,8 @@ def _run(name, monkeypatch=None, skip=None):
     # events, what it carries over from the one before
 
     def issued():
+        if ex.last_split_tail is not None:  # the split issuer's issues of the step are in its records
+            ex.last_split_tail.result()
         steps.append((ex.timer.schedule, ex.tags, ex.timer.records(), dict(ex.order.store_opt_done),
                       ex.order.carried))
 
@@ -145,12 +147,31 @@ def test_the_order_check_catches_a_missing_wait(monkeypatch, skip):
                 pass
 
         real = streams.StreamExecutor._queue
-        target = (streams.StreamExecutor, "_queue", lambda self, op: NoWaits(real(self, op)))
+        target = (streams.StreamExecutor, "_queue", lambda self, op, mark=None: NoWaits(real(self, op, mark)))
     else:
         target = (step_order.StepOrder, "on_prev", lambda *a, **k: step_order.PrevDeps(None, ()))
     bad, _, _ = _run("device-and-split", monkeypatch, target)
     assert bad, "no violation found with the waits taken out"
     assert any((" before " in b) if skip == "dependencies" else (" rewrites " in b) for b in bad), bad[:5]
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_split_copies_are_paced(monkeypatch, paced):
+    """Each copy of a split update is issued once the host has seen the copy before it on its queue end (a copy
+    engine starves the other queues of a queue that always has its next copy ready); unpaced, the check fails."""
+    if not paced:
+        monkeypatch.setattr(StreamExecutor, "pace_split", False)
+    _, ex, steps = _run("device-and-split")
+    copies = [(op, t) for _, _, records, _, _ in steps for op, t in records
+              if not isinstance(t, Future) and queue_of(op) in ((Stream.H2D, True), (Stream.D2H, True))]
+    assert {queue_of(op) for op, _ in copies} == {(Stream.H2D, True), (Stream.D2H, True)}
+    last, early = {}, []
+    for op, (begin, end) in copies:  # in the order they were issued
+        before = last.get(queue_of(op))
+        if before is not None and not (before[1].waited_t is not None and before[1].waited_t <= begin.t):
+            early.append(f"{op} issued before {before[0]} was seen to end")
+        last[queue_of(op)] = (op, end)
+    assert bool(early) != paced, early[:3]
 
 
 def test_the_checks_see_a_missing_wait():

@@ -342,7 +342,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
                f"-s{c.weight_slots}-saved{len(c.saved_acts)}"
-               f"{'' if res['sync_between_steps'] is not False else '-nosync'}")
+               f"{'' if res['sync_between_steps'] is not False else '-nosync'}"
+               f"{'' if res['pace_split'] is not False else '-unpaced'}")
         measured = sm.executor.timeline()
         one = simulate(sched, graph, spec)
         write_trace([one, measured], f"{args.trace}-{tag}.trace.json")

@@ -8,7 +8,6 @@ which waits (tests/runtime/fake_cuda.py), so the issuer's ordering is checked wi
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
@@ -38,12 +37,6 @@ class TorchCuda:
     @staticmethod
     def on_device(device: torch.device):
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-    @staticmethod
-    def wait_done(event) -> None:
-        """Until ``event`` has fired, polling (a synchronizing wait spins a core the host's AdamW threads use)."""
-        while not event.query():
-            time.sleep(5e-5)
 
     @staticmethod
     def synchronize(device: torch.device) -> None:

@@ -32,7 +32,6 @@ class Issued:
     futures: dict = field(default_factory=dict)  # op id -> the worker's task (a cpu op, or a GPU op it issues)
     last: dict = field(default_factory=dict)  # queue -> the last end event recorded on it
     tail: Future | None = None  # the step's last worker task (its end-of-step bookkeeping)
-    split_tail: Future | None = None  # done once the split issuer has issued the step's split ops
 
 
 class PrevDeps(NamedTuple):
@@ -98,8 +97,6 @@ class StepOrder:
     def _fence(self, step: Issued, queues) -> None:
         if step.tail is not None:  # first: the worker's issues of that step's GPU ops come before its tail
             self.waited(step.tail)
-        if step.split_tail is not None:  # and the split issuer's
-            self.waited(step.split_tail)
         events = list(step.last.values())
         for q in queues:
             for ev in events:

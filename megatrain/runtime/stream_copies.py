@@ -76,9 +76,9 @@ class StreamCopies:
 
     def before_row(self, layer: int, row: int) -> None:  # each row after the same row's store by the step before:
         # the load of a large layer's state starts while the rest of it is still being stored
-        self.order.wait_for_rows(layer, self.cuda.current_stream(), (row,), self.issuing_step())
+        self.order.wait_for_rows(layer, self.cuda.current_stream(), (row,), self.steps_issued)
 
     def _row_stored(self, layer: int, row: int) -> None:
         done = self.cuda.new_event()
         done.record()
-        self.order.row_stored(layer, row, self.issuing_step(), done)
+        self.order.row_stored(layer, row, self.steps_issued, done)

@@ -5,9 +5,7 @@ split update's, to a queue of its own beside its stream: ``ir.queue_of``) and re
 op is a ``wait_event`` on the issuing stream, so the host never waits for the GPU. ``cpu`` ops (AdamW on a layer's
 host block) go to one worker thread, which first waits for the events of the GPU ops they depend on; a GPU op that
 depends on a ``cpu`` op makes the host wait for that worker task before issuing it (the next step's weight load), or
-hands the op to the worker to issue after it. A split update's ops go to a thread of their own, which issues each of
-its copies once the copy before it on that queue has finished (a copy engine serves the queue that keeps it busy and
-starves the others: the next step's weight loads would wait for the whole update pass). Steps overlap without a barrier: what one step's schedule cannot say
+hands the op to the worker to issue after it. Steps overlap without a barrier: what one step's schedule cannot say
 about the steps before it, the dependencies the planner carries from one step to the next do (verified pairs of
 schedules; :class:`~megatrain.runtime.step_order.StepOrder` turns them into waits and fences any other pair), or,
 with ``sync_between_steps``, the whole device is synchronized before a step. Every op is timed
@@ -17,7 +15,6 @@ tests replace with a fake that checks the order on the CPU.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -49,12 +46,13 @@ class StreamExecutor(StreamCopies, Executor):
     # each first waiting for what its IR stream had issued before it: the next step's weight loads and forward,
     # issued after them, then run beside the update pass instead of behind its loads and updates
     split_queues = True
-    # With split_queues: a split update's copies paced, each issued (by the split issuer, a thread of its own) once
-    # the copy before it on its queue has finished. A copy engine keeps serving a queue that always has its next
-    # copy ready and starves the other queues of its direction (benchmarks/copy_order.py on the H200: a weight load
-    # issued beside a chain of state loads ran only after the whole chain, whatever the stream priorities or the
-    # chain's copy sizes), so the next step's weight loads waited for every split state load of the update pass;
-    # paced, the engine is free for a moment after each part and the loads waiting on the other queue go first
+    # With split_queues: each state load of a split update also waits for the split update issued before it, so
+    # the copy engine is idle for the length of that update between two loads. A copy engine keeps serving a queue
+    # that always has its next copy ready and starves the other queues of its direction (benchmarks/copy_order.py
+    # on the H200: a weight load issued beside a chain of state loads ran only after the whole chain, whatever the
+    # stream priorities or the chain's copy sizes), so the next step's weight loads waited for every split state
+    # load of the update pass; with the gap they go in between. (The stores have gaps of their own: each follows
+    # its part's load and update, which take longer.)
     pace_split = True
 
     def __init__(self, *args, cuda=TORCH_CUDA, **kwargs):
@@ -67,16 +65,11 @@ class StreamExecutor(StreamCopies, Executor):
                            for split in (False, True)}
         self.streams = {s: self.queues[(s, False)] for s in (Stream.COMPUTE, Stream.H2D, Stream.D2H)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
-        self.split_issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-split")
-        self._split_last: dict = {}  # split copy queue -> the end event of the last copy issued on it
-        self._split_futures: list[Future] = []  # the current step's split issues (their errors surface at its tail)
-        self._split_ids: set[int] = set()  # and their ops' ids
-        self.last_split_tail: Future | None = None
-        self._issuing = threading.local()  # .step: the step whose op this thread issues (the split issuer's lags)
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
         self.timer = OpTimer(self.graph, self.streams[Stream.COMPUTE], cuda)
         self.order = StepOrder(self.timer.waited)
         self.steps_issued = 0
+        self.split_opt_end = None  # the end event of the last split update issued (pace_split)
         self._no_update_runs = 0  # of which no optimizer step: evaluations, steps whose loss or norm was not finite
         self._step_base = 0  # steps taken before this executor's first (set_step)
         self.host_keep: list = []  # pinned host buffers in flight, kept alive for the step
@@ -94,10 +87,8 @@ class StreamExecutor(StreamCopies, Executor):
         self.timer.begin(schedule)
         with self.cuda.use(self.streams[Stream.COMPUTE]):  # what run() puts on the device between ops
             out = super().run(schedule, mbs, denom)  # issues everything; reading the losses waits for compute
-        self._end_split_issues()
         self.order.end()
-        if not out.applied:
-            self.issued.split_tail.result()  # the split updates counted their steps (or the next lines undo none)  # the device updates were issued with this step's count and changed nothing: the host's
+        if not out.applied:  # the device updates were issued with this step's count and changed nothing: the host's
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
             self._no_update_runs += 1
             for layer in schedule.config.gpu_opt + schedule.config.split_opt:
@@ -116,12 +107,9 @@ class StreamExecutor(StreamCopies, Executor):
             super().set_up(setup, step)
         self.order.end()
 
-    def drain(self) -> None:  # every queued optimizer task, every split issue and every stream
+    def drain(self) -> None:  # every queued optimizer task and every stream
         for f in list(self.last_opt.values()):
             f.result()
-        if self.last_split_tail is not None:
-            self.last_split_tail.result()  # (an error in a split issue is raised here)
-        self.split_issuer.submit(lambda: None).result()
         self.worker.submit(lambda: None).result()  # and the step's begin / end bookkeeping queued behind them
         self.cuda.synchronize(self.device)
         self.order.drained()
@@ -158,15 +146,14 @@ class StreamExecutor(StreamCopies, Executor):
     def _issue_op(self, op: Op, st: StepState) -> None:
         # dependencies on what the worker runs or issues are futures; on the others, events this thread recorded;
         # on the step before, what it carries over (its tasks as a rule long done)
-        waits = [d for d in op.deps if d in self.futures]
-        later = [d for d in waits if d not in self._split_ids]  # those of the optimizer worker
+        later = [d for d in op.deps if d in self.futures]
         prev = self.order.on_prev(op)
         handler = ops.HANDLERS[(op.kind, op.stream)]
         # this step's, as they are now: the worker may issue one of its ops after the next step's run began
         ctx = _Step(self.issued, self.tags, self.timer.records())
         events = ctx.issued.events
         if op.stream is Stream.CPU:
-            fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in waits]
+            fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in later]
                                                      + prev.tasks(),
                                                      lambda: [events[d] for d in op.deps if d in events]
                                                      + prev.events(op)))
@@ -175,12 +162,6 @@ class StreamExecutor(StreamCopies, Executor):
             if op.kind is OpKind.OPT:
                 self.last_opt[op.layer] = fut
             return
-        if self._paced(op):
-            fut = self.futures[op.id] = self.split_issuer.submit(self._issue_split, op, st, handler, ctx, prev,
-                                                                 self._mark(op), self.steps_issued)
-            self._split_futures.append(fut)
-            self._split_ids.add(op.id)
-            return
         if later and op.kind not in (OpKind.LOAD_W, OpKind.GUARD):
             # a GPU op that waits for an optimizer task (a gradient store into a host buffer an update still reads):
             # the worker issues it after that task, so this thread goes on issuing (the next step's forward); the
@@ -188,86 +169,44 @@ class StreamExecutor(StreamCopies, Executor):
             fut = self.futures[op.id] = self.worker.submit(self._issue_gpu, op, st, handler, ctx, prev, True)
             self.order.worker_issues(op, fut)
             return
-        for f in [self.futures[d] for d in waits] + prev.tasks():
+        for f in [self.futures[d] for d in later] + prev.tasks():
             self.timer.waited(f)
         self._issue_gpu(op, st, handler, ctx, prev)
 
-    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: _Step, prev: PrevDeps, in_worker: bool = False,
-                   mark=None) -> None:
+    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: _Step, prev: PrevDeps, in_worker: bool = False) -> None:
         """Issue a GPU op of step ``ctx`` on its queue after its dependencies' events (recorded by the issuing
         thread, or by the worker for the ops it issued, which run before it in the worker's order) and those of
-        the ops of the step before it follows (``prev``). ``in_worker``: the optimizer worker or the split issuer
-        issues it (the worker's pending issues are then its own earlier tasks, done; the other thread's, waited
-        for). ``mark``: see :meth:`_queue`."""
+        the ops of the step before it follows (``prev``). ``in_worker``: the optimizer worker issues it (the
+        worker's pending issues are then its own earlier tasks, done)."""
         if not in_worker:
             self.order.wait_for_pending(op, ctx.tags[op.id][1])
-        else:  # its own earlier tasks are done; what the split issuer issues (the step before's, carried), waited for
-            for f in [ctx.issued.futures[d] for d in op.deps if d in ctx.issued.futures] + prev.tasks():
-                f.result()
-        stream = self._queue(op, mark)
+        stream = self._queue(op)
         for d in op.deps:
             if d in ctx.issued.events:
                 stream.wait_event(ctx.issued.events[d])
         for ev in prev.events(op):
             stream.wait_event(ev)
+        paced = self.pace_split and self.split_queues and queue_of(op) == (Stream.H2D, True)
+        if paced and self.split_opt_end is not None:
+            stream.wait_event(self.split_opt_end)
         with self.cuda.on_device(self.device), self.cuda.use(stream), \
                 self.timer.on_stream(op, stream, ctx.timing) as end:
             handler(self, op, st)
         ctx.issued.events[op.id] = end
         ctx.issued.last[queue_of(op)] = end
+        if self.split_queues and queue_of(op) == (Stream.COMPUTE, True):
+            self.split_opt_end = end
 
-    def _queue(self, op: Op, mark=None):
+    def _queue(self, op: Op):
         """The CUDA stream ``op`` is issued on: its IR stream's, or for a split update's op with ``split_queues``
         a queue of its own that first waits for everything issued on the IR stream so far (the program order the
-        schedule's dependencies leave implicit); ``mark``: an event recorded on that stream when the op was handed
-        to the split issuer, which issues it later."""
+        schedule's dependencies leave implicit)."""
         q = queue_of(op)
         if not (self.split_queues and q[1]):
             return self.streams[op.stream]
         queue = self.queues[q]
-        if mark is not None:
-            queue.wait_event(mark)
-        else:
-            queue.wait_stream(self.streams[op.stream])
+        queue.wait_stream(self.streams[op.stream])
         return queue
-
-    # ---- the split issuer -----------------------------------------------------------------------------------
-    def _paced(self, op: Op) -> bool:
-        # (data parallel: the ranks' barrier after a step's issue counts its split stores issued; not paced)
-        return self.pace_split and self.split_queues and queue_of(op)[1] and self.dp is None
-
-    def _mark(self, op: Op):
-        """What the op's queue waits for of its IR stream: everything issued there so far, as an event."""
-        mark = self.cuda.new_event()
-        mark.record(self.streams[op.stream])
-        return mark
-
-    def _issue_split(self, op: Op, st: StepState, handler, ctx: _Step, prev: PrevDeps, mark, step: int) -> None:
-        """The split issuer's task: ``op`` (of step number ``step``) on its queue, a copy once the copy before it on
-        that queue has finished. Split ops follow no optimizer task of their step (only events: the gradients'
-        stores, the guard); the split issuer's own earlier issues are done."""
-        q = queue_of(op)
-        copy = op.stream is not Stream.COMPUTE
-        if copy and q in self._split_last:
-            self.cuda.wait_done(self._split_last[q])
-        self._issuing.step = step
-        try:
-            self._issue_gpu(op, st, handler, ctx, prev, in_worker=True, mark=mark)
-        finally:
-            self._issuing.step = None
-        if copy:
-            self._split_last[q] = ctx.issued.events[op.id]
-
-    def _end_split_issues(self) -> None:
-        """The step's split issues are handed over: its ``split_tail`` is done once they are (their errors with it)."""
-        futures, self._split_futures, self._split_ids = self._split_futures, [], set()
-        self.issued.split_tail = self.last_split_tail = self.split_issuer.submit(
-            lambda: [f.result() for f in futures] and None)
-
-    def issuing_step(self) -> int:
-        """The step number of the op this thread issues (the split issuer issues after the host thread moved on)."""
-        step = getattr(self._issuing, "step", None)
-        return self.steps_issued if step is None else step
 
     def timeline(self):  # the last step as measured: each op's start and end, seconds from the step's start
         self.drain()

@@ -23,6 +23,7 @@ class FakeStream:
     def __init__(self, cuda: "FakeCuda", name: int):
         self.cuda, self.name = cuda, name
         self.clock: dict[int, int] = {}
+        self.waited: list = []  # the events this stream was told to wait for, in order
 
     def _merge(self, clock: dict[int, int]) -> None:
         for k, v in clock.items():
@@ -31,6 +32,7 @@ class FakeStream:
 
     def wait_event(self, event: "FakeEvent") -> None:
         with self.cuda.lock:
+            self.waited.append(event)
             if event.clock is not None:
                 self._merge(event.clock)
 
@@ -51,12 +53,12 @@ class FakeEvent:
         self.stream: FakeStream | None = None
         self.t = 0.0
         self.synced = False
-        self.waited_t: float | None = None  # when the host last waited for it to fire (wait_done)
 
     def record(self, stream: FakeStream | None = None) -> None:
         with self.cuda.lock:
             self.stream = stream if stream is not None else self.cuda.current_stream()
             self.clock = self.stream.advance()
+            self.after_waits = len(self.stream.waited)  # recorded after that many of its stream's waits
             self.t = time.perf_counter()
 
     def synchronize(self) -> None:
@@ -65,10 +67,6 @@ class FakeEvent:
             for k, v in self.clock.items():
                 self.cuda.host[k] = max(self.cuda.host.get(k, -1), v)
             self.synced = True
-
-    def query(self) -> bool:  # work runs when issued: a recorded event has fired (the host now knows it)
-        self.synchronize()
-        return True
 
     def elapsed_time(self, end: "FakeEvent") -> float:
         return (end.t - self.t) * 1e3
@@ -107,11 +105,6 @@ class FakeCuda:
 
     def on_device(self, device):
         return contextlib.nullcontext()
-
-    @staticmethod
-    def wait_done(event: FakeEvent) -> None:
-        event.synchronize()
-        event.waited_t = time.perf_counter()
 
     def synchronize(self, device=None) -> None:
         with self.lock:

@@ -24,6 +24,7 @@ PLANS = {
     "host": dict(n_mb=3, weight_slots=2),
     "device-and-split": dict(n_mb=3, weight_slots=2, gpu_opt_every=3, resident_opt=0, split_opt=2, opt_part=700,
                              grad_kept="auto"),
+    "split": dict(n_mb=3, weight_slots=2, split_opt=2, opt_part=700, grad_kept=1),
     "resident": dict(n_mb=2, weight_slots="all", gpu_opt_every=1, resident_opt="auto"),
 }
 
@@ -50,8 +51,6 @@ def _run(name, monkeypatch=None, skip=None):
     # events, what it carries over from the one before
 
     def issued():
-        if ex.last_split_tail is not None:  # the split issuer's issues of the step are in its records
-            ex.last_split_tail.result()
         steps.append((ex.timer.schedule, ex.tags, ex.timer.records(), dict(ex.order.store_opt_done),
                       ex.order.carried))
 
@@ -147,7 +146,7 @@ def test_the_order_check_catches_a_missing_wait(monkeypatch, skip):
                 pass
 
         real = streams.StreamExecutor._queue
-        target = (streams.StreamExecutor, "_queue", lambda self, op, mark=None: NoWaits(real(self, op, mark)))
+        target = (streams.StreamExecutor, "_queue", lambda self, op: NoWaits(real(self, op)))
     else:
         target = (step_order.StepOrder, "on_prev", lambda *a, **k: step_order.PrevDeps(None, ()))
     bad, _, _ = _run("device-and-split", monkeypatch, target)
@@ -156,22 +155,23 @@ def test_the_order_check_catches_a_missing_wait(monkeypatch, skip):
 
 
 @pytest.mark.parametrize("paced", [True, False])
-def test_split_copies_are_paced(monkeypatch, paced):
-    """Each copy of a split update is issued once the host has seen the copy before it on its queue end (a copy
-    engine starves the other queues of a queue that always has its next copy ready); unpaced, the check fails."""
+def test_split_state_loads_leave_the_copy_engine_a_gap(monkeypatch, paced):
+    """Each state load of a split update waits for the split update issued before it (the copy engine is idle for
+    that long, and a weight load waiting on the other queue goes first); unpaced, the check fails."""
     if not paced:
         monkeypatch.setattr(StreamExecutor, "pace_split", False)
-    _, ex, steps = _run("device-and-split")
-    copies = [(op, t) for _, _, records, _, _ in steps for op, t in records
-              if not isinstance(t, Future) and queue_of(op) in ((Stream.H2D, True), (Stream.D2H, True))]
-    assert {queue_of(op) for op, _ in copies} == {(Stream.H2D, True), (Stream.D2H, True)}
-    last, early = {}, []
-    for op, (begin, end) in copies:  # in the order they were issued
-        before = last.get(queue_of(op))
-        if before is not None and not (before[1].waited_t is not None and before[1].waited_t <= begin.t):
-            early.append(f"{op} issued before {before[0]} was seen to end")
-        last[queue_of(op)] = (op, end)
-    assert bool(early) != paced, early[:3]
+    _, ex, steps = _run("split")
+    last_opt, early, loads = None, [], 0
+    for op, (begin, end) in (r for _, _, rec, _, _ in steps for r in rec if not isinstance(r[1], Future)):
+        # (each step's records in the order its ops were issued)
+        q = queue_of(op)
+        if q == (Stream.COMPUTE, True):
+            last_opt = (op, end)
+        elif q == (Stream.H2D, True):
+            loads += 1
+            if last_opt is not None and last_opt[1] not in begin.stream.waited[:begin.after_waits]:
+                early.append(f"{op} does not wait for {last_opt[0]}")
+    assert loads and bool(early) != paced, early[:3]
 
 
 def test_the_checks_see_a_missing_wait():

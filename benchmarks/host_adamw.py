@@ -50,6 +50,21 @@ def optimizers(bs: list[torch.Tensor], chunk: int) -> list[tuple[torch.optim.Ada
     return out
 
 
+def native_all(bs: list[torch.Tensor], chunk: int, mode: int, threads: int | None, scale: float | None) -> float:
+    """Seconds for one update of every block by megatrain's host kernel (``cpu_adamw``) in ``mode``, a chunk at a
+    time, in the calling thread."""
+    from megatrain.runtime import cpu_adamw
+
+    t = time.perf_counter()
+    for b in bs:
+        n = b.shape[1]
+        for a in range(0, n, chunk):
+            e = min(a + chunk, n)
+            cpu_adamw.adamw(b[0, a:e], b[1, a:e], b[2, a:e], b[3, a:e], lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1, step=1, grad_scale=scale, mode=mode, threads=threads)
+    return time.perf_counter() - t
+
+
 def step_all(opts, threads: int | None, scale: torch.Tensor | None) -> float:
     """Seconds for one AdamW step over every block, in the calling thread."""
     if threads:
@@ -114,6 +129,8 @@ def main():
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--native-only", action="store_true",
+                    help="only megatrain's host kernel and torch's fused kernel with a clip factor, pinned blocks")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     n_params = args.numel * args.layers
@@ -121,10 +138,10 @@ def main():
     results = []
     pool = concurrent.futures.ThreadPoolExecutor(1)  # the optimizer worker's shape: one thread, tasks in order
 
-    def run(name, opts, where="main", threads=None, scale=None, traffic=None):
+    def run(name, opts, where="main", threads=None, scale=None, traffic=None, fn=step_all):
         def once():
-            return (step_all(opts, threads, scale) if where == "main"
-                    else pool.submit(step_all, opts, threads, scale).result())
+            return (fn(opts, threads, scale) if where == "main"
+                    else pool.submit(fn, opts, threads, scale).result())
 
         once()  # warm: first touch, thread pools
         if traffic is not None:
@@ -139,6 +156,28 @@ def main():
         print(f"{name:55s} {rate / 1e9:6.2f} G params/s  ({secs:.3f} s for {n_params / 1e9:.2f}B)"
               + (f"  copies {', '.join(f'{k} {v:.1f} GB/s' for k, v in gbps.items())}" if gbps else ""), flush=True)
 
+    if args.native_only:
+        from megatrain.runtime import cpu_adamw
+
+        cpu_adamw.library()
+        print(f"host kernel: form {cpu_adamw._form} (torch's fused AdamW reproduced bit for bit)", flush=True)
+        bs = blocks(args.layers, args.numel, cuda)
+        chunked = optimizers(bs, HOST_UPDATE_CHUNK)
+        traffic_cases = [None, (True, True)] if cuda else [None]
+        for traffic in traffic_cases:
+            tag = ", H2D + D2H running" if traffic else ""
+            run(f"torch fused, worker, grad_scale{tag}", chunked, "worker", scale=torch.tensor(1.25), traffic=traffic)
+            for mode, what in ((cpu_adamw.FULL, "full"), (cpu_adamw.MASTER, "master only"),
+                               (cpu_adamw.MOMENTS, "moments only")):
+                for t in (cores, cores - 1):
+                    run(f"native {what}, worker, {t} threads{tag}", bs, "worker", threads=t, scale=0.8,
+                        traffic=traffic,
+                        fn=lambda b, th, sc, mode=mode: native_all(b, HOST_UPDATE_CHUNK, mode, th, sc))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"numel": args.numel, "layers": args.layers, "cores": cores, "form": cpu_adamw._form,
+                           "results": results}, f, indent=1)
+        return
     for pinned in ([False, True] if cuda else [False]):
         bs = blocks(args.layers, args.numel, pinned)
         mem = "pinned" if pinned else "pageable"

@@ -80,7 +80,7 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved, resident, tile, host_ckpt, split, split_queues, pace); "
+                         "saved, resident, tile, host_ckpt, split, split_queues, pace, host_kernel=native|torch); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -106,6 +106,7 @@ def main():
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
     step_sync = args.step_sync
+    native_default = sm.optimizer.native
     n = sm.graph.n_params
     results, failed = [], []
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
@@ -125,6 +126,8 @@ def main():
             variant.pop("split_queues", None)
             variant.pop("pace_split", None)
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
+        sm.wait()  # the host kernel changes between steps
+        sm.optimizer.native = variant.pop("host_native", native_default)
         overrides = {**base, **variant}
         for threads in args.cpu_threads:
             sm.optimizer.threads = threads or None
@@ -170,13 +173,26 @@ def slots_arg(value: str) -> int | str:
     return value if value == "all" else int(value)
 
 
+def host_kernel(value: str) -> bool:
+    """``host_kernel=native|torch``: the host update's kernel (native: megatrain's, which must build here)."""
+    if value not in ("native", "torch"):
+        raise argparse.ArgumentTypeError(f"host_kernel is native or torch, got {value!r}")
+    if value == "native":
+        from megatrain.runtime import cpu_adamw
+
+        cpu_adamw.library()
+    return value == "native"
+
+
 VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
                 "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
                 "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
                 "resident": ("resident_opt", resident_opt), "data": ("data", str),
                 "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints),
                 "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v))),
-                "pace": ("pace_split", lambda v: bool(int(v)))}
+                "pace": ("pace_split", lambda v: bool(int(v))),
+                "host_kernel": ("host_native", host_kernel)}
+
 
 
 def parse_variant(text: str) -> dict:
@@ -195,6 +211,7 @@ def print_table(results: list[dict]) -> None:
     cols = [("data", "data", "{}"), ("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"),
             ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"), ("split", "split_opt", "{}"),
             ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"), ("paced", "pace_split", "{}"),
+            ("host kernel", "host_kernel", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
             ("tok/s med", "tokens_per_s_median", "{:,.0f}"),
@@ -298,6 +315,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
         "split_queues": getattr(sm.executor, "split_queues", None),
         "pace_split": getattr(sm.executor, "pace_split", None),
+        "host_kernel": "native" if sm.optimizer.native else "torch",
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
 from megatrain.planner.cost import HOST_UPDATE_CHUNK
 from megatrain.runtime.optim_config import OptimConfig, lr_at
-from megatrain.runtime.store import HostStore
+from megatrain.runtime.store import ROWS, HostStore
 
 
 # parameter names the HF Trainer leaves out of weight decay (besides those of nn.LayerNorm modules)
+_SAID_TORCH_KERNEL = False  # the notice that megatrain's host kernel could not be built is printed once
+
 NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
 
 
@@ -80,9 +83,31 @@ class HostAdamW:
                                 "exp_avg": exp_avg[a:b], "exp_avg_sq": exp_avg_sq[a:b]}
             self.opts[layer] = opt
         self.step_index = 0
+        self.native = self._native_kernel(cfg)
         self.threads = cfg.threads  # may be changed between steps (benchmarks sweep it)
         self._device_opts: dict[tuple, tuple[torch.optim.AdamW, torch.nn.Parameter]] = {}  # device updates
         self._grad_scales: dict[str, torch.Tensor] = {}  # per device: the fused kernel's 1 / clip factor
+
+    @staticmethod
+    def _native_kernel(cfg: OptimConfig) -> bool:
+        """Whether host updates run megatrain's kernel (``cfg.host_kernel``; only with ``fused``): building it is
+        tried here, before the first step, so that "native" fails at once where it cannot be built."""
+        if not cfg.fused or cfg.host_kernel == "torch":
+            return False
+        from megatrain.runtime import cpu_adamw
+
+        try:
+            cpu_adamw.library()
+        except cpu_adamw.KernelUnavailable as e:
+            if cfg.host_kernel == "native":
+                raise
+            global _SAID_TORCH_KERNEL
+            if not _SAID_TORCH_KERNEL:
+                print(f"megatrain: host AdamW uses torch's fused kernel ({e}); megatrain's moves 4 bytes per "
+                      f"parameter less", file=sys.stderr)
+                _SAID_TORCH_KERNEL = True
+            return False
+        return True
 
     def _decay(self, applies: bool) -> float:
         return self.cfg.weight_decay if applies else 0.0
@@ -153,6 +178,9 @@ class HostAdamW:
         if any(a < hi and b > lo and not (lo <= a and b <= hi) for a, b, _ in self.chunks[layer]):
             raise AssertionError(f"layer {layer}: span {lo}..{hi} cuts an update chunk (chunks of "
                                  f"{HOST_UPDATE_CHUNK} elements)")
+        if self.native:
+            self._native_step(layer, opt, grad, coef, lo, hi)
+            return
         if grad.dtype == torch.float32:
             self._torch_step(opt, [v for v, _ in pairs], [grad[a - lo:b - lo] for _, (a, b) in pairs],
                              self._grad_scale(grad, coef))
@@ -161,6 +189,32 @@ class HostAdamW:
                 g = self.store.grads.as_fp32(grad[a - lo:b - lo])
                 self._torch_step(opt, [v], [g], self._grad_scale(g, coef))
         self.store.refresh_shadow(layer, lo, hi)  # a plan with a bf16 wire loads the shadow next
+
+    def _native_step(self, layer: int, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float, lo: int, hi: int
+                     ) -> None:
+        """:meth:`step_layer` by megatrain's kernel, a chunk at a time: the same arithmetic as torch's fused
+        AdamW (each chunk's step count and its group's lr and weight decay as torch would take them), the
+        gradient only read, the shadow (where the store has one) written by the same pass."""
+        from megatrain.runtime import cpu_adamw
+
+        master, exp_avg, exp_avg_sq = (self.store.row(layer, r) for r in ROWS)
+        shadow = self.store.shadows[layer] if self.store.shadows is not None else None
+        # the clip factor as the fused kernel takes it: the gradient divided by 1 / coef, rounded to fp32
+        scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32).item()
+        group_of = {id(v): g for g in opt.param_groups for v in g["params"]}
+        cfg = self.cfg
+        for v, (a, b, _) in zip(self.params[layer], self.chunks[layer]):
+            if not (lo <= a and b <= hi):
+                continue
+            g = grad[a - lo:b - lo]
+            if g.dtype != torch.float32:
+                g = self.store.grads.as_fp32(g)
+            count = opt.state[v]["step"]
+            count += 1
+            group = group_of[id(v)]
+            cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=group["lr"], betas=cfg.betas,
+                            eps=cfg.eps, weight_decay=group["weight_decay"], step=int(count), grad_scale=scale,
+                            out=shadow[a:b] if shadow is not None else None, threads=self.threads)
 
     def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
         """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by

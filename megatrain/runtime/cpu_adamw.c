@@ -1,0 +1,90 @@
+/* AdamW over flat fp32 rows in host memory, one pass, in the arithmetic of torch.optim.AdamW(fused=True) on the
+ * CPU (so its results are bit-identical to that kernel's), without its extra traffic: torch's kernel writes the
+ * scaled gradient back (4 more bytes per parameter) and the bf16 shadow of the new weights is a second pass
+ * over the master row; here the gradient is only read and the shadow is written from registers.
+ *
+ * Three modes, by which rows they write:
+ *   MT_FULL     master, exp_avg, exp_avg_sq       (read 16 bytes, write 12 per parameter)
+ *   MT_MASTER   master only                       (read 16, write 4): the new moments are computed and dropped
+ *   MT_MOMENTS  exp_avg and exp_avg_sq only       (read 12, write 8)
+ * MT_MASTER then MT_MOMENTS with the same arguments leave exactly what MT_FULL leaves: the moments do not depend
+ * on the master (decoupled weight decay), and both compute them with the same operations.
+ *
+ * Built with -ffp-contract=off, so that the only fused multiply-adds are those written (the ones torch's vector
+ * loop makes), and without -ffast-math (sqrt and division stay correctly rounded).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { MT_FULL = 0, MT_MASTER = 1, MT_MOMENTS = 2 };
+
+typedef struct {
+    float decay;     /* 1 - lr * weight_decay, applied to the master first (1: no decay) */
+    float w1;        /* 1 - beta1: exp_avg.lerp_(grad, w1) */
+    float beta2;
+    float w2;        /* 1 - beta2 */
+    float neg_step;  /* -lr / (1 - beta1^step) */
+    float bc2_sqrt;  /* sqrt(1 - beta2^step) */
+    float eps;
+    float scale;     /* the gradient is divided by this as it is read (the clip factor's inverse); 0: not */
+    int32_t v_fma;   /* exp_avg_sq's new value as fma(w2 * g, g, exp_avg_sq * beta2), as torch's vector loop computes
+                        it from 2.13 on, rather than exp_avg_sq * beta2 + (w2 * g) * g (found by comparing) */
+} mt_adamw_args;
+
+/* round to nearest even, NaN to the quiet NaN c10::BFloat16 makes */
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)r;
+}
+
+/* One pass over [0, n), specialised by the caller's constants (which rows it writes). The gradient's scale and the
+ * master's decay are applied unconditionally: x / 1 and x * 1 are x exactly, NaN included. Elements are
+ * independent: any vector width gives the same bits. (torch's remainder loop, the last n % width elements of a
+ * tensor, is compiled with other contractions; the caller leaves those to torch.) */
+static inline __attribute__((always_inline)) void pass(
+        float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq, const float *restrict grad,
+        uint16_t *restrict out, int64_t n, const mt_adamw_args a, int threads, const int write_master,
+        const int write_moments, const int write_out) {
+    /* torch's lerp: a small weight steps from the start (exp_avg), a large one back from the end (grad) */
+    const int big = !(fabsf(a.w1) < 0.5f);
+    const float coeff = big ? a.w1 - 1.0f : a.w1;
+    const float scale = a.scale != 0.0f ? a.scale : 1.0f;
+    const int v_fma = a.v_fma;
+#pragma omp parallel for simd schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; i++) {
+        const float g = grad[i] / scale;
+        const float m0 = exp_avg[i];
+        const float m = fmaf(coeff, g - m0, big ? g : m0);
+        const float v = v_fma ? fmaf(a.w2 * g, g, exp_avg_sq[i] * a.beta2)
+                              : exp_avg_sq[i] * a.beta2 + (a.w2 * g) * g;
+        if (write_moments) {
+            exp_avg[i] = m;
+            exp_avg_sq[i] = v;
+        }
+        if (write_master) {
+            const float p = master[i] * a.decay + (a.neg_step * m) / (sqrtf(v) / a.bc2_sqrt + a.eps);
+            master[i] = p;
+            if (write_out) out[i] = to_bf16(p);
+        }
+    }
+}
+
+void mt_adamw(float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq,
+              const float *restrict grad, uint16_t *restrict out, int64_t n, const mt_adamw_args *args,
+              int mode, int threads) {
+    const mt_adamw_args a = *args;
+    if (threads < 1) threads = 1;
+    if (mode == MT_MOMENTS)
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 0, 1, 0);
+    else if (mode == MT_MASTER && out)
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 0, 1);
+    else if (mode == MT_MASTER)
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 0, 0);
+    else if (out)
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 1, 1);
+    else
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 1, 0);
+}

@@ -1,0 +1,197 @@
+"""The host's AdamW kernel (``cpu_adamw.c``): torch's fused CPU AdamW arithmetic in one pass that writes only what
+it must, built on first use with the machine's C compiler and loaded with ctypes (which lets go of the GIL while it
+runs, so the optimizer worker's update does not hold up the thread that issues GPU work).
+
+Bytes per parameter, fp32 rows: torch's fused kernel with a clip factor reads 16 and writes 16 (it writes the
+scaled gradient back), and a bf16 shadow of the new weights costs another pass (read 4, write 2); this kernel
+reads 16 and writes 12 (+2 for the shadow) -- ``FULL`` -- or splits the update in two: ``MASTER`` (read 16, write
+4 (+2)), what the next forward waits for, and ``MOMENTS`` (read 12, write 8), which can run later."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+FULL, MASTER, MOMENTS = 0, 1, 2
+_SOURCE = Path(__file__).with_suffix(".c")
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
+
+
+class KernelUnavailable(RuntimeError):
+    """The host kernel cannot be built here (no C compiler, or it failed)."""
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_float) for name in
+                  ("decay", "w1", "beta2", "w2", "neg_step", "bc2_sqrt", "eps", "scale")),
+                ("v_fma", ctypes.c_int32)]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_form: tuple[int, int] = (1, 16)  # (v_fma, the vector width of torch's loop here): found by :func:`_calibrate`
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$MEGATRAIN_CACHE``, else ``~/.cache/megatrain``."""
+    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain")
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
+    return cc
+
+
+def _cpu_key() -> bytes:
+    """What the build depends on besides its source and flags: the CPU's instruction sets (-march=native)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine().encode()
+
+
+def library() -> ctypes.CDLL:
+    """The built kernel, compiled once per source, compiler, flags and CPU into :func:`cache_dir`."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        cc = _compiler()
+        try:
+            version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelUnavailable(f"the C compiler {cc} does not run: {e}") from e
+        key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(),
+                                         _cpu_key()])).hexdigest()[:16]
+        path = cache_dir() / f"cpu_adamw-{key}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            try:
+                r = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                   timeout=300)
+                if r.returncode != 0:
+                    raise KernelUnavailable(f"building {_SOURCE.name} with {cc} failed:\n{r.stderr.strip()}")
+                os.replace(tmp, path)  # atomic: another process building the same key gets a whole file
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+        lib.mt_adamw.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(_Args), ctypes.c_int,
+                                                         ctypes.c_int]
+        lib.mt_adamw.restype = None
+        _calibrate(lib)
+        _lib = lib
+        return lib
+
+
+def _calibrate(lib: ctypes.CDLL) -> None:
+    """How this build of torch's fused AdamW computes exp_avg_sq in its vector loop, and that loop's width (its
+    remainder, computed otherwise, is left to torch): the kernel must give torch's bits, compared here on random
+    values with a clip factor and weight decay."""
+    global _form
+    gen = torch.Generator().manual_seed(0)
+    n = 37 * 16 + 5
+    rows = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3,
+            torch.rand(n, generator=gen) * 1e-5, torch.randn(n, generator=gen)]
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    want = [r.clone() for r in rows]
+    _torch_step(*want, hp, 2, 1.7)
+    for form in ((1, 16), (1, 8), (0, 16), (0, 8)):
+        got = [r.clone() for r in rows]
+        _run(lib, *got, None, hp, 2, 1.7, FULL, 1, form)
+        if all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])):
+            _form = form
+            return
+    raise KernelUnavailable(f"{_SOURCE.name} does not give torch {torch.__version__}'s fused AdamW results bit for "
+                            f"bit on this machine")
+
+
+def _torch_step(master, exp_avg, exp_avg_sq, grad, hp, step, grad_scale) -> None:
+    """torch's fused AdamW, update ``step``, in place of the first three (and of ``grad``, which it scales)."""
+    opt = torch.optim.AdamW([master], **hp, fused=True)
+    opt.state[master] = {"step": torch.full((), float(step - 1)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    master.grad = grad
+    if grad_scale is not None:
+        opt.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)
+    opt.step()
+    master.grad = None
+
+
+def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode, threads, form) -> None:
+    """The update over the rows' first multiple of the vector width in the kernel, the rest (fewer than the width)
+    by torch on copies, of which ``mode``'s rows are kept."""
+    v_fma, width = form
+    n = master.numel()
+    main = n - n % width
+    if main:
+        beta1, beta2 = hp["betas"]
+        lr = hp["lr"]
+        # in double, then rounded to float, as torch's kernel takes its scalars
+        args = _Args(decay=1 - lr * hp["weight_decay"], w1=1 - beta1, beta2=beta2, w2=1 - beta2,
+                     neg_step=-(lr / (1 - beta1 ** step)), bc2_sqrt=math.sqrt(1 - beta2 ** step), eps=hp["eps"],
+                     scale=0.0 if grad_scale is None else grad_scale, v_fma=v_fma)
+        lib.mt_adamw(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+                     out.data_ptr() if out is not None else None, main, ctypes.byref(args), mode, threads)
+    if main < n:
+        rest = [t[main:].clone() for t in (master, exp_avg, exp_avg_sq, grad)]
+        _torch_step(*rest, hp, step, grad_scale)
+        keep = {FULL: (0, 1, 2), MASTER: (0,), MOMENTS: (1, 2)}[mode]
+        for i in keep:
+            (master, exp_avg, exp_avg_sq)[i][main:].copy_(rest[i])
+        if out is not None and mode != MOMENTS:
+            out[main:].copy_(rest[0])
+
+
+def available() -> bool:
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def _check(name: str, t: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.numel() != n or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"cpu_adamw: {name} must be a contiguous {dtype} CPU tensor of {n} elements, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *, lr: float,
+          betas: tuple[float, float], eps: float, weight_decay: float, step: int, grad_scale: float | None = None,
+          out: torch.Tensor | None = None, mode: int = FULL, threads: int | None = None) -> None:
+    """AdamW's update ``step`` (1 for the first) of fp32 ``master`` / ``exp_avg`` / ``exp_avg_sq`` in place from
+    ``grad`` (divided by ``grad_scale`` as it is read; ``grad`` is not written), as torch.optim.AdamW(fused=True)
+    computes it; ``out``: the new master rounded to bf16 (not in ``MOMENTS``); ``mode``: which rows are written
+    (``FULL``, ``MASTER``, ``MOMENTS``); ``threads``: OpenMP threads (None: torch's count)."""
+    n = master.numel()
+    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
+        _check(name, t, n, torch.float32)
+    if out is not None:
+        _check("out", out, n, torch.bfloat16)
+    if mode not in (FULL, MASTER, MOMENTS):
+        raise ValueError(f"cpu_adamw: unknown mode {mode}")
+    if step < 1:
+        raise ValueError(f"cpu_adamw: step counts updates from 1, got {step}")
+    if n == 0:
+        return
+    lib = library()
+    _run(lib, master, exp_avg, exp_avg_sq, grad, out, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+         step, grad_scale, mode, threads or torch.get_num_threads(), _form)

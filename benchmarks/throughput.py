@@ -80,7 +80,7 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved, resident, tile, host_ckpt, split, split_queues, pace, host_kernel=native|torch); "
+                         "saved, resident, tile, host_ckpt, split, split_queues, pace, host_kernel=native|torch, defer); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -121,10 +121,12 @@ def main():
             sm.executor.sync_between_steps = variant.pop("step_sync", step_sync)
             sm.executor.split_queues = variant.pop("split_queues", True)
             sm.executor.pace_split = variant.pop("pace_split", True)
+            sm.executor.defer_moments = variant.pop("defer_moments", True)
         else:
             variant.pop("step_sync", None)
             variant.pop("split_queues", None)
             variant.pop("pace_split", None)
+            variant.pop("defer_moments", None)
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
         sm.wait()  # the host kernel changes between steps
         sm.optimizer.native = variant.pop("host_native", native_default)
@@ -191,7 +193,7 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints),
                 "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v))),
                 "pace": ("pace_split", lambda v: bool(int(v))),
-                "host_kernel": ("host_native", host_kernel)}
+                "host_kernel": ("host_native", host_kernel), "defer": ("defer_moments", lambda v: bool(int(v)))}
 
 
 
@@ -211,7 +213,7 @@ def print_table(results: list[dict]) -> None:
     cols = [("data", "data", "{}"), ("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"),
             ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"), ("split", "split_opt", "{}"),
             ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"), ("paced", "pace_split", "{}"),
-            ("host kernel", "host_kernel", "{}"),
+            ("host kernel", "host_kernel", "{}"), ("deferred", "defer_moments", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
             ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
             ("tok/s med", "tokens_per_s_median", "{:,.0f}"),
@@ -316,6 +318,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "split_queues": getattr(sm.executor, "split_queues", None),
         "pace_split": getattr(sm.executor, "pace_split", None),
         "host_kernel": "native" if sm.optimizer.native else "torch",
+        "defer_moments": getattr(sm.executor, "defer_moments", None),
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),
@@ -357,11 +360,17 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
                 res["host_adamw_params"] = sum(p for p, _ in spans)
                 res["host_adamw_busy_s"] = sum(d for _, d in spans)
                 res["host_adamw_params_per_s"] = res["host_adamw_params"] / max(res["host_adamw_busy_s"], 1e-9)
+            deferred = [op for op in tl.ops if op.id in sm.executor.deferred_moments]
+            if deferred:  # of them, those that wrote the masters alone; their moments after the update pass
+                res["host_moments_params"] = sum(op_params(graph, c, op) for op in deferred)
+                res["host_moments_s"] = sum(sm.executor.moments_s)
+                res["host_moments_wait_s"] = sm.executor.moments_wait_s
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
                f"-s{c.weight_slots}-saved{len(c.saved_acts)}"
                f"{'' if res['sync_between_steps'] is not False else '-nosync'}"
-               f"{'' if res['pace_split'] is not False else '-unpaced'}")
+               f"{'' if res['pace_split'] is not False else '-unpaced'}"
+               f"{'' if res['defer_moments'] is not False else '-undeferred'}")
         measured = sm.executor.timeline()
         one = simulate(sched, graph, spec)
         write_trace([one, measured], f"{args.trace}-{tag}.trace.json")
@@ -386,7 +395,11 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
           f"host RSS {res['host_rss_gib']:.1f} GiB"
           + (f"; host AdamW in the worker {res['host_adamw_params_per_s'] / 1e9:.2f} G params/s "
              f"({res['host_adamw_params'] / 1e9:.2f}B params in {res['host_adamw_busy_s']:.3f} s)"
-             if "host_adamw_params_per_s" in res else ""))
+             if "host_adamw_params_per_s" in res else "")
+          + (f", of them {res['host_moments_params'] / 1e9:.2f}B masters alone, their moments after the update pass "
+             f"in {res['host_moments_s']:.3f} s ({res['host_moments_params'] / res['host_moments_s'] / 1e9:.2f} G "
+             f"params/s; gradient stores waited {res['host_moments_wait_s']:.3f} s for them)"
+             if "host_moments_params" in res else ""))
     return res
 
 

@@ -268,9 +268,10 @@ def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> fl
     return traffic
 
 
-def opt_seconds(cfg: ScheduleConfig, spec: HardwareSpec, p: int) -> float:
-    """Seconds of a host update of ``p`` parameters (a layer's, or one part of them)."""
-    t = p / spec.cpu_adam_params_per_s
+def opt_seconds(cfg: ScheduleConfig, spec: HardwareSpec, p: int, deferred: bool = False) -> float:
+    """Seconds of a host update of ``p`` parameters (a layer's, or one part of them); ``deferred``: one whose
+    moments are left for later (:func:`defers_moments`)."""
+    t = p / (spec.cpu_adam_master_params_per_s if deferred else spec.cpu_adam_params_per_s)
     if cfg.wire_bytes_per_param == 2:  # refresh the bf16 shadow that goes on the wire
         t += p / spec.cpu_cast_params_per_s
     if cfg.grad_host_bytes == 2:  # the bf16 gradient read back into fp32
@@ -302,8 +303,17 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return max(op_params(graph, cfg, op) * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
     if k is OpKind.OPT:
-        return opt_seconds(cfg, spec, op_params(graph, cfg, op))
+        return opt_seconds(cfg, spec, op_params(graph, cfg, op), defers_moments(cfg, spec, op))
     raise AssertionError(k)
+
+
+def defers_moments(cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> bool:
+    """Whether the host update ``op`` is modelled as writing the masters alone, its moments left for after the
+    update pass (where the spec gives that pass's rate): with clipping, a layer whose gradient has a host buffer
+    of its own from the backward on (the streaming executor defers exactly the updates whose buffer no later op of
+    the step writes: runtime.streams.deferrable_opts; a kept gradient's buffer may be shared in turn, so those are
+    counted at the full rate)."""
+    return bool(spec.cpu_adam_master_params_per_s) and cfg.clip and op.layer not in cfg.grad_kept
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,11 @@ class HardwareSpec:
     # the copy engines read (write) the host's DRAM, which the update threads stream through; 0: not modelled
     cpu_h2d_slowdown: float = 0.0
     cpu_d2h_slowdown: float = 0.0
+    # host AdamW writing the new masters alone (read 16 bytes a parameter, write 4): with clipping the streaming
+    # executor's host updates in the update pass, their moments (read 12, write 8) left for the next forward and
+    # backward, when the host is otherwise idle (StreamExecutor.defer_moments); 0: not modelled (every host
+    # update at cpu_adam_params_per_s)
+    cpu_adam_master_params_per_s: float = 0.0
 
     @property
     def budget_bytes(self) -> int:
@@ -58,7 +63,8 @@ class HardwareSpec:
         for f in names[1:]:
             v = d.get(f, 0)
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
-                                 "route_bytes_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown")
+                                 "route_bytes_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown",
+                                 "cpu_adam_master_params_per_s")
             # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
                     not (v >= 0 if may_be_zero else v > 0):

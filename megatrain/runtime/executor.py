@@ -70,6 +70,9 @@ class Executor:
         self.on_op: Callable[[Op], ContextManager] | None = None
         # data parallel: the ranks whose gradients and losses each step sums (runtime.data_parallel); None: alone
         self.dp: DataParallel | None = None
+        # the host OPTs of the schedule running whose moments are left for later (the streaming executor's
+        # ``defer_moments``); here none
+        self.deferred_moments: frozenset[int] = frozenset()
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
             successions=None) -> StepOutput:

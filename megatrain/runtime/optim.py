@@ -8,6 +8,7 @@ import sys
 import torch
 
 from megatrain.planner.cost import HOST_UPDATE_CHUNK
+from megatrain.runtime.cpu_adamw import FULL, MASTER, MOMENTS
 from megatrain.runtime.optim_config import OptimConfig, lr_at
 from megatrain.runtime.store import ROWS, HostStore
 
@@ -160,13 +161,15 @@ class HostAdamW:
         grad.mul_(coef)
         return None
 
-    def step_layer(self, layer: int, grad: torch.Tensor, coef: float = 1.0, span: tuple[int, int] | None = None
-                   ) -> None:
+    def step_layer(self, layer: int, grad: torch.Tensor, coef: float = 1.0, span: tuple[int, int] | None = None,
+                   moments: bool = True) -> None:
         """AdamW on one layer's host block with its gradient ``grad`` (a host buffer: fp32, changed in place where
         the update scales it, or bf16, read back into fp32 first: ``GradBuffers.as_fp32``) scaled by ``coef`` (the
         step's clip factor). ``span``: (lo, hi), the elements of the block ``grad`` holds the gradient of (one part
         of a gradient that comes to the host in parts; its bounds multiples of HOST_UPDATE_CHUNK or the block's
-        end); None: all."""
+        end); None: all. ``moments=False`` (megatrain's kernel only): the new masters alone, the moments left for
+        :meth:`step_moments` with the same gradient and factor, before anything else reads them or the gradient
+        changes (the two leave the bits one update leaves)."""
         opt = self.opts.get(layer)
         if opt is None:
             return
@@ -179,8 +182,10 @@ class HostAdamW:
             raise AssertionError(f"layer {layer}: span {lo}..{hi} cuts an update chunk (chunks of "
                                  f"{HOST_UPDATE_CHUNK} elements)")
         if self.native:
-            self._native_step(layer, opt, grad, coef, lo, hi)
+            self._native_step(layer, opt, grad, coef, lo, hi, FULL if moments else MASTER)
             return
+        if not moments:
+            raise AssertionError("an update without its moments needs megatrain's host kernel")
         if grad.dtype == torch.float32:
             self._torch_step(opt, [v for v, _ in pairs], [grad[a - lo:b - lo] for _, (a, b) in pairs],
                              self._grad_scale(grad, coef))
@@ -190,11 +195,22 @@ class HostAdamW:
                 self._torch_step(opt, [v], [g], self._grad_scale(g, coef))
         self.store.refresh_shadow(layer, lo, hi)  # a plan with a bf16 wire loads the shadow next
 
-    def _native_step(self, layer: int, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float, lo: int, hi: int
-                     ) -> None:
+    def step_moments(self, layer: int, grad: torch.Tensor, coef: float = 1.0,
+                     span: tuple[int, int] | None = None) -> None:
+        """The moments of the update :meth:`step_layer` made with ``moments=False`` (same arguments; the gradient
+        unchanged since)."""
+        opt = self.opts.get(layer)
+        if opt is None:
+            return
+        lo, hi, _ = self._span_chunks(layer, span)
+        self._native_step(layer, opt, grad, coef, lo, hi, MOMENTS)
+
+    def _native_step(self, layer: int, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float, lo: int, hi: int,
+                     mode: int) -> None:
         """:meth:`step_layer` by megatrain's kernel, a chunk at a time: the same arithmetic as torch's fused
         AdamW (each chunk's step count and its group's lr and weight decay as torch would take them), the
-        gradient only read, the shadow (where the store has one) written by the same pass."""
+        gradient only read, the shadow (where the store has one) written by the same pass. ``mode``: the rows
+        written (``cpu_adamw.FULL``, ``MASTER``: the step counts advance; ``MOMENTS``: of the update just made)."""
         from megatrain.runtime import cpu_adamw
 
         master, exp_avg, exp_avg_sq = (self.store.row(layer, r) for r in ROWS)
@@ -210,11 +226,13 @@ class HostAdamW:
             if g.dtype != torch.float32:
                 g = self.store.grads.as_fp32(g)
             count = opt.state[v]["step"]
-            count += 1
+            if mode != MOMENTS:
+                count += 1
             group = group_of[id(v)]
             cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=group["lr"], betas=cfg.betas,
                             eps=cfg.eps, weight_decay=group["weight_decay"], step=int(count), grad_scale=scale,
-                            out=shadow[a:b] if shadow is not None else None, threads=self.threads)
+                            out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
+                            threads=self.threads)
 
     def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
         """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by

@@ -124,7 +124,18 @@ def update_on_host(ex, op: Op, st: StepState) -> None:
     if ex.dp is not None and not ex.dp.owns(op.layer):  # its owner rank updates the shared store
         ex.optimizer.count_step(op.layer, span=(lo, hi))
         return
-    ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi))
+    ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi),
+                            moments=op.id not in ex.deferred_moments)
+
+
+def moments_on_host(ex, op: Op, st: StepState) -> None:
+    """The moments of the host update ``op`` made without them (``ex.deferred_moments``), from the gradient still in
+    its host buffer."""
+    if not st.ok():
+        return
+    lo, hi = st.schedule.config.part_span(op, ex.graph.weight_params(op.layer))
+    ex.optimizer.step_moments(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(),
+                              span=(lo, hi))
 
 
 def update_on_device(ex, op: Op, st: StepState) -> None:

@@ -63,6 +63,8 @@ def _plan(args) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of GiB > 0, got {v}")
         if args.host_gib is not None:
             spec = dataclasses.replace(spec, host_bytes=int(args.host_gib * GiB))
+        if args.one_pass_updates:
+            spec = dataclasses.replace(spec, cpu_adam_master_params_per_s=0.0)
         every = args.gpu_opt_every
         if every is None:  # what compile() does on that device: device updates on a GPU, none on the CPU
             every = "0" if spec.name == "cpu" else "auto"
@@ -406,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-gib", "--budget-gib", dest="gpu_gib", type=float,
                    help="device memory the plan may fill (default: the card's less reserve)")
     p.add_argument("--host-gib", type=float, help="host memory the plan may use (default: the hardware spec's)")
+    p.add_argument("--one-pass-updates", action="store_true",
+                   help="model every host update as one pass over master and moments (the streaming executor with "
+                        "defer_moments off, or without megatrain's host kernel); default: with clipping, updates "
+                        "whose gradient has its own host buffer write the masters alone in the update pass")
     p.add_argument("--mb", type=int, help="fix the number of micro-batches")
     p.add_argument("--slots", type=_slots, help="fix the number of weight slots (all: one per layer)")
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")

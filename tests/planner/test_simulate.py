@@ -16,7 +16,7 @@ from .helpers import config
 SPEC = dataclasses.replace(PRESETS["h200"], h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, duplex_bytes_per_s=1.5e9,
                            matmul_flops_per_s=1e9, hbm_bytes_per_s=1e15, cpu_adam_params_per_s=1e6,
                            cpu_cast_params_per_s=1e30, fwd_issue_s=0.0, bwd_issue_s=0.0, cpu_h2d_slowdown=0.0,
-                           cpu_d2h_slowdown=0.0)
+                           cpu_d2h_slowdown=0.0, cpu_adam_master_params_per_s=0.0)
 
 
 def two_layer_graph():
@@ -110,7 +110,8 @@ def test_device_updates_shorten_a_host_bound_step():
     from megatrain.planner.graph import preset
 
     g = preset("qwen2.5-7b")
-    spec = dataclasses.replace(PRESETS["h200"], cpu_adam_params_per_s=2e9)
+    spec = dataclasses.replace(PRESETS["h200"], cpu_adam_params_per_s=2e9,
+                               cpu_adam_master_params_per_s=0.0)  # every host update in one pass
     eligible = [l for l in range(len(g)) if g[l].tie is None and not g.tied_to(l)]
     steps = {}
     for gpu_opt in ((), tuple(eligible[2::3])):

@@ -116,8 +116,8 @@ def main():
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         data = variant.pop("data", args.data)
+        sm.wait()  # the previous variant's steps finish before the ordering and the host kernel change
         if hasattr(sm.executor, "sync_between_steps"):
-            sm.wait()  # the previous variant's steps finish before the ordering changes
             sm.executor.sync_between_steps = variant.pop("step_sync", step_sync)
             sm.executor.split_queues = variant.pop("split_queues", True)
             sm.executor.pace_split = variant.pop("pace_split", True)
@@ -128,7 +128,6 @@ def main():
             variant.pop("pace_split", None)
             variant.pop("defer_moments", None)
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
-        sm.wait()  # the host kernel changes between steps
         sm.optimizer.native = variant.pop("host_native", native_default)
         overrides = {**base, **variant}
         for threads in args.cpu_threads:
@@ -194,7 +193,6 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v))),
                 "pace": ("pace_split", lambda v: bool(int(v))),
                 "host_kernel": ("host_native", host_kernel), "defer": ("defer_moments", lambda v: bool(int(v)))}
-
 
 
 def parse_variant(text: str) -> dict:

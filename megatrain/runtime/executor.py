@@ -70,9 +70,17 @@ class Executor:
         self.on_op: Callable[[Op], ContextManager] | None = None
         # data parallel: the ranks whose gradients and losses each step sums (runtime.data_parallel); None: alone
         self.dp: DataParallel | None = None
-        # the host OPTs of the schedule running whose moments are left for later (the streaming executor's
-        # ``defer_moments``); here none
-        self.deferred_moments: frozenset[int] = frozenset()
+
+    def _deferred_for(self, schedule: Schedule) -> frozenset[int]:
+        """The host OPTs of ``schedule`` that write the masters alone, their moments left for later (the streaming
+        executor's ``defer_moments``); here none: every update is one pass."""
+        return frozenset()
+
+    @property
+    def deferred_moments(self) -> frozenset[int]:
+        """Of the last step issued: :attr:`StepState.deferred_moments`."""
+        st = getattr(self, "st", None)
+        return st.deferred_moments if st is not None else frozenset()
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
             successions=None) -> StepOutput:
@@ -95,7 +103,8 @@ class Executor:
         host_mbs = [mb if mb.position_ids is not None or not (optional and bool(mb.attention_mask.all()))
                     else MicroBatch(mb.input_ids, None, mb.next_labels) for mb in mbs]
         st = StepState(schedule, host_mbs, denom, lr=self._begin_step() if cfg.train else 0.0,
-                       clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs))
+                       clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs),
+                       deferred_moments=self._deferred_for(schedule) if cfg.train else frozenset())
         if self.captured.router_aux is not None:
             st.aux = [router_aux.Stats() for _ in mbs]
         self.st = st

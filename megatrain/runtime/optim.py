@@ -8,14 +8,15 @@ import sys
 import torch
 
 from megatrain.planner.cost import HOST_UPDATE_CHUNK
+from megatrain.runtime import cpu_adamw
 from megatrain.runtime.cpu_adamw import FULL, MASTER, MOMENTS
 from megatrain.runtime.optim_config import OptimConfig, lr_at
 from megatrain.runtime.store import ROWS, HostStore
 
 
-# parameter names the HF Trainer leaves out of weight decay (besides those of nn.LayerNorm modules)
 _SAID_TORCH_KERNEL = False  # the notice that megatrain's host kernel could not be built is printed once
 
+# parameter names the HF Trainer leaves out of weight decay (besides those of nn.LayerNorm modules)
 NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
 
 
@@ -95,8 +96,6 @@ class HostAdamW:
         tried here, before the first step, so that "native" fails at once where it cannot be built."""
         if not cfg.fused or cfg.host_kernel == "torch":
             return False
-        from megatrain.runtime import cpu_adamw
-
         try:
             cpu_adamw.library()
         except cpu_adamw.KernelUnavailable as e:
@@ -211,15 +210,13 @@ class HostAdamW:
         AdamW (each chunk's step count and its group's lr and weight decay as torch would take them), the
         gradient only read, the shadow (where the store has one) written by the same pass. ``mode``: the rows
         written (``cpu_adamw.FULL``, ``MASTER``: the step counts advance; ``MOMENTS``: of the update just made)."""
-        from megatrain.runtime import cpu_adamw
-
         master, exp_avg, exp_avg_sq = (self.store.row(layer, r) for r in ROWS)
         shadow = self.store.shadows[layer] if self.store.shadows is not None else None
         # the clip factor as the fused kernel takes it: the gradient divided by 1 / coef, rounded to fp32
         scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32).item()
-        group_of = {id(v): g for g in opt.param_groups for v in g["params"]}
+        lr = opt.param_groups[0]["lr"]  # every group's (begin_step)
         cfg = self.cfg
-        for v, (a, b, _) in zip(self.params[layer], self.chunks[layer]):
+        for v, (a, b, decay) in zip(self.params[layer], self.chunks[layer]):
             if not (lo <= a and b <= hi):
                 continue
             g = grad[a - lo:b - lo]
@@ -228,9 +225,8 @@ class HostAdamW:
             count = opt.state[v]["step"]
             if mode != MOMENTS:
                 count += 1
-            group = group_of[id(v)]
-            cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=group["lr"], betas=cfg.betas,
-                            eps=cfg.eps, weight_decay=group["weight_decay"], step=int(count), grad_scale=scale,
+            cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=lr, betas=cfg.betas,
+                            eps=cfg.eps, weight_decay=self._decay(decay), step=int(count), grad_scale=scale,
                             out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
                             threads=self.threads)
 

@@ -49,6 +49,9 @@ class StepState:
     tied_parts: dict[int, int] = field(default_factory=dict)  # owner -> parts of its tied gradient summed so far
     # per mb, where the model has a router loss: its routers' sums over the layers run so far (runtime.router_aux)
     aux: list | None = None
+    # its host OPTs that write the masters alone, their moments computed after the update pass (the streaming
+    # executor's defer_moments); decided when the step is issued, so a task the worker runs late sees its own step's
+    deferred_moments: frozenset[int] = frozenset()
     # made by the step's GUARD op (update_ops.guard), on the device: the factor updates scale the gradient by (the
     # clip factor, or 1; NaN where the loss or the norm is not finite), and (global norm or 0, the step's loss,
     # factor)

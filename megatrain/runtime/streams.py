@@ -96,7 +96,6 @@ class StreamExecutor(StreamCopies, Executor):
         self.events, self.futures = self.issued.events, self.issued.futures
         self.prev_host_keep = self.host_keep  # the step before may still be copying from these (no device sync)
         self.host_keep = []
-        self.deferred_moments = self._deferred_for(schedule)
         self.moments_wait_s = 0.0
         if self.sync_between_steps:
             self.cuda.synchronize(self.device)
@@ -192,7 +191,7 @@ class StreamExecutor(StreamCopies, Executor):
         ctx = _Step(self.issued, self.tags, self.timer.records())
         events = ctx.issued.events
         if op.stream is Stream.CPU:
-            if op.id in self.deferred_moments:
+            if op.id in st.deferred_moments:
                 self._deferred.append(op)
                 self.moments_due[op.slot("h")] = threading.Event()
             fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in later]

@@ -125,11 +125,11 @@ def update_on_host(ex, op: Op, st: StepState) -> None:
         ex.optimizer.count_step(op.layer, span=(lo, hi))
         return
     ex.optimizer.step_layer(op.layer, ex.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi),
-                            moments=op.id not in ex.deferred_moments)
+                            moments=op.id not in st.deferred_moments)
 
 
 def moments_on_host(ex, op: Op, st: StepState) -> None:
-    """The moments of the host update ``op`` made without them (``ex.deferred_moments``), from the gradient still in
+    """The moments of the host update ``op`` made without them (``st.deferred_moments``), from the gradient still in
     its host buffer."""
     if not st.ok():
         return

@@ -6,11 +6,14 @@ Builds the model on the meta device, fills the host store with the seeded initia
 --warmup, and prints tokens/s, TFLOPS (6NT), the planner's bound and simulated time for the same schedule, GPU peak
 and host RSS. With --trace it writes the measured and simulated timelines of the last step to one Chrome trace/PNG.
 
-Two step times: "s/step" is the wall time from the end of the warm-up steps (their optimizer work included) to the
-end of the last step's work, per timed step (with steps overlapping it includes the last step's drain, so a few
-steps overstate the steady state); "median s" is the median of the seconds between consecutive steps' ends (a step
-ends when the host has issued it and the optimizer worker has finished its updates), the steady state. "tokens/s"
-is from the first, "tok/s med" from the second.
+A step ends when the host has issued it and the optimizer worker has finished its updates (moments included). The
+timed steps run on behind the warm-up steps with nothing drained in between, as in a long training run, where the
+next step's forward runs under the previous step's update pass. "s/step" is the seconds from the last warm-up step's
+end to the last timed step's end, per timed step (the steady state: every timed step has a step before it to
+overlap); "median s" is the median of the seconds between consecutive steps' ends; "drained s" counts to the end of
+everything the last step issued (its updates' tail that the next step would have overlapped, once, on top), so a
+few steps overstate the steady state by that tail over the step count. "tokens/s" is from the first, "tok/s med"
+from the second.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def main():
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder blocks (default: the preset's); fewer blocks of the same width measure what one "
                          "block costs")
-    ap.add_argument("--mb", type=int, default=4)
-    ap.add_argument("--slots", type=slots_arg, default=2, help="weight slots, or all (one per layer)")
+    ap.add_argument("--mb", type=mb_arg, default=4, help="micro-batches, or auto (the planner's choice)")
+    ap.add_argument("--slots", type=slots_arg, default=2,
+                    help="weight slots, all (one per layer), or auto (the planner's choice)")
     ap.add_argument("--host-checkpoints", type=host_checkpoints, default="auto",
                     help="layers whose checkpoints wait on the host (auto: the planner's choice)")
     ap.add_argument("--seq-tile", type=seq_tile, default="auto",
@@ -171,7 +175,11 @@ def time_train_state(sm, directory: str) -> dict:
 
 
 def slots_arg(value: str) -> int | str:
-    return value if value == "all" else int(value)
+    return value if value in ("all", "auto") else int(value)
+
+
+def mb_arg(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 def host_kernel(value: str) -> bool:
@@ -185,7 +193,7 @@ def host_kernel(value: str) -> bool:
     return value == "native"
 
 
-VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", int),
+VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", str), "mb": ("n_mb", mb_arg),
                 "slots": ("weight_slots", slots_arg), "clip": ("clip", lambda v: bool(int(v))),
                 "step_sync": ("step_sync", lambda v: bool(int(v))), "saved": ("saved_acts", saved_acts),
                 "resident": ("resident_opt", resident_opt), "data": ("data", str),
@@ -213,7 +221,8 @@ def print_table(results: list[dict]) -> None:
             ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"), ("paced", "pace_split", "{}"),
             ("host kernel", "host_kernel", "{}"), ("deferred", "defer_moments", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
-            ("median s", "median_step_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
+            ("median s", "median_step_s", "{:.3f}"), ("drained s", "drained_step_s", "{:.3f}"),
+            ("tokens/s", "tokens_per_s", "{:,.0f}"),
             ("tok/s med", "tokens_per_s_median", "{:,.0f}"),
             ("TFLOPS 6NT", "tflops_6nt", "{:.0f}"), ("HW TFLOPS", "hardware_tflops", "{:.0f}"),
             ("bound s", "bound_step_s", "{:.3f}"), ("sim s", "simulated_steady_step_s", "{:.3f}"),
@@ -268,7 +277,6 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     worker = getattr(sm.executor, "worker", None)
-    t_timed = None
     if data == "chat":
         import numpy as np
 
@@ -278,10 +286,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     else:
         rows = None
     trained = []  # tokens trained on, per step
+    t_first = time.perf_counter()  # with no warm-up step, the timed steps start here (the plan's set-up counted)
     for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            sm.wait()  # the warm-up steps' optimizer tail is not timed
-            t_timed = time.perf_counter()
         if rows is not None:
             b = rows_batch(rows, np.arange(i * batch, (i + 1) * batch), batch)
             trained.append(int((b["labels"] != -100).sum()))
@@ -295,9 +301,12 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         losses.append(st.loss)
         # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
         done.append(worker.submit(time.perf_counter) if worker is not None else time.perf_counter())
-    sm.wait()  # the last step's optimizer tail counts
-    step_s = (time.perf_counter() - t_timed) / args.steps  # mean over the timed steps, optimizer included
+    sm.wait()
+    t_drained = time.perf_counter()  # everything issued is done
     ends = [d.result() if worker is not None else d for d in done]
+    t_timed = ends[args.warmup - 1] if args.warmup else t_first
+    step_s = (ends[-1] - t_timed) / args.steps  # mean over the timed steps, each overlapping the one before
+    drained_s = (t_drained - t_timed) / args.steps  # and the last step's tail on top, once
     per_step = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup else []
     median_s = statistics.median(per_step) if per_step else step_s
     sched = sm.schedule_for(batch, args.seq, **overrides)
@@ -331,6 +340,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
         "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
+        "drained_step_s": drained_s, "tokens_per_s_drained": tokens / drained_s,
         "tokens_per_s": tokens / step_s, "tokens_per_s_median": tokens / median_s,
         # 6 x the parameters a token's compute touches (a mixture of experts' active ones) x tokens
         "active_params": n - sum(lay.inactive_params for lay in graph.layers),

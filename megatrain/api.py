@@ -19,7 +19,7 @@ from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_p
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, setup_schedule
-from megatrain.planner.search import LONG_SEQ, SEQ_TILES, GiB, check_resident, plan
+from megatrain.planner.search import LONG_SEQ, MAX_MB_TOKENS, SEQ_TILES, GiB, check_resident, plan
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
@@ -39,9 +39,11 @@ SAVED_PROBE_TOKENS = (256, 512)
 
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
-    n_mb: int = 1  # micro-batches per step
+    n_mb: int | str = 1  # micro-batches per step; "auto": the search's choice for the step's shape (a divisor of
+    # the batch, micro-batches of up to search.MAX_MB_TOKENS tokens)
     weight_slots: int | str = 2  # device buffers for layers' weights; "all": one per layer, so the backward finds
-    # every layer's weights still there from the forward and each layer is loaded once per step
+    # every layer's weights still there from the forward and each layer is loaded once per step; "auto": the
+    # search's choice (2, 3 or all)
     grad_slots: int | str = "auto"  # device fp32 gradient slots; "auto": 2, or the search's 1 or 2 for sequences of
     # search.LONG_SEQ tokens and more
     host_checkpoints: int | str = "auto"  # layers (from the first block up) whose checkpoints wait on the host;
@@ -83,9 +85,8 @@ class PlanOptions:
             raise ValueError(f"grad_host_dtype must be 'fp32' or 'bf16', got {self.grad_host_dtype!r}")
         for name in ("n_mb", "grad_slots"):
             v = getattr(self, name)
-            if not (name == "grad_slots" and v == "auto") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be an integer >= 1{' or auto' if name == 'grad_slots' else ''}, got "
-                                 f"{v!r}")
+            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {v!r}")
         if self.seq_tile != "auto" and (not isinstance(self.seq_tile, int) or isinstance(self.seq_tile, bool)
                                         or self.seq_tile < 0):
             raise ValueError(f"seq_tile must be 'auto' or a number of tokens >= 0 (0: untiled), got "
@@ -94,8 +95,8 @@ class PlanOptions:
         if h != "auto" and (not isinstance(h, int) or isinstance(h, bool) or h < 0):
             raise ValueError(f"host_checkpoints must be 'auto' or an integer >= 0, got {h!r}")
         w = self.weight_slots
-        if w != "all" and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
-            raise ValueError(f"weight_slots must be an integer >= 1 or 'all', got {w!r}")
+        if w not in ("all", "auto") and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"weight_slots must be an integer >= 1, 'all' or 'auto', got {w!r}")
         for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes"),
                            ("resident_opt", "every device update's state goes back to the host each step"),
                            ("grad_kept", "every gradient goes to the host during the backward"),
@@ -223,14 +224,14 @@ class StreamedModel:
         clip = self.optimizer.cfg.max_grad_norm is not None
         key = (batch_size, seq_len, opts, clip)
         if key not in self._schedules:
-            if batch_size % opts.n_mb:
+            if opts.n_mb != "auto" and batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
             graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
             auto = lambda v: None if v == "auto" else v  # noqa: E731
             chosen = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
                           saved_acts=opts.saved_acts, grad_kept=opts.grad_kept, grad_host_dtype=opts.grad_host_dtype,
                           split_opt=opts.split_opt, opt_part=opts.opt_part,
-                          n_mb=opts.n_mb, weight_slots=opts.weight_slots,
+                          n_mb=auto(opts.n_mb), weight_slots=auto(opts.weight_slots),
                           grad_slots=auto(opts.grad_slots), wire_bytes=2 if opts.wire == "bf16" else 4,
                           host_checkpoints=(None if seq_len >= LONG_SEQ else 0)
                           if opts.host_checkpoints == "auto" else opts.host_checkpoints,
@@ -338,17 +339,23 @@ class StreamedModel:
             return EvalStats(out.loss, denom, time.perf_counter() - t0)
 
     def _eval_plan(self, batch_size: int, seq_len: int) -> Schedule:
-        """The evaluation schedule for a batch shape: the training plan's micro-batches and weight slots, every
+        """The evaluation schedule for a batch shape: the training plan's micro-batches and weight slots (where
+        those are "auto": the fewest micro-batches of at most search.MAX_MB_TOKENS tokens, 2 slots), every
         checkpoint on the device (an evaluation keeps none beyond the next layer), the MLPs over tiles for
         micro-batches longer than a tile."""
         key = ("eval", batch_size, seq_len, self.plan_options)
         if key not in self._schedules:
             opts = self.plan_options
-            if batch_size % opts.n_mb:
-                raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
-            cfg = ScheduleConfig(n_layers=len(self.graph), n_mb=opts.n_mb, mb_tokens=batch_size // opts.n_mb * seq_len,
-                                 seq_len=seq_len, weight_slots=len(self.graph) if opts.weight_slots == "all" else
-                                 opts.weight_slots, wire_bytes_per_param=2 if opts.wire == "bf16" else 4, clip=False,
+            n_mb = opts.n_mb
+            if n_mb == "auto":  # (one sequence a micro-batch at the most)
+                n_mb = next(m for m in range(1, batch_size + 1)
+                            if batch_size % m == 0 and (m == batch_size or batch_size // m * seq_len <= MAX_MB_TOKENS))
+            if batch_size % n_mb:
+                raise ValueError(f"batch of {batch_size} sequences cannot be split into {n_mb} micro-batches")
+            slots = {"all": len(self.graph), "auto": 2}.get(opts.weight_slots, opts.weight_slots)
+            cfg = ScheduleConfig(n_layers=len(self.graph), n_mb=n_mb, mb_tokens=batch_size // n_mb * seq_len,
+                                 seq_len=seq_len, weight_slots=slots,
+                                 wire_bytes_per_param=2 if opts.wire == "bf16" else 4, clip=False,
                                  budget_bytes=self.hardware.budget_bytes, train=False,
                                  # without autograd a tile costs no recompute: long micro-batches always tiled
                                  seq_tile=min(SEQ_TILES) if opts.seq_tile == "auto" else opts.seq_tile)

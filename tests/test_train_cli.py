@@ -105,7 +105,7 @@ def test_weight_slots_from_a_config_file_are_checked(tmp_path, capsys):
     bad.write_text("slots: 0\n")
     good.write_text("slots: all\nbatch: 4\nseq: 32\n")
     assert main(["train", "--config", str(bad), "--out", str(tmp_path / "a")]) == 2
-    assert "weight_slots must be an integer >= 1 or 'all', got 0" in capsys.readouterr().err
+    assert "weight_slots must be an integer >= 1, 'all' or 'auto', got 0" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
     assert main(["train", "--config", str(good), "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["config"]["slots"] == "all"

@@ -30,6 +30,11 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
     assert ok[0]["gpu_opt"] == [] and ok[1]["gpu_opt"] == [0, 1, 2, 3, 4]  # every layer: none shares weights
     for r in ok:
         assert r["tokens_per_step"] == 256 and r["step_s"] > 0 and len(r["losses"]) == 3
+        # the steady mean runs from the warm-up step's end to the last step's end; the drained one on to the end of
+        # everything issued
+        gaps = r["step_times_between_ends_s"]
+        assert len(gaps) == 2 and abs(r["step_s"] - sum(gaps) / 2) < 1e-6
+        assert r["drained_step_s"] >= r["step_s"]
     # the variants train one model in turn: each starts where the one before stopped
     losses = [x for r in ok for x in r["losses"]]
     assert all(0 < x < 10 for x in losses) and losses[-1] < losses[0]

@@ -138,9 +138,10 @@ def test_available_host_bytes_on_this_machine():
 
 
 @pytest.mark.parametrize("plan,msg", [
-    (dict(n_mb=0), "n_mb must be an integer >= 1, got 0"),
-    (dict(grad_slots=0), "grad_slots must be an integer >= 1 or auto, got 0"),
-    (dict(n_mb=2.0), "n_mb must be an integer >= 1, got 2.0"),
+    (dict(n_mb=0), "n_mb must be an integer >= 1 or 'auto', got 0"),
+    (dict(grad_slots=0), "grad_slots must be an integer >= 1 or 'auto', got 0"),
+    (dict(n_mb=2.0), "n_mb must be an integer >= 1 or 'auto', got 2.0"),
+    (dict(weight_slots="most"), "weight_slots must be an integer >= 1, 'all' or 'auto', got 'most'"),
     (dict(host_checkpoints=-1), "host_checkpoints must be .auto. or an integer >= 0, got -1"),
     (dict(seq_tile=-5), "seq_tile must be .auto. or a number of tokens >= 0 \\(0: untiled\\), got -5"),
 ])
@@ -216,3 +217,27 @@ def test_batches_of_other_integer_widths_train_as_int64_and_bad_batches_are_one_
         megatrain.compile(sm, device="cpu")
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         megatrain.compile(hf_model("llama"), device="cpu", nonfinite="warn")
+
+
+def test_micro_batches_and_weight_slots_left_to_the_planner():
+    """n_mb / weight_slots "auto": the plan search picks them for the step's shape; the steps then train exactly as
+    with those values given, and the choice simulates no slower than the defaults'."""
+    from megatrain.planner.simulate import simulate
+
+    ids = torch.randint(0, 97, (8, 16), generator=torch.Generator().manual_seed(3))
+    auto = megatrain.compile(hf_model("llama"), device="cpu", hardware="cpu", n_mb="auto", weight_slots="auto")
+    c = auto.schedule_for(8, 16).config
+    assert c.n_mb == 8 and c.weight_slots == 2  # the cpu spec's choice for this shape (the default: one)
+    fixed = megatrain.compile(hf_model("llama"), device="cpu", hardware="cpu", n_mb=c.n_mb,
+                              weight_slots=c.weight_slots)
+    default = megatrain.compile(hf_model("llama"), device="cpu", hardware="cpu")
+    assert fixed.schedule_for(8, 16).config == c and default.schedule_for(8, 16).config.n_mb == 1
+    sim = lambda sm: simulate(sm.schedule_for(8, 16), sm.graph, sm.hardware).steady_step_s  # noqa: E731
+    assert sim(auto) <= sim(default)
+    for _ in range(2):
+        assert auto.train_step(ids).loss == fixed.train_step(ids).loss
+    assert all(torch.equal(t, fixed.state_dict()[n]) for n, t in auto.state_dict().items())
+    # its evaluation plan: the fewest micro-batches of up to MAX_MB_TOKENS tokens (here one), the loss the same to
+    # the rounding of another split
+    assert auto._eval_plan(8, 16).config.n_mb == 1
+    assert abs(auto.evaluate(ids).loss - fixed.evaluate(ids).loss) < 1e-5

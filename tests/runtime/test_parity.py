@@ -313,7 +313,7 @@ def test_bf16_wire_needs_bf16_compute_and_plan_options_are_checked():
     with pytest.raises(ValueError, match="needs bf16 compute"):
         compile_cpu(hf_model("llama"), wire="bf16")
     for bad in (0, "most", 2.5):
-        with pytest.raises(ValueError, match="weight_slots must be an integer >= 1 or 'all'"):
+        with pytest.raises(ValueError, match="weight_slots must be an integer >= 1, 'all' or 'auto'"):
             compile_cpu(hf_model("llama"), weight_slots=bad)
     with pytest.raises(ValueError, match="wire must be"):
         compile_cpu(hf_model("llama"), wire="fp8")

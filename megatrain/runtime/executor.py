@@ -120,7 +120,7 @@ class Executor:
             # its state (with steps overlapping, the up to one tensor per activation slot a step leaves, 6 GiB for a
             # 7B model at 32K tokens, stayed allocated under the next step's forward)
             st.act.clear()
-            st.host_act.clear()
+            self.release_host_acts(st)
             st.side.clear()
             st.saved.clear()
         if cfg.train:
@@ -285,6 +285,10 @@ class Executor:
         return probe.saved_bytes(self, layer, seq_len, lean)
 
     # ---- what the handlers use, which an issuer may do its own way --------------------------------------------
+    def release_host_acts(self, st: StepState) -> None:
+        """The step's offloaded checkpoints not reloaded (none, unless the step stopped part way) go."""
+        st.host_act.clear()
+
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu", copy=True)
 

@@ -2,10 +2,13 @@
 
 A mixin of :class:`~megatrain.runtime.streams.StreamExecutor`: it uses ``self.cuda`` (a
 :class:`~megatrain.runtime.cuda_api.TorchCuda` or a fake), ``self.streams``, ``self.device``, ``self.order`` (its
-:class:`~megatrain.runtime.step_order.StepOrder`), ``self.steps_issued``, ``self.timer`` and ``self.host_keep``.
+:class:`~megatrain.runtime.step_order.StepOrder`), ``self.steps_issued``, ``self.timer`` and
+``self.checkpoint_bufs`` (a :class:`CheckpointBuffers`).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -60,16 +63,26 @@ class StreamCopies:
         st.fetch = lambda: (copied.synchronize(), host)[1]
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's offload (SAVE_ACT) on the current stream, into a host buffer of :attr:`checkpoint_bufs`."""
         self.cuda.record_stream(t, self.cuda.current_stream())
-        host = self.cuda.pinned(t.shape, t.dtype)
+        host = self.checkpoint_bufs.take(t.shape, t.dtype)
         host.copy_(t, non_blocking=True)
         return host
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        self.host_keep.append(host)
+        """A checkpoint's reload (LOAD_ACT) on the current stream; its host buffer goes back to
+        :attr:`checkpoint_bufs` for a later offload, which waits on the device for this copy to have read it."""
         t = host.to(self.device, non_blocking=True)
         self.cuda.record_stream(t, self.streams[Stream.COMPUTE])
+        read = self.cuda.new_event()
+        read.record()
+        self.checkpoint_bufs.give_back(host, read)
         return t
+
+    def release_host_acts(self, st: StepState) -> None:
+        if st.host_act:  # a step stopped part way: the copies into these buffers end before they go
+            self.cuda.synchronize(self.device)
+            st.host_act.clear()
 
     def keep_alive(self, t: torch.Tensor) -> None:
         self.cuda.record_stream(t, self.cuda.current_stream())
@@ -82,3 +95,36 @@ class StreamCopies:
         done = self.cuda.new_event()
         done.record()
         self.order.row_stored(layer, row, self.steps_issued, done)
+
+
+class CheckpointBuffers:
+    """The pinned host buffers offloaded checkpoints wait in, each exactly a checkpoint's size (not the CUDA host
+    caching allocator's power-of-two blocks) and reused from step to step: a reload gives its buffer back with the
+    event of its copy, and the offload that takes it next has its stream wait for that event, so the host holds
+    one step's checkpoints (what the planner's host accounting, ``cost.host_floor``, charges) and never blocks on
+    a copy. Buffers of a shape no longer offloaded go when a new shape needs its first (the host waits for their
+    last reads then, once per change of shape)."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.free: dict[tuple, list] = {}  # (shape, dtype) -> [(buffer, the event after its last read)]
+        self.lock = threading.Lock()  # offloads and reloads are issued by the host thread and the worker
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        with self.lock:
+            free = self.free.get(key)
+            if free:
+                host, read = free.pop()
+                self.cuda.current_stream().wait_event(read)
+                return host
+            stale = [k for k, bufs in self.free.items() if k != key and bufs]
+            dropped = [self.free.pop(k) for k in stale]
+        for bufs in dropped:  # no longer used: let them go (unpinned when the last reference does)
+            for _, read in bufs:
+                read.synchronize()
+        return self.cuda.pinned_exact(key[0], dtype)
+
+    def give_back(self, host: torch.Tensor, read) -> None:
+        with self.lock:
+            self.free.setdefault((tuple(host.shape), host.dtype), []).append((host, read))

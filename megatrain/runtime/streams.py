@@ -27,7 +27,7 @@ from megatrain.runtime.executor import Executor
 from megatrain.runtime.optim import lr_at
 from megatrain.runtime.step import MicroBatch, StepOutput, StepState
 from megatrain.runtime.step_order import Issued, PrevDeps, StepOrder, Successions
-from megatrain.runtime.stream_copies import StreamCopies
+from megatrain.runtime.stream_copies import CheckpointBuffers, StreamCopies
 from megatrain.runtime.timing import OpTimer
 
 
@@ -73,6 +73,7 @@ class StreamExecutor(StreamCopies, Executor):
                            for split in (False, True)}
         self.streams = {s: self.queues[(s, False)] for s in (Stream.COMPUTE, Stream.H2D, Stream.D2H)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
+        self.checkpoint_bufs = CheckpointBuffers(cuda)  # the host buffers of offloaded checkpoints, reused
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
         self.timer = OpTimer(self.graph, self.streams[Stream.COMPUTE], cuda)
         self.order = StepOrder(self.timer.waited)
@@ -80,7 +81,6 @@ class StreamExecutor(StreamCopies, Executor):
         self.split_opt_end = None  # the end event of the last split update issued (pace_split)
         self._no_update_runs = 0  # of which no optimizer step: evaluations, steps whose loss or norm was not finite
         self._step_base = 0  # steps taken before this executor's first (set_step)
-        self.host_keep: list = []  # pinned host buffers in flight, kept alive for the step
         self._deferrable: dict[int, tuple] = {}  # id(schedule) -> (schedule, its deferrable host OPTs)
         self._deferred: list[Op] = []  # this step's host OPTs issued without their moments
         self.moments_due: dict[int, threading.Event] = {}  # host gradient buffer -> set once the moments of the
@@ -94,8 +94,6 @@ class StreamExecutor(StreamCopies, Executor):
         self.issued = self.order.begin(schedule, None if self.sync_between_steps else successions,
                                        list(self.queues.values()))
         self.events, self.futures = self.issued.events, self.issued.futures
-        self.prev_host_keep = self.host_keep  # the step before may still be copying from these (no device sync)
-        self.host_keep = []
         self.moments_wait_s = 0.0
         if self.sync_between_steps:
             self.cuda.synchronize(self.device)

@@ -118,6 +118,9 @@ class FakeCuda:
     def pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
+    def pinned_exact(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         return t
 

@@ -273,3 +273,50 @@ def test_steps_of_two_batch_shapes_in_turn_are_fenced_and_train_as_in_program_or
             assert all(fake.happened(e, begin) for e in before.last.values())
     sm.wait()
     assert all(torch.equal(a, b) for a, b in zip(sm.state_dict().values(), ref.state_dict().values()))
+
+
+def test_host_checkpoints_wait_in_one_steps_buffers_reused_after_their_reloads():
+    """Offloaded checkpoints wait in pinned host buffers of their exact size, made in the first step and reused
+    after: the host holds one step's checkpoints (what the planner's host accounting, cost.host_floor, charges;
+    kept to the end of the step after, as they once were, they were two), and an offload into a buffer waits on
+    its stream for the reload that read it last."""
+    plan = dict(n_mb=2, weight_slots=2, host_checkpoints=3)
+    model, data = hf_model("qwen2"), batches(n_steps=3)
+    ref = compile_cpu(copy.deepcopy(model), optim=OPT, **plan)
+    fake = FakeCuda()
+    sm = _streamed(copy.deepcopy(model), fake, **plan)
+    ex = sm.executor
+    made, offloads, late = [], [], []
+    last_read: dict[int, object] = {}  # buffer -> the event after its last reload
+    exact = fake.pinned_exact
+    fake.pinned_exact = lambda shape, dtype: made.append(exact(shape, dtype)) or made[-1]
+    to_host, to_device = ex.to_host, ex.to_device
+
+    def offload(t):
+        host = to_host(t)
+        offloads.append(host)
+        read = last_read.get(id(host))
+        clock = fake.current_stream().clock
+        if read is not None and clock.get(read.stream.name, -1) < read.clock[read.stream.name]:
+            late.append(id(host))  # this offload's copy could start before the reload before it had read
+        return host
+
+    def reload(host):
+        t = to_device(host)
+        key = (tuple(host.shape), host.dtype)
+        buf, read = ex.checkpoint_bufs.free[key][-1]
+        assert buf is host
+        last_read[id(host)] = read
+        return t
+
+    ex.to_host, ex.to_device = offload, reload
+    for b in data:
+        want, got = ref.train_step(*b), sm.train_step(*b)
+        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+    sm.wait()
+    assert all(torch.equal(a, b) for a, b in zip(sm.state_dict().values(), ref.state_dict().values()))
+    per_step = plan["n_mb"] * plan["host_checkpoints"]
+    assert len(offloads) == per_step * len(data)  # every checkpoint of every step went through the host
+    assert len(made) == per_step  # made in the first step, reused in the others
+    assert {id(h) for h in offloads} == {id(h) for h in made}
+    assert not late

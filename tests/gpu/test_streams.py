@@ -211,3 +211,22 @@ def test_split_updates_equal_device_updates_of_the_same_layers(kept):
         d = (sd[n] - p).abs()
         assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
 
+
+
+def test_host_checkpoints_wait_in_one_steps_pinned_buffers():
+    """Offloaded checkpoints on the GPU: one step's exact-size pinned buffers, reused by the steps after, and the
+    run identical to program order (the issuer's order on the fake CUDA: tests/runtime/test_stream_issuer.py)."""
+    plan = dict(n_mb=3, weight_slots=2, host_checkpoints=2)
+    model = small("qwen2")
+    data = batches(n_steps=3)
+    ref_losses, _, ref_sd = train(copy.deepcopy(model), False, data, **plan)
+    opt = megatrain.OptimConfig(lr=1e-3, max_grad_norm=None)  # as train() makes it
+    sm = megatrain.compile(copy.deepcopy(model), device="cuda", streams=True, optim=opt, **plan)
+    losses = [sm.train_step(*[t.cuda() for t in b]).loss for b in data]
+    sm.wait()
+    bufs = [h for free in sm.executor.checkpoint_bufs.free.values() for h, _ in free]
+    assert len(bufs) == plan["n_mb"] * plan["host_checkpoints"]
+    assert all(h.is_pinned() for h in bufs)
+    assert losses == ref_losses
+    sd = sm.state_dict()
+    assert all(torch.equal(sd[n], ref_sd[n]) for n in sd)

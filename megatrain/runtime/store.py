@@ -80,6 +80,11 @@ def pinned_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return _pin(torch.zeros(*shape, dtype=dtype))
 
 
+def pinned_empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`pinned_zeros` without the zeros (a buffer every use writes whole before it reads)."""
+    return _pin(torch.empty(*shape, dtype=dtype))
+
+
 def _pin(t: torch.Tensor) -> torch.Tensor:
     """``t``'s memory page-locked where it is (cudaHostRegister), until ``t`` goes."""
     nbytes = t.numel() * t.element_size()

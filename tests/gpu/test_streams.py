@@ -212,7 +212,6 @@ def test_split_updates_equal_device_updates_of_the_same_layers(kept):
         assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
 
 
-
 def test_host_checkpoints_wait_in_one_steps_pinned_buffers():
     """Offloaded checkpoints on the GPU: one step's exact-size pinned buffers, reused by the steps after, and the
     run identical to program order (the issuer's order on the fake CUDA: tests/runtime/test_stream_issuer.py)."""

@@ -47,7 +47,8 @@ class PlanOptions:
     grad_slots: int | str = "auto"  # device fp32 gradient slots; "auto": 2, or the search's 1 or 2 for sequences of
     # search.LONG_SEQ tokens and more
     host_checkpoints: int | str = "auto"  # layers (from the first block up) whose checkpoints wait on the host;
-    # "auto": none, and for sequences of search.LONG_SEQ tokens or more the search's split (long checkpoints)
+    # "auto": on a GPU the search's choice of all on the device or all on the host, on the CPU none; for sequences
+    # of search.LONG_SEQ tokens or more also the search's split (long checkpoints)
     gpu_opt_every: int | str = 0  # every k-th layer (of those owning weights) is updated on the GPU;
     # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search).
     # compile() makes it "auto" on a CUDA device unless it is given
@@ -213,6 +214,16 @@ class StreamedModel:
         the first of them), or None where it keeps nothing on the device."""
         return self._plans(batch_size, seq_len, overrides)[0]
 
+    def _host_checkpoints(self, opts: PlanOptions, seq_len: int) -> int | None:
+        """The plan search's ``host_checkpoints`` for ``opts`` (None: searched). "auto" on a GPU searches every
+        checkpoint on the device against every one on the host (and the splits of long sequences): with the
+        checkpoints in pinned buffers of their own size the host ones measured faster at 24 and 48 GiB budgets
+        (docs/benchmarks.md). On the CPU the host is the device, so a checkpoint "offloaded" only adds a copy:
+        none there, except for long sequences, where the search's split is what fits."""
+        if opts.host_checkpoints != "auto":
+            return opts.host_checkpoints
+        return None if self.device.type == "cuda" or seq_len >= LONG_SEQ else 0
+
     def _plans(self, batch_size: int, seq_len: int, overrides: dict) -> tuple[Schedule | None, Schedule]:
         """(the plan's set-up or None, the schedule of each of its steps): the plan search's choice
         (:func:`megatrain.planner.search.plan`, the one ``megatrain plan`` runs) with the plan options as fixed
@@ -233,8 +244,7 @@ class StreamedModel:
                           split_opt=opts.split_opt, opt_part=opts.opt_part,
                           n_mb=auto(opts.n_mb), weight_slots=auto(opts.weight_slots),
                           grad_slots=auto(opts.grad_slots), wire_bytes=2 if opts.wire == "bf16" else 4,
-                          host_checkpoints=(None if seq_len >= LONG_SEQ else 0)
-                          if opts.host_checkpoints == "auto" else opts.host_checkpoints,
+                          host_checkpoints=self._host_checkpoints(opts, seq_len),
                           gpu_opt_every=auto(opts.gpu_opt_every),
                           resident_opt=auto(opts.resident_opt), seq_tile=auto(opts.seq_tile)).schedule.config
             step = build_schedule(graph, replace(chosen, n_steps=1))

@@ -330,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                            ("clip", float, "global-norm clipping threshold (1.0)"),
                            ("mb", int, "micro-batches per step (2)"),
                            ("slots", _slots, "weight slots (2; all: one per layer)"),
-                           ("host_checkpoints", int, "layers whose checkpoints wait on the host (0)"),
+                           ("host_checkpoints", host_checkpoints, "layers whose checkpoints wait on the host ("
+                                                                  "auto: the planner's choice of none or all on a "
+                                                                  "GPU, none on the CPU)"),
                            ("gpu_opt_every", gpu_opt_every, "update every k-th layer on the GPU, not the host (0: none; "
                                                      "auto: the planner's choice; default auto on a GPU, 0 on "
                                                      "the CPU)"),

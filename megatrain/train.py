@@ -61,7 +61,8 @@ class TrainConfig:
     clip: float | None = 1.0  # global-norm clipping; None: off
     mb: int = 2  # micro-batches per step
     slots: int | str = 2  # weight slots; "all": one per layer
-    host_checkpoints: int = 0  # layers whose checkpoints wait on the host
+    host_checkpoints: int | str = "auto"  # layers whose checkpoints wait on the host ("auto": compile()'s, the
+    # planner's choice of none or all on a GPU, none on the CPU)
     gpu_opt_every: int | str | None = None  # every k-th layer updated on the GPU (0: all on the host; "auto": the
     # planner's; None: compile()'s default, "auto" on a GPU and 0 on the CPU)
     split_opt: int | str | None = None  # host-updated layers updated on the GPU after the backward, state streamed

@@ -376,9 +376,12 @@ def grad_placement(graph: LayerGraph, schedule: Schedule) -> str:
     if on_gpu:
         parts.append(f"{len(on_gpu)} layers' ({params(on_gpu)}) into their optimizer slots on the device")
     if kept:
+        split = [l for l in kept if l in cfg.split_opt]
+        then = [f"{len(kept) - len(split)} through the host buffers in turn"] if len(split) < len(kept) else []
+        then += [f"{len(split)} into their split updates' slots"] if split else []
         parts.append(f"{len(kept)} layers' ({params(kept)}) kept on the GPU until their update in {kind} "
-                     f"({fmt_bytes(sum(slot_sizes(graph, schedule)['k']))} of kept-gradient slots), then through the "
-                     f"host buffers in turn")
+                     f"({fmt_bytes(sum(slot_sizes(graph, schedule)['k']))} of kept-gradient slots), then "
+                     + " and ".join(then))
     if to_host:
         when = "during the backward, held until the update pass" if cfg.clip else "as they are complete"
         parts.append(f"{len(to_host)} layers' ({params(to_host)}) to host buffers {when}")

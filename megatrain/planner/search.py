@@ -199,17 +199,20 @@ def kept_config(graph: LayerGraph, cfg: ScheduleConfig, kept: tuple[int, ...]) -
 def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
                    base: Schedule | None = None) -> ScheduleConfig:
     """``cfg`` with the layers whose gradient stays on the device until the update pass: the first ``choice`` of
-    :func:`grad_kept_eligible` (in layer order), or for "auto" as many as :data:`KEPT_FILL` of the device memory
-    the plan without them leaves free holds, in layer order, past any too large for what is left -- a gradient
-    kept there is 4 bytes per parameter of host memory the plan does not need (the host buffers of kept gradients
-    take turns). Host memory is what bounds the model a
+    :func:`grad_kept_eligible`, or for "auto" as many as :data:`KEPT_FILL` of the device memory the plan without
+    them leaves free holds, past any too large for what is left -- a gradient kept there is 4 bytes per parameter
+    of host memory the plan does not need (the host buffers of kept gradients take turns). The layers whose
+    update is split to the device come first, then the others in layer order: a split update's kept gradient
+    never crosses the bus (4 bytes per parameter less each way, the h2d ones in the update pass), where a host
+    update's only moves its trip from the backward into the update pass. Host memory is what bounds the model a
     machine can train, so kept gradients come before saved activations, which take what they leave. ``base``: the
     schedule of ``cfg`` without kept gradients and saved activations, where the caller has it."""
     able = grad_kept_eligible(graph, cfg)
+    able = [l for l in able if l in cfg.split_opt] + [l for l in able if l not in cfg.split_opt]
     if choice != "auto":
         if not isinstance(choice, int) or isinstance(choice, bool) or choice < 0:
             raise PlanError(f"grad_kept must be 'auto' or a count of layers >= 0, got {choice!r}")
-        return kept_config(graph, cfg, tuple(able[:choice]))
+        return kept_config(graph, cfg, tuple(sorted(able[:choice])))
     if not able:
         return cfg
     if base is None:
@@ -222,7 +225,7 @@ def with_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
             continue
         spare -= need
         out.append(l)
-    return kept_config(graph, cfg, tuple(out))
+    return kept_config(graph, cfg, tuple(sorted(out)))
 
 
 def check_resident(gpu_opt_every: int | str | None, resident_opt: int | str | None) -> None:

@@ -11,6 +11,8 @@ import contextlib
 
 import torch
 
+from megatrain.runtime.store import pinned_empty
+
 
 class TorchCuda:
     """The real thing: ``torch.cuda``."""
@@ -55,8 +57,6 @@ class TorchCuda:
     def pinned_exact(shape, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host memory of exactly the size asked (the caching allocator of :meth:`pinned` rounds a
         block up to a power of two: a 56 MiB checkpoint takes 64 MiB, a 3.5 GiB one 4 GiB)."""
-        from megatrain.runtime.store import pinned_empty
-
         return pinned_empty(*shape, dtype=dtype)
 
     @staticmethod

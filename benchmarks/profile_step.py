@@ -69,6 +69,30 @@ def kernel_table(prof) -> list[str]:
     return [f"{total[k]:10.3f} ms {calls[k]:6d}  {k[:140]}" for k in rows]
 
 
+def op_kernels(prof, name: str) -> list[str]:
+    """The GPU kernels (copies included) inside the first device-side range of the op named ``name`` (``BWD L1
+    mb1``), in the order they ran: start (ms from the range's start), duration, name; then the range's length
+    and the time in it no kernel ran."""
+    from torch.autograd import DeviceType
+
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    ranges = sorted((e for e in gpu if e.name == name), key=lambda e: e.time_range.start)
+    if not ranges:
+        return [f"no device range named {name!r}"]
+    r = ranges[0].time_range
+    inside = sorted((e for e in gpu if e.name != name and r.start <= e.time_range.start < r.end),
+                    key=lambda e: e.time_range.start)
+    out, busy, end = [], 0.0, r.start
+    for e in inside:
+        t = e.time_range
+        busy += max(0.0, t.end - max(t.start, end))
+        end = max(end, t.end)
+        out.append(f"{(t.start - r.start) / 1e3:8.3f} {t.elapsed_us() / 1e3:8.3f} ms  {e.name[:120]}")
+    total = r.elapsed_us()
+    out.append(f"{name}: {total / 1e3:.3f} ms on the device, {(total - busy) / 1e3:.3f} ms of it with no kernel running")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-1.5b", help="a planner preset, or tiny")
@@ -87,6 +111,8 @@ def main():
     ap.add_argument("--data", choices=("random", "chat"), default="random",
                     help="random tokens, or packed rows of chat-like documents (as benchmarks/throughput.py makes)")
     ap.add_argument("--trace", help="write the profiler's Chrome trace here")
+    ap.add_argument("--op", action="append", default=[],
+                    help="list the kernels of this op's first profiled run in order (e.g. 'BWD L1 mb1'); repeatable")
     ap.add_argument("--kernels", action="store_true",
                     help="also list every GPU kernel (not the operators above them): device ms, calls, name")
     args = ap.parse_args()
@@ -136,6 +162,8 @@ def main():
         print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
     if args.kernels:
         print("\n".join(kernel_table(prof)))
+    for name in args.op:
+        print("\n".join(op_kernels(prof, name)))
     print("ops slowest to issue (host), with CUDA runtime calls of 1 ms or more:")
     print("\n".join(slow_issues(prof, args.rows)))
     if args.trace:

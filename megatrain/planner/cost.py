@@ -22,6 +22,7 @@ PROCESS_HOST_BYTES = int(1.7 * (1 << 30))
 OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the gradient slot on the device)
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
+OPT_MASTER_BYTES = 4  # STORE_OPT of a split update whose moments the host computes after the update pass
 OPT_STATE_ROWS = 3  # LOAD_OPT and STORE_OPT copy master, exp_avg and exp_avg_sq one row at a time: a layer's load
 # of the next step may start once the first row is stored
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
@@ -173,8 +174,9 @@ def loads_from_device(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> bool:
     return op.kind is OpKind.LOAD_W and weights_kept(cfg, graph.owner(op.layer))
 
 
-def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
-    """Bytes an h2d/d2h op moves (0 for other ops)."""
+def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op, spec: HardwareSpec | None = None) -> int:
+    """Bytes an h2d/d2h op moves (0 for other ops); ``spec``: the hardware, where it decides what moves (a split
+    update's store of a plan whose moments are deferred: :func:`defers_moments`)."""
     if op.kind is OpKind.LOAD_W:
         return 0 if loads_from_device(graph, cfg, op) else graph.weight_params(op.layer) * cfg.wire_bytes_per_param
     if op.kind is OpKind.KEEP_W:
@@ -186,7 +188,8 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
         grad = cfg.grad_host_bytes if op.mb is not None and op.layer not in cfg.grad_kept else 0
         return op_params(graph, cfg, op) * (OPT_IN_BYTES + grad)
     if op.kind is OpKind.STORE_OPT:  # plus the refreshed bf16 shadow when that is what goes on the wire
-        return op_params(graph, cfg, op) * (OPT_OUT_BYTES + (2 if cfg.wire_bytes_per_param == 2 else 0))
+        out = OPT_MASTER_BYTES if spec is not None and defers_moments(cfg, spec, op) else OPT_OUT_BYTES
+        return op_params(graph, cfg, op) * (out + (2 if cfg.wire_bytes_per_param == 2 else 0))
     if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT):
         return checkpoint_nbytes(graph, cfg, op.layer)
     return 0
@@ -291,7 +294,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         # 512K tokens, a third of a millisecond on the wire): not modelled
         return 0.0
     if k in (OpKind.LOAD_W, OpKind.KEEP_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
-        return transfer_nbytes(graph, cfg, op) / spec.h2d_bytes_per_s
+        return transfer_nbytes(graph, cfg, op, spec) / spec.h2d_bytes_per_s
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # read from the gradient slot, write the optimizer slot
         return graph.weight_params(op.layer) * 2 * GRAD_BYTES / spec.hbm_bytes_per_s
     if tied_part(graph, op):  # added to the owner's on the device, well under a millisecond: not modelled
@@ -299,7 +302,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k is OpKind.NORM:  # the gradient read (twice: norms, copy), its copy written in the kept slot's dtype
         return graph.weight_params(op.layer) * (2 * GRAD_BYTES + cfg.grad_host_bytes) / spec.hbm_bytes_per_s
     if k in (OpKind.STORE_G, OpKind.SAVE_ACT, OpKind.STORE_OPT):
-        return transfer_nbytes(graph, cfg, op) / spec.d2h_bytes_per_s
+        return transfer_nbytes(graph, cfg, op, spec) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return max(op_params(graph, cfg, op) * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
     if k is OpKind.OPT:
@@ -308,11 +311,15 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
 
 
 def defers_moments(cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> bool:
-    """Whether the host update ``op`` is modelled as writing the masters alone, its moments left for after the
-    update pass (where the spec gives that pass's rate): with clipping, a layer whose gradient has a host buffer
-    of its own from the backward on (the streaming executor defers exactly the updates whose buffer no later op of
-    the step writes: runtime.streams.deferrable_opts; a kept gradient's buffer may be shared in turn, so those are
-    counted at the full rate)."""
+    """Whether the host update ``op`` -- or the store of one part of a split update -- is modelled as writing the
+    masters alone, the moments left for the host after the update pass (where the spec gives that pass's rate):
+    with clipping, a layer whose gradient has a host buffer of its own from the backward on (the streaming
+    executor defers exactly the updates whose buffer no later op of the step writes: runtime.streams.
+    deferrable_opts; a kept gradient's buffer may be shared in turn, and a split layer's kept gradient has none, so
+    those are counted in full). The moments pass itself, 20 bytes a parameter on the host while the GPU runs the
+    next forward and backward, is not modelled."""
+    if op.kind is OpKind.STORE_OPT and not (op.mb is not None and op.layer in cfg.split_opt):
+        return False  # a whole-layer device update's state goes back in full
     return bool(spec.cpu_adam_master_params_per_s) and cfg.clip and op.layer not in cfg.grad_kept
 
 

@@ -163,7 +163,7 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         d = duration_s(graph, cfg, spec, op)
         durations.append(d)
         busy[op.stream.value] += d
-        b = transfer_nbytes(graph, cfg, op)
+        b = transfer_nbytes(graph, cfg, op, spec)
         nbytes += b
         if op.step == cfg.n_steps - 1:
             last[op.stream.value] += d
@@ -220,7 +220,7 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
         busy = dict.fromkeys(RESOURCES, 0.0)
         for i in ids:
             busy[ops[i].stream.value] += dur[i]
-            busy["pcie"] += transfer_nbytes(graph, cfg, ops[i]) / spec.duplex_bytes_per_s
+            busy["pcie"] += transfer_nbytes(graph, cfg, ops[i], spec) / spec.duplex_bytes_per_s
         return busy
 
     slowdown = {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}
@@ -311,7 +311,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
                 blocked.pop(q, None)
                 head[q] += 1
                 start[op.id] = t
-                units = transfer_nbytes(graph, cfg, op) if q[0] in alone else duration_s(graph, cfg, spec, op)
+                units = transfer_nbytes(graph, cfg, op, spec) if q[0] in alone else duration_s(graph, cfg, spec, op)
                 if units <= 0:
                     end[op.id] = t
                     finished += 1

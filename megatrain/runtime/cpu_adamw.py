@@ -135,18 +135,15 @@ def _torch_step(master, exp_avg, exp_avg_sq, grad, hp, step, grad_scale) -> None
     master.grad = None
 
 
-def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode, threads, form) -> None:
+def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode, threads, form,
+         whole=False) -> None:
     """The update over the rows' first multiple of the vector width in the kernel, the rest (fewer than the width)
-    by torch on copies, of which ``mode``'s rows are kept."""
+    by torch on copies, of which ``mode``'s rows are kept; ``whole``: every element in the kernel."""
     v_fma, width = form
     n = master.numel()
-    main = n - n % width
+    main = n if whole else n - n % width
     if main:
-        beta1, beta2 = hp["betas"]
-        lr = hp["lr"]
-        # in double, then rounded to float, as torch's kernel takes its scalars
-        args = _Args(decay=1 - lr * hp["weight_decay"], w1=1 - beta1, beta2=beta2, w2=1 - beta2,
-                     neg_step=-(lr / (1 - beta1 ** step)), bc2_sqrt=math.sqrt(1 - beta2 ** step), eps=hp["eps"],
+        args = _Args(**scalars(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"], step),
                      scale=0.0 if grad_scale is None else grad_scale, v_fma=v_fma)
         lib.mt_adamw(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
                      out.data_ptr() if out is not None else None, main, ctypes.byref(args), mode, threads)
@@ -158,6 +155,22 @@ def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode
             (master, exp_avg, exp_avg_sq)[i][main:].copy_(rest[i])
         if out is not None and mode != MOMENTS:
             out[main:].copy_(rest[0])
+
+
+def scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> dict[str, float]:
+    """The kernel's scalars for AdamW's update ``step``, in double, as torch's fused kernel forms them; the kernel
+    takes each rounded to float (as the GPU's Triton kernel does: ``kernels.adamw``, the same arithmetic)."""
+    beta1, beta2 = betas
+    return dict(decay=1 - lr * weight_decay, w1=1 - beta1, beta2=beta2, w2=1 - beta2,
+                neg_step=-(lr / (1 - beta1 ** step)), bc2_sqrt=math.sqrt(1 - beta2 ** step), eps=eps)
+
+
+def v_fma() -> bool:
+    """Whether exp_avg_sq's new value is ``fma(w2 * g, g, exp_avg_sq * beta2)`` in torch's fused CPU AdamW here
+    (the form :func:`_calibrate` finds where the kernel builds; else torch's from 2.13 on, this project's pin)."""
+    if available():
+        return bool(_form[0])
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 def available() -> bool:
@@ -176,11 +189,13 @@ def _check(name: str, t: torch.Tensor, n: int, dtype: torch.dtype) -> None:
 
 def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *, lr: float,
           betas: tuple[float, float], eps: float, weight_decay: float, step: int, grad_scale: float | None = None,
-          out: torch.Tensor | None = None, mode: int = FULL, threads: int | None = None) -> None:
+          out: torch.Tensor | None = None, mode: int = FULL, threads: int | None = None, whole: bool = False) -> None:
     """AdamW's update ``step`` (1 for the first) of fp32 ``master`` / ``exp_avg`` / ``exp_avg_sq`` in place from
     ``grad`` (divided by ``grad_scale`` as it is read; ``grad`` is not written), as torch.optim.AdamW(fused=True)
     computes it; ``out``: the new master rounded to bf16 (not in ``MOMENTS``); ``mode``: which rows are written
-    (``FULL``, ``MASTER``, ``MOMENTS``); ``threads``: OpenMP threads (None: torch's count)."""
+    (``FULL``, ``MASTER``, ``MOMENTS``); ``threads``: OpenMP threads (None: torch's count). ``whole``: the last
+    ``n % width`` elements too in torch's vector-loop arithmetic, not in its remainder loop's (which may round
+    differently): every element as the GPU's kernel computes it (``kernels.adamw``)."""
     n = master.numel()
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
         _check(name, t, n, torch.float32)
@@ -194,4 +209,4 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
         return
     lib = library()
     _run(lib, master, exp_avg, exp_avg_sq, grad, out, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
-         step, grad_scale, mode, threads or torch.get_num_threads(), _form)
+         step, grad_scale, mode, threads or torch.get_num_threads(), _form, whole)

@@ -306,16 +306,20 @@ class Executor:
         """The step's guard (:func:`~megatrain.runtime.update_ops.guard`), just formed: how the host reads it."""
         st.fetch = lambda: st.guard.detach().cpu()
 
-    def before_row(self, layer: int, row: int) -> None:
-        """Before a LOAD_OPT copies ``row`` of ``layer``'s host block (nothing to wait for in program order)."""
+    def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
+        """Before a LOAD_OPT of step ``st`` copies ``row`` of ``layer``'s host block (nothing to wait for in
+        program order)."""
 
-    def store_state(self, layer: int, block: torch.Tensor, span: tuple[int, int] | None = None) -> None:
+    def store_state(self, layer: int, block: torch.Tensor, span: tuple[int, int] | None = None,
+                    moments: bool = True) -> None:
         """Master weights and moments of ``block`` (an optimizer slot's) to the layer's host block, and the bf16
         shadow, where there is one, refreshed from them. ``span``: the elements (lo, hi) of the layer ``block``
-        holds (one part of a split update; None: all)."""
+        holds (one part of a split update; None: all). ``moments=False``: the master weights alone (the host
+        computes the moments: a split update's, deferred)."""
         lo, hi = span if span is not None else (0, block.shape[1])
         for r, (host, row) in enumerate(self.store.row_pairs(layer, block, lo)):
-            host.copy_(row, non_blocking=self.non_blocking)
+            if moments or r == 0:
+                host.copy_(row, non_blocking=self.non_blocking)
             self._row_stored(layer, r)
         if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where the
             # update ran, to nearest even as the host would

@@ -195,17 +195,18 @@ class HostAdamW:
         self.store.refresh_shadow(layer, lo, hi)  # a plan with a bf16 wire loads the shadow next
 
     def step_moments(self, layer: int, grad: torch.Tensor, coef: float = 1.0,
-                     span: tuple[int, int] | None = None) -> None:
+                     span: tuple[int, int] | None = None, device: bool = False) -> None:
         """The moments of the update :meth:`step_layer` made with ``moments=False`` (same arguments; the gradient
-        unchanged since)."""
+        unchanged since); ``device``: of a split update on the device (:meth:`step_layer_on`) whose parts stored
+        the masters alone, in the device update's arithmetic (every element as the GPU's kernel computes it)."""
         opt = self.opts.get(layer)
         if opt is None:
             return
         lo, hi, _ = self._span_chunks(layer, span)
-        self._native_step(layer, opt, grad, coef, lo, hi, MOMENTS)
+        self._native_step(layer, opt, grad, coef, lo, hi, MOMENTS, whole=device)
 
     def _native_step(self, layer: int, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float, lo: int, hi: int,
-                     mode: int) -> None:
+                     mode: int, whole: bool = False) -> None:
         """:meth:`step_layer` by megatrain's kernel, a chunk at a time: the same arithmetic as torch's fused
         AdamW (each chunk's step count and its group's lr and weight decay as torch would take them), the
         gradient only read, the shadow (where the store has one) written by the same pass. ``mode``: the rows
@@ -228,7 +229,7 @@ class HostAdamW:
             cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=lr, betas=cfg.betas,
                             eps=cfg.eps, weight_decay=self._decay(decay), step=int(count), grad_scale=scale,
                             out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
-                            threads=self.threads)
+                            threads=self.threads, whole=whole)
 
     def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
         """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by
@@ -286,6 +287,16 @@ class HostAdamW:
                            out=out[a:b] if out is not None and whole else None)
             self.set_steps(layer, step)  # the host's count stays the one truth, whichever side updates the layer
             return out is not None and whole
+        if not block.is_cuda and self.native:  # the CPU as the device: megatrain's kernel on every element, the
+            # arithmetic of the GPU's (so a split update's moments computed on the host are the same bits)
+            cfg = self.cfg
+            for a, b, decay in ranges:
+                cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], lr=lr, betas=cfg.betas,
+                                eps=cfg.eps, weight_decay=self._decay(decay), step=step,
+                                grad_scale=None if scale is None else float(scale), threads=self.threads,
+                                whole=True)
+            self.set_steps(layer, step)
+            return False
         opt, p = self._device_opt(layer, block.device)
         state = opt.state[p]
         opt.param_groups[0]["lr"] = lr

@@ -87,8 +87,9 @@ class StreamCopies:
     def keep_alive(self, t: torch.Tensor) -> None:
         self.cuda.record_stream(t, self.cuda.current_stream())
 
-    def before_row(self, layer: int, row: int) -> None:  # each row after the same row's store by the step before:
-        # the load of a large layer's state starts while the rest of it is still being stored
+    def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
+        # each row after the same row's store by the step before: the load of a large layer's state starts while
+        # the rest of it is still being stored
         self.order.wait_for_rows(layer, self.cuda.current_stream(), (row,), self.steps_issued)
 
     def _row_stored(self, layer: int, row: int) -> None:

@@ -60,7 +60,11 @@ class StreamExecutor(StreamCopies, Executor):
     # waits for) and its moments are computed after the step's update pass, from the gradient still in the host
     # buffer (:func:`deferrable_opts`), by the worker while the GPU runs the next forward and backward; the first
     # gradient store into that buffer waits for them. The pass behind the backward moves 20 bytes a parameter
-    # through the host's DRAM instead of 28; the results are bit-identical (runtime/cpu_adamw.c).
+    # through the host's DRAM instead of 28; the results are bit-identical (runtime/cpu_adamw.c). A split update
+    # whose gradient comes from such a buffer likewise stores its new masters alone (4 bytes a parameter back over
+    # PCIe instead of 12); the worker computes its moments there after the step's updates (after the state loads
+    # that read the old ones), in the arithmetic of the GPU's kernel, and the next step's state loads of the layer
+    # wait for them.
     defer_moments = True
 
     def __init__(self, *args, cuda=TORCH_CUDA, **kwargs):
@@ -82,9 +86,12 @@ class StreamExecutor(StreamCopies, Executor):
         self._no_update_runs = 0  # of which no optimizer step: evaluations, steps whose loss or norm was not finite
         self._step_base = 0  # steps taken before this executor's first (set_step)
         self._deferrable: dict[int, tuple] = {}  # id(schedule) -> (schedule, its deferrable host OPTs)
-        self._deferred: list[Op] = []  # this step's host OPTs issued without their moments
+        self._deferred: list[Op] = []  # this step's host OPTs issued without their moments, and the first stored
+        # part of each split update that stores its masters alone
         self.moments_due: dict[int, threading.Event] = {}  # host gradient buffer -> set once the moments of the
         # update that read it last are done (the next gradient store into it waits)
+        self.split_moments_due: dict[int, tuple] = {}  # split layer -> (the step that deferred its last update's
+        # moments, an event set once they are on the host): the state loads of later steps wait
         self.moments_s: list[float] = []  # the last step's moments tasks: host seconds each
         self.moments_wait_s = 0.0  # the last step's host thread: seconds waiting for moments before a store
 
@@ -111,13 +118,26 @@ class StreamExecutor(StreamCopies, Executor):
         return out
 
     def _deferred_for(self, schedule: Schedule) -> frozenset[int]:
-        """The host OPTs of ``schedule`` whose moments this executor leaves for after the update pass."""
+        """The host OPTs of ``schedule`` whose moments this executor leaves for after the update pass, and the
+        split updates' STORE_OPTs that store the masters alone."""
+        return self._deferral(schedule)[1]
+
+    def _deferral(self, schedule: Schedule) -> tuple:
+        """(schedule, :func:`deferrable_opts`, {deferred split layer: (its host gradient buffer, its parts'
+        LOAD_OPT ids)}), of ``schedule``; nothing deferred unless this executor defers."""
         if not (self.defer_moments and self.optimizer.native and self.dp is None and schedule.config.clip):
-            return frozenset()
+            return schedule, frozenset(), {}
         got = self._deferrable.get(id(schedule))
         if got is None or got[0] is not schedule:
-            got = self._deferrable[id(schedule)] = (schedule, deferrable_opts(schedule))
-        return got[1]
+            ids = deferrable_opts(schedule)
+            split = {op.layer for op in schedule.ops if op.id in ids and op.kind is OpKind.STORE_OPT}
+            loads = {}
+            for op in schedule.ops:
+                if op.kind is OpKind.LOAD_OPT and op.layer in split:
+                    h, parts = loads.get(op.layer, (op.slot("h"), []))
+                    loads[op.layer] = (h, parts + [op.id])
+            got = self._deferrable[id(schedule)] = (schedule, ids, loads)
+        return got
 
     def set_up(self, setup: Schedule, step: Schedule) -> None:
         """The plan's set-up on the copy stream; the next step follows it by the dependencies carried from it."""
@@ -156,8 +176,16 @@ class StreamExecutor(StreamCopies, Executor):
         # the moments of the updates made without them, behind the step's updates in the worker's order, the last
         # updated first: the backward stores the last layers' gradients first
         times = self.moments_s = []
+        split = self._deferral(st.schedule)[2]
         for op in reversed(self._deferred):
-            self.worker.submit(self._moments_task, op, st, self.moments_due[op.slot("h")], times)
+            if op.kind is OpKind.STORE_OPT:  # a split update's: the whole layer's moments, once its parts' state
+                # loads have read the old ones (events of this step's, which the worker may still issue before)
+                h, loads = split[op.layer]
+                done = self.moments_due[h] = threading.Event()
+                self.split_moments_due[op.layer] = (st, done)
+                self.worker.submit(self._split_moments_task, op.layer, h, loads, self.issued.events, st, done, times)
+            else:
+                self.worker.submit(self._moments_task, op, st, self.moments_due[op.slot("h")], times)
         self._deferred = []
         self.issued.tail = self.worker.submit(lambda: self.optimizer.end_step(applied=st.ok()))
         self.steps_issued += 1
@@ -174,6 +202,28 @@ class StreamExecutor(StreamCopies, Executor):
             done.set()
         times.append(time.perf_counter() - t)
 
+    def _split_moments_task(self, layer: int, h: int, loads: list[int], events: dict, st: StepState,
+                            done: threading.Event, times: list) -> None:
+        t = time.perf_counter()
+        try:
+            for i in loads:
+                events[i].synchronize()
+            update_ops.split_moments_on_host(self, layer, h, st)
+        finally:
+            done.set()
+        times.append(time.perf_counter() - t)
+
+    def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
+        """A state load's rows after their store by the step before; its moments (rows 1 and 2), after the host
+        computed them where an earlier step's split update stored its masters alone (on the issuing thread, or in
+        the worker, which ran those tasks already: they were queued before anything of a later step's)."""
+        due = self.split_moments_due.get(layer) if row in (1, 2) else None
+        if due is not None and due[0] is not st and not due[1].is_set():
+            t = time.perf_counter()
+            due[1].wait()
+            self.moments_wait_s += time.perf_counter() - t
+        super().before_row(layer, row, st)
+
     # ---- issuing ------------------------------------------------------------------------------------------
     def _issue(self, op: Op, st: StepState) -> None:
         with self.timer.issuing(op):
@@ -188,6 +238,9 @@ class StreamExecutor(StreamCopies, Executor):
         # this step's, as they are now: the worker may issue one of its ops after the next step's run began
         ctx = _Step(self.issued, self.tags, self.timer.records())
         events = ctx.issued.events
+        if op.kind is OpKind.STORE_OPT and op.id in st.deferred_moments and \
+                all(o.layer != op.layer or o.kind is not OpKind.STORE_OPT for o in self._deferred):
+            self._deferred.append(op)  # (its layer's first part: the moments are the layer's, after the step)
         if op.stream is Stream.CPU:
             if op.id in st.deferred_moments:
                 self._deferred.append(op)
@@ -262,17 +315,24 @@ class StreamExecutor(StreamCopies, Executor):
 def deferrable_opts(schedule: Schedule) -> frozenset[int]:
     """The host OPTs of ``schedule`` whose gradient buffer no later op of their step writes: their moments can be
     computed from it after the step's update pass (a buffer a kept gradient passes through in turn is written
-    again in the pass)."""
+    again in the pass); and the STORE_OPTs of every part of a split update whose parts' state loads all read the
+    gradient from such a buffer (not one kept on the device): they can store the masters alone."""
     out, written = set(), set()
     step = None
+    split_ok: dict[tuple[int, int], bool] = {}  # (step, split layer) -> every part's gradient from a buffer so
     for op in reversed(schedule.ops):
         if op.step != step:
             step, written = op.step, set()
         h = op.slot("h")
+        if op.kind is OpKind.LOAD_OPT and op.mb is not None:  # a split update's part
+            key = (op.step, op.layer)
+            split_ok[key] = split_ok.get(key, True) and h is not None and h not in written
         if h is None:
             continue
         if op.kind is OpKind.STORE_G and op.stream is Stream.D2H:
             written.add(h)
         elif op.kind is OpKind.OPT and op.stream is Stream.CPU and h not in written:
             out.add(op.id)
+    out.update(op.id for op in schedule.ops if op.kind is OpKind.STORE_OPT and op.mb is not None
+               and split_ok.get((op.step, op.layer), False))
     return frozenset(out)

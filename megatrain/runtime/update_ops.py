@@ -138,6 +138,16 @@ def moments_on_host(ex, op: Op, st: StepState) -> None:
                               span=(lo, hi))
 
 
+def split_moments_on_host(ex, layer: int, h: int, st: StepState) -> None:
+    """The moments of the split update of ``layer`` whose parts stored the masters alone (``st.deferred_moments``),
+    from the gradient still in its host buffer ``h``: the same arithmetic as the update on the device made them
+    with (kernels.adamw), so they are the bits it dropped."""
+    if not st.ok():
+        return
+    ex.optimizer.step_moments(layer, ex.store.grads.view(h, ex.graph.weight_params(layer)), coef=st.coef_value(),
+                              device=True)
+
+
 def update_on_device(ex, op: Op, st: StepState) -> None:
     """AdamW on the layer's optimizer slot, its new weights kept on the device in the compute dtype (written by the
     update where it can). The factor on the device stops a step that must not update (the Triton kernel); torch's
@@ -200,7 +210,7 @@ def load_state(ex, op: Op, st: StepState) -> None:
     else:
         return
     for r, (host, row) in enumerate(ex.store.row_pairs(op.layer, block, lo)):
-        ex.before_row(op.layer, r)
+        ex.before_row(op.layer, r, st)
         row.copy_(host, non_blocking=ex.non_blocking)
     if op.slot("h") is not None:
         grads = ex.store.grads.view(op.slot("h"), ex.graph.weight_params(op.layer))[lo: lo + block.shape[1]]
@@ -213,4 +223,4 @@ def store_state(ex, op: Op, st: StepState) -> None:
         return ex.store_state(op.layer, ex.dev.opt_block(op))
     if _owned(ex, op):
         block, lo, hi = _part(ex, op, st)
-        ex.store_state(op.layer, block, span=(lo, hi))
+        ex.store_state(op.layer, block, span=(lo, hi), moments=op.id not in st.deferred_moments)

@@ -212,6 +212,39 @@ def test_split_updates_equal_device_updates_of_the_same_layers(kept):
         assert float(d.max()) <= 2 * 1e-3 * 3 and float(d.mean()) <= 0.1 * 1e-3 * 3, n
 
 
+@pytest.mark.parametrize("defer", [True, False])
+def test_split_updates_train_bit_for_bit_like_host_updates(defer):
+    """The GPU's AdamW kernel computes the host kernel's arithmetic: updates split to the GPU leave, bit for bit,
+    the masters, moments and step counts of every update on the host (each parameter of this model a multiple of
+    16 elements, so the host kernel computes every element itself), with the split updates' moments computed on
+    the host after the update pass (their parts storing the masters alone) or stored from the GPU."""
+    from megatrain.runtime import cpu_adamw
+
+    if not cpu_adamw.available():
+        pytest.skip("no C compiler to build the host kernel")
+    model = small("llama")
+    assert all(p.numel() % 16 == 0 for p in model.parameters())
+    data = batches(n_steps=3)
+    runs = {}
+    for name, plan in {"host": dict(split_opt=0), "split": dict(split_opt=3, opt_part=1 << 14, grad_kept=0)}.items():
+        opt = megatrain.OptimConfig(lr=1e-3, max_grad_norm=0.5)
+        sm = megatrain.compile(copy.deepcopy(model), device="cuda", streams=True, optim=opt, n_mb=2,
+                               gpu_opt_every=0, **plan)
+        sm.executor.defer_moments = defer
+        stats = [sm.train_step(*[t.cuda() for t in b]) for b in data]
+        sm.wait()
+        cfg = sm.schedule_for(*data[0][0].shape).config
+        runs[name] = ([s.loss for s in stats], [s.grad_norm for s in stats],
+                      {l: sm.store.block(l)[:3].clone() for l in sm.store.owners()},
+                      {l: sm.optimizer.steps(l) for l in sm.store.owners()}, cfg, sm.executor.deferred_moments)
+    losses, norms, blocks, steps, cfg, deferred = runs["split"]
+    assert len(cfg.split_opt) == 3 and not cfg.grad_kept and min(norms) > 0.5
+    assert bool(deferred) == defer
+    assert losses == runs["host"][0] and norms == runs["host"][1] and steps == runs["host"][3]
+    for layer, block in runs["host"][2].items():
+        assert torch.equal(block, blocks[layer]), f"layer {layer}: {int((block != blocks[layer]).sum())} differ"
+
+
 def test_host_checkpoints_wait_in_one_steps_pinned_buffers():
     """Offloaded checkpoints on the GPU: one step's exact-size pinned buffers, reused by the steps after, and the
     run identical to program order (the issuer's order on the fake CUDA: tests/runtime/test_stream_issuer.py)."""

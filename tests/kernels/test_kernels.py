@@ -177,6 +177,38 @@ def test_adamw_matches_torch_adamw_over_steps(scaled):
     assert torch.equal(out, mine[0].to(low))  # rounded to nearest even, as a cast on the device
 
 
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # torch's lerp from the moment, and back from the gradient
+@pytest.mark.parametrize("scaled", [False, True])
+def test_adamw_gives_the_host_kernels_bits(beta1, scaled):
+    """Three updates on the device against megatrain's host kernel (runtime/cpu_adamw.c, torch's fused CPU AdamW
+    arithmetic) on the same numbers: master, moments and the 16-bit copy equal bit for bit (5,008 elements, a
+    multiple of the width torch's vector loop takes; moments spanning many magnitudes, tiny ones included)."""
+    from megatrain.kernels import adamw_step
+    from megatrain.runtime import cpu_adamw
+
+    if not cpu_adamw.available():
+        pytest.skip("no C compiler to build the host kernel")
+    n, lr, eps, wd = 5008, 3e-3, 1e-8, 0.1
+    betas = (beta1, 0.95)
+    g = torch.Generator().manual_seed(7)
+    host = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3,
+            torch.rand(n, generator=g) * torch.logspace(-30, -2, n)]
+    dev = [t.to(DEV, copy=True) for t in host]  # (a copy on the CPU too)
+    low = torch.bfloat16 if DEV == "cuda" else torch.float16
+    out_host, out_dev = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=low, device=DEV)
+    for step in (1, 2, 3):
+        grad = torch.randn(n, generator=g) * torch.logspace(-12, 1, n)
+        scale = 1.7 + step if scaled else None
+        cpu_adamw.adamw(*host, grad, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step, grad_scale=scale,
+                        out=out_host)
+        adamw_step(*dev, grad.to(DEV), lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step,
+                   grad_scale=torch.tensor(scale, device=DEV) if scaled else None, out=out_dev)
+    for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), host, dev):
+        assert torch.equal(a, b.cpu()), f"{name}: {int((a != b.cpu()).sum())} of {n} differ"
+    if DEV == "cuda":
+        assert torch.equal(out_host, out_dev.cpu())
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_adamw_with_a_non_finite_scale_changes_nothing(bad):
     """A step whose loss or gradient norm is not finite passes a non-finite scale: master and moments keep their

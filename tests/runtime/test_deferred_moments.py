@@ -6,6 +6,7 @@ without the wait a store overwrites a gradient whose moments are not done, and t
 
 import copy
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ NATIVE = dataclasses.replace(OPT, fused=True, host_kernel="native")
 PLANS = {
     "host": dict(n_mb=3, weight_slots=2),
     "kept-and-split": dict(n_mb=3, weight_slots=2, split_opt=2, opt_part=700, grad_kept=2),
+    "split": dict(n_mb=3, weight_slots=2, split_opt=3, opt_part=700, grad_kept=0),
 }
 
 
@@ -60,6 +62,10 @@ def _train(plan, wait=True, slow_moments=0.0, monkeypatch=None):
         ref.train_step(*b)
         sm.train_step(*b)
         deferred.append(len(ex.deferred_moments))
+        if plan == "split":  # a split update's parts store the masters alone
+            sched = ex.st.schedule
+            stores = [op for op in sched.ops if op.kind is OpKind.STORE_OPT and op.layer in sched.config.split_opt]
+            assert stores and all(op.id in ex.deferred_moments for op in stores)
     return _state(ref), _state(sm), deferred, ex
 
 
@@ -94,3 +100,76 @@ def test_an_update_whose_buffer_is_written_again_in_its_step_is_not_deferred():
                  and o.slot("h") == op.slot("h")]
         assert (op.id in deferred) == (not later), op
     assert deferred and len(deferred) < len(host_opts)
+
+
+def test_a_state_load_waits_for_an_earlier_steps_split_moments():
+    """The moments rows of a split layer's state load wait for the host's moments of the layer's last deferred
+    update, unless that update is the load's own step's (its parts load before the moments exist); the master row
+    never waits. (End to end the next step's gradient store into the layer's buffer waits first where the layer
+    keeps its buffer; this is the wait for a schedule where it does not.)"""
+    class Order:
+        def wait_for_rows(self, *a):
+            pass
+
+    class Cuda:
+        def current_stream(self):
+            return None
+
+    ex = StreamExecutor.__new__(StreamExecutor)
+    ex.order, ex.cuda, ex.steps_issued, ex.moments_wait_s = Order(), Cuda(), 1, 0.0
+    earlier, later, done = object(), object(), threading.Event()
+    ex.split_moments_due = {4: (earlier, done)}
+    ex.before_row(4, 0, later)
+    ex.before_row(4, 1, earlier)
+    ex.before_row(3, 2, later)
+    waiter = threading.Thread(target=ex.before_row, args=(4, 2, later))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    done.set()
+    waiter.join(5)
+    assert not waiter.is_alive() and ex.moments_wait_s > 0.1
+
+
+def test_a_split_layers_moments_wait_for_its_state_loads(monkeypatch):
+    """The host computes a split layer's moments only once every part's state load has read the old ones (their
+    events synchronized first), and marks them done even when computing them fails."""
+    from megatrain.runtime import update_ops
+
+    class Event:
+        def __init__(self):
+            self.synced = False
+
+        def synchronize(self):
+            self.synced = True
+
+    events = {1: Event(), 5: Event(), 9: Event()}
+    seen = []
+    monkeypatch.setattr(update_ops, "split_moments_on_host",
+                        lambda ex, layer, h, st: seen.append((layer, h, [e.synced for e in events.values()])))
+    done, times = threading.Event(), []
+    StreamExecutor._split_moments_task(object(), 4, 2, [1, 5, 9], events, None, done, times)
+    assert seen == [(4, 2, [True, True, True])] and done.is_set() and len(times) == 1
+
+    def fail(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(update_ops, "split_moments_on_host", fail)
+    done = threading.Event()
+    with pytest.raises(RuntimeError, match="boom"):
+        StreamExecutor._split_moments_task(object(), 4, 2, [1], events, None, done, [])
+    assert done.is_set()
+
+
+def test_a_split_update_with_its_gradient_kept_on_the_device_stores_its_moments():
+    """Only a split update whose every part reads its gradient from a host buffer stores the masters alone: one
+    whose gradient stays on the device has no buffer for the host to compute the moments from."""
+    for plan, want in (("split", True), ("kept-and-split", False)):
+        sm = compile_cpu(hf_model("qwen2"), optim=NATIVE, **PLANS[plan])
+        sched = sm.schedule_for(*batches(n_steps=1)[0][0].shape)
+        cfg, deferred = sched.config, deferrable_opts(sched)
+        stores = [op for op in sched.ops if op.kind is OpKind.STORE_OPT and op.layer in cfg.split_opt]
+        assert stores
+        for op in stores:
+            assert (op.id in deferred) == (want and op.layer not in cfg.grad_kept), (plan, op)
+        assert want or any(op.layer in cfg.grad_kept for op in stores)

@@ -11,7 +11,8 @@ import json
 from dataclasses import replace
 
 from megatrain.ir import ScheduleConfig
-from megatrain.planner.graph import PRESETS, LayerGraph, from_config, preset, preset_model_type
+from megatrain.planner.graph import (PRESETS, LayerGraph, from_config, full_recompute, preset,
+                                     preset_model_type)
 from megatrain.planner.hardware import hardware
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.simulate import bound, simulate
@@ -30,7 +31,8 @@ def rows(paths: list[str]) -> list[dict]:
 def graph_of(r: dict):
     """The planner's graph of the run's model: the preset's shape, its head separate from the embedding where the
     run's parameter count says so (the benchmarks' models since 46bbcfd), with the saved bytes per token the run
-    measured (runs since saved activations record it)."""
+    measured (runs since saved activations record it), and each recomputing backward forming its whole forward again
+    unless the run records that it skipped the projections nothing reads (``unread_skipped``, recorded since)."""
     graph = preset(r["preset"])
     cut = r.get("layers", PRESETS[r["preset"]]["num_hidden_layers"])  # a model cut to its first blocks
     if graph.n_params != r["params"]:
@@ -45,7 +47,7 @@ def graph_of(r: dict):
         graph = LayerGraph([replace(lay, saved_bytes_per_token=r["saved_bytes_per_token"],
                                     lean_saved_bytes_per_token=lean)
                             if lay.saved_bytes_per_token else lay for lay in graph.layers], name=graph.name)
-    return graph
+    return graph if r.get("unread_skipped") else full_recompute(graph)
 
 
 def predict(r: dict, spec) -> tuple[float, float, str]:

@@ -326,6 +326,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "pace_split": getattr(sm.executor, "pace_split", None),
         "host_kernel": "native" if sm.optimizer.native else "torch",
         "defer_moments": getattr(sm.executor, "defer_moments", None),
+        # whether the blocks' recomputes left out the projections nothing reads (grad_sink.outputs_unread)
+        "unread_skipped": any(m.unread for i in range(len(sm.graph)) for m in sm.executor.runner.unread(i)),
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
         "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),

@@ -52,10 +52,13 @@ def _plan(args) -> int:
     from megatrain.planner.critical import critical_path
     from megatrain.planner.search import largest_on_host
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
+    from megatrain.planner.graph import full_recompute
     from megatrain.planner.search import PlanError, plan
 
     try:
         graph = _model(args)
+        if args.full_recompute:
+            graph = full_recompute(graph)
         spec = hardware(args.hardware)
         for flag in ("host_gib", "gpu_gib"):
             v = getattr(args, flag)
@@ -414,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="model every host update as one pass over master and moments (the streaming executor with "
                         "defer_moments off, or without megatrain's host kernel); default: with clipping, updates "
                         "whose gradient has its own host buffer write the masters alone in the update pass")
+    p.add_argument("--full-recompute", action="store_true",
+                   help="model every recomputing backward as the whole forward again; default: a Llama/Qwen-style "
+                        "block's recompute leaves out its MLP's down projection, whose product nothing reads")
     p.add_argument("--mb", type=int, help="fix the number of micro-batches")
     p.add_argument("--slots", type=_slots, help="fix the number of weight slots (all: one per layer)")
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")

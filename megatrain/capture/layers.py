@@ -34,8 +34,8 @@ from torch import nn
 from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
-from megatrain.planner.graph import (NORM_WITH_MLP, DecoderShape, Layer, LayerGraph, latent_attention, layer_costs,
-                                     moe_block, moe_of)
+from megatrain.planner.graph import (NORM_WITH_MLP, UNREAD_PROJECTION, DecoderShape, Layer, LayerGraph,
+                                     latent_attention, layer_costs, moe_block, moe_of)
 
 
 @dataclass
@@ -89,6 +89,14 @@ class Captured:
     router_aux: object | None = None
     # the experts run through capture.grouped_experts (transformers' grouped_mm experts were the model's choice)
     grouped_experts: bool = False
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """``module.get_submodule(path)``, or None where there is none."""
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -416,7 +424,9 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
         tiles = moe is None and isinstance(getattr(seg.template, "mlp", None), nn.Module)
         norm = tiles and cfg_dict.get("model_type") in NORM_WITH_MLP and \
             isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)
-        costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm, moe=routed)
+        costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm, moe=routed,
+                            unread_down=tiles and cfg_dict.get("model_type") in NORM_WITH_MLP
+                            and isinstance(_submodule(seg.template, UNREAD_PROJECTION), nn.Linear))
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,

@@ -220,8 +220,13 @@ def matmul_and_attention_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -
     """A compute op's FLOPs: those of its matmuls (:func:`_passes` forward passes) and of its attention
     (:func:`_attn_passes`)."""
     lay = graph[op.layer]
-    # a tiled backward runs its tiled part's forward once more (each tile again, ahead of its backward)
-    again = lay.tile_flops_per_token if op.kind is OpKind.BWD and cfg.tiled(lay, op.layer) else 0.0
+    # a tiled backward runs its tiled part's forward once more (each tile again, ahead of its backward); an untiled
+    # recompute leaves out the projection only the block's residual sum reads (Layer.unread_flops_per_token)
+    again = 0.0
+    if op.kind is OpKind.BWD and cfg.tiled(lay, op.layer):
+        again = lay.tile_flops_per_token
+    elif recomputes(cfg, op):
+        again = -lay.unread_flops_per_token
     return ((_passes(cfg, op) * lay.matmul_flops_per_token + again) * cfg.mb_tokens,
             _attn_passes(cfg, op) * lay.attn_flops_per_token_per_seq * cfg.seq_len * cfg.mb_tokens)
 

@@ -52,6 +52,10 @@ class Layer:
     # expert, weighted and summed back per token (7 row reads and writes) and the gate / up rows the activation reads
     # and writes (3 of the expert's width). 0: a dense layer
     route_bytes_per_token: int = 0
+    # forward FLOPs per token a recomputing backward leaves out: the projection whose result only the block's
+    # closing residual sum reads (a dense block's MLP down projection, :data:`UNREAD_PROJECTION`), which the
+    # backward needs the input and weights of, not the product (runtime.grad_sink.outputs_unread). 0: none
+    unread_flops_per_token: float = 0.0
 
     @property
     def moment_params(self) -> int:
@@ -192,10 +196,25 @@ class DecoderShape:
 # nothing else: the norm joins the MLP in its tiles (runtime.tiling), so its output, a hidden state per token, is not
 # kept for the whole sequence either
 NORM_WITH_MLP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# the same decoder layers end with ``residual + mlp(...)`` and return that sum: nothing in the layer reads the MLP's
+# output but the sum, so a backward that recomputes the forward need not form the MLP's last projection (its
+# gradients need its input and weights alone). The projection, as a template path (checked on the device as well:
+# runtime.probe.unread_outputs_hold)
+UNREAD_PROJECTION = "mlp.down_proj"
+
+
+def full_recompute(graph: "LayerGraph") -> "LayerGraph":
+    """``graph`` with every recomputing backward forming its whole forward again (no
+    ``Layer.unread_flops_per_token``): how the runtime ran before it skipped the unread projection, and how it runs a
+    layer whose probe refused the skip (``megatrain plan --full-recompute``; recorded runs from before)."""
+    from dataclasses import replace
+
+    return LayerGraph([replace(lay, unread_flops_per_token=0.0) for lay in graph.layers], name=graph.name)
 
 
 def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_bytes: int, *,
-                tiles: bool = True, tile_norm: bool = False, moe: "MoE | None" = None) -> dict:
+                tiles: bool = True, tile_norm: bool = False, moe: "MoE | None" = None,
+                unread_down: bool = False) -> dict:
     """The cost fields of a :class:`Layer` of ``kind`` (everything but its name, template, parameters and tie):
     the one source for graphs built from a config (:func:`from_config`) and captured from a model
     (``megatrain.capture``). ``matmul_params``: the parameters its matmuls multiply by (2 FLOPs each a token).
@@ -208,7 +227,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     :data:`LOSS_CHUNK_TOKENS` at a time, see ``cost.loss_work_nbytes``). ``tiles``: a block whose MLP runs over
     tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts); ``tile_norm``: its
     post-attention norm with it (:data:`NORM_WITH_MLP`); ``moe``: a block whose MLP routes to experts (its
-    routing's bytes, ``Layer.route_bytes_per_token``)."""
+    routing's bytes, ``Layer.route_bytes_per_token``); ``unread_down``: a dense block whose MLP's down projection
+    a recomputing backward leaves out (:data:`UNREAD_PROJECTION`, ``Layer.unread_flops_per_token``)."""
     H, a = shape.hidden, act_dtype_bytes
     if kind == "embedding":
         return dict(act_bytes_per_token=H * a, work_bytes_per_token=H * a)
@@ -230,7 +250,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         tile_flops_per_token=6.0 * H * inter if tiles else 0.0,
         saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),
         lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True),
-        route_bytes_per_token=moe.top_k * (7 * H + 3 * moe.expert_inter) * a if moe is not None else 0)
+        route_bytes_per_token=moe.top_k * (7 * H + 3 * moe.expert_inter) * a if moe is not None else 0,
+        unread_flops_per_token=2.0 * H * inter if unread_down and moe is None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -388,7 +409,8 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
         shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=width, heads=heads, vocab=V)
         costs = layer_costs("block", shape, attn_w + mlp_active, a, tiles=moe is None,
                             tile_norm=moe is None and mtype in NORM_WITH_MLP,
-                            moe=moe if template == "moe-block" else None)
+                            moe=moe if template == "moe-block" else None,
+                            unread_down=template == "block" and mtype in NORM_WITH_MLP)
         costs["attn_flops_per_token_per_seq"] = float(attn_dims)
         layers.append(Layer(name=f"block.{i}", kind="block", template=template,
                             params=attn_w + mlp_params + 2 * H + attn_extra, inactive_params=inactive, **costs))

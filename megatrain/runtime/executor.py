@@ -10,6 +10,7 @@ the failing op. :class:`~megatrain.runtime.streams.StreamExecutor` issues the sa
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, ContextManager
 
 import torch
@@ -20,6 +21,7 @@ from megatrain.capture.tracer import PACKED, Packed
 from megatrain.ir import (SLOT_POOL, Op, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.planner.cost import OPT_STATE_ROWS
+from megatrain.planner.graph import UNREAD_PROJECTION
 from megatrain.planner.passes import write_back_schedule
 from megatrain.planner.verify import verify
 from megatrain.runtime import ops, probe, router_aux
@@ -70,6 +72,26 @@ class Executor:
         self.on_op: Callable[[Op], ContextManager] | None = None
         # data parallel: the ranks whose gradients and losses each step sums (runtime.data_parallel); None: alone
         self.dp: DataParallel | None = None
+        self._confirm_unread()
+
+    def _confirm_unread(self) -> None:
+        """Mark the linears whose product a recomputing backward skips (``LayerRunner.unread``) once a probe on
+        this device confirms, per template, that no gradient reads them (``probe.unread_outputs_hold``); where one
+        does, the layer recomputes in full, with a warning (the plan counted the skip: its backward is modelled a
+        little short)."""
+        checked, probed = self.runner.unread_checked, False
+        for i, seg in enumerate(self.captured.segments):
+            if not self.runner.unread(i) or id(seg.template) in checked:
+                continue
+            checked[id(seg.template)] = ok = probe.unread_outputs_hold(self, i)
+            probed = True
+            self.runner.mark_unread(i, ok)
+            if not ok:
+                warnings.warn(f"layer {seg.name}: a gradient of its backward reads the output of "
+                              f"{UNREAD_PROJECTION}, which the layer's form says nothing reads; its backward "
+                              f"recomputes that projection (and the plan's model of it is short by as much)")
+        if probed and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _deferred_for(self, schedule: Schedule) -> frozenset[int]:
         """The host OPTs of ``schedule`` that write the masters alone, their moments left for later (the streaming

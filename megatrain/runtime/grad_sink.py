@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -120,13 +121,54 @@ class _SinkLinearFunction(torch.autograd.Function):
         return dx, *param_grads(ctx, dy, x, 1, ctx.offsets, ctx.has_bias), None
 
 
+class _UnreadLinearFunction(_SinkLinearFunction):
+    """A linear whose output no gradient reads (see :func:`outputs_unread`): its backward is the linear's, its
+    forward saves the inputs and returns an uninitialized tensor of the output's shape instead of forming the
+    product (filled with the value :func:`outputs_unread` was given, if any)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets):
+        ctx.save_for_backward(x, weight)
+        ctx.offsets, ctx.has_bias = offsets, bias is not None
+        out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+        fill = getattr(_unread, "fill", None)
+        return out if fill is None else out.fill_(fill)
+
+
+# outputs_unread in effect (``on``) and the value the skipped outputs are filled with (``fill``), for the thread
+# that runs the forward: a recompute's forward runs on the thread that issues the BWD, and no other thread's
+# forward (another model's, a step issued elsewhere) may see it
+_unread = threading.local()
+
+
+@contextlib.contextmanager
+def outputs_unread(on: bool = True, fill: float | None = None):
+    """While a backward's recompute of its layer's forward runs: the template linears marked ``unread`` (the last
+    projection before a block's residual sum, whose result only that sum and the layer's output read) keep what
+    their backward needs and skip their product. The layer's output is then not its value -- nothing reads it:
+    the backward differentiates it against the incoming gradient, which needs the graph and the saved inputs
+    alone. Which linears qualify is decided at capture by the block's form and checked on the device by
+    :func:`megatrain.runtime.probe.unread_outputs_hold`. ``fill``: a value to fill the skipped outputs with (the
+    probe's NaN), none by default."""
+    before = getattr(_unread, "on", False), getattr(_unread, "fill", None)
+    _unread.on, _unread.fill = on, fill
+    try:
+        yield
+    finally:
+        _unread.on, _unread.fill = before
+
+
 class SinkLinear(nn.Linear):
     """``nn.Linear`` in a template. While the executor binds its parameters for a backward (``offsets`` set:
-    where weight and bias lie in the layer's weights), its backward sends their gradients to the sink."""
+    where weight and bias lie in the layer's weights), its backward sends their gradients to the sink. One marked
+    ``unread`` skips its product under :func:`outputs_unread`."""
 
     offsets: tuple[int, int | None] | None = None
+    unread = False
 
     def forward(self, x):
+        if self.unread and torch.is_grad_enabled() and getattr(_unread, "on", False):
+            return _UnreadLinearFunction.apply(x, self.weight, self.bias, self.offsets)
         if self.offsets is not None and torch.is_grad_enabled() and self.weight.requires_grad:
             return _SinkLinearFunction.apply(x, self.weight, self.bias, self.offsets)
         return F.linear(x, self.weight, self.bias)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megatrain.ir import Op, OpKind, Stream
 from megatrain.runtime import router_aux
-from megatrain.runtime.grad_sink import GradSink, sink_to
+from megatrain.runtime.grad_sink import GradSink, outputs_unread, sink_to
 from megatrain.runtime.kernel_rewrite import keep_less
 from megatrain.runtime.step import MicroBatch, StepState
 from megatrain.runtime.update_ops import (form_guard, load_state, store_grad_to_host, store_grad_to_state,
@@ -248,8 +248,11 @@ def backward(ex, op: Op, st: StepState) -> None:
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()
             logits: list = []
-            with _routers(ex, op, st, logits):
-                out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views, tile=_tile(ex, op, st))
+            tile = _tile(ex, op, st)
+            # untiled, the recompute skips the products nothing but the layer's output reads (the output is then
+            # not its value: only differentiated against dy); tiled, each tile's forward runs again in the backward
+            with _routers(ex, op, st, logits), outputs_unread(not tile):
+                out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views, tile=tile)
             probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
             outs, dys = _aux_outputs(ex, st, op, out, dy, probs)
             dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)

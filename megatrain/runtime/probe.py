@@ -43,3 +43,54 @@ def _measure(ex, layer: int, seq_len: int, lean: bool) -> int:
         out = ex.runner.run(layer, flat, x, side, grad_views=[])
     del out
     return sum(kept.values())
+
+
+def unread_outputs_hold(ex, layer: int, seq_len: int = 8) -> bool:
+    """Whether ``layer``'s backward gives the same gradients when its recompute skips the products of the linears
+    the runner lists for it (``LayerRunner.unread``): the layer run on random tokens with random weights, its
+    gradients (input and weights) taken once in full and once with those products left as NaN. They hold when
+    every gradient is finite and equal to the full run's within rounding: a gradient that read a skipped output
+    would be NaN. The random generators are left as they were, and the linears marked as they were."""
+    with torch.random.fork_rng(devices=[ex.device] if ex.device.type == "cuda" else []):
+        return _unread_hold(ex, layer, seq_len)
+
+
+def _unread_hold(ex, layer: int, seq_len: int) -> bool:
+    from megatrain.runtime.grad_sink import outputs_unread
+
+    captured, graph, device, runner = ex.captured, ex.graph, ex.device, ex.runner
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def weights(owner: int) -> torch.Tensor:
+        n = ex.store.master(owner).numel()
+        return (torch.randn(n, generator=gen, device=device) * 0.02).to(ex.dtype)
+
+    ids = torch.randint(0, captured.vocab_size, (1, seq_len), generator=gen, device=device)
+    mask = None if captured.mask_optional else torch.ones_like(ids)
+    with torch.no_grad():
+        h, side = runner.run(0, weights(graph.owner(0)), (ids, mask, torch.arange(seq_len, device=device)[None]))
+    flat = weights(graph.owner(layer))
+    dy = torch.randn(h.shape, generator=gen, device=device).to(h.dtype)
+
+    def grads(skip: bool) -> list:
+        torch.manual_seed(0)
+        x = h.detach().requires_grad_()
+        views: list = []
+        with torch.enable_grad(), outputs_unread(skip, fill=float("nan")):
+            out = runner.run(layer, flat, x, side, grad_views=views)
+            return list(torch.autograd.grad(out, [x, *(v for *_, v in views)], dy, allow_unused=True))
+
+    marked = [m.unread for m in runner.unread(layer)]
+    runner.mark_unread(layer)
+    try:
+        full, skipped = grads(False), grads(True)
+    finally:
+        for mod, was in zip(runner.unread(layer), marked):
+            mod.unread = was
+    for a, b in zip(full, skipped):
+        if (a is None) != (b is None):
+            return False
+        if a is not None and not (torch.isfinite(b).all() and torch.allclose(a.float(), b.float(), rtol=1e-2,
+                                                                                 atol=1e-4)):
+            return False
+    return True

@@ -9,6 +9,7 @@ from torch import nn
 from torch.fx.node import Node, map_aggregate
 
 from megatrain.capture import Captured, Segment
+from megatrain.planner.graph import UNREAD_PROJECTION
 from megatrain.runtime import grad_sink, router_aux, tiling
 from megatrain.runtime.grad_sink import SinkLinear
 
@@ -110,8 +111,18 @@ class LayerRunner:
     def __init__(self, captured: Captured, device: torch.device):
         self.captured = captured
         self._routers: dict[int, list[nn.Module]] = {}  # id(template) -> its router modules (router loss)
+        # id(template) -> its linears whose product a recomputing backward skips (grad_sink.outputs_unread), where
+        # the layer graph counts them so (Layer.unread_flops_per_token); resolved before tiling wraps the MLPs
+        self._unread: dict[int, list[SinkLinear]] = {}
+        self.unread_checked: dict[int, bool] = {}  # id(template) -> what the device's probe found (the executor's)
         for seg in captured.segments:
             grad_sink.install(seg.template)
+            if captured.graph[seg.index].unread_flops_per_token and id(seg.template) not in self._unread:
+                mod = seg.template.get_submodule(UNREAD_PROJECTION)
+                if not isinstance(mod, SinkLinear):
+                    raise TypeError(f"layer {seg.name}: {UNREAD_PROJECTION} is a {type(mod).__name__}, where the "
+                                    f"layer graph counts it as a linear whose product the backward skips")
+                self._unread[id(seg.template)] = [mod]
             if captured.router_aux is not None:
                 self._routers[id(seg.template)] = router_aux.install(seg.template, captured.router_aux)
         self.bindings = [_Binding(seg, captured.frozen) for seg in captured.segments]
@@ -141,6 +152,17 @@ class LayerRunner:
             with _patched(seg.patches):
                 return self._run(seg, flat, x, side, grad_views)
         return self._run(seg, flat, x, side, grad_views)
+
+    def unread(self, i: int) -> list[SinkLinear]:
+        """Layer i's linears whose product its recomputing backward may skip (none where the graph counts none);
+        skipped once marked (:meth:`mark_unread`)."""
+        return self._unread.get(id(self.captured.segments[i].template), [])
+
+    def mark_unread(self, i: int, on: bool = True) -> None:
+        """Mark (or unmark) layer i's template's skippable linears: skipped under ``outputs_unread`` only when
+        marked (the executor marks them once a probe on its device confirms it: ``probe.unread_outputs_hold``)."""
+        for mod in self.unread(i):
+            mod.unread = on
 
     def routers(self, i: int) -> list[nn.Module]:
         """Layer i's router modules whose logits the router loss reads (none without one)."""

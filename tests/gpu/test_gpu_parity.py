@@ -70,3 +70,34 @@ def test_100m_llama_streamed_matches_resident_bf16_training():
         d = (got[n] - p).abs()
         assert float(d.max()) <= 2 * LR * STEPS + 1e-6, n
         assert float(d.mean()) <= 0.1 * LR * STEPS, n
+
+
+def test_skipping_the_unread_down_projection_trains_bit_for_bit_like_the_full_recompute():
+    """With the Triton kernels and the stream executor: the recompute's skipped down projection
+    (grad_sink.outputs_unread) leaves losses and masters bit-identical to recomputing it, step after step."""
+    from megatrain.runtime import grad_sink
+
+    model = hf_model("qwen2", hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=2, vocab_size=32000, max_position_embeddings=1024)
+    batches = make_batches(n_steps=STEPS, B=8, T=256, vocab=32000)
+    runs = []
+    skipped = []
+    forward = grad_sink._UnreadLinearFunction.forward
+    grad_sink._UnreadLinearFunction.forward = staticmethod(lambda ctx, *a: (skipped.append(1), forward(ctx, *a))[1])
+    try:
+        for skip in (True, False):
+            opt = megatrain.OptimConfig(lr=LR, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0)
+            sm = megatrain.compile(copy.deepcopy(model), device="cuda", optim=opt, n_mb=N_MB, weight_slots=3,
+                                   host_checkpoints=4)
+            for i in range(len(sm.graph)):
+                sm.executor.runner.mark_unread(i, skip)
+            skipped.clear()
+            losses = [sm.train_step(*b).loss for b in batches]
+            runs.append((losses, {n: t.clone() for n, t in sm.state_dict().items()}, len(skipped)))
+    finally:
+        grad_sink._UnreadLinearFunction.forward = forward
+    (l1, w1, n1), (l2, w2, n2) = runs
+    assert n1 == STEPS * N_MB * 4 and n2 == 0
+    assert l1 == l2
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]), k

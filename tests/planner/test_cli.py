@@ -54,11 +54,12 @@ def test_plan_cli_trace_has_every_op(tmp_path, capsys):
 
 def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys):
     """The numbers docs/planner.md quotes for --gpu-opt-every 3 on Qwen2.5-7B at 32,768 tokens (every backward
-    recomputing, and every device update's state crossing the bus each step, as those numbers were made)."""
+    recomputing its whole forward, and every device update's state crossing the bus each step, as those numbers were
+    made)."""
     # the micro-batches, slots, wire and checkpoints the full search picks for both requests, pinned: the same
     # plans, in a quarter of the time
     pinned = ["--mb", "2", "--slots", "all", "--wire", "fp32", "--host-checkpoints", "0", "--split-opt", "0",
-              "--one-pass-updates"]
+              "--one-pass-updates", "--full-recompute"]
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--gpu-opt-every", "3", "--saved-acts", "0",
                  "--resident-opt", "0", "--grad-kept", "0", *pinned, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -422,11 +422,11 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             blocks_seen += 1
         # a dense block's MLP may run over tiles of the tokens (runtime.tiling); not a mixture of experts' block
         tiles = moe is None and isinstance(getattr(seg.template, "mlp", None), nn.Module)
-        norm = tiles and cfg_dict.get("model_type") in NORM_WITH_MLP and \
-            isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)
+        residual_mlp = tiles and cfg_dict.get("model_type") in NORM_WITH_MLP
+        norm = residual_mlp and isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)
         costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm, moe=routed,
-                            unread_down=tiles and cfg_dict.get("model_type") in NORM_WITH_MLP
-                            and isinstance(_submodule(seg.template, UNREAD_PROJECTION), nn.Linear))
+                            unread_down=residual_mlp and isinstance(_submodule(seg.template, UNREAD_PROJECTION),
+                                                                     nn.Linear))
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,

@@ -83,7 +83,8 @@ class Executor:
         for i, seg in enumerate(self.captured.segments):
             if not self.runner.unread(i) or id(seg.template) in checked:
                 continue
-            checked[id(seg.template)] = ok = probe.unread_outputs_hold(self, i)
+            ok = probe.unread_outputs_hold(self, i)
+            checked.add(id(seg.template))
             probed = True
             self.runner.mark_unread(i, ok)
             if not ok:

@@ -19,14 +19,19 @@ def saved_bytes(ex, layer: int, seq_len: int, lean: bool = False) -> int:
         return _measure(ex, layer, seq_len, lean)
 
 
-def _measure(ex, layer: int, seq_len: int, lean: bool) -> int:
-    captured, graph, device = ex.captured, ex.graph, ex.device
-    ids = torch.randint(0, captured.vocab_size, (1, seq_len), device=device)
-    mask = None if captured.mask_optional else torch.ones_like(ids)
-    first = ex.store.master(graph.owner(0)).to(device, ex.dtype)
+def _embedded(ex, seq_len: int, first: torch.Tensor, generator=None):
+    """The embedding layer's output and side inputs for one sequence of ``seq_len`` random tokens, with the
+    embedding's weights ``first``."""
+    device = ex.device
+    ids = torch.randint(0, ex.captured.vocab_size, (1, seq_len), generator=generator, device=device)
+    mask = None if ex.captured.mask_optional else torch.ones_like(ids)
     with torch.no_grad():
-        h, side = ex.runner.run(0, first, (ids, mask, torch.arange(seq_len, device=device)[None]))
-    del first
+        return ex.runner.run(0, first, (ids, mask, torch.arange(seq_len, device=device)[None]))
+
+
+def _measure(ex, layer: int, seq_len: int, lean: bool) -> int:
+    graph, device = ex.graph, ex.device
+    h, side = _embedded(ex, seq_len, ex.store.master(graph.owner(0)).to(device, ex.dtype))
     flat = ex.store.master(graph.owner(layer)).to(device, ex.dtype)
     x = h.detach().requires_grad_()
     skip = {flat.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
@@ -58,17 +63,14 @@ def unread_outputs_hold(ex, layer: int, seq_len: int = 8) -> bool:
 def _unread_hold(ex, layer: int, seq_len: int) -> bool:
     from megatrain.runtime.grad_sink import outputs_unread
 
-    captured, graph, device, runner = ex.captured, ex.graph, ex.device, ex.runner
+    graph, device, runner = ex.graph, ex.device, ex.runner
     gen = torch.Generator(device=device).manual_seed(0)
 
     def weights(owner: int) -> torch.Tensor:
         n = ex.store.master(owner).numel()
         return (torch.randn(n, generator=gen, device=device) * 0.02).to(ex.dtype)
 
-    ids = torch.randint(0, captured.vocab_size, (1, seq_len), generator=gen, device=device)
-    mask = None if captured.mask_optional else torch.ones_like(ids)
-    with torch.no_grad():
-        h, side = runner.run(0, weights(graph.owner(0)), (ids, mask, torch.arange(seq_len, device=device)[None]))
+    h, side = _embedded(ex, seq_len, weights(graph.owner(0)), gen)
     flat = weights(graph.owner(layer))
     dy = torch.randn(h.shape, generator=gen, device=device).to(h.dtype)
 

@@ -38,6 +38,17 @@ class _Step(NamedTuple):
     timing: list
 
 
+def _timed(work, done: threading.Event, times: list) -> None:
+    """``work()``, then ``done`` set (whether it raised or not) and its seconds appended to ``times``: a moments
+    task of the optimizer worker."""
+    t = time.perf_counter()
+    try:
+        work()
+    finally:
+        done.set()
+    times.append(time.perf_counter() - t)
+
+
 class StreamExecutor(StreamCopies, Executor):
     non_blocking = True
     # Between steps: True waits for the whole device (the previous step's last transfers included) before issuing
@@ -195,23 +206,16 @@ class StreamExecutor(StreamCopies, Executor):
         self._no_update_runs += 1
 
     def _moments_task(self, op: Op, st: StepState, done: threading.Event, times: list) -> None:
-        t = time.perf_counter()
-        try:
-            update_ops.moments_on_host(self, op, st)
-        finally:
-            done.set()
-        times.append(time.perf_counter() - t)
+        _timed(lambda: update_ops.moments_on_host(self, op, st), done, times)
 
     def _split_moments_task(self, layer: int, h: int, loads: list[int], events: dict, st: StepState,
                             done: threading.Event, times: list) -> None:
-        t = time.perf_counter()
-        try:
+        def work():
             for i in loads:
                 events[i].synchronize()
             update_ops.split_moments_on_host(self, layer, h, st)
-        finally:
-            done.set()
-        times.append(time.perf_counter() - t)
+
+        _timed(work, done, times)
 
     def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
         """A state load's rows after their store by the step before; its moments (rows 1 and 2), after the host

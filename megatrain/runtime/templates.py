@@ -114,7 +114,7 @@ class LayerRunner:
         # id(template) -> its linears whose product a recomputing backward skips (grad_sink.outputs_unread), where
         # the layer graph counts them so (Layer.unread_flops_per_token); resolved before tiling wraps the MLPs
         self._unread: dict[int, list[SinkLinear]] = {}
-        self.unread_checked: dict[int, bool] = {}  # id(template) -> what the device's probe found (the executor's)
+        self.unread_checked: set[int] = set()  # id(template) of those the executor's probe has checked
         for seg in captured.segments:
             grad_sink.install(seg.template)
             if captured.graph[seg.index].unread_flops_per_token and id(seg.template) not in self._unread:

@@ -36,6 +36,17 @@ def blocks(layers: int, numel: int, pinned: bool) -> list[torch.Tensor]:
     return out
 
 
+def anon_huge_gib() -> float:
+    """GiB of this process's anonymous memory backed by transparent huge pages (Linux; 0 where it cannot be read)."""
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return 0.0
+
+
 def optimizers(bs: list[torch.Tensor], chunk: int) -> list[tuple[torch.optim.AdamW, list, list]]:
     """One AdamW per block over chunk views of its master row, moments as views of its rows (HostAdamW's layout)."""
     out = []
@@ -162,6 +173,7 @@ def main():
         cpu_adamw.library()
         print(f"host kernel: form {cpu_adamw._form} (torch's fused AdamW reproduced bit for bit)", flush=True)
         bs = blocks(args.layers, args.numel, cuda)
+        print(f"host memory of this process in transparent huge pages: {anon_huge_gib():.1f} GiB", flush=True)
         chunked = optimizers(bs, HOST_UPDATE_CHUNK)
         traffic_cases = [None, (True, True)] if cuda else [None]
         for traffic in traffic_cases:

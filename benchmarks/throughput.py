@@ -4,16 +4,19 @@
 
 Builds the model on the meta device, fills the host store with the seeded initializer, trains --steps steps after
 --warmup, and prints tokens/s, TFLOPS (6NT), the planner's bound and simulated time for the same schedule, GPU peak
-and host RSS. With --trace it writes the measured and simulated timelines of the last step to one Chrome trace/PNG.
+and host RSS. With --trace it writes the measured and simulated timelines of the last timed step to one Chrome
+trace/PNG.
 
 A step ends when the host has issued it and the optimizer worker has finished its updates (moments included). The
 timed steps run on behind the warm-up steps with nothing drained in between, as in a long training run, where the
-next step's forward runs under the previous step's update pass. "s/step" is the seconds from the last warm-up step's
-end to the last timed step's end, per timed step (the steady state: every timed step has a step before it to
-overlap); "median s" is the median of the seconds between consecutive steps' ends; "drained s" counts to the end of
-everything the last step issued (its updates' tail that the next step would have overlapped, once, on top), so a
-few steps overstate the steady state by that tail over the step count. "tokens/s" is from the first, "tok/s med"
-from the second.
+next step's forward runs under the previous step's update pass, and --cooldown steps (default 1, untimed) follow
+them, so that the last timed step's update pass and moments also run under a next step (with none after it they
+run alone and end early: its interval came out 0.4-0.6 s shorter than the others' at 24 and 48 GiB budgets).
+"s/step" is the seconds from the last warm-up step's end to the last timed step's end, per timed step (the steady
+state: every timed step has a step before and after it to overlap); "median s" is the median of the seconds
+between consecutive steps' ends; "drained s" counts to the end of everything issued, over the timed and cool-down
+steps (the last one's tail, once, on top). "tokens/s" is from the first, "tok/s med" from the second. The host
+thread's and the worker's times, and --trace, are the last timed step's.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ def main():
                     help="device memory the plan may fill, the allocator capped to it (default: the card's)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--cooldown", type=int, default=1,
+                    help="untimed steps after the timed ones, so that the last timed step's update pass and moments "
+                         "run under a next step as every other timed step's do (default 1)")
     ap.add_argument("--no-clip", action="store_true")
     ap.add_argument("--cpu-threads", type=int, nargs="+", default=[0],
                     help="host threads for AdamW (0: torch's default); several: one run each")
@@ -282,12 +288,14 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
 
         from megatrain.data.rows import rows_batch
 
-        rows = chat_rows(cfg.vocab_size, args.seq, batch * (args.warmup + args.steps))
+        rows = chat_rows(cfg.vocab_size, args.seq, batch * (args.warmup + args.steps + args.cooldown))
     else:
         rows = None
     trained = []  # tokens trained on, per step
     t_first = time.perf_counter()  # with no warm-up step, the timed steps start here (the plan's set-up counted)
-    for i in range(args.warmup + args.steps):
+    timer = getattr(sm.executor, "timer", None)
+    last = None  # the last timed step, as measured (with cool-down steps after it, the executor's last is theirs)
+    for i in range(args.warmup + args.steps + args.cooldown):
         if rows is not None:
             b = rows_batch(rows, np.arange(i * batch, (i + 1) * batch), batch)
             trained.append(int((b["labels"] != -100).sum()))
@@ -301,12 +309,15 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         losses.append(st.loss)
         # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
         done.append(worker.submit(time.perf_counter) if worker is not None else time.perf_counter())
+        if i == args.warmup + args.steps - 1 and timer is not None:
+            last = (timer.mark(), sm.executor.moments_s, sm.executor.moments_wait_s)
     sm.wait()
     t_drained = time.perf_counter()  # everything issued is done
-    ends = [d.result() if worker is not None else d for d in done]
+    ends = [d.result() if worker is not None else d for d in done][:args.warmup + args.steps]
     t_timed = ends[args.warmup - 1] if args.warmup else t_first
     step_s = (ends[-1] - t_timed) / args.steps  # mean over the timed steps, each overlapping the one before
-    drained_s = (t_drained - t_timed) / args.steps  # and the last step's tail on top, once
+    # and the cool-down steps, the last one's tail on top, once
+    drained_s = (t_drained - t_timed) / (args.steps + args.cooldown)
     per_step = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])] if args.warmup else []
     median_s = statistics.median(per_step) if per_step else step_s
     sched = sm.schedule_for(batch, args.seq, **overrides)
@@ -341,7 +352,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
-        "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
+        "cooldown_steps": args.cooldown, "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
         "drained_step_s": drained_s, "tokens_per_s_drained": tokens / drained_s,
         "tokens_per_s": tokens / step_s, "tokens_per_s_median": tokens / median_s,
         # 6 x the parameters a token's compute touches (a mixture of experts' active ones) x tokens
@@ -353,15 +364,15 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
     }
-    timer = getattr(sm.executor, "timer", None)
-    if timer is not None:  # the last step's host thread: issuing ops, and waiting within that
-        res["host_issue_s"] = dict(timer.host_issue_s)
-        res["host_wait_s"] = timer.host_wait_s
-        res["host_loss_wait_s"] = timer.host_loss_wait_s
-        if not args.sync:  # the host AdamW rate in the running worker, from the last step's host OPT ops
+    if last is not None:  # the last timed step's host thread: issuing ops, and waiting within that
+        marked, moments_s, moments_wait_s = last
+        res["host_issue_s"] = dict(marked.host_issue_s)
+        res["host_wait_s"] = marked.host_wait_s
+        res["host_loss_wait_s"] = marked.host_loss_wait_s
+        if not args.sync:  # the host AdamW rate in the running worker, from the last timed step's host OPT ops
             from megatrain.ir import OpKind, Stream
 
-            tl = sm.executor.timeline()
+            tl = sm.executor.timeline(marked)
             from megatrain.planner.cost import op_params
 
             spans = [(op_params(graph, c, op), e - s) for op, s, e in zip(tl.ops, tl.start_s, tl.end_s)
@@ -373,15 +384,15 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
             deferred = [op for op in tl.ops if op.id in sm.executor.deferred_moments]
             if deferred:  # of them, those that wrote the masters alone; their moments after the update pass
                 res["host_moments_params"] = sum(op_params(graph, c, op) for op in deferred)
-                res["host_moments_s"] = sum(sm.executor.moments_s)
-                res["host_moments_wait_s"] = sm.executor.moments_wait_s
+                res["host_moments_s"] = sum(moments_s)
+                res["host_moments_wait_s"] = moments_wait_s
     if args.trace and not args.sync:
         tag = (f"b{batch}-mb{c.n_mb}-{'clip' if c.clip else 'noclip'}-opt{len(c.gpu_opt)}-w{c.wire_bytes_per_param}"
                f"-s{c.weight_slots}-saved{len(c.saved_acts)}"
                f"{'' if res['sync_between_steps'] is not False else '-nosync'}"
                f"{'' if res['pace_split'] is not False else '-unpaced'}"
                f"{'' if res['defer_moments'] is not False else '-undeferred'}")
-        measured = sm.executor.timeline()
+        measured = sm.executor.timeline(last[0])
         one = simulate(sched, graph, spec)
         write_trace([one, measured], f"{args.trace}-{tag}.trace.json")
         with open(f"{args.trace}-{tag}.timeline.json", "w") as f:

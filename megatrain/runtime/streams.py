@@ -311,9 +311,10 @@ class StreamExecutor(StreamCopies, Executor):
         queue.wait_stream(self.streams[op.stream])
         return queue
 
-    def timeline(self):  # the last step as measured: each op's start and end, seconds from the step's start
+    def timeline(self, marked=None):  # the last step (or one OpTimer.mark() marked) as measured: each op's start
+        # and end, seconds from the step's start
         self.drain()
-        return self.timer.timeline()
+        return self.timer.timeline(marked)
 
 
 def deferrable_opts(schedule: Schedule) -> frozenset[int]:

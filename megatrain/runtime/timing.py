@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
 from megatrain.ir import Op, Schedule
@@ -84,20 +85,40 @@ class OpTimer:
     def record_task(self, op: Op, fut: Future) -> None:
         self._timing.append((op, fut))
 
-    def timeline(self):
-        """The last step: start and end of every op, seconds from the step's start (waits for the worker)."""
+    def mark(self) -> "Marked":
+        """The current step's records as they are and will be (its worker tasks and stores may still be timed after
+        the next step began), for :meth:`timeline` of this step once later ones ran."""
+        return Marked(self.schedule, self._timing, self.t0_event, self.t0_host, dict(self.host_issue_s),
+                      self.host_wait_s, self.host_loss_wait_s)
+
+    def timeline(self, marked: "Marked | None" = None):
+        """The last step (or the one ``marked``): start and end of every op, seconds from the step's start (waits
+        for the worker)."""
         from megatrain.planner.cost import device_memory
         from megatrain.planner.simulate import Timeline
 
+        m = marked or self.mark()
         ops, starts, ends = [], [], []
-        for op, t in sorted(self._timing, key=lambda x: x[0].id):
+        for op, t in sorted(m.timing, key=lambda x: x[0].id):
             if isinstance(t, Future):
                 a, b = t.result()
-                a, b = a - self.t0_host, b - self.t0_host
+                a, b = a - m.t0_host, b - m.t0_host
             else:
-                a, b = self.t0_event.elapsed_time(t[0]) / 1e3, self.t0_event.elapsed_time(t[1]) / 1e3
+                a, b = m.t0_event.elapsed_time(t[0]) / 1e3, m.t0_event.elapsed_time(t[1]) / 1e3
             ops.append(op)
             starts.append(a)
             ends.append(b)
         return Timeline(source="measured", ops=tuple(ops), start_s=starts, end_s=ends,
-                        reserved_nbytes=device_memory(self.graph, self.schedule).total_nbytes, n_steps=1)
+                        reserved_nbytes=device_memory(self.graph, m.schedule).total_nbytes, n_steps=1)
+
+
+@dataclass(frozen=True)
+class Marked:
+    """One step's records (:meth:`OpTimer.mark`): what its timeline reads, and its host thread's times."""
+    schedule: Schedule
+    timing: list
+    t0_event: object
+    t0_host: float
+    host_issue_s: dict
+    host_wait_s: float
+    host_loss_wait_s: float

@@ -320,3 +320,25 @@ def test_host_checkpoints_wait_in_one_steps_buffers_reused_after_their_reloads()
     assert len(made) == per_step  # made in the first step, reused in the others
     assert {id(h) for h in offloads} == {id(h) for h in made}
     assert not late
+
+
+def test_a_marked_steps_timeline_is_its_own_after_the_next_step_ran():
+    """OpTimer.mark(): the timeline and host-thread times of one step, read after later steps ran (the throughput
+    harness reads its last timed step's after a cool-down step): every op of that step once, timed from that step's
+    start, and the next step's timeline apart from it."""
+    model, data = hf_model("qwen2"), batches(n_steps=2)
+    sm = _streamed(model, FakeCuda(), **PLANS["split"])
+    ex = sm.executor
+    sm.train_step(*data[0])
+    marked, issue = ex.timer.mark(), dict(ex.timer.host_issue_s)
+    first = {op.id for op in ex.timer.schedule.ops}
+    sm.train_step(*data[1])
+    assert ex.timer.host_issue_s is not marked.host_issue_s
+    one, two = ex.timeline(marked), ex.timeline()
+    assert one.ops[0].step == two.ops[0].step  # each a step's own schedule (one step each)
+    assert {op.id for op in one.ops} == first and len(one.ops) == len(first)
+    assert marked.timing is not ex.timer.records()  # the first step's records, not the second's
+    # timed from the first step's start (from the second's, every op of the first would start before 0)
+    assert all(0 <= a <= b for a, b in zip(one.start_s, one.end_s))
+    assert min(one.start_s) < 0.05 * max(one.end_s)
+    assert marked.host_issue_s == issue and sum(issue.values()) > 0

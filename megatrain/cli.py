@@ -436,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-opt", metavar="N|auto",
                    help="of the layers updated on the host, N (spread evenly) updated on the GPU instead after the "
                         "backward, their master weights and moments streamed over PCIe in parts (with clipping); "
-                        "auto: search a quarter to three quarters of them, then one more or fewer around the fastest while "
-                        "that is faster; default: auto, or 0 for --hardware cpu")
+                        "auto: search a quarter to three quarters of them, then one more or fewer around the "
+                        "fastest while that is faster; default: auto, or 0 for --hardware cpu")
     p.add_argument("--saved-acts", default="auto", metavar="N|auto",
                    help="layers (the last N blocks) whose forward keeps its activations on the GPU so that their "
                         "backward does not recompute it; auto (default): as many as the memory the plan leaves "

@@ -50,6 +50,17 @@ def graph_of(r: dict):
     return graph if r.get("unread_skipped") else full_recompute(graph)
 
 
+def steady_mean_s(r: dict) -> float:
+    """The run's mean step. Runs timed in the steady state (``drained_step_s`` recorded, since 49a0551) but before
+    throughput.py's cool-down step (no ``cooldown_steps``): the mean of the intervals between step ends without
+    the last, which ended early with no next step beside its update pass (docs/benchmarks.md, "The last timed step
+    ended early"); otherwise the recorded mean."""
+    gaps = r.get("step_times_between_ends_s") or []
+    if "drained_step_s" in r and "cooldown_steps" not in r and len(gaps) >= 2:
+        return sum(gaps[:-1]) / len(gaps[:-1])
+    return r["step_s"]
+
+
 def predict(r: dict, spec) -> tuple[float, float, str]:
     graph = graph_of(r)
     seq = r.get("seq", 1024)
@@ -72,8 +83,9 @@ def main():
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override spec fields")
     ap.add_argument("--measured", choices=["mean", "median"], default="mean",
-                    help="the measured step: wall time per timed step (mean) or the median period between step "
-                         "ends (the steady state; throughput.py's two step times)")
+                    help="the measured step: wall time per timed step (mean; for steady-state runs before the "
+                         "cool-down step, without the last interval) or the median period between step ends "
+                         "(throughput.py's two step times)")
     args = ap.parse_args()
     spec = hardware(args.hardware)
     if args.set:
@@ -83,7 +95,7 @@ def main():
     errs, ratios = [], []
     for r in rows(args.results):
         sim, b, limiter = predict(r, spec)
-        meas = r["step_s"] if args.measured == "mean" else r.get("median_step_s", r["step_s"])
+        meas = steady_mean_s(r) if args.measured == "mean" else r.get("median_step_s", r["step_s"])
         errs.append(abs(sim / meas - 1))
         ratios.append(meas / b)
         sync = {True: "yes", False: "no"}.get(r.get("sync_between_steps"), "yes")  # older runs: a sync

@@ -66,3 +66,16 @@ def test_sim_accuracy_reads_the_recorded_runs():
     assert len(rows) == 12
     m = re.search(r"(\d+) of 12 within 15%; mean \|sim/measured - 1\| = ([\d.]+)", proc.stdout)
     assert m and int(m.group(1)) == 6 and float(m.group(2)) == 0.16, proc.stdout  # docs/benchmarks.md quotes these
+
+
+def test_sim_accuracy_leaves_out_the_early_last_interval_of_runs_before_the_cool_down_step():
+    results = os.path.join(ROOT, "docs", "results")
+    before, after = (os.path.join(results, f"2026-12-03-h200-budget-7b-24-{t}.json")
+                     for t in ("a2835e9-lease2", "cooldown-79adde3"))
+    proc = run([os.path.join(ROOT, "benchmarks", "sim_accuracy.py"), before, after])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = [float(l.split()[6]) for l in proc.stdout.splitlines() if l.startswith("qwen2.5-")]
+    old, new = (json.load(open(p)) for p in (before, after))
+    gaps = old["step_times_between_ends_s"]
+    assert "cooldown_steps" not in old and gaps[-1] < min(gaps[:-1])  # the last one ended early
+    assert measured == [round(sum(gaps[:-1]) / (len(gaps) - 1), 3), round(new["step_s"], 3)]

@@ -47,7 +47,7 @@ def graph_of(r: dict):
         graph = LayerGraph([replace(lay, saved_bytes_per_token=r["saved_bytes_per_token"],
                                     lean_saved_bytes_per_token=lean)
                             if lay.saved_bytes_per_token else lay for lay in graph.layers], name=graph.name)
-    return graph if r.get("unread_skipped") else full_recompute(graph)
+    return graph if r.get("unread_skipped", r.get("assume_unread")) else full_recompute(graph)
 
 
 def steady_mean_s(r: dict) -> float:
@@ -82,6 +82,9 @@ def main():
     ap.add_argument("results", nargs="+", help="throughput.py --json files")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override spec fields")
+    ap.add_argument("--unread-skipped", action="store_true",
+                    help="model every recomputing backward without the products nothing reads where the record does "
+                         "not say (the runs of the commit that brought the skip, recorded before the field)")
     ap.add_argument("--measured", choices=["mean", "median"], default="mean",
                     help="the measured step: wall time per timed step (mean; for steady-state runs before the "
                          "cool-down step, without the last interval) or the median period between step ends "
@@ -94,6 +97,8 @@ def main():
           f"{'sim/meas':>8s} {'bound':>7s} {'meas/bound':>10s} limiter   ({args.measured} step)")
     errs, ratios = [], []
     for r in rows(args.results):
+        if args.unread_skipped:
+            r = {**r, "assume_unread": True}
         sim, b, limiter = predict(r, spec)
         meas = steady_mean_s(r) if args.measured == "mean" else r.get("median_step_s", r["step_s"])
         errs.append(abs(sim / meas - 1))

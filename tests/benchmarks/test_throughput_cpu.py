@@ -79,3 +79,17 @@ def test_sim_accuracy_leaves_out_the_early_last_interval_of_runs_before_the_cool
     gaps = old["step_times_between_ends_s"]
     assert "cooldown_steps" not in old and gaps[-1] < min(gaps[:-1])  # the last one ended early
     assert measured == [round(sum(gaps[:-1]) / (len(gaps) - 1), 3), round(new["step_s"], 3)]
+
+
+def test_sim_accuracy_models_the_skip_for_runs_recorded_before_its_field():
+    """--unread-skipped: a run of the commit that brought the down projection's skip (recorded before the field
+    saying so) simulated without that GEMM, shorter than with the full recompute, by about the skip's 0.2 s."""
+    rec = os.path.join(ROOT, "docs", "results", "2026-12-03-h200-budget-7b-24-unread.json")
+    assert "unread_skipped" not in json.load(open(rec))
+    sims = []
+    for flag in ([], ["--unread-skipped"]):
+        proc = run([os.path.join(ROOT, "benchmarks", "sim_accuracy.py"), rec, *flag])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sims += [float(l.split()[7]) for l in proc.stdout.splitlines() if l.startswith("qwen2.5-")]
+    full, skipped = sims
+    assert 0.1 < full - skipped < 0.3, sims

@@ -444,23 +444,19 @@ def _refine_split(graph: LayerGraph, outcomes: list, split: list[tuple[ScheduleC
     the share of the update pass the host and the link each take best lies anywhere between the shares
     :func:`split_sets` tries (on a host with a slower AdamW one or two split layers more simulate 2-3% faster
     on the 7B shape at 24 GiB)."""
-    tried = {(c, len(layers)): len(outcomes) - len(split) + i for i, (c, layers) in enumerate(split)}
+    first = len(outcomes) - len(split)
+    at = {first + i: (c, len(layers)) for i, (c, layers) in enumerate(split)}  # outcome index -> (candidate, count)
     found: list = []
     while True:
-        keys = [key for _, _, key in outcomes + found]
-        order = rank(keys)
-        if not order:
+        order = rank([key for _, _, key in outcomes + found])
+        if not order or order[0] not in at:  # the fastest plan splits nothing (or is not one of these)
             return found
-        hit = next(((c, n) for (c, n), i in tried.items() if i == order[0]), None)
-        if hit is None:  # the fastest plan splits nothing (or is not one of these)
-            return found
-        c, n = hit
+        c, n = at[order[0]]
         able = split_eligible(graph, c)
-        more = [k for k in (n - 1, n + 1) if 1 <= k <= len(able) and (c, k) not in tried]
+        more = [k for k in (n - 1, n + 1) if 1 <= k <= len(able) and (c, k) not in at.values()]
         if not more:
             return found
-        for k in more:
-            tried[(c, k)] = len(outcomes) + len(found) + more.index(k)
+        at.update({len(outcomes) + len(found) + i: (c, k) for i, k in enumerate(more)})
         found += run([with_split(graph, c, spread(able, k), opt_part) for k in more])
 
 

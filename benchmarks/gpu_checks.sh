@@ -77,7 +77,7 @@ if [[ $part == adamw || $part == all ]]; then
     stage adamw 200 python3 benchmarks/host_adamw.py --json "$out/host-adamw.json"
 fi
 if [[ $part == kernels || $part == all ]]; then
-    stage kernels-rope 90 python3 benchmarks/kernels.py --only rope --json "$out/kernels-rope.json"
+    stage kernels-rope 90 python3 benchmarks/kernel_timings.py --only rope --json "$out/kernels-rope.json"
 fi
 if [[ $part == 1.5b || $part == all ]]; then
     # a slot per layer, the planner's set of device updates (auto) / every other layer (2) / none (0); steps ordered

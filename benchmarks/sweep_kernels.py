@@ -13,7 +13,7 @@ import importlib
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernels import copy_ceiling_gbs, timed  # noqa: E402
+from kernel_timings import copy_ceiling_gbs, timed  # noqa: E402
 
 from megatrain.kernels.rmsnorm import rms_norm_backward, rms_norm_forward  # noqa: E402
 
@@ -21,9 +21,9 @@ BF = torch.bfloat16
 
 
 def sweep_swiglu():
-    """Forward + backward through autograd, as benchmarks/kernels.py times it, for several launch settings (the
+    """Forward + backward through autograd, as benchmarks/kernel_timings.py times it, for several launch settings (the
     module's defaults are set for each), against torch.compile of the eager function in the same process."""
-    from kernels import fwd_bwd, swiglu_eager  # noqa: E402
+    from kernel_timings import fwd_bwd, swiglu_eager  # noqa: E402
 
     mod = importlib.import_module("megatrain.kernels.swiglu")  # the package exports a function of that name
 

@@ -2,7 +2,10 @@
 achieved bandwidth against the measured device copy rate, and the fused linear + cross-entropy's time and peak
 extra memory vs eager F.linear + F.cross_entropy.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py --json results.json
+    PYTHONPATH=. python3 benchmarks/kernel_timings.py --json results.json
+
+(Not named kernels.py: run from this folder, such a file would stand in for the ``kernels`` package, which
+transformers imports where it is installed, as transformers 5.25 installs it.)
 """
 
 from __future__ import annotations

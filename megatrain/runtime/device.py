@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from megatrain.ir import Op, Schedule
-from megatrain.planner.cost import slot_params
+from megatrain.planner.cost import WIRE_STAGE_PARAMS, slot_params
 from megatrain.planner.graph import LayerGraph
 from megatrain.runtime.store import OPT_SLOT_ROWS, HostStore, grad_host_dtype
 
@@ -31,6 +31,8 @@ class DeviceState:
         self.kept_buf: dict[int, torch.Tensor] = {}
         self.resident: dict[int, tuple[int, int]] = {}
         self.tied_sums: dict[int, torch.Tensor] = {}  # owner -> its tied gradient's parts summed
+        self.stage: torch.Tensor | None = None  # fp32 weights from the host pass through here on their way to a
+        # weight slot of the compute dtype (:meth:`load_cast`)
         self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
 
     # ---- slots ------------------------------------------------------------------------------------------------
@@ -52,6 +54,7 @@ class DeviceState:
                 self.kept.pop(l, None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+        self._fit_stage(schedule, max(sizes["w"], default=0))
         kept = grad_host_dtype(schedule.config)
         for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32), ("k", kept)):
             slots: list[torch.Tensor] = getattr(self, pool)
@@ -63,6 +66,32 @@ class DeviceState:
                     slots[k] = torch.empty(n, dtype=dtype, device=self.device)
                 else:
                     slots.append(torch.empty(n, dtype=dtype, device=self.device))
+
+    def _fit_stage(self, schedule: Schedule, numel: int) -> None:
+        """The staging buffer of :meth:`load_cast`, where ``schedule`` sends fp32 weights to a GPU that computes in
+        another dtype: ``WIRE_STAGE_PARAMS`` elements, or the largest weight slot's if smaller."""
+        want = min(numel, WIRE_STAGE_PARAMS) if (self.device.type == "cuda" and self.dtype != torch.float32 and
+                                                 schedule.config.wire_bytes_per_param == 4) else 0
+        if self.stage is not None and self.stage.numel() >= want:
+            return
+        self.quiesce()  # nothing may still use the old buffer
+        self.stage = torch.empty(want, dtype=torch.float32, device=self.device) if want else None
+
+    def load_cast(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        """``dst`` (on the device) <- ``src`` (host), rounded to ``dst``'s dtype. An fp32 ``src`` bound for a GPU slot
+        of another dtype goes through the staging buffer a part at a time, each part copied and then cast on the
+        current stream (whose order makes the buffer's reuse safe): torch's own ``copy_`` would allocate an fp32
+        temporary of the whole layer from the caching allocator (an embedding or head of 545M parameters: 2 GiB)
+        outside every planned slot, and temporaries of the head's and the blocks' sizes left side by side in its
+        cache ran a 24 GiB plan out of memory on the H200."""
+        if self.stage is None or dst.dtype == src.dtype or src.device.type != "cpu":
+            dst.copy_(src, non_blocking=non_blocking)
+            return
+        step = self.stage.numel()
+        for a in range(0, src.numel(), step):
+            part = self.stage[: min(step, src.numel() - a)]
+            part.copy_(src[a: a + part.numel()], non_blocking=non_blocking)
+            dst[a: a + part.numel()].copy_(part)
 
     def slot_numels(self, schedule: Schedule) -> dict[str, list[int]]:
         """Elements of each weight, gradient and optimizer slot (``OPT_SLOT_ROWS`` rows) ``schedule`` uses."""

@@ -52,7 +52,7 @@ def _host_weights(ex, layer: int, st: StepState) -> torch.Tensor:
 def load_weights(ex, op: Op, st: StepState) -> None:
     """LOAD_W (h2d): the layer's host weights into its weight slot."""
     src = _host_weights(ex, ex.graph.owner(op.layer), st)
-    ex.dev.w[op.slot("w")][: src.numel()].copy_(src, non_blocking=ex.non_blocking)
+    ex.dev.load_cast(ex.dev.w[op.slot("w")][: src.numel()], src, ex.non_blocking)
 
 
 def copy_kept_weights(ex, op: Op, st: StepState) -> None:
@@ -70,7 +70,7 @@ def keep_weights(ex, op: Op, st: StepState) -> None:
     """KEEP_W (a set-up's): the layer's host weights into the device buffer its device updates keep its new weights
     in, which the steps' compute-stream LOAD_W copies."""
     src = _host_weights(ex, op.layer, st)
-    ex.dev.kept_buffer(op.layer, src.numel()).copy_(src, non_blocking=ex.non_blocking)
+    ex.dev.load_cast(ex.dev.kept_buffer(op.layer, src.numel()), src, ex.non_blocking)
     ex.dev.keep(op.layer, None, written=True)
 
 

@@ -548,7 +548,6 @@ class StreamedModel:
             out["device.working_set"] = mem.workspace_nbytes
             out["device.kept_weights"] = mem.kept_nbytes
             out["device.saved_activations"] = mem.saved_nbytes
-            out["device.wire_staging"] = mem.stage_nbytes
         return out
 
 

@@ -31,7 +31,7 @@ HOST_UPDATE_CHUNK = 1 << 26  # elements a host update reads a bf16 gradient back
 # fp32 weights bound for bf16 weight slots cross into the device this many elements at a time, through one fp32
 # staging buffer (runtime.device.DeviceState.load_cast): 128 MiB, a 2.6 ms copy at the H200's 51.6 GB/s, beside
 # which the cast that follows on the same stream (0.06 ms) idles the copy engine as long, relatively, as the cast
-# of a whole layer did
+# of a whole layer did. The weight slots' count at the wire's bytes covers it (slot_sizes)
 WIRE_STAGE_PARAMS = 1 << 25
 POOLS = ("w", "g", "a", "o", "k")  # device slot pools
 HOST_POOLS = ("h",)  # host gradient buffers
@@ -51,10 +51,10 @@ def checkpoint_nbytes(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int
 
 
 def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
-    """Size of one slot of each pool: weights (compute dtype, whatever the wire's), fp32 gradients, activations."""
+    """Size of one slot of each pool: weights (wire dtype), fp32 gradients, activations."""
     n = len(graph)
     return {
-        "w": max(graph.weight_params(i) for i in range(n)) * COMPUTE_BYTES,
+        "w": max(graph.weight_params(i) for i in range(n)) * cfg.wire_bytes_per_param,
         "g": max(graph.weight_params(i) for i in range(n)) * GRAD_BYTES,
         "a": max(checkpoint_nbytes(graph, cfg, i) for i in range(1, n)),
         "o": max([graph[l].params for l in cfg.gpu_opt] + [split_part_params(graph, cfg, l) for l in cfg.split_opt],
@@ -111,7 +111,11 @@ def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     """Bytes of each slot of each pool the schedule uses, by slot index (:func:`slot_params` at each pool's bytes
     per parameter); activation slots are all the largest checkpoint. Host gradient buffers (``h``) included."""
     cfg = schedule.config
-    per_param = {"w": COMPUTE_BYTES, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES, "h": cfg.grad_host_bytes,
+    # weight slots at the wire's bytes: with an fp32 wire the slots hold the compute dtype, and the other half stays
+    # counted for what a 24 GiB 7B plan was measured to take beyond its slots and working sets (the fp32 staging
+    # buffer, 128 MiB, is a part of it): counted at 2 bytes, the plan the search then made (1.74 GiB of kept
+    # gradients more) reached 25.1 GiB allocated against 23.5 planned (docs/benchmarks.md, "Weights sent as fp32")
+    per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES, "h": cfg.grad_host_bytes,
                  "k": cfg.grad_host_bytes}
     checkpoint = slot_nbytes(graph, cfg)["a"]
     return {p: [checkpoint if p == "a" else n * per_param[p] for n in sizes]
@@ -339,7 +343,6 @@ class DeviceMemory:
     workspace_nbytes: int  # the largest compute op's transient bytes
     kept_nbytes: int = 0  # new weights of the device-updated layers, kept for the next step's loads
     saved_nbytes: int = 0  # activations the layers in saved_acts keep for backward, all at once at the turn
-    stage_nbytes: int = 0  # the fp32 staging buffer of weights sent as fp32 (wire_stage_nbytes)
 
     @property
     def slot_count(self) -> dict[str, int]:
@@ -351,8 +354,7 @@ class DeviceMemory:
 
     @property
     def total_nbytes(self) -> int:
-        return (sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes
-                + self.stage_nbytes)
+        return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes
 
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
@@ -363,15 +365,7 @@ def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     work = max((workspace_nbytes(graph, cfg, op) for op in schedule.ops), default=0)
     kept = sum(graph[l].params for l in cfg.gpu_opt) * COMPUTE_BYTES
     saved = sum(saved_nbytes(graph, cfg, l) for l in cfg.saved_acts) * cfg.n_mb
-    return DeviceMemory(slot_sizes(graph, schedule), work, kept, saved, wire_stage_nbytes(graph, cfg))
-
-
-def wire_stage_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
-    """Device bytes of the buffer fp32 weights cross into the device through on their way to a weight slot of the
-    compute dtype (:data:`WIRE_STAGE_PARAMS` elements, or the largest layer's if smaller); none for a bf16 wire."""
-    if cfg.wire_bytes_per_param != 4:
-        return 0
-    return min(WIRE_STAGE_PARAMS, max(graph.weight_params(i) for i in range(len(graph)))) * 4
+    return DeviceMemory(slot_sizes(graph, schedule), work, kept, saved)
 
 
 def host_memory(graph: LayerGraph, schedule: Schedule) -> dict[str, int]:

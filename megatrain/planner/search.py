@@ -13,9 +13,8 @@ from typing import Callable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner import cost
-from megatrain.planner.cost import (COMPUTE_BYTES, STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes,
-                                    host_floor, host_memory, slot_nbytes, store_bytes, wire_stage_nbytes,
-                                    workspace_nbytes)
+from megatrain.planner.cost import (STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes, host_floor,
+                                    host_memory, slot_nbytes, store_bytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved
@@ -61,8 +60,8 @@ def _min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     last = len(graph) - 1  # the head runs the LOSS, the layers before it FWD and BWD
     work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
                for l in range(len(graph)) for k in ((OpKind.LOSS,) if l == last else (OpKind.FWD, OpKind.BWD)))
-    others = (cfg.weight_slots - 1) * COMPUTE_BYTES + (cfg.grad_slots - 1) * 4
-    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work + wire_stage_nbytes(graph, cfg)
+    others = (cfg.weight_slots - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
+    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work
 
 
 def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, budget: int) -> None:
@@ -399,7 +398,7 @@ def rank(keys: list[tuple | None]) -> list[int]:
 # loads in ~10 ms on the H200's PCIe, so the update pass's first device update starts that soon after the norm
 SPLIT_PART = 1 << 25
 # candidates of plan() that get split updates tried (the fastest ones without them)
-SPLIT_TRIED = 6
+SPLIT_TRIED = 3
 
 
 def split_eligible(graph: LayerGraph, cfg: ScheduleConfig) -> list[int]:

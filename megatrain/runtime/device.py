@@ -54,7 +54,7 @@ class DeviceState:
                 self.kept.pop(l, None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self._fit_stage(schedule, max(sizes["w"], default=0))
+        self._fit_stage(schedule)
         kept = grad_host_dtype(schedule.config)
         for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32), ("k", kept)):
             slots: list[torch.Tensor] = getattr(self, pool)
@@ -67,15 +67,15 @@ class DeviceState:
                 else:
                     slots.append(torch.empty(n, dtype=dtype, device=self.device))
 
-    def _fit_stage(self, schedule: Schedule, numel: int) -> None:
+    def _fit_stage(self, schedule: Schedule) -> None:
         """The staging buffer of :meth:`load_cast`, where ``schedule`` sends fp32 weights to a GPU that computes in
-        another dtype: ``WIRE_STAGE_PARAMS`` elements, or the largest weight slot's if smaller."""
-        want = min(numel, WIRE_STAGE_PARAMS) if (self.device.type == "cuda" and self.dtype != torch.float32 and
-                                                 schedule.config.wire_bytes_per_param == 4) else 0
-        if self.stage is not None and self.stage.numel() >= want:
+        another dtype: ``WIRE_STAGE_PARAMS`` elements, or the largest layer's if smaller (sized by the model, not
+        the schedule, so that it never grows under a running step)."""
+        if self.stage is not None or not (self.device.type == "cuda" and self.dtype != torch.float32 and
+                                          schedule.config.wire_bytes_per_param == 4):
             return
-        self.quiesce()  # nothing may still use the old buffer
-        self.stage = torch.empty(want, dtype=torch.float32, device=self.device) if want else None
+        largest = max(self.graph.weight_params(i) for i in range(len(self.graph)))
+        self.stage = torch.empty(min(largest, WIRE_STAGE_PARAMS), dtype=torch.float32, device=self.device)
 
     def load_cast(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
         """``dst`` (on the device) <- ``src`` (host), rounded to ``dst``'s dtype. An fp32 ``src`` bound for a GPU slot

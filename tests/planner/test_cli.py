@@ -31,7 +31,7 @@ def test_plan_cli_on_a_24_gib_budget_gives_the_docs_chain_bound(tmp_path, capsys
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
                  "--split-opt", "0",  # (the docs derive the plan of every update on the host or resident)
                  "--one-pass-updates", "--gpu-gib", "24", "--mb", "8", "--slots", "2", "--wire", "fp32", "--host-checkpoints", "29",
-                 "--gpu-opt-every", "auto", "--grad-kept", "3", "--out", str(tmp_path)]) == 0
+                 "--gpu-opt-every", "auto", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "budget 24.0 GiB" in out and "layers [0, 1] updated on the GPU" in out
     hand = re.search(r"\*\*Bound = ([\d.]+) s/step, backward\+cpu\*\*;\s+the\s+simulation", DOCS.read_text())
@@ -109,14 +109,14 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
     assert main([*one, "--host-gib", "1500", "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "host 1500 GiB" in out and "1 micro-batch x 16384 tokens" in out and "1 candidate plan in" in out
-    # the device holds 33 layers' gradients until their update (the embedding's, 31 blocks', and past the blocks that
-    # no longer fit the final norm's); the other 50 have host buffers of their own
-    assert re.search(r"^gradients  33 layers' \(28\.45B params\) kept on the GPU until their update in fp32 "
-                     r"\(106\.00 GiB of kept-gradient slots\).*"
-                     r"50 layers' \(44\.25B params\) to host buffers during the backward.*52 host buffers \(fp32\), "
-                     r"165\.35 GiB$", out, re.M), out
-    assert re.search(r"^host       999\.9 GiB needed \(store 812\.6, process 1\.7, checkpoints 20\.2, "
-                     r"gradients 165\.4\) of 1500 GiB: fits; 14\.77 bytes per parameter all in$", out, re.M), out
+    # the device holds 31 layers' gradients until their update (the embedding's, 29 blocks', and past the blocks that
+    # no longer fit the final norm's); the other 52 have host buffers of their own
+    assert re.search(r"^gradients  31 layers' \(26\.70B params\) kept on the GPU until their update in fp32 "
+                     r"\(99\.46 GiB of kept-gradient slots\).*"
+                     r"52 layers' \(46\.01B params\) to host buffers during the backward.*54 host buffers \(fp32\), "
+                     r"171\.89 GiB$", out, re.M), out
+    assert re.search(r"^host       1006\.4 GiB needed \(store 812\.6, process 1\.7, checkpoints 20\.2, "
+                     r"gradients 171\.9\) of 1500 GiB: fits; 14\.86 bytes per parameter all in$", out, re.M), out
 
 
 @pytest.mark.parametrize("argv,msg", [

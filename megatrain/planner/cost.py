@@ -28,11 +28,14 @@ OPT_STATE_ROWS = 3  # LOAD_OPT and STORE_OPT copy master, exp_avg and exp_avg_sq
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
 COMPUTE_BYTES = 2  # bf16 weights on the device; a device-updated layer keeps its new weights so, for the next step
 HOST_UPDATE_CHUNK = 1 << 26  # elements a host update reads a bf16 gradient back into fp32 at a time (256 MiB)
-# fp32 weights bound for bf16 weight slots cross into the device this many elements at a time, through one fp32
-# staging buffer (runtime.device.DeviceState.load_cast): 128 MiB, a 2.6 ms copy at the H200's 51.6 GB/s, beside
-# which the cast that follows on the same stream (0.06 ms) idles the copy engine as long, relatively, as the cast
-# of a whole layer did. The weight slots' count at the wire's bytes covers it (slot_sizes)
-WIRE_STAGE_PARAMS = 1 << 25
+# fp32 weights bound for bf16 weight slots cross into the device through one fp32 staging buffer of this many
+# elements, a part at a time, each part copied and then cast on the load's stream (runtime.device.DeviceState.
+# load_cast). The part's size decides the share of the copy engine a load gets beside a split update's state loads:
+# on the H200 a 7B block's load (233M parameters) ran at 12.5 GB/s in parts of 128 MiB, 25.9 in parts of 512 MiB
+# and 35.1 as torch's one copy, against 54 alone (benchmarks/stage_share.py, docs/benchmarks.md "Weights sent as
+# fp32"). 512 MiB, not a whole block: with parts of 128 MiB the 7B 24 GiB plan peaked at 23.4 GiB allocated, and
+# 0.8 GiB more would pass its budget. The weight slots' count at the wire's bytes covers the buffer (slot_sizes)
+WIRE_STAGE_PARAMS = 1 << 27
 POOLS = ("w", "g", "a", "o", "k")  # device slot pools
 HOST_POOLS = ("h",)  # host gradient buffers
 
@@ -113,7 +116,7 @@ def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     cfg = schedule.config
     # weight slots at the wire's bytes: with an fp32 wire the slots hold the compute dtype, and the other half stays
     # counted for what a 24 GiB 7B plan was measured to take beyond its slots and working sets (the fp32 staging
-    # buffer, 128 MiB, is a part of it): counted at 2 bytes, the plan the search then made (1.74 GiB of kept
+    # buffer, 512 MiB, is a part of it): counted at 2 bytes, the plan the search then made (1.74 GiB of kept
     # gradients more) reached 25.1 GiB allocated against 23.5 planned (docs/benchmarks.md, "Weights sent as fp32")
     per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES, "h": cfg.grad_host_bytes,
                  "k": cfg.grad_host_bytes}

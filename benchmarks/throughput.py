@@ -32,6 +32,7 @@ from dataclasses import replace
 import torch
 
 from megatrain.cli import gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile, split_opt
+from megatrain.planner.cost import WIRE_STAGE_PARAMS
 
 
 def main():
@@ -90,7 +91,8 @@ def main():
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
-                         "saved, resident, tile, host_ckpt, split, split_queues, pace, host_kernel=native|torch, defer); "
+                         "saved, resident, tile, host_ckpt, split, split_queues, pace, host_kernel=native|torch, defer, "
+                         "stage=elements of the fp32 wire's staging buffer, 0: torch's copy_); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -137,6 +139,9 @@ def main():
             variant.pop("split_queues", None)
             variant.pop("pace_split", None)
             variant.pop("defer_moments", None)
+        stage = variant.pop("stage_params", WIRE_STAGE_PARAMS)
+        if stage != sm.executor.dev.stage_params:  # (nothing in flight since the wait above)
+            sm.executor.dev.stage_params, sm.executor.dev.stage = stage, None
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
         sm.optimizer.native = variant.pop("host_native", native_default)
         overrides = {**base, **variant}
@@ -206,7 +211,8 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "tile": ("seq_tile", seq_tile), "host_ckpt": ("host_checkpoints", host_checkpoints),
                 "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v))),
                 "pace": ("pace_split", lambda v: bool(int(v))),
-                "host_kernel": ("host_native", host_kernel), "defer": ("defer_moments", lambda v: bool(int(v)))}
+                "host_kernel": ("host_native", host_kernel), "defer": ("defer_moments", lambda v: bool(int(v))),
+                "stage": ("stage_params", int)}
 
 
 def parse_variant(text: str) -> dict:
@@ -337,6 +343,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "pace_split": getattr(sm.executor, "pace_split", None),
         "host_kernel": "native" if sm.optimizer.native else "torch",
         "defer_moments": getattr(sm.executor, "defer_moments", None),
+        "stage_params": sm.executor.dev.stage_params if c.wire_bytes_per_param == 4 else None,
         # whether the blocks' recomputes left out the projections nothing reads (grad_sink.outputs_unread)
         "unread_skipped": any(m.unread for i in range(len(sm.graph)) for m in sm.executor.runner.unread(i)),
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,

@@ -33,6 +33,8 @@ class DeviceState:
         self.tied_sums: dict[int, torch.Tensor] = {}  # owner -> its tied gradient's parts summed
         self.stage: torch.Tensor | None = None  # fp32 weights from the host pass through here on their way to a
         # weight slot of the compute dtype (:meth:`load_cast`)
+        self.stage_params = WIRE_STAGE_PARAMS  # its elements at most; 0: none, torch's copy_ (benchmarks compare;
+        # set while no op is in flight, with ``stage`` dropped)
         self._numels: dict[int, tuple] = {}  # id(schedule) -> (schedule, elements of each slot by pool)
 
     # ---- slots ------------------------------------------------------------------------------------------------
@@ -69,13 +71,13 @@ class DeviceState:
 
     def _fit_stage(self, schedule: Schedule) -> None:
         """The staging buffer of :meth:`load_cast`, where ``schedule`` sends fp32 weights to a GPU that computes in
-        another dtype: ``WIRE_STAGE_PARAMS`` elements, or the largest layer's if smaller (sized by the model, not
-        the schedule, so that it never grows under a running step)."""
-        if self.stage is not None or not (self.device.type == "cuda" and self.dtype != torch.float32 and
-                                          schedule.config.wire_bytes_per_param == 4):
+        another dtype: ``stage_params`` elements, or the largest layer's if smaller (sized by the model, not the
+        schedule, so that it never grows under a running step)."""
+        if self.stage is not None or not (self.stage_params and self.device.type == "cuda" and
+                                          self.dtype != torch.float32 and schedule.config.wire_bytes_per_param == 4):
             return
         largest = max(self.graph.weight_params(i) for i in range(len(self.graph)))
-        self.stage = torch.empty(min(largest, WIRE_STAGE_PARAMS), dtype=torch.float32, device=self.device)
+        self.stage = torch.empty(min(largest, self.stage_params), dtype=torch.float32, device=self.device)
 
     def load_cast(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
         """``dst`` (on the device) <- ``src`` (host), rounded to ``dst``'s dtype. An fp32 ``src`` bound for a GPU slot

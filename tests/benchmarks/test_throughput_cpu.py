@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from megatrain.planner.cost import WIRE_STAGE_PARAMS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -19,7 +21,7 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
     out = tmp_path / "tp.json"
     proc = run([os.path.join(ROOT, "benchmarks", "throughput.py"), "--preset", "tiny", "--device", "cpu",
                 "--no-kernels", "--batch", "4", "--seq", "64", "--mb", "2", "--steps", "2",
-                "--variant", "gpu_opt=1,slots=all", "--variant", "clip=0,mb=1", "--variant", "wire=bf16",
+                "--variant", "gpu_opt=1,slots=all", "--variant", "clip=0,mb=1,stage=0", "--variant", "wire=bf16",
                 "--json", str(out)])
     rows = json.loads(out.read_text())
     # the bf16 wire needs bf16 compute (fp32 on the CPU): that variant fails alone, the exit status says so
@@ -28,6 +30,8 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
     ok = rows[:-1]
     assert [(r["n_mb"], r["clip"], r["weight_slots"]) for r in ok] == [(2, True, 2), (2, True, 5), (1, False, 2)]
     assert ok[0]["gpu_opt"] == [] and ok[1]["gpu_opt"] == [0, 1, 2, 3, 4]  # every layer: none shares weights
+    # the fp32 wire's staging buffer as each run had it set (0: torch's copy_; on the CPU it is never allocated)
+    assert [r["stage_params"] for r in ok] == [WIRE_STAGE_PARAMS, WIRE_STAGE_PARAMS, 0]
     for r in ok:
         # a warm-up step, two timed ones and a cool-down step after them
         assert r["tokens_per_step"] == 256 and r["step_s"] > 0 and len(r["losses"]) == 4

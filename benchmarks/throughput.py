@@ -22,6 +22,7 @@ thread's and the worker's times, and --trace, are the last timed step's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -88,6 +89,9 @@ def main():
     ap.add_argument("--save-state", metavar="DIR",
                     help="after the runs, time saving the training state to DIR and loading it back")
     ap.add_argument("--trace", help="path prefix for the measured + simulated trace and PNG")
+    ap.add_argument("--memory-by-op", metavar="PATH",
+                    help="(CUDA) write, for the last timed step, each op's device bytes allocated after it is issued "
+                         "and at most while it is, against the plan's (JSON); prints the ops above the plan")
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
@@ -96,6 +100,9 @@ def main():
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
+    if args.memory_by_op and (args.device != "cuda" or args.sync):
+        ap.error("--memory-by-op reads the CUDA caching allocator around each op the stream issuer issues: it needs "
+                 "--device cuda without --sync")
     from transformers import AutoModelForCausalLM
 
     import megatrain
@@ -165,6 +172,29 @@ def main():
         print(f"FAILED: {f}")
     if failed:
         raise SystemExit(1)
+
+
+@contextlib.contextmanager
+def allocated_by(op, out: list):
+    """(--memory-by-op) Around ``op``'s issue: the device bytes allocated after it, and the most while it was issued
+    (the allocator's view, which its cap and peak statistic count; a GPU op the optimizer worker issues lands on the
+    op the host thread issues then)."""
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    out.append((str(op), torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+
+
+def write_memory_by_op(path: str, by_op: list, planned_reserved: int, planned_peak: int, budget: int) -> None:
+    """``by_op`` as JSON, and the ops whose most allocated bytes passed the plan's device bytes, printed."""
+    with open(path, "w") as f:
+        json.dump({"planned_reserved_bytes": planned_reserved, "planned_peak_in_use_bytes": planned_peak,
+                   "budget_bytes": budget, "ops": [{"op": o, "allocated": a, "most": m} for o, a, m in by_op]}, f)
+    over = [(o, m) for o, _, m in by_op if m > planned_reserved]
+    top = max(by_op, key=lambda r: r[2])
+    gib = 1 << 30
+    print(f"memory by op: the most allocated {top[2] / gib:.2f} GiB at {top[0]!r}; planned {planned_reserved / gib:.2f} "
+          f"GiB (in use at most {planned_peak / gib:.2f}), budget {budget / gib:.2f}; {len(over)} ops above the plan"
+          + "".join(f"\n  {m / gib:6.2f} GiB  {o}" for o, m in sorted(over, key=lambda r: -r[1])[:10]))
 
 
 def time_train_state(sm, directory: str) -> dict:
@@ -301,7 +331,12 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     t_first = time.perf_counter()  # with no warm-up step, the timed steps start here (the plan's set-up counted)
     timer = getattr(sm.executor, "timer", None)
     last = None  # the last timed step, as measured (with cool-down steps after it, the executor's last is theirs)
+    by_op: list = []  # --memory-by-op: (op, bytes allocated after its issue, the most while it was issued)
     for i in range(args.warmup + args.steps + args.cooldown):
+        marked = i == args.warmup + args.steps - 1
+        if marked and cuda and args.memory_by_op:
+            by_op.append(("(before the step)", torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+            sm.executor.on_op = lambda op: allocated_by(op, by_op)
         if rows is not None:
             b = rows_batch(rows, np.arange(i * batch, (i + 1) * batch), batch)
             trained.append(int((b["labels"] != -100).sum()))
@@ -315,7 +350,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         losses.append(st.loss)
         # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
         done.append(worker.submit(time.perf_counter) if worker is not None else time.perf_counter())
-        if i == args.warmup + args.steps - 1 and timer is not None:
+        sm.executor.on_op = None
+        if marked and timer is not None:
             last = (timer.mark(), sm.executor.moments_s, sm.executor.moments_wait_s)
     sm.wait()
     t_drained = time.perf_counter()  # everything issued is done
@@ -331,11 +367,15 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     c = sched.config
     graph = sm.graph_for(sched)  # with the saved bytes per token measured on this device
     three = build_schedule(graph, ScheduleConfig.from_dict({**c.to_dict(), "n_steps": 3}))
-    from megatrain.planner.cost import compute_flops, host_memory
+    from megatrain.planner.cost import compute_flops, device_memory, host_memory
 
     hw_flops = sum(compute_flops(graph, c, op) for op in sched.ops)  # recompute included
     sim = simulate(three, graph, spec)
     b = bound(three, graph, spec)
+    planned_peak = simulate(sched, graph, spec).peak_nbytes
+    if by_op:
+        write_memory_by_op(args.memory_by_op, by_op, device_memory(graph, sched).total_nbytes, planned_peak,
+                           c.budget_bytes)
     res = {
         "preset": args.preset, "data": data, "trained_tokens_per_step": trained or None,
         "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
@@ -354,7 +394,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "planned_host_bytes_per_param": sum(host_memory(graph, sched).values()) / n,
         "saved_lean": c.saved_lean, "seq_tile": c.seq_tile, "split_opt": list(c.split_opt), "opt_part": c.opt_part,
         # the simulator's device memory in use at its peak, for the measured peak below
-        "planned_gpu_peak_gib": simulate(sched, graph, spec).peak_nbytes / (1 << 30),
+        "planned_gpu_peak_gib": planned_peak / (1 << 30),
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
@@ -368,7 +408,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "hardware_tflops": hw_flops / step_s / 1e12,
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,
         "efficiency_bound_over_measured": b.step_s / step_s, "efficiency_bound_over_median": b.step_s / median_s,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated() / (1 << 30) if cuda else 0.0,
+        # (the peak statistic is reset before each op of a --memory-by-op step: the most over every op then)
+        "gpu_peak_gib": max([torch.cuda.max_memory_allocated()] + [p for _, _, p in by_op]) / (1 << 30) if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
     }
     if last is not None:  # the last timed step's host thread: issuing ops, and waiting within that

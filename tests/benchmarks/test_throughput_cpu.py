@@ -97,3 +97,24 @@ def test_sim_accuracy_models_the_skip_for_runs_recorded_before_its_field():
         sims += [float(l.split()[7]) for l in proc.stdout.splitlines() if l.startswith("qwen2.5-")]
     full, skipped = sims
     assert 0.1 < full - skipped < 0.3, sims
+
+
+def test_memory_by_op_reports_the_ops_above_the_plan(tmp_path, capsys):
+    """--memory-by-op's report: every op's bytes as JSON, and the ops whose most allocated bytes passed the plan's
+    total, the largest first; refused where there is no CUDA allocator to read."""
+    from benchmarks.throughput import write_memory_by_op
+
+    gib = 1 << 30
+    ops = [("(before the step)", 1 * gib, 5 * gib), ("LOAD_W L2", 2 * gib, 7 * gib), ("BWD L3 m0", 3 * gib, 9 * gib),
+           ("FWD L4 m1", 2 * gib, 6 * gib)]
+    write_memory_by_op(str(tmp_path / "m.json"), ops, planned_reserved=6 * gib + 1, planned_peak=4 * gib,
+                       budget=8 * gib)
+    rec = json.loads((tmp_path / "m.json").read_text())
+    assert [o["op"] for o in rec["ops"]] == [o for o, _, _ in ops] and rec["ops"][2]["most"] == 9 * gib
+    out = capsys.readouterr().out
+    assert "the most allocated 9.00 GiB at 'BWD L3 m0'" in out and "2 ops above the plan" in out
+    listed = out.strip().splitlines()[1:]
+    assert [line.split("GiB  ")[1] for line in listed] == ["BWD L3 m0", "LOAD_W L2"]  # FWD L4 m1: within the plan
+    proc = run([os.path.join(ROOT, "benchmarks", "throughput.py"), "--preset", "tiny", "--device", "cpu",
+                "--memory-by-op", str(tmp_path / "x.json")])
+    assert proc.returncode == 2 and "--memory-by-op" in proc.stderr and "needs --device cuda" in proc.stderr

@@ -91,8 +91,10 @@ class StepOrder:
         self.older, self.prev, self.current = self.prev, self.current, None
 
     def drained(self) -> None:
-        """Every step's work is done: nothing to wait for."""
+        """Every step's work is done: nothing to wait for, the current step's carried dependencies on the step before
+        included (a drain while a step is issued: a buffer replaced before its ops, ``DeviceState.fit``)."""
         self.prev = self.older = None
+        self.carried = None
 
     def _fence(self, step: Issued, queues) -> None:
         if step.tail is not None:  # first: the worker's issues of that step's GPU ops come before its tail

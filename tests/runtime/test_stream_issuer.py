@@ -342,3 +342,20 @@ def test_a_marked_steps_timeline_is_its_own_after_the_next_step_ran():
     assert all(0 <= a <= b for a, b in zip(one.start_s, one.end_s))
     assert min(one.start_s) < 0.05 * max(one.end_s)
     assert marked.host_issue_s == issue and sum(issue.values()) > 0
+
+
+def test_a_drain_while_a_step_is_issued_leaves_it_nothing_of_the_step_before_to_wait_for():
+    """A drain after a step's begin (a device buffer replaced before its first op) forgets the step before; the
+    current step's carried dependencies on it go too, instead of pointing at a step no longer kept."""
+    from megatrain.runtime.step_order import Issued, StepOrder
+
+    prev_s, next_s = object(), object()
+    op = dataclasses.make_dataclass("FakeOp", ["id"])(0)
+    order = StepOrder(waited=lambda fut: fut.result())
+    order.current = Issued(prev_s)
+    order.current.futures[7] = Future()
+    order.end()
+    order.begin(next_s, {(id(prev_s), id(next_s)): (prev_s, next_s, {0: (7,)})}, queues=[])
+    assert order.on_prev(op).ids == (7,) and order.on_prev(op).tasks() == [order.prev.futures[7]]
+    order.drained()
+    assert order.on_prev(op).ids == () and order.on_prev(op).tasks() == []

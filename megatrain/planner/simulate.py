@@ -252,16 +252,18 @@ def _rates(spec: HardwareSpec, running: list[Queue]) -> dict[Queue, float]:
     queues of one copy direction share its rate; when both directions run, each is slowed so that together they
     stay within the duplex rate; the compute queues share the GPU; the host's AdamW loses
     ``spec.cpu_h2d_slowdown`` (``cpu_d2h_slowdown``) of its rate per unit of the h2d (d2h) direction's full rate
-    in use (the copy engines and the update threads share the host's DRAM)."""
+    in use, and while it runs each copy direction loses ``spec.h2d_cpu_slowdown`` (``d2h_cpu_slowdown``) of its
+    rate (the copy engines and the update threads share the host's DRAM)."""
     alone = _copy_rates(spec)
     count = {s: sum(1 for q in running if q[0] is s) for s in STREAM_ORDER}
     both = count[Stream.H2D] and count[Stream.D2H]
     scale = min(1.0, spec.duplex_bytes_per_s / (alone[Stream.H2D] + alone[Stream.D2H])) if both else 1.0
     use = {s: scale if count[s] else 0.0 for s in alone}  # each direction's share of its full rate in use
+    host = {Stream.H2D: spec.h2d_cpu_slowdown, Stream.D2H: spec.d2h_cpu_slowdown} if count[Stream.CPU] else {}
     out = {}
     for q in running:
         if q[0] in alone:
-            out[q] = alone[q[0]] * scale / count[q[0]]
+            out[q] = alone[q[0]] * scale / count[q[0]] * (1.0 - host.get(q[0], 0.0))
         elif q[0] is Stream.CPU:
             out[q] = 1.0 - spec.cpu_h2d_slowdown * use[Stream.H2D] - spec.cpu_d2h_slowdown * use[Stream.D2H]
         else:

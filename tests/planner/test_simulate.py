@@ -87,6 +87,30 @@ def test_host_updates_slow_while_copies_run():
         HardwareSpec.from_dict({**spec.to_dict(), "cpu_h2d_slowdown": 0.5, "cpu_d2h_slowdown": 0.5})
 
 
+def test_copies_slow_while_host_updates_run():
+    """The step of test_two_layer_step_by_hand with each copy direction losing half its rate while the host's AdamW
+    runs: the weight loads and the head's gradient store run before any update and keep their times; the embedding's
+    4 MB gradient store runs wholly beside the head's update, at 0.5 GB/s: 8 ms instead of 4."""
+    spec = dataclasses.replace(SPEC, h2d_cpu_slowdown=0.5, d2h_cpu_slowdown=0.5)
+    _, _, _, t = _two_layer_times(spec)
+    assert t[(OpKind.LOAD_W, 1)] == pytest.approx((0.002, 0.004))
+    assert t[(OpKind.STORE_G, 1)] == pytest.approx((0.007, 0.011))
+    assert t[(OpKind.OPT, 1)] == pytest.approx((0.011, 1.011))
+    assert t[(OpKind.STORE_G, 0)] == pytest.approx((0.011, 0.019))
+    assert t[(OpKind.OPT, 0)] == pytest.approx((1.011, 2.011))
+    # only d2h slowed: the same; only h2d slowed: the store keeps its 4 ms
+    assert _two_layer_times(dataclasses.replace(SPEC, d2h_cpu_slowdown=0.5))[3][(OpKind.STORE_G, 0)] == \
+        pytest.approx((0.011, 0.019))
+    assert _two_layer_times(dataclasses.replace(SPEC, h2d_cpu_slowdown=0.5))[3][(OpKind.STORE_G, 0)] == \
+        pytest.approx((0.011, 0.015))
+    for f in ("h2d_cpu_slowdown", "d2h_cpu_slowdown"):
+        with pytest.raises(ValueError, match=f"{f} must be below 1"):
+            HardwareSpec.from_dict({**spec.to_dict(), f: 1.0})
+        with pytest.raises(ValueError, match=f"{f} must be a finite number >= 0"):
+            HardwareSpec.from_dict({**spec.to_dict(), f: -0.1})
+    assert HardwareSpec.from_dict(spec.to_dict()) == spec
+
+
 def test_transfers_running_together_are_slowed():
     from megatrain.ir import Op, Schedule, Stream
     from megatrain.planner.simulate import simulate as sim

@@ -103,6 +103,8 @@ def main():
     if args.memory_by_op and (args.device != "cuda" or args.sync):
         ap.error("--memory-by-op reads the CUDA caching allocator around each op the stream issuer issues: it needs "
                  "--device cuda without --sync")
+    if args.memory_by_op:  # every device block's Python stack, for the snapshot the report groups by
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=200_000)
     from transformers import AutoModelForCausalLM
 
     import megatrain
@@ -175,26 +177,56 @@ def main():
 
 
 @contextlib.contextmanager
-def allocated_by(op, out: list):
+def allocated_by(op, out: list, held: dict):
     """(--memory-by-op) Around ``op``'s issue: the device bytes allocated after it, and the most while it was issued
     (the allocator's view, which its cap and peak statistic count; a GPU op the optimizer worker issues lands on the
-    op the host thread issues then)."""
+    op the host thread issues then). ``held``: the allocator's snapshot after the op with the most allocated after
+    it so far (``op``, ``bytes``, ``snapshot``)."""
     torch.cuda.reset_peak_memory_stats()
     yield
-    out.append((str(op), torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+    now = torch.cuda.memory_allocated()
+    out.append((str(op), now, torch.cuda.max_memory_allocated()))
+    if now > held.get("bytes", -1):
+        held.update(op=str(op), bytes=now, snapshot=torch.cuda.memory._snapshot())
 
 
-def write_memory_by_op(path: str, by_op: list, planned_reserved: int, planned_peak: int, budget: int) -> None:
-    """``by_op`` as JSON, and the ops whose most allocated bytes passed the plan's device bytes, printed."""
+def held_blocks(snapshot: dict) -> list[tuple[str, int, int]]:
+    """The live blocks of an allocator snapshot grouped by where they were allocated: the innermost frame in
+    megatrain's code (file:line function), else the innermost frame; (place, bytes, blocks), largest first."""
+    groups: dict[str, list[int]] = {}
+    for seg in snapshot["segments"]:
+        for blk in seg["blocks"]:
+            if blk["state"] != "active_allocated":
+                continue
+            frames = blk.get("frames") or next(iter(blk.get("history") or []), {}).get("frames", [])
+            own = [f for f in frames if "/megatrain/" in f["filename"]] or frames
+            place = f"{own[0]['filename'].rsplit('/megatrain/', 1)[-1]}:{own[0]['line']} {own[0]['name']}" \
+                if own else "(allocated before recording)"
+            g = groups.setdefault(place, [0, 0])
+            g[0] += blk["size"]
+            g[1] += 1
+    return sorted(((p, b, n) for p, (b, n) in groups.items()), key=lambda r: -r[1])
+
+
+def write_memory_by_op(path: str, by_op: list, planned_reserved: int, planned_peak: int, budget: int,
+                       held: dict) -> None:
+    """``by_op`` as JSON, with the blocks held after the op with the most allocated after it (:func:`held_blocks`),
+    and the ops whose most allocated bytes passed the plan's device bytes, printed."""
+    blocks = held_blocks(held["snapshot"]) if held else []
     with open(path, "w") as f:
         json.dump({"planned_reserved_bytes": planned_reserved, "planned_peak_in_use_bytes": planned_peak,
-                   "budget_bytes": budget, "ops": [{"op": o, "allocated": a, "most": m} for o, a, m in by_op]}, f)
+                   "budget_bytes": budget, "ops": [{"op": o, "allocated": a, "most": m} for o, a, m in by_op],
+                   "held_after": held.get("op"),
+                   "held_blocks": [{"where": p, "bytes": b, "blocks": n} for p, b, n in blocks]}, f, indent=0)
     over = [(o, m) for o, _, m in by_op if m > planned_reserved]
     top = max(by_op, key=lambda r: r[2])
     gib = 1 << 30
     print(f"memory by op: the most allocated {top[2] / gib:.2f} GiB at {top[0]!r}; planned {planned_reserved / gib:.2f} "
           f"GiB (in use at most {planned_peak / gib:.2f}), budget {budget / gib:.2f}; {len(over)} ops above the plan"
           + "".join(f"\n  {m / gib:6.2f} GiB  {o}" for o, m in sorted(over, key=lambda r: -r[1])[:10]))
+    if blocks:
+        print(f"held after {held['op']!r} ({held['bytes'] / gib:.2f} GiB), by where it was allocated:"
+              + "".join(f"\n  {b / gib:6.2f} GiB  {n:5d} blocks  {p}" for p, b, n in blocks[:16]))
 
 
 def time_train_state(sm, directory: str) -> dict:
@@ -332,11 +364,12 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     timer = getattr(sm.executor, "timer", None)
     last = None  # the last timed step, as measured (with cool-down steps after it, the executor's last is theirs)
     by_op: list = []  # --memory-by-op: (op, bytes allocated after its issue, the most while it was issued)
+    held: dict = {}  # --memory-by-op: the allocator's snapshot after the op with the most allocated after it
     for i in range(args.warmup + args.steps + args.cooldown):
         marked = i == args.warmup + args.steps - 1
         if marked and cuda and args.memory_by_op:
             by_op.append(("(before the step)", torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
-            sm.executor.on_op = lambda op: allocated_by(op, by_op)
+            sm.executor.on_op = lambda op: allocated_by(op, by_op, held)
         if rows is not None:
             b = rows_batch(rows, np.arange(i * batch, (i + 1) * batch), batch)
             trained.append(int((b["labels"] != -100).sum()))
@@ -375,7 +408,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     planned_peak = simulate(sched, graph, spec).peak_nbytes
     if by_op:
         write_memory_by_op(args.memory_by_op, by_op, device_memory(graph, sched).total_nbytes, planned_peak,
-                           c.budget_bytes)
+                           c.budget_bytes, held)
     res = {
         "preset": args.preset, "data": data, "trained_tokens_per_step": trained or None,
         "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, ScheduleConfig, Stream
-from megatrain.planner.graph import LOSS_CHUNK_TOKENS, LayerGraph
+from megatrain.planner.graph import LOSS_CHUNK_TOKENS, LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
 GRAD_BYTES = 4  # gradients are accumulated in fp32 (on the host: ScheduleConfig.grad_host_bytes)
@@ -147,11 +147,19 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
         return work
     if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients
         return (2 if recomputes(cfg, op) else 1) * work
-    if op.kind is OpKind.LOSS:  # one chunk of fp32 logits and their gradient
-        return lay.work_bytes_per_token * t + 2 * min(t, LOSS_CHUNK_TOKENS) * lay.logit_bytes_per_token
+    if op.kind is OpKind.LOSS:  # one chunk of the fused loss's logits (graph.LOSS_LOGITS_PER_CHUNK)
+        return lay.work_bytes_per_token * t + loss_chunk_nbytes(lay, t)
     if op.kind is OpKind.EVAL:  # one chunk of fp32 logits
         return lay.work_bytes_per_token * t + min(t, LOSS_CHUNK_TOKENS) * lay.logit_bytes_per_token
     return 0
+
+
+def loss_chunk_nbytes(lay, tokens: int) -> int:
+    """Device bytes of one logits chunk of the fused loss over ``tokens`` tokens of the head ``lay``: rows of
+    ``LOSS_LOGITS_PER_CHUNK // vocab`` tokens (at least one) in the compute dtype."""
+    row = lay.loss_logit_bytes_per_token or lay.logit_bytes_per_token
+    vocab = lay.logit_bytes_per_token // 4
+    return min(tokens, max(1, LOSS_LOGITS_PER_CHUNK // max(1, vocab))) * row
 
 
 def defers_head_store(graph: LayerGraph, cfg: ScheduleConfig) -> bool:

@@ -10,8 +10,12 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-# Logits of the fused linear + cross-entropy are materialized this many tokens at a time (fp32).
+# An evaluation's logits are formed this many tokens at a time (fp32; runtime.ops.evaluate).
 LOSS_CHUNK_TOKENS = 1024
+# The fused linear + cross-entropy of a training step forms its logits this many elements at a time, in the compute
+# dtype, one chunk alive at a time (kernels.linear_ce.LOGITS_PER_CHUNK; a test keeps the two equal, a GPU test
+# checks what a LOSS allocates against cost.workspace_nbytes).
+LOSS_LOGITS_PER_CHUNK = 1 << 29
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +30,8 @@ class Layer:
     act_bytes_per_token: int = 0  # bytes per token of this layer's output (the next layer's checkpoint)
     work_bytes_per_token: int = 0  # bytes per token of activations the forward builds for backward
     logit_bytes_per_token: int = 0  # head only: bytes of one token's fp32 logits row
+    # head only: bytes of one token's logits row in the compute dtype (the fused loss's chunks); 0: fp32, as above
+    loss_logit_bytes_per_token: int = 0
     # bytes per token of what the forward saves for backward (activations only; the weights it saves are views of
     # the weight slot, found again there by the BWD): what a layer in ScheduleConfig.saved_acts keeps on the
     # device from its FWD to its BWD. 0: the layer's backward always recomputes
@@ -224,7 +230,7 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     the MLP's gate, up and their product (3 x intermediate; a mixture of experts' per routed pair, and each pair's
     gathered input and its expert's output, 2 x top-k x H); the embedding its output, the final norm its input
     and output; the head its input, its gradient and a token's fp32 log-sum-exp (logits exist one chunk of
-    :data:`LOSS_CHUNK_TOKENS` at a time, see ``cost.loss_work_nbytes``). ``tiles``: a block whose MLP runs over
+    :data:`LOSS_LOGITS_PER_CHUNK` elements at a time, see ``cost.workspace_nbytes``). ``tiles``: a block whose MLP runs over
     tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts); ``tile_norm``: its
     post-attention norm with it (:data:`NORM_WITH_MLP`); ``moe``: a block whose MLP routes to experts (its
     routing's bytes, ``Layer.route_bytes_per_token``); ``unread_down``: a dense block whose MLP's down projection
@@ -236,7 +242,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         return dict(act_bytes_per_token=H * a, work_bytes_per_token=2 * H * a)
     if kind == "head":
         return dict(matmul_flops_per_token=2.0 * matmul_params, act_bytes_per_token=0,
-                    work_bytes_per_token=2 * H * a + 8, logit_bytes_per_token=4 * shape.vocab)
+                    work_bytes_per_token=2 * H * a + 8, logit_bytes_per_token=4 * shape.vocab,
+                    loss_logit_bytes_per_token=a * shape.vocab)
     if kind != "block":
         raise ValueError(f"unknown layer kind {kind!r}")
     q, kv, inter, heads = shape.q_dim, shape.kv_dim, shape.inter, shape.heads

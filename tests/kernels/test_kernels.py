@@ -104,6 +104,25 @@ def test_rope_reading_half_of_cos_sin_when_the_halves_are_equal(hf_layout):
     assert not torch.allclose(rope(q, k, cos2, sin, halves_equal=True)[0], reference.rope(q, cos2, sin))
 
 
+def test_the_plan_counts_a_chunk_of_the_fused_loss():
+    """The planner's chunk of the fused loss is the kernel's, and a LOSS's working set counts one in the compute
+    dtype (Qwen2.5-7B's head at 8,192 tokens: 3,530 tokens of 152,064 bf16 logits) beside the head's input and
+    gradient."""
+    from megatrain.ir import Op, OpKind, Stream
+    from megatrain.planner.cost import workspace_nbytes
+    from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, preset
+
+    from ..planner.helpers import config
+
+    assert linear_ce.LOGITS_PER_CHUNK == LOSS_LOGITS_PER_CHUNK
+    g = preset("qwen2.5-7b")
+    head = len(g) - 1
+    for tokens, rows in [(8192, (1 << 29) // 152064), (1000, 1000)]:
+        op = Op(0, OpKind.LOSS, Stream.COMPUTE, 0, head, 0)
+        got = workspace_nbytes(g, config(g, mb_tokens=tokens), op)
+        assert got == (2 * 3584 * 2 + 8) * tokens + rows * 152064 * 2
+
+
 def test_rope_refuses_odd_head_dim():
     with pytest.raises(ValueError, match="even head dim"):
         rope(torch.zeros(1, 1, 2, 5), torch.zeros(1, 1, 2, 5), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5))

@@ -39,35 +39,44 @@ class DeviceState:
 
     # ---- slots ------------------------------------------------------------------------------------------------
     def fit(self, schedule: Schedule) -> None:
-        """Allocate the slots ``schedule`` uses; a slot a later schedule needs larger is replaced once nothing uses
-        it. Slots beyond what the schedule uses, and weights kept for layers it does not update on the device, are
-        freed first (once nothing uses them): another plan's buffers would otherwise stay allocated next to this
-        one's (measured: a 7B plan for 32K tokens left too little device memory for the 131K-token plan after
-        it)."""
+        """Allocate the slots ``schedule`` uses, each of the size the plan counts. Slots of another size or dtype
+        (another plan's), slots beyond what the schedule uses, and weights kept for layers it does not update on
+        the device are freed first, once nothing uses them, then the missing ones allocated: another plan's
+        buffers would otherwise stay allocated next to this one's (measured on the H200: a 7B plan for 32K tokens
+        left too little device memory for the 131K-token plan after it; at 48 GiB, a plan with fewer split layers
+        after one with more ran out of memory in its first forward, its slots kept at the larger plan's sizes)."""
         sizes = self.slot_numels(schedule)
-        extra = [p for p in ("w", "g", "o", "k") if len(getattr(self, p)) > len(sizes[p])]
+        kept = grad_host_dtype(schedule.config)
+        dtypes = {"w": self.dtype, "g": torch.float32, "o": torch.float32, "k": kept}
+        extra = [p for p in dtypes if len(getattr(self, p)) > len(sizes[p])]
         stale = [l for l in self.kept_buf if l not in schedule.config.gpu_opt]
-        if extra or stale:
-            self.quiesce()
+        homes = {k for k, _ in self.resident.values()}  # optimizer slots holding a state the step keeps there
+        other = [(p, k) for p in dtypes for k, t in enumerate(getattr(self, p)[:len(sizes[p])])
+                 if t is None or t.dtype != dtypes[p] or t.numel() < sizes[p][k] or
+                 (t.numel() > sizes[p][k] and not (p == "o" and k in homes))]
+        lost = [k for p, k in other if p == "o" and k in homes]
+        if lost:
+            raise RuntimeError(f"optimizer slots {lost} hold states kept on the device that the new plan's slots "
+                               f"cannot hold (write them back before a plan that moves them)")
+        if extra or stale or other:
+            self.quiesce()  # nothing may still use the old buffers
             for p in extra:
                 del getattr(self, p)[len(sizes[p]):]
             for l in stale:
                 del self.kept_buf[l]
                 self.kept.pop(l, None)
-            if self.device.type == "cuda":
+            for p, k in other:  # freed before any new one is allocated
+                getattr(self, p)[k] = None
+            if self.device.type == "cuda" and (extra or stale):
                 torch.cuda.empty_cache()
         self._fit_stage(schedule)
-        kept = grad_host_dtype(schedule.config)
-        for pool, dtype in (("w", self.dtype), ("g", torch.float32), ("o", torch.float32), ("k", kept)):
-            slots: list[torch.Tensor] = getattr(self, pool)
+        for pool, dtype in dtypes.items():
+            slots: list = getattr(self, pool)
             for k, n in enumerate(sizes[pool]):
-                if k < len(slots) and slots[k].numel() >= n and slots[k].dtype == dtype:
-                    continue
-                if k < len(slots):
-                    self.quiesce()  # nothing may still use the old buffer
+                if k == len(slots):
+                    slots.append(None)
+                if slots[k] is None:
                     slots[k] = torch.empty(n, dtype=dtype, device=self.device)
-                else:
-                    slots.append(torch.empty(n, dtype=dtype, device=self.device))
 
     def _fit_stage(self, schedule: Schedule) -> None:
         """The staging buffer of :meth:`load_cast`, where ``schedule`` sends fp32 weights to a GPU that computes in

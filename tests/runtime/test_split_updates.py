@@ -42,3 +42,27 @@ def test_split_updates_match_plain_pytorch():
     stats = [sm.train_step(*b) for b in data]
     assert sm.schedule_for(6, 12).config.split_opt
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+
+
+def test_plans_that_follow_each_other_hold_their_own_slots_and_train_as_host_updates():
+    """One model trained by plans in turn (device updates with states kept there and three split layers, one split
+    layer, none, the first again): after each step every device slot is of the size the plan counts, not the
+    larger of this plan's and an earlier one's (at 48 GiB on the H200 a plan with fewer split layers ran out of
+    memory after one with more), and the run trains bit for bit as host updates do."""
+    model, data = hf_model("qwen2", num_hidden_layers=6, tie_word_embeddings=False), batches(n_steps=4)
+    plans = [dict(gpu_opt_every=2, split_opt=3, opt_part=700), dict(gpu_opt_every=2, split_opt=1, opt_part=700),
+             dict(gpu_opt_every=0, split_opt=0), dict(gpu_opt_every=2, split_opt=3, opt_part=700)]
+    sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3)
+    host = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, split_opt=0)
+    seen = set()
+    for b, plan in zip(data, plans):
+        got, want = sm.train_step(*b, **plan), host.train_step(*b)
+        assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+        cfg = sm.schedule_for(6, 12, **plan).config
+        seen.add((cfg.gpu_opt, cfg.split_opt))
+        sizes = sm.executor.dev.slot_numels(sm.schedule_for(6, 12, **plan))
+        for pool in "wgok":
+            assert [t.numel() for t in getattr(sm.executor.dev, pool)] == sizes[pool], (pool, plan)
+    assert len(seen) == 3 and any(len(s) == 3 for _, s in seen) and ((), ()) in seen
+    sd, ref = sm.state_dict(), host.state_dict()
+    assert all(torch.equal(sd[n], ref[n]) for n in sd)

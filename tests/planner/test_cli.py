@@ -270,7 +270,8 @@ def test_plan_cli_puts_100b_dense_models_on_one_h200_with_a_1536_gib_host(tmp_pa
         shapes[name] = tmp_path / f"{name}.json"
         shapes[name].write_text(json.dumps({**DENSE, "num_hidden_layers": layers}))
     fixed = ["--tokens", "16384", "--seq", "4096", "--hardware", "h200", "--host-gib", "1536", "--mb", "4",
-             "--slots", "2", "--wire", "fp32", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "1"]
+             "--slots", "2", "--wire", "fp32", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "1",
+             "--split-opt", "0"]
     assert main(["plan", "--config", str(shapes["dense-106b"]), *fixed, "--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "106.000B params" in out and re.search(r"^host .* of 1536 GiB: fits; 1[45]\.\d\d bytes per parameter",

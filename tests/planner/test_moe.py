@@ -107,7 +107,7 @@ def test_gpt_oss_120b_on_one_h200_with_1536_gib_needs_bf16_host_gradients(tmp_pa
     ones do, and the plan says where they live and what a parameter costs the host."""
     argv = ["plan", "--preset", "gpt-oss-120b", "--tokens", "32768", "--seq", "4096", "--hardware", "h200",
             "--host-gib", "1536", "--mb", "4", "--slots", "3", "--wire", "fp32", "--host-checkpoints", "0",
-            "--gpu-opt-every", "0", "--out", str(tmp_path)]
+            "--gpu-opt-every", "0", "--split-opt", "0", "--out", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert re.search(r"no plan fits: host memory 1[67]\d\d\.\d\d GiB > 1536\.00 GiB \(the least any of \d+ "

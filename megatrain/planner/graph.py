@@ -231,10 +231,10 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     gathered input and its expert's output, 2 x top-k x H); the embedding its output, the final norm its input
     and output; the head its input, its gradient and a token's fp32 log-sum-exp (logits exist one chunk of
     :data:`LOSS_LOGITS_PER_CHUNK` elements at a time, see ``cost.workspace_nbytes``). ``tiles``: a block whose MLP
-    runs over tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts); ``tile_norm``: its
-    post-attention norm with it (:data:`NORM_WITH_MLP`); ``moe``: a block whose MLP routes to experts (its
-    routing's bytes, ``Layer.route_bytes_per_token``); ``unread_down``: a dense block whose MLP's down projection
-    a recomputing backward leaves out (:data:`UNREAD_PROJECTION`, ``Layer.unread_flops_per_token``)."""
+    runs over tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts);
+    ``tile_norm``: its post-attention norm with it (:data:`NORM_WITH_MLP`); ``moe``: a block whose MLP routes to
+    experts (its routing's bytes, ``Layer.route_bytes_per_token``); ``unread_down``: a dense block whose MLP's down
+    projection a recomputing backward leaves out (:data:`UNREAD_PROJECTION`, ``Layer.unread_flops_per_token``)."""
     H, a = shape.hidden, act_dtype_bytes
     if kind == "embedding":
         return dict(act_bytes_per_token=H * a, work_bytes_per_token=H * a)

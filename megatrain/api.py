@@ -15,7 +15,7 @@ from torch import nn
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.capture import Captured, capture
 from megatrain.planner.carried import carried_deps, join
-from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_params
+from megatrain.planner.cost import device_memory, fmt_bytes, gemm_workspace_nbytes, host_memory, slot_params
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, setup_schedule
@@ -294,7 +294,10 @@ class StreamedModel:
                 layers.append(replace(lay, saved_bytes_per_token=measured[lay.template][0],
                                       lean_saved_bytes_per_token=measured[lay.template][1])
                               if lay.saved_bytes_per_token else lay)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda":  # the probes ran on the default stream: cuBLAS's workspaces there go
+                # (the steps' own, on the compute stream, are taken again at their first GEMM)
+                torch.cuda.synchronize(self.device)
+                torch._C._cuda_clearCublasWorkspaces()
                 torch.cuda.empty_cache()
             self._graphs[seq_len] = LayerGraph(layers, name=self.graph.name)
         return self._graphs[seq_len]
@@ -367,6 +370,7 @@ class StreamedModel:
                                  seq_len=seq_len, weight_slots=slots,
                                  wire_bytes_per_param=2 if opts.wire == "bf16" else 4, clip=False,
                                  budget_bytes=self.hardware.budget_bytes, train=False,
+                                 gemm_workspace_bytes=gemm_workspace_nbytes(self.hardware, train=False),
                                  # without autograd a tile costs no recompute: long micro-batches always tiled
                                  seq_tile=min(SEQ_TILES) if opts.seq_tile == "auto" else opts.seq_tile)
             s = build_schedule(self.graph, cfg)
@@ -538,7 +542,8 @@ class StreamedModel:
 
     def memory_report(self, batch_size: int | None = None, seq_len: int | None = None) -> dict[str, int]:
         """Bytes by kind: host store rows; with a batch shape, the host gradient buffers, device slots and working
-        set of its schedule."""
+        set of its schedule (and the rest of its device memory: weights kept, activations saved, cuBLAS's
+        workspaces)."""
         out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
         if batch_size and seq_len:
             step = self._plans(batch_size, seq_len, {})[1]
@@ -548,6 +553,7 @@ class StreamedModel:
             out["device.working_set"] = mem.workspace_nbytes
             out["device.kept_weights"] = mem.kept_nbytes
             out["device.saved_activations"] = mem.saved_nbytes
+            out["device.gemm_workspaces"] = mem.gemm_nbytes
         return out
 
 
@@ -633,6 +639,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         spec = replace(spec, gpu_bytes=budget + spec.gpu_reserved_bytes)  # its budget_bytes: the one asked for
     if dev.type == "cuda":
         _check_device_memory(dev, spec)
+        spec = replace(spec, gpu_gemm_workspace_bytes=_gemm_workspace(dev))
     if opts.wire == "bf16" and dtype != torch.bfloat16:
         raise ValueError(f"wire='bf16' sends bf16 weights, which needs bf16 compute; compute dtype is {dtype}")
     use_kernels = dev.type == "cuda" if kernels is None else kernels
@@ -705,6 +712,25 @@ def _device(device: str | torch.device | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def _gemm_workspace(dev: torch.device) -> int:
+    """Device bytes cuBLAS takes from the caching allocator for one thread's workspace on one stream, measured on
+    ``dev``: what a thread's first GEMMs on a new stream (a plain product, and one with a bias, which may take
+    cuBLASLt's path) allocate besides their results. The workspaces are released after."""
+    torch.cuda.synchronize(dev)
+    torch._C._cuda_clearCublasWorkspaces()
+    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+        a = torch.ones(64, 64, device=dev, dtype=torch.bfloat16)
+        bias = torch.ones(64, device=dev, dtype=torch.bfloat16)
+        before = torch.cuda.memory_allocated(dev)
+        outs = [a @ a, torch.nn.functional.linear(a, a, bias)]
+        torch.cuda.synchronize(dev)
+        taken = torch.cuda.memory_allocated(dev) - before - sum(o.untyped_storage().nbytes() for o in outs)
+        del outs
+        torch.cuda.synchronize(dev)
+        torch._C._cuda_clearCublasWorkspaces()
+    return max(taken, 0)
 
 
 def _check_device_memory(dev: torch.device, spec: HardwareSpec) -> None:

@@ -152,7 +152,8 @@ def _plan(args) -> int:
         + (f"kept gradients {mem.pool_nbytes['k'] / GiB:.2f}, " if mem.pool_nbytes['k'] else "")
         + (f"updated weights kept {mem.kept_nbytes / GiB:.2f}, " if mem.kept_nbytes else "")
         + (f"saved activations {mem.saved_nbytes / GiB:.2f}, " if mem.saved_nbytes else "")
-        + f"working set {mem.workspace_nbytes / GiB:.2f})",
+        + f"working set {mem.workspace_nbytes / GiB:.2f}"
+        + (f", cuBLAS workspaces {mem.gemm_nbytes / GiB:.2f})" if mem.gemm_nbytes else ")"),
         f"gradients  {grads}",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())

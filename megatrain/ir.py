@@ -203,7 +203,8 @@ class Op:
 TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt")  # ScheduleConfig's layer sets
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
 QUIET_DEFAULTS = {"saved_lean": False, "train": True, "setup": False, "write_back": False, "grad_host_bytes": 4,
-                  "host_grad_slots": 2, "host_grad_part": 0, "seq_tile": 0, "opt_part": 0}
+                  "host_grad_slots": 2, "host_grad_part": 0, "seq_tile": 0, "opt_part": 0,
+                  "gemm_workspace_bytes": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +222,9 @@ class ScheduleConfig:
     host_checkpoints: int = 0  # checkpoints of layers 1..host_checkpoints are offloaded to host; the rest stay on GPU
     clip: bool = True  # exact global-norm clipping: every OPT waits for all of the step's gradients
     budget_bytes: int = 0  # device bytes the plan may use (slots + largest working set)
+    # device bytes cuBLAS's workspaces take while the schedule runs (one per thread that runs its GEMMs:
+    # cost.gemm_workspace_nbytes), counted within budget_bytes
+    gemm_workspace_bytes: int = 0
     # layers updated on the device (LOAD_OPT, OPT on compute, STORE_OPT). Every step finds their weights on the
     # device, where the step before left them (or the set-up put them: ``setup``), and copies them from there
     gpu_opt: tuple[int, ...] = ()

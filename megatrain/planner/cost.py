@@ -37,6 +37,9 @@ HOST_UPDATE_CHUNK = 1 << 26  # elements a host update reads a bf16 gradient back
 # 0.8 GiB more would pass its budget. The weight slots' count at the wire's bytes covers the buffer (slot_sizes)
 WIRE_STAGE_PARAMS = 1 << 27
 POOLS = ("w", "g", "a", "o", "k")  # device slot pools
+# threads that run a training step's GEMMs, each with a cuBLAS workspace of its own on the compute stream: the
+# issuing thread (forwards, recomputes) and autograd's device thread (backwards); an evaluation runs forwards only
+GEMM_THREADS = 2
 HOST_POOLS = ("h",)  # host gradient buffers
 
 
@@ -354,6 +357,7 @@ class DeviceMemory:
     workspace_nbytes: int  # the largest compute op's transient bytes
     kept_nbytes: int = 0  # new weights of the device-updated layers, kept for the next step's loads
     saved_nbytes: int = 0  # activations the layers in saved_acts keep for backward, all at once at the turn
+    gemm_nbytes: int = 0  # cuBLAS's workspaces (ScheduleConfig.gemm_workspace_bytes)
 
     @property
     def slot_count(self) -> dict[str, int]:
@@ -365,18 +369,25 @@ class DeviceMemory:
 
     @property
     def total_nbytes(self) -> int:
-        return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes
+        return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes + \
+            self.gemm_nbytes
 
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     """Device bytes the runtime allocates for ``schedule``: its slot pools, the largest working set, the weights
-    device updates keep, and the saved activations (every layer's forward ends before the first backward: all of
-    them exist at once)."""
+    device updates keep, the saved activations (every layer's forward ends before the first backward: all of
+    them exist at once) and cuBLAS's workspaces."""
     cfg = schedule.config
     work = max((workspace_nbytes(graph, cfg, op) for op in schedule.ops), default=0)
     kept = sum(graph[l].params for l in cfg.gpu_opt) * COMPUTE_BYTES
     saved = sum(saved_nbytes(graph, cfg, l) for l in cfg.saved_acts) * cfg.n_mb
-    return DeviceMemory(slot_sizes(graph, schedule), work, kept, saved)
+    return DeviceMemory(slot_sizes(graph, schedule), work, kept, saved, cfg.gemm_workspace_bytes)
+
+
+def gemm_workspace_nbytes(spec: HardwareSpec, train: bool = True) -> int:
+    """Device bytes cuBLAS holds for the GEMMs of a schedule on ``spec``'s card: a workspace per thread that runs
+    them (:data:`GEMM_THREADS` for a training step, one for an evaluation's forwards)."""
+    return spec.gpu_gemm_workspace_bytes * (GEMM_THREADS if train else 1)
 
 
 def host_memory(graph: LayerGraph, schedule: Schedule) -> dict[str, int]:

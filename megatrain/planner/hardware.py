@@ -46,6 +46,10 @@ class HardwareSpec:
     # slower than alone; 0: not modelled
     h2d_cpu_slowdown: float = 0.0
     d2h_cpu_slowdown: float = 0.0
+    # device bytes torch's cuBLAS takes from the caching allocator for its workspace, one per thread and stream
+    # that run GEMMs (a plan's step: the issuing thread's forwards and recomputes, autograd's backward thread; see
+    # cost.GEMM_THREADS); compile() measures it on the device it runs on (the CUBLAS_WORKSPACE_CONFIG in force)
+    gpu_gemm_workspace_bytes: int = 0
 
     @property
     def budget_bytes(self) -> int:
@@ -69,7 +73,8 @@ class HardwareSpec:
             v = d.get(f, 0)
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
                                  "route_bytes_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown",
-                                 "cpu_adam_master_params_per_s", "h2d_cpu_slowdown", "d2h_cpu_slowdown")
+                                 "cpu_adam_master_params_per_s", "h2d_cpu_slowdown", "d2h_cpu_slowdown",
+                                 "gpu_gemm_workspace_bytes")
             # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
                     not (v >= 0 if may_be_zero else v > 0):
@@ -120,6 +125,8 @@ PRESETS: dict[str, HardwareSpec] = {
     # AdamW (h2d 0.2): fitted to timed 7B steps at 24 GiB with 8-11 split layers, 48 and 80 GiB (2026-12-04): with
     # it the simulated steps are 0.96-0.99 of the measured, without it 0.92-0.98, and the search picks the 9-split
     # plan that measured fastest at 24 GiB instead of 11 (docs/benchmarks.md, "Copies slowed by the host pass").
+    # cuBLAS's workspace: 32 MiB per thread and stream with torch 2.11 on the H200 (four such blocks were live at a
+    # capped run's allocation peak: two threads, the probe's default stream and the compute stream).
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=4 * GiB,
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
@@ -127,6 +134,7 @@ PRESETS: dict[str, HardwareSpec] = {
         cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
         fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, route_bytes_per_s=1.8e12,
         cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25, cpu_adam_master_params_per_s=4.5e9, h2d_cpu_slowdown=0.2,
+        gpu_gemm_workspace_bytes=32 << 20,
     ),
     # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same
     # chip). Not measured here.
@@ -135,6 +143,7 @@ PRESETS: dict[str, HardwareSpec] = {
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
         matmul_flops_per_s=784e12, hbm_bytes_per_s=3.0e12,
         cpu_adam_params_per_s=2.75e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
+        gpu_gemm_workspace_bytes=32 << 20,
     ),
     # The CPU runtime: "device" memory is host memory, copies are memcpy; rough rates of a 2-core machine.
     "cpu": HardwareSpec(

@@ -13,8 +13,9 @@ from typing import Callable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
 from megatrain.planner import cost
-from megatrain.planner.cost import (STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes, host_floor,
-                                    host_memory, slot_nbytes, store_bytes, workspace_nbytes)
+from megatrain.planner.cost import (STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes,
+                                    gemm_workspace_nbytes, host_floor, host_memory, slot_nbytes, store_bytes,
+                                    workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved
@@ -61,7 +62,7 @@ def _min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
                for l in range(len(graph)) for k in ((OpKind.LOSS,) if l == last else (OpKind.FWD, OpKind.BWD)))
     others = (cfg.weight_slots - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
-    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work
+    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work + cfg.gemm_workspace_bytes
 
 
 def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, budget: int) -> None:
@@ -80,7 +81,8 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
                               host_checkpoints=len(graph) - 2, budget_bytes=budget,
-                              seq_tile=min((t for t in tile_choices(seq_len) if t), default=0))
+                              seq_tile=min((t for t in tile_choices(seq_len) if t), default=0),
+                              gemm_workspace_bytes=gemm_workspace_nbytes(spec))
     need = _min_device_nbytes(graph, smallest)
     if need > budget:
         size = slot_nbytes(graph, smallest)
@@ -90,7 +92,8 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
             f"slot, one {seq_len}-token sequence per micro-batch, every checkpoint on host"
             f"{f', MLPs over {smallest.seq_tile}-token tiles' if smallest.seq_tile else ''}) needs {_gib(need)} "
             f"(largest layer '{graph[big].name}': {graph.weight_params(big) / 1e6:.1f}M params = "
-            f"{_gib(size['w'])} of bf16 weights + {_gib(size['g'])} of fp32 gradients)")
+            f"{_gib(size['w'])} of bf16 weights + {_gib(size['g'])} of fp32 gradients"
+            f"{f', cuBLAS workspaces {_gib(smallest.gemm_workspace_bytes)}' if smallest.gemm_workspace_bytes else ''})")
 
 
 def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
@@ -479,7 +482,8 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         raise PlanError(f"workers must be a positive integer, got {workers!r}")
     if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
         raise PlanError(f"steps to simulate must be a positive integer, got {n_steps!r}")
-    configs = candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed)
+    configs = [replace(c, gemm_workspace_bytes=gemm_workspace_nbytes(spec))
+               for c in candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed)]
     if saved_acts != "auto" and configs:  # a count no plan can keep, even with every checkpoint on the device
         saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)
     if grad_kept != "auto" and (not isinstance(grad_kept, int) or isinstance(grad_kept, bool) or grad_kept < 0):

@@ -358,7 +358,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
 def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end: list[float]) -> list[tuple[float, int]]:
     """Device bytes in use over time: each slot from the start of the op that fills it to the end of the last op
     that reads that content, plus each compute op's working set while it runs, plus saved activations (see
-    ``ScheduleConfig.saved_acts``) from their forward to their backward."""
+    ``ScheduleConfig.saved_acts``) from their forward to their backward, on top of cuBLAS's workspaces
+    (``ScheduleConfig.gemm_workspace_bytes``, held throughout)."""
     cfg = schedule.config
     size = slot_sizes(graph, schedule)
     events: list[tuple[float, int]] = []
@@ -396,7 +397,8 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
     for (pool, idx), (a, b) in holder.items():
         events += [(a, size[pool][idx]), (b, -size[pool][idx])]
     events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
-    curve, cur = [(0.0, 0)], 0
+    cur = cfg.gemm_workspace_bytes
+    curve = [(0.0, cur)]
     for t, d in events:
         cur += d
         if curve[-1][0] == t:

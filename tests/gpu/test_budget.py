@@ -19,8 +19,8 @@ GiB = 1 << 30
 
 def test_a_device_budget_is_never_exceeded_where_the_card_would_be_used():
     """A 1 GiB budget on a spec whose reserve is 256 MiB: the allocator is capped at 1.25 GiB, which the full
-    card's plan of this model passes; the capped run keeps within the cap (it would fail with an out-of-memory
-    error otherwise), its plan within the budget, and trains as the uncapped one does."""
+    card's plan of this model passes; the capped run allocates no more than the budget (peak allocated, cuBLAS's
+    workspaces included), its plan counts no more, and it trains as the uncapped one does."""
     from megatrain.planner.cost import device_memory
     from megatrain.planner.hardware import PRESETS
 
@@ -48,9 +48,9 @@ def test_a_device_budget_is_never_exceeded_where_the_card_would_be_used():
     cap = GiB + spec.gpu_reserved_bytes
     assert peaks[None] > cap, peaks  # the full card's plan keeps state and activations there
     assert planned[1.0] <= GiB < planned[None], planned
-    # within the cap; the budget alone was passed by 0.12 GiB on the H200 (1.118 GiB allocated at most, 0.985
-    # planned), what the plan does not yet count for this model
-    assert peaks[1.0] <= cap, (peaks, planned)
+    # within the budget itself: before cuBLAS's workspaces were counted (four of 32 MiB, two threads on two
+    # streams) and the probes' released, this run took 1.118 GiB with 0.985 planned
+    assert peaks[1.0] <= GiB, (peaks, planned)
     assert losses[1.0] == pytest.approx(losses[None], rel=1e-3)
 
 
@@ -75,6 +75,7 @@ def test_the_plan_counts_what_the_fused_loss_allocates(tokens):
     hidden = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
     labels = torch.randint(0, V, (tokens,), generator=gen, device="cuda")
     grad_w = torch.zeros(V, H, device="cuda")
+    _ = hidden[:1] @ weight[:1].t()  # this thread's cuBLAS workspace, which the plan counts apart (gemm_nbytes)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

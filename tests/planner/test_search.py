@@ -8,7 +8,7 @@ import pytest
 
 from megatrain.ir import ScheduleConfig
 from megatrain.planner import search
-from megatrain.planner.cost import host_memory, slot_params
+from megatrain.planner.cost import gemm_workspace_nbytes, host_memory, slot_params
 from megatrain.planner.graph import LayerGraph, preset
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule, relabel_saved
@@ -26,10 +26,12 @@ FIXED = dict(n_mb=2, wire_bytes=4, gpu_opt_every=None)  # every device-update se
 
 
 def reference(graph, budget):
-    """Every candidate built with its saved activations, verified in full, simulated; of those whose steady step is
-    within 1% of the fastest one's, the one needing the least host memory (then the fastest, the first)."""
+    """Every candidate built with its saved activations (and the spec's cuBLAS workspaces counted), verified in
+    full, simulated; of those whose steady step is within 1% of the fastest one's, the one needing the least host
+    memory (then the fastest, the first)."""
     runs = []
     for cfg in candidates(graph, REQUEST["tokens"], REQUEST["seq_len"], budget, clip=True, n_steps=3, **FIXED):
+        cfg = dataclasses.replace(cfg, gemm_workspace_bytes=gemm_workspace_nbytes(SPEC))
         cfg = search.choose_grad_kept(graph, cfg, "auto").config
         cfg = with_saved_acts(graph, cfg, "auto")
         s = build_schedule(graph, cfg)
@@ -113,3 +115,29 @@ def test_slot_params_of_the_same_ops_are_a_fresh_copy():
     assert b["w"][0] == max(G.weight_params(op.layer) for op in s.ops if ("w", 0) in op.slots)
     other = build_schedule(G, dataclasses.replace(s.config, weight_slots=2))
     assert len(slot_params(G, other)["w"]) == 2 and len(slot_params(G, s)["w"]) == 3
+
+
+def test_cublas_workspaces_are_counted_within_the_budget():
+    """A training plan counts one cuBLAS workspace per thread that runs its GEMMs (cost.GEMM_THREADS) in its device
+    memory, its refusal and its simulated memory curve; with a budget that held the plan made without them and
+    half their bytes more, the plan made with them fits the budget with them."""
+    from megatrain.planner.cost import GEMM_THREADS, device_memory
+
+    ws = 32 << 20
+    spec = dataclasses.replace(SPEC, gpu_gemm_workspace_bytes=ws)
+    without = plan(G, dataclasses.replace(spec, gpu_gemm_workspace_bytes=0), **REQUEST, **FIXED)
+    before = device_memory(G, without.schedule)
+    assert before.gemm_nbytes == 0
+    budget = before.total_nbytes + ws * GEMM_THREADS // 2
+    p = plan(G, spec, **REQUEST, budget_bytes=budget, **FIXED)
+    mem = device_memory(G, p.schedule)
+    assert p.schedule.config.gemm_workspace_bytes == mem.gemm_nbytes == GEMM_THREADS * ws
+    assert mem.total_nbytes <= budget
+    assert mem.total_nbytes - mem.gemm_nbytes < before.total_nbytes  # the rest made room for them
+    uncounted = dataclasses.replace(p.schedule, config=dataclasses.replace(p.schedule.config, gemm_workspace_bytes=0))
+    curve = simulate(uncounted, G, spec).memory
+    assert [(t, b + GEMM_THREADS * ws) for t, b in curve] == p.timeline.memory  # held throughout
+    assert p.timeline.peak_nbytes <= mem.total_nbytes
+    with pytest.raises(search.PlanError, match=r"cuBLAS workspaces 0.06 GiB"):
+        plan(G, spec, **REQUEST, budget_bytes=search._min_device_nbytes(
+            G, dataclasses.replace(p.schedule.config, weight_slots=1, grad_slots=1)) // 4, **FIXED)

@@ -543,7 +543,7 @@ class StreamedModel:
     def memory_report(self, batch_size: int | None = None, seq_len: int | None = None) -> dict[str, int]:
         """Bytes by kind: host store rows; with a batch shape, the host gradient buffers, device slots and working
         set of its schedule (and the rest of its device memory: weights kept, activations saved, cuBLAS's
-        workspaces)."""
+        workspaces, the allocator's rounding)."""
         out = {f"host.{k}": v for k, v in self.store.nbytes.items()}
         if batch_size and seq_len:
             step = self._plans(batch_size, seq_len, {})[1]
@@ -554,6 +554,7 @@ class StreamedModel:
             out["device.kept_weights"] = mem.kept_nbytes
             out["device.saved_activations"] = mem.saved_nbytes
             out["device.gemm_workspaces"] = mem.gemm_nbytes
+            out["device.allocator_rounding"] = mem.slack_nbytes
         return out
 
 

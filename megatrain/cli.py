@@ -153,7 +153,8 @@ def _plan(args) -> int:
         + (f"updated weights kept {mem.kept_nbytes / GiB:.2f}, " if mem.kept_nbytes else "")
         + (f"saved activations {mem.saved_nbytes / GiB:.2f}, " if mem.saved_nbytes else "")
         + f"working set {mem.workspace_nbytes / GiB:.2f}"
-        + (f", cuBLAS workspaces {mem.gemm_nbytes / GiB:.2f})" if mem.gemm_nbytes else ")"),
+        + (f", cuBLAS workspaces {mem.gemm_nbytes / GiB:.2f}" if mem.gemm_nbytes else "")
+        + f", allocator rounding {mem.slack_nbytes / GiB:.2f})",
         f"gradients  {grads}",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())

@@ -40,6 +40,11 @@ POOLS = ("w", "g", "a", "o", "k")  # device slot pools
 # threads that run a training step's GEMMs, each with a cuBLAS workspace of its own on the compute stream: the
 # issuing thread (forwards, recomputes) and autograd's device thread (backwards); an evaluation runs forwards only
 GEMM_THREADS = 2
+# torch's caching allocator serves a request of 1 MiB or more from a cached free block up to this much larger (it
+# splits off only a larger remainder), and counts the whole block as allocated: each such buffer a plan holds for
+# long (a slot, a kept weight) may take this much beyond its count. Measured on the H200: six slots of a 1 GiB
+# plan each took 1008 KiB more than asked for (5.9 MiB in all), which put the run 0.3 MiB over its budget
+ALLOC_SLACK_BYTES = 1 << 20
 HOST_POOLS = ("h",)  # host gradient buffers
 
 
@@ -358,6 +363,7 @@ class DeviceMemory:
     kept_nbytes: int = 0  # new weights of the device-updated layers, kept for the next step's loads
     saved_nbytes: int = 0  # activations the layers in saved_acts keep for backward, all at once at the turn
     gemm_nbytes: int = 0  # cuBLAS's workspaces (ScheduleConfig.gemm_workspace_bytes)
+    slack_nbytes: int = 0  # the caching allocator's rounding of the long-held buffers (ALLOC_SLACK_BYTES each)
 
     @property
     def slot_count(self) -> dict[str, int]:
@@ -370,18 +376,22 @@ class DeviceMemory:
     @property
     def total_nbytes(self) -> int:
         return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes + \
-            self.gemm_nbytes
+            self.gemm_nbytes + self.slack_nbytes
 
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     """Device bytes the runtime allocates for ``schedule``: its slot pools, the largest working set, the weights
     device updates keep, the saved activations (every layer's forward ends before the first backward: all of
-    them exist at once) and cuBLAS's workspaces."""
+    them exist at once), cuBLAS's workspaces, and what the caching allocator may add to the long-held buffers
+    (:data:`ALLOC_SLACK_BYTES` each, for the slots and kept weights of a MiB or more)."""
     cfg = schedule.config
     work = max((workspace_nbytes(graph, cfg, op) for op in schedule.ops), default=0)
     kept = sum(graph[l].params for l in cfg.gpu_opt) * COMPUTE_BYTES
     saved = sum(saved_nbytes(graph, cfg, l) for l in cfg.saved_acts) * cfg.n_mb
-    return DeviceMemory(slot_sizes(graph, schedule), work, kept, saved, cfg.gemm_workspace_bytes)
+    sizes = slot_sizes(graph, schedule)
+    held = [n for p in POOLS for n in sizes[p]] + [graph[l].params * COMPUTE_BYTES for l in cfg.gpu_opt]
+    slack = ALLOC_SLACK_BYTES * sum(n >= ALLOC_SLACK_BYTES for n in held)
+    return DeviceMemory(sizes, work, kept, saved, cfg.gemm_workspace_bytes, slack)
 
 
 def gemm_workspace_nbytes(spec: HardwareSpec, train: bool = True) -> int:

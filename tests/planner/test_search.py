@@ -141,3 +141,25 @@ def test_cublas_workspaces_are_counted_within_the_budget():
     with pytest.raises(search.PlanError, match=r"cuBLAS workspaces 0.06 GiB"):
         plan(G, spec, **REQUEST, budget_bytes=search._min_device_nbytes(
             G, dataclasses.replace(p.schedule.config, weight_slots=1, grad_slots=1)) // 4, **FIXED)
+
+
+def test_each_long_held_buffer_of_a_mib_or_more_counts_the_allocators_rounding():
+    """A third weight slot of the largest layer adds its bytes and one ALLOC_SLACK_BYTES to the plan's device
+    memory (the caching allocator may serve it from a cached block up to that much larger); each device-updated
+    layer's kept weights likewise; a slot under a MiB (a small layer's weights) adds none."""
+    from megatrain.planner.cost import ALLOC_SLACK_BYTES, COMPUTE_BYTES, device_memory
+
+    base = ScheduleConfig(n_layers=len(G), n_mb=2, mb_tokens=4096, seq_len=1024, weight_slots=2,
+                          wire_bytes_per_param=4, budget_bytes=SPEC.budget_bytes)
+    mem = {k: device_memory(G, build_schedule(G, dataclasses.replace(base, weight_slots=k))) for k in (2, 3)}
+    grown = {p: mem[3].pool_nbytes[p] - mem[2].pool_nbytes[p] for p in mem[2].pool_nbytes}
+    assert grown["w"] >= ALLOC_SLACK_BYTES and sum(grown.values()) == grown["w"]
+    assert mem[3].slack_nbytes - mem[2].slack_nbytes == ALLOC_SLACK_BYTES
+    assert mem[3].total_nbytes - mem[2].total_nbytes == grown["w"] + ALLOC_SLACK_BYTES
+    kept = dataclasses.replace(base, gpu_opt=(1, 2))
+    with_kept = device_memory(G, build_schedule(G, kept))
+    assert with_kept.kept_nbytes == (G[1].params + G[2].params) * COMPUTE_BYTES
+    assert with_kept.slack_nbytes - mem[2].slack_nbytes >= 2 * ALLOC_SLACK_BYTES
+    tiny = LayerGraph([dataclasses.replace(lay, params=min(lay.params, 1000)) for lay in G.layers], name="tiny")
+    small = device_memory(tiny, build_schedule(tiny, base))  # only its checkpoints' slots (7 MiB) count
+    assert small.slack_nbytes == ALLOC_SLACK_BYTES * small.slot_count["a"] > 0

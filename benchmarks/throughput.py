@@ -443,9 +443,6 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "efficiency_bound_over_measured": b.step_s / step_s, "efficiency_bound_over_median": b.step_s / median_s,
         # (the peak statistic is reset before each op of a --memory-by-op step: the most over every op then)
         "gpu_peak_gib": max([torch.cuda.max_memory_allocated()] + [p for _, _, p in by_op]) / (1 << 30) if cuda else 0.0,
-        # the bytes asked for at the most (the allocator rounds each block up: allocated counts the rounded sizes)
-        "gpu_peak_requested_gib": torch.cuda.memory_stats().get("requested_bytes.all.peak", 0) / (1 << 30)
-        if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
     }
     if last is not None:  # the last timed step's host thread: issuing ops, and waiting within that

@@ -139,10 +139,10 @@ def test_a_budget_larger_than_the_device_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (70 * GiB, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 2 * GiB)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "an 80 GiB card")
-    with pytest.raises(ValueError, match=r"'h200' plans for 135.00 GiB.*an 80 GiB card \(cuda:0\) has 72.00 GiB "
+    with pytest.raises(ValueError, match=r"'h200' plans for 135.10 GiB.*an 80 GiB card \(cuda:0\) has 72.00 GiB "
                                          r"available of 80.00 GiB"):
         api._check_device_memory(torch.device("cuda:0"), PRESETS["h200"])
-    api._check_device_memory(torch.device("cuda:0"), dataclasses.replace(PRESETS["h200"], gpu_bytes=76 * GiB))
+    api._check_device_memory(torch.device("cuda:0"), dataclasses.replace(PRESETS["h200"], gpu_bytes=75 * GiB))
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])

@@ -386,12 +386,11 @@ def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     (:data:`ALLOC_SLACK_BYTES` each, for the slots and kept weights of a MiB or more)."""
     cfg = schedule.config
     work = max((workspace_nbytes(graph, cfg, op) for op in schedule.ops), default=0)
-    kept = sum(graph[l].params for l in cfg.gpu_opt) * COMPUTE_BYTES
+    kept = [graph[l].params * COMPUTE_BYTES for l in cfg.gpu_opt]  # one buffer per device-updated layer
     saved = sum(saved_nbytes(graph, cfg, l) for l in cfg.saved_acts) * cfg.n_mb
     sizes = slot_sizes(graph, schedule)
-    held = [n for p in POOLS for n in sizes[p]] + [graph[l].params * COMPUTE_BYTES for l in cfg.gpu_opt]
-    slack = ALLOC_SLACK_BYTES * sum(n >= ALLOC_SLACK_BYTES for n in held)
-    return DeviceMemory(sizes, work, kept, saved, cfg.gemm_workspace_bytes, slack)
+    slack = ALLOC_SLACK_BYTES * sum(n >= ALLOC_SLACK_BYTES for n in [n for p in POOLS for n in sizes[p]] + kept)
+    return DeviceMemory(sizes, work, sum(kept), saved, cfg.gemm_workspace_bytes, slack)
 
 
 def gemm_workspace_nbytes(spec: HardwareSpec, train: bool = True) -> int:

@@ -482,7 +482,8 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         raise PlanError(f"workers must be a positive integer, got {workers!r}")
     if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
         raise PlanError(f"steps to simulate must be a positive integer, got {n_steps!r}")
-    configs = [replace(c, gemm_workspace_bytes=gemm_workspace_nbytes(spec))
+    gemm = gemm_workspace_nbytes(spec)
+    configs = [replace(c, gemm_workspace_bytes=gemm)
                for c in candidates(graph, tokens, seq_len, budget, clip=clip, n_steps=n_steps, **fixed)]
     if saved_acts != "auto" and configs:  # a count no plan can keep, even with every checkpoint on the device
         saved_act_layers(graph, replace(configs[0], host_checkpoints=0), saved_acts)

@@ -96,7 +96,9 @@ def main():
                     help="run again on the same model with these settings changed, e.g. "
                          "'gpu_opt=auto,wire=bf16,clip=0,mb=2' (keys: gpu_opt, wire, clip, mb, slots, step_sync, "
                          "saved, resident, tile, host_ckpt, split, split_queues, pace, host_kernel=native|torch, defer, "
-                         "stage=elements of the fp32 wire's staging buffer, 0: torch's copy_); "
+                         "stage=elements of the fp32 wire's staging buffer, 0: torch's copy_; "
+                         "host_block=N: the host kernel's threads take runs of N elements as they come free, 0: "
+                         "equal contiguous shares); "
                          "repeatable; "
                          "the first run uses the flags above")
     args = ap.parse_args()
@@ -153,6 +155,7 @@ def main():
             sm.executor.dev.stage_params, sm.executor.dev.stage = stage, None
         sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
         sm.optimizer.native = variant.pop("host_native", native_default)
+        sm.optimizer.block = variant.pop("host_block", optim.host_block)
         overrides = {**base, **variant}
         for threads in args.cpu_threads:
             sm.optimizer.threads = threads or None
@@ -274,7 +277,7 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v))),
                 "pace": ("pace_split", lambda v: bool(int(v))),
                 "host_kernel": ("host_native", host_kernel), "defer": ("defer_moments", lambda v: bool(int(v))),
-                "stage": ("stage_params", int)}
+                "stage": ("stage_params", int), "host_block": ("host_block", int)}
 
 
 def parse_variant(text: str) -> dict:
@@ -362,11 +365,14 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     trained = []  # tokens trained on, per step
     t_first = time.perf_counter()  # with no warm-up step, the timed steps start here (the plan's set-up counted)
     timer = getattr(sm.executor, "timer", None)
+    marked_index = None
     last = None  # the last timed step, as measured (with cool-down steps after it, the executor's last is theirs)
     by_op: list = []  # --memory-by-op: (op, bytes allocated after its issue, the most while it was issued)
     held: dict = {}  # --memory-by-op: the allocator's snapshot after the op with the most allocated after it
     for i in range(args.warmup + args.steps + args.cooldown):
         marked = i == args.warmup + args.steps - 1
+        if marked and worker is not None:  # the worker's optimizer step index while it runs this step's updates
+            marked_index = worker.submit(lambda: sm.optimizer.step_index)
         if marked and cuda and args.memory_by_op:
             by_op.append(("(before the step)", torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
             sm.executor.on_op = lambda op: allocated_by(op, by_op, held)
@@ -431,7 +437,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
-        "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "step_times_s": times, "losses": losses,
+        "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "host_block": sm.optimizer.block, "step_times_s": times, "losses": losses,
         "cooldown_steps": args.cooldown, "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
         "drained_step_s": drained_s, "tokens_per_s_drained": tokens / drained_s,
         "tokens_per_s": tokens / step_s, "tokens_per_s_median": tokens / median_s,
@@ -462,6 +468,10 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
                 res["host_adamw_params"] = sum(p for p, _ in spans)
                 res["host_adamw_busy_s"] = sum(d for _, d in spans)
                 res["host_adamw_params_per_s"] = res["host_adamw_params"] / max(res["host_adamw_busy_s"], 1e-9)
+            kt = sm.optimizer.kernel_time.get(marked_index.result()) if marked_index is not None else None
+            if kt and kt[0] > 0:  # the same passes by the kernel's own clock: the ops' spans less the calls' overhead
+                res["host_kernel_s"], res["host_kernel_params"] = kt
+                res["host_kernel_params_per_s"] = kt[1] / kt[0]
             deferred = [op for op in tl.ops if op.id in sm.executor.deferred_moments]
             if deferred:  # of them, those that wrote the masters alone; their moments after the update pass
                 res["host_moments_params"] = sum(op_params(graph, c, op) for op in deferred)
@@ -498,6 +508,9 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
           + (f"; host AdamW in the worker {res['host_adamw_params_per_s'] / 1e9:.2f} G params/s "
              f"({res['host_adamw_params'] / 1e9:.2f}B params in {res['host_adamw_busy_s']:.3f} s)"
              if "host_adamw_params_per_s" in res else "")
+          + (f" (by the kernel's clock {res['host_kernel_params_per_s'] / 1e9:.2f}: "
+             f"{res['host_kernel_params'] / 1e9:.2f}B in {res['host_kernel_s']:.3f} s)"
+             if "host_kernel_params_per_s" in res else "")
           + (f", of them {res['host_moments_params'] / 1e9:.2f}B masters alone, their moments after the update pass "
              f"in {res['host_moments_s']:.3f} s ({res['host_moments_params'] / res['host_moments_s'] / 1e9:.2f} G "
              f"params/s; gradient stores waited {res['host_moments_wait_s']:.3f} s for them)"

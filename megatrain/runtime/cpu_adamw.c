@@ -14,6 +14,7 @@
  * loop makes), and without -ffast-math (sqrt and division stay correctly rounded).
  */
 #include <math.h>
+#include <time.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -40,51 +41,78 @@ static inline uint16_t to_bf16(float x) {
     return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)r;
 }
 
-/* One pass over [0, n), specialised by the caller's constants (which rows it writes). The gradient's scale and the
+/* One element's update, specialised by the caller's constants (which rows it writes). The gradient's scale and the
  * master's decay are applied unconditionally: x / 1 and x * 1 are x exactly, NaN included. Elements are
- * independent: any vector width gives the same bits. (torch's remainder loop, the last n % width elements of a
- * tensor, is compiled with other contractions; the caller leaves those to torch.) */
+ * independent: any vector width and any split of [0, n) among threads gives the same bits. (torch's remainder loop,
+ * the last n % width elements of a tensor, is compiled with other contractions; the caller leaves those to torch.) */
+static inline __attribute__((always_inline)) void element(
+        float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq, const float *restrict grad,
+        uint16_t *restrict out, int64_t i, const mt_adamw_args a, const int big, const float coeff,
+        const float scale, const int write_master, const int write_moments, const int write_out) {
+    const float g = grad[i] / scale;
+    const float m0 = exp_avg[i];
+    const float m = fmaf(coeff, g - m0, big ? g : m0);
+    const float v = a.v_fma ? fmaf(a.w2 * g, g, exp_avg_sq[i] * a.beta2)
+                            : exp_avg_sq[i] * a.beta2 + (a.w2 * g) * g;
+    if (write_moments) {
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+    }
+    if (write_master) {
+        const float p = master[i] * a.decay + (a.neg_step * m) / (sqrtf(v) / a.bc2_sqrt + a.eps);
+        master[i] = p;
+        if (write_out) out[i] = to_bf16(p);
+    }
+}
+
+/* One pass over [0, n). ``block`` 0: each thread takes one contiguous n / threads (a static schedule); > 0: threads
+ * take runs of ``block`` elements as they come free (a dynamic schedule), so that a thread the OS runs late (the
+ * host has as many cores as threads, and the thread issuing GPU work shares them) holds up only its last run, not a
+ * sixteenth of the pass. */
 static inline __attribute__((always_inline)) void pass(
         float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq, const float *restrict grad,
-        uint16_t *restrict out, int64_t n, const mt_adamw_args a, int threads, const int write_master,
+        uint16_t *restrict out, int64_t n, const mt_adamw_args a, int threads, int64_t block, const int write_master,
         const int write_moments, const int write_out) {
     /* torch's lerp: a small weight steps from the start (exp_avg), a large one back from the end (grad) */
     const int big = !(fabsf(a.w1) < 0.5f);
     const float coeff = big ? a.w1 - 1.0f : a.w1;
     const float scale = a.scale != 0.0f ? a.scale : 1.0f;
-    const int v_fma = a.v_fma;
+    if (block > 0) {
+#pragma omp parallel for simd schedule(dynamic, block) num_threads(threads)
+        for (int64_t i = 0; i < n; i++)
+            element(master, exp_avg, exp_avg_sq, grad, out, i, a, big, coeff, scale, write_master, write_moments,
+                    write_out);
+    } else {
 #pragma omp parallel for simd schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; i++) {
-        const float g = grad[i] / scale;
-        const float m0 = exp_avg[i];
-        const float m = fmaf(coeff, g - m0, big ? g : m0);
-        const float v = v_fma ? fmaf(a.w2 * g, g, exp_avg_sq[i] * a.beta2)
-                              : exp_avg_sq[i] * a.beta2 + (a.w2 * g) * g;
-        if (write_moments) {
-            exp_avg[i] = m;
-            exp_avg_sq[i] = v;
-        }
-        if (write_master) {
-            const float p = master[i] * a.decay + (a.neg_step * m) / (sqrtf(v) / a.bc2_sqrt + a.eps);
-            master[i] = p;
-            if (write_out) out[i] = to_bf16(p);
-        }
+        for (int64_t i = 0; i < n; i++)
+            element(master, exp_avg, exp_avg_sq, grad, out, i, a, big, coeff, scale, write_master, write_moments,
+                    write_out);
     }
 }
 
-void mt_adamw(float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq,
-              const float *restrict grad, uint16_t *restrict out, int64_t n, const mt_adamw_args *args,
-              int mode, int threads) {
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Returns the seconds the pass took (what the caller's own clock adds to it is the call's overhead: with ctypes,
+ * taking the GIL back). */
+double mt_adamw(float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq,
+                const float *restrict grad, uint16_t *restrict out, int64_t n, const mt_adamw_args *args,
+                int mode, int threads, int64_t block) {
     const mt_adamw_args a = *args;
     if (threads < 1) threads = 1;
+    const double t0 = now();
     if (mode == MT_MOMENTS)
-        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 0, 1, 0);
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, block, 0, 1, 0);
     else if (mode == MT_MASTER && out)
-        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 0, 1);
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, block, 1, 0, 1);
     else if (mode == MT_MASTER)
-        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 0, 0);
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, block, 1, 0, 0);
     else if (out)
-        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 1, 1);
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, block, 1, 1, 1);
     else
-        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, 1, 1, 0);
+        pass(master, exp_avg, exp_avg_sq, grad, out, n, a, threads, block, 1, 1, 0);
+    return now() - t0;
 }

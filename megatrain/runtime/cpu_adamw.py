@@ -95,8 +95,8 @@ def library() -> ctypes.CDLL:
                     os.unlink(tmp)
         lib = ctypes.CDLL(str(path))
         lib.mt_adamw.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(_Args), ctypes.c_int,
-                                                         ctypes.c_int]
-        lib.mt_adamw.restype = None
+                                                         ctypes.c_int, ctypes.c_int64]
+        lib.mt_adamw.restype = ctypes.c_double
         _calibrate(lib)
         _lib = lib
         return lib
@@ -136,17 +136,19 @@ def _torch_step(master, exp_avg, exp_avg_sq, grad, hp, step, grad_scale) -> None
 
 
 def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode, threads, form,
-         whole=False) -> None:
+         whole=False, block=0) -> float:
     """The update over the rows' first multiple of the vector width in the kernel, the rest (fewer than the width)
-    by torch on copies, of which ``mode``'s rows are kept; ``whole``: every element in the kernel."""
+    by torch on copies, of which ``mode``'s rows are kept; ``whole``: every element in the kernel. Returns the
+    seconds the kernel's pass took by its own clock."""
     v_fma, width = form
     n = master.numel()
     main = n if whole else n - n % width
+    secs = 0.0
     if main:
         args = _Args(**scalars(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"], step),
                      scale=0.0 if grad_scale is None else grad_scale, v_fma=v_fma)
-        lib.mt_adamw(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                     out.data_ptr() if out is not None else None, main, ctypes.byref(args), mode, threads)
+        secs = lib.mt_adamw(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+                     out.data_ptr() if out is not None else None, main, ctypes.byref(args), mode, threads, block)
     if main < n:
         rest = [t[main:].clone() for t in (master, exp_avg, exp_avg_sq, grad)]
         _torch_step(*rest, hp, step, grad_scale)
@@ -155,6 +157,7 @@ def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode
             (master, exp_avg, exp_avg_sq)[i][main:].copy_(rest[i])
         if out is not None and mode != MOMENTS:
             out[main:].copy_(rest[0])
+    return secs
 
 
 def scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> dict[str, float]:
@@ -189,13 +192,16 @@ def _check(name: str, t: torch.Tensor, n: int, dtype: torch.dtype) -> None:
 
 def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *, lr: float,
           betas: tuple[float, float], eps: float, weight_decay: float, step: int, grad_scale: float | None = None,
-          out: torch.Tensor | None = None, mode: int = FULL, threads: int | None = None, whole: bool = False) -> None:
+          out: torch.Tensor | None = None, mode: int = FULL, threads: int | None = None, whole: bool = False,
+          block: int = 0) -> float:
     """AdamW's update ``step`` (1 for the first) of fp32 ``master`` / ``exp_avg`` / ``exp_avg_sq`` in place from
     ``grad`` (divided by ``grad_scale`` as it is read; ``grad`` is not written), as torch.optim.AdamW(fused=True)
     computes it; ``out``: the new master rounded to bf16 (not in ``MOMENTS``); ``mode``: which rows are written
     (``FULL``, ``MASTER``, ``MOMENTS``); ``threads``: OpenMP threads (None: torch's count). ``whole``: the last
     ``n % width`` elements too in torch's vector-loop arithmetic, not in its remainder loop's (which may round
-    differently): every element as the GPU's kernel computes it (``kernels.adamw``)."""
+    differently): every element as the GPU's kernel computes it (``kernels.adamw``). ``block``: 0, each thread
+    updates one equal contiguous share; N > 0, threads take runs of N elements as they come free (the same bits). Returns the
+    seconds the kernel's pass took by its own clock (torch's share, the remainder, not counted)."""
     n = master.numel()
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
         _check(name, t, n, torch.float32)
@@ -205,8 +211,11 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
         raise ValueError(f"cpu_adamw: unknown mode {mode}")
     if step < 1:
         raise ValueError(f"cpu_adamw: step counts updates from 1, got {step}")
+    if block < 0:
+        raise ValueError(f"cpu_adamw: block must be 0 (static) or a positive run of elements, got {block}")
     if n == 0:
-        return
+        return 0.0
     lib = library()
-    _run(lib, master, exp_avg, exp_avg_sq, grad, out, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
-         step, grad_scale, mode, threads or torch.get_num_threads(), _form, whole)
+    hp = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode,
+                threads or torch.get_num_threads(), _form, whole, block)

@@ -87,6 +87,10 @@ class HostAdamW:
         self.step_index = 0
         self.native = self._native_kernel(cfg)
         self.threads = cfg.threads  # may be changed between steps (benchmarks sweep it)
+        self.block = cfg.host_block  # likewise
+        # per step (its index; the last few kept): [seconds, parameters] of megatrain's kernel writing masters
+        # (FULL or MASTER passes) by the kernel's own clock, against which a host op's span shows its overhead
+        self.kernel_time: dict[int, list] = {}
         self._device_opts: dict[tuple, tuple[torch.optim.AdamW, torch.nn.Parameter]] = {}  # device updates
         self._grad_scales: dict[str, torch.Tensor] = {}  # per device: the fused kernel's 1 / clip factor
 
@@ -226,10 +230,16 @@ class HostAdamW:
             count = opt.state[v]["step"]
             if mode != MOMENTS:
                 count += 1
-            cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=lr, betas=cfg.betas,
-                            eps=cfg.eps, weight_decay=self._decay(decay), step=int(count), grad_scale=scale,
-                            out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
-                            threads=self.threads, whole=whole)
+            secs = cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=lr, betas=cfg.betas,
+                                   eps=cfg.eps, weight_decay=self._decay(decay), step=int(count), grad_scale=scale,
+                                   out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
+                                   threads=self.threads, whole=whole, block=self.block)
+            if mode != MOMENTS:
+                kt = self.kernel_time.setdefault(self.step_index, [0.0, 0])
+                kt[0] += secs
+                kt[1] += b - a
+        for old in [k for k in self.kernel_time if k < self.step_index - 8]:
+            del self.kernel_time[old]
 
     def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
         """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by
@@ -294,7 +304,7 @@ class HostAdamW:
                 cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], lr=lr, betas=cfg.betas,
                                 eps=cfg.eps, weight_decay=self._decay(decay), step=step,
                                 grad_scale=None if scale is None else float(scale), threads=self.threads,
-                                whole=True)
+                                whole=True, block=self.block)
             self.set_steps(layer, step)
             return False
         opt, p = self._device_opt(layer, block.device)

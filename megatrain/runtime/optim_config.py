@@ -36,6 +36,8 @@ class OptimConfig:
     # torch's per-tensor loop on both)
     threads: int | None = None  # host threads for the update (None: torch's setting); fewer than the cores leaves
     # one free for the thread that issues GPU work, so no update waits on a descheduled thread
+    host_block: int = 0  # megatrain's host kernel: 0, each OpenMP thread takes an equal contiguous share of a pass;
+    # N > 0, threads take runs of N elements as they come free (a thread the OS runs late then holds up one run)
     host_kernel: str = "auto"  # with ``fused``, the host update's kernel: "native", megatrain's (runtime/cpu_adamw.c:
     # torch's fused arithmetic, bit for bit, in one pass that does not write the gradient back, the bf16 shadow
     # written from it), built with the machine's C compiler on first use; "torch", torch's fused kernel; "auto":
@@ -52,6 +54,9 @@ class OptimConfig:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
         if self.host_kernel not in ("auto", "native", "torch"):
             raise ValueError(f"host_kernel must be 'auto', 'native' or 'torch', got {self.host_kernel!r}")
+        if self.host_block < 0:
+            raise ValueError(f"host_block must be 0 (a static schedule) or a positive run of elements, got "
+                             f"{self.host_block}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.warmup_steps < 0 or (self.total_steps is not None and self.total_steps <= self.warmup_steps):

@@ -82,22 +82,53 @@ def test_bad_rows_are_refused_by_name():
 def test_host_kernel_setting_is_checked():
     with pytest.raises(ValueError, match="host_kernel must be"):
         megatrain.OptimConfig(host_kernel="fast")
+    with pytest.raises(ValueError, match="host_block must be 0"):
+        megatrain.OptimConfig(host_block=-4)
 
 
 def test_training_with_the_kernel_ends_with_torch_kernels_bits():
     """Three clipped steps (weight decay on some parameters, not on norms) of a small HF model, host updates by each
-    kernel: every master, moment and step count the same."""
+    kernel (ours with each thread's share fixed and with threads taking runs as they come free): every master,
+    moment and step count the same; ours times each step's passes by its own clock."""
     opt = megatrain.OptimConfig(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 97, (4, 16), generator=g) for _ in range(3)]
     runs = {}
-    for kernel in ("native", "torch"):
-        sm = megatrain.compile(hf_model("llama"), device="cpu", optim=dataclasses.replace(opt, host_kernel=kernel),
-                               n_mb=2)
+    for kernel, block in (("native", 0), ("native", 64), ("torch", 0)):
+        sm = megatrain.compile(hf_model("llama"), device="cpu", n_mb=2,
+                               optim=dataclasses.replace(opt, host_kernel=kernel, host_block=block))
         assert sm.optimizer.native == (kernel == "native")
         for b in data:
             sm.train_step(b)
-        runs[kernel] = {l: sm.store.block(l)[:3].clone() for l in sm.store.owners()}
-    assert runs["native"].keys() == runs["torch"].keys()
-    for layer, block in runs["native"].items():
-        assert torch.equal(block, runs["torch"][layer]), f"layer {layer}"
+        runs[kernel, block] = {l: sm.store.block(l)[:3].clone() for l in sm.store.owners()}
+        timed = sm.optimizer.kernel_time
+        if kernel == "native":
+            n = sum(sm.store.master(l).numel() for l in sm.optimizer.opts)
+            assert sorted(timed) == [0, 1, 2] and all(p == n and s > 0 for s, p in timed.values())
+        else:
+            assert not timed
+    for key in (("native", 0), ("native", 64)):
+        assert runs[key].keys() == runs["torch", 0].keys()
+        for layer, block in runs[key].items():
+            assert torch.equal(block, runs["torch", 0][layer]), f"{key}: layer {layer}"
+
+
+@pytest.mark.parametrize("mode", [cpu_adamw.FULL, cpu_adamw.MASTER, cpu_adamw.MOMENTS])
+def test_a_dynamic_schedule_gives_the_static_ones_bits_and_the_pass_is_timed(mode):
+    master, exp_avg, exp_avg_sq, grads = _rows(100_003, seed=7)
+    kw = dict(**HP, weight_decay=0.1, step=3, grad_scale=1.25, mode=mode, threads=3)
+    results = []
+    for block in (0, 1000, 4096):  # runs not a multiple of the vector width, and one that is
+        p, m, v = master.clone(), exp_avg.clone(), exp_avg_sq.clone()
+        shadow = torch.zeros(p.numel(), dtype=torch.bfloat16)
+        secs = cpu_adamw.adamw(p, m, v, grads[0], **kw, out=None if mode == cpu_adamw.MOMENTS else shadow,
+                               block=block)
+        assert 0 < secs < 60
+        results.append((p, m, v, shadow))
+    written = (results[0][1], exp_avg) if mode == cpu_adamw.MOMENTS else (results[0][0], master)
+    assert not torch.equal(*written)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="block must be 0"):
+        cpu_adamw.adamw(p, m, v, grads[0], **kw, block=-1)

@@ -690,8 +690,11 @@ class _Meter:
 def _host_text(sm, schedule) -> str:
     from megatrain.planner.cost import host_memory
 
-    host = sum(host_memory(sm.graph_for(schedule), schedule).values())
-    return f"{host / 2**30:.2f} GiB ({host / sm.graph.n_params:.1f} bytes per parameter)"
+    host = host_memory(sm.graph_for(schedule), schedule)
+    process = host.pop("process", 0)  # the process's own (libraries, Python), whatever the model's size
+    model = sum(host.values())
+    return (f"{(model + process) / 2**30:.2f} GiB ({model / sm.graph.n_params:.1f} bytes per parameter, and "
+            f"{process / 2**30:.1f} GiB for the process itself)")
 
 
 def _schedule_text(cfg: TrainConfig) -> str:

@@ -82,6 +82,7 @@ class DataSource:
     description: str
     digest: str  # of the rows, their trained tokens and positions: a resumed run checks it
     tokens: int
+    longest: int  # the most positions a document takes in a row (streamed: the row's length, not known before)
 
 
 def _strings(record) -> list[str]:
@@ -129,7 +130,8 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
     how = "packed" if packing else "one per row"
     desc = (f"{what}: {len(examples):,} examples, {rows.tokens:,} tokens in {len(rows):,} rows of {seq} ({how})"
             + (f", {len(held):,} held out for eval" if held is not None else ""))
-    return DataSource(Batches(rows, seed), eval_rows, desc, h.hexdigest(), rows.tokens)
+    longest = max(rows.longest, eval_rows.longest if eval_rows is not None else 0)
+    return DataSource(Batches(rows, seed), eval_rows, desc, h.hexdigest(), rows.tokens, longest)
 
 
 def _streamed(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, columns: dict[str, str],
@@ -153,7 +155,7 @@ def _streamed(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, co
     how = "packed" if packing else "one per row"
     desc = (f"{data}: streamed, in rows of {seq} ({how}), shuffled through {BUFFER_ROWS:,} rows"
             + (f"; {len(eval_rows):,} rows of {eval_data} held out for eval" if eval_rows is not None else ""))
-    return DataSource(batches, eval_rows, desc, h.hexdigest(), 0)
+    return DataSource(batches, eval_rows, desc, h.hexdigest(), 0, seq)
 
 
 def _sizes(p: Path) -> list[int]:

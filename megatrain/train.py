@@ -107,7 +107,8 @@ class TrainConfig:
     def warmup_steps(self) -> int:
         if self.warmup is not None:
             return self.warmup
-        return math.ceil(0.03 * self.steps) if self.fine_tune else min(30, self.steps // 10)
+        # (a run of one step has none: the default never asks for as many warmup steps as the run has)
+        return min(math.ceil(0.03 * self.steps), self.steps - 1) if self.fine_tune else min(30, self.steps // 10)
 
     @property
     def min_lr_value(self) -> float:
@@ -278,6 +279,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     data = data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format, columns=cfg.column_map(),
                        packing=cfg.packing, eval_data=cfg.eval_data, eval_split=cfg.eval_split,
                        streaming=cfg.streaming)
+    _warn_positions(model, data, cfg)
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
         if began.get("data_sha256") != data.digest:
@@ -309,6 +311,20 @@ def _prepare(cfg: TrainConfig, dp=None):
                              f"program than megatrain train, or by an earlier megatrain)")
         data.batches.restore(extra["data_order"], f"{cfg.resume}/{STATE_DIR}")
     return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch // world, cfg.seq)
+
+
+def _warn_positions(model, data, cfg: TrainConfig) -> None:
+    """One line on stderr where a model with weights would see positions past its config's
+    ``max_position_embeddings``: ones its weights were not trained on (a run may mean to extend its context; it is
+    not refused)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if model.weights is None or not limit or data.longest <= limit:
+        return
+    what = (f"rows of {cfg.seq:,} tokens, streamed, may hold a document of up to {cfg.seq:,} positions"
+            if cfg.streaming else f"the longest document takes {data.longest:,} positions in a row of {cfg.seq:,}")
+    print(f"megatrain train: warning: {what}, past the model's max_position_embeddings ({limit:,}): positions its "
+          f"weights were not trained on (lower --seq, or give its config.json a rope_scaling to extend them)",
+          file=sys.stderr, flush=True)
 
 
 def freeze(model, patterns: list[str]) -> int:

@@ -136,3 +136,35 @@ def test_held_out_loss_is_the_loss_on_the_held_out_rows_only(tmp_path):
     assert evals[-1]["eval_loss"] == pytest.approx(total / count, rel=1e-5)
     assert evals[-1]["eval_tokens"] == count
     assert json.loads((out / "summary.json").read_text())["eval_loss"] == evals[-1]["eval_loss"]
+
+
+def test_positions_past_the_models_limit_are_warned_of_once(tmp_path, capsys):
+    """A document that takes more positions in a row than the config's max_position_embeddings: one warning line
+    naming both (the run goes on); within the limit, none. ``Rows.longest`` against a count of each row's
+    positions."""
+    import numpy as np
+
+    from megatrain.data.formats import Documents, Example
+    from megatrain.data.rows import one_per_row, pack
+
+    chat_model_dir(tmp_path / "model")  # max_position_embeddings 256
+    long_reply = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
+    chats = CHATS + [[{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": long_reply}]]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in chats * 4))
+    # (one step: the fine-tuning default warmup, 3% of the steps rounded up, is none here, not a refusal)
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--steps", "1", "--batch", "2"]
+    assert main([*args, "--seq", "512", "--out", str(tmp_path / "a")]) == 0
+    warned = [l for l in capsys.readouterr().err.splitlines() if "max_position_embeddings" in l]
+    assert len(warned) == 1 and "in a row of 512, past the model's max_position_embeddings (256)" in warned[0]
+    assert main([*args, "--seq", "256", "--out", str(tmp_path / "b")]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().err
+
+    docs = Documents.of([Example(list(range(3, 3 + n)), [True] * n) for n in (5, 40, 7, 90, 2)])
+    for rows in (pack(docs, 64, 0), one_per_row(docs, 64, 0)):
+        pos = rows.positions if rows.positions is not None else np.broadcast_to(np.arange(64), rows.ids.shape)
+        want = max(int(p[m].max()) + 1 for p, m in zip(pos, rows.real))
+        assert rows.longest == want == 64
+    # packed into 128: the 90-token document starts at 52 (5 + 40 + 7), so the row's end cuts it at 76 positions
+    assert pack(docs, 128, 0).longest == 76 and pack(docs, 256, 0).longest == 90
+    assert one_per_row(docs, 128, 0).longest == 90

@@ -27,6 +27,16 @@ class Rows:
     def tokens(self) -> int:
         return int(self.real.sum())
 
+    @property
+    def longest(self) -> int:
+        """The most positions any document takes in a row (packed: a document's positions start at 0 in each row
+        it is cut into; one per row: its tokens up to the row's end)."""
+        if not len(self):
+            return 0
+        if self.positions is None:
+            return int(self.real.sum(axis=1).max())
+        return int(np.where(self.real, self.positions, -1).max()) + 1
+
 
 BYTES_PER_TOKEN = 4 + 1 + 4 + 1  # a row's id, trained flag, position and padding flag
 

@@ -349,7 +349,7 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     worker processes can run it."""
     host = sum(host_floor(graph, cfg).values())
     if host > spec.host_bytes:
-        return cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}", None
+        return cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)} {FLOOR_NOTE}", None
     need = _min_device_nbytes(graph, cfg)
     if need > budget:
         return cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}", None
@@ -534,14 +534,22 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
                                    bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16"))
 
 
+# what a candidate's host check says where what it holds whatever its gradients (store, shadow, checkpoints, the
+# process's own) is more than the host has: host gradients in bf16 would not make it fit
+FLOOR_NOTE = "before any gradient buffer"
+
+
 def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, budget: int | None = None) -> str:
     """Why no candidate fits, in one line: of the candidates that need more host memory than there is, the least
-    any needs (and that bf16 host gradients need less, where they were not allowed); of those that need more
-    device memory than the budget, the least any needs; then every other distinct reason."""
+    any needs (and that bf16 host gradients need less, where they were not allowed and some candidate's gradient
+    buffers were part of what did not fit); of those that need more device memory than the budget, the least any
+    needs; then every other distinct reason."""
     host, device, other = [], [], set()
+    grads_over = False  # some candidate over the host with its gradient buffers counted
     for why in reasons:
         if m := re.match(r"host memory ([\d.]+) GiB > ", why):
             host.append(float(m.group(1)))
+            grads_over = grads_over or not why.endswith(FLOOR_NOTE)
         elif m := re.match(r"device memory >= ([\d.]+) GiB > |schedule rule 'memory' broken: needs ([\d.]+) GiB on "
                            r"the device", why):
             device.append(float(m.group(1) or m.group(2)))
@@ -549,7 +557,9 @@ def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, 
             other.add(why)
     parts = []
     if host:
-        hint = "" if bf16_tried else "; gradients on the host in bf16 (grad_host_dtype='bf16') need less"
+        hint = ("" if bf16_tried else "; gradients on the host in bf16 (grad_host_dtype='bf16') need less") \
+            if grads_over else (" before any gradient buffer: the store, the bf16 shadow where the weights travel in "
+                                "bf16, the checkpoints it puts on the host and the process's own")
         parts.append(f"host memory {min(host):.2f} GiB > {_gib(spec.host_bytes)} (the least any of {len(host)} "
                      f"candidate plans needs{hint})")
     if device:

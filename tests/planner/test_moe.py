@@ -117,3 +117,20 @@ def test_gpt_oss_120b_on_one_h200_with_1536_gib_needs_bf16_host_gradients(tmp_pa
     host = re.search(r"^host .* of 1536 GiB: fits; ([\d.]+) bytes per parameter all in", out, re.M)
     assert host and float(host.group(1)) < 14
     assert re.search(r"^gradients .*\(bf16\)", out, re.M)
+
+
+def test_a_host_too_small_before_any_gradient_buffer_gets_no_bf16_gradient_hint(tmp_path, capsys):
+    """GPT-OSS-120B within 24 GiB of the device and 1,500 GiB of host: fp32 weights on the wire need more device than
+    that, and bf16 ones a host shadow that, with the store, is over the host before any gradient buffer; the
+    refusal says so, and does not send the user to bf16 gradients, which fit no better."""
+    argv = ["plan", "--preset", "gpt-oss-120b", "--tokens", "32768", "--seq", "4096", "--hardware", "h200",
+            "--host-gib", "1500", "--gpu-gib", "24", "--out", str(tmp_path)]
+    least = []
+    for extra in ([], ["--grad-host-dtype", "bf16"]):
+        assert main(argv + extra) == 2
+        err = capsys.readouterr().err
+        m = re.search(r"no plan fits: host memory (1\d{3}\.\d\d) GiB > 1500\.00 GiB \(the least any of \d+ candidate "
+                      r"plans needs before any gradient buffer: the store, the bf16 shadow", err)
+        assert m and "need less" not in err, err
+        least.append(m.group(1))
+    assert least[0] == least[1]

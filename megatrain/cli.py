@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     t.add_argument("--decay-all", dest="decay_all", action="store_true", default=None,
                    help="weight decay on every parameter, biases and norm weights too")
-    t.add_argument("--format", choices=["text", "alpaca", "sharegpt", "messages"],
+    t.add_argument("--format", choices=["text", "prompt_completion", "alpaca", "sharegpt", "messages"],
                    help="the data's format (default: from the first record's fields)")
     t.add_argument("--columns", help="the format's fields under other names, e.g. text=body,messages=conversation")
     t.add_argument("--streaming", dest="streaming", action="store_true", default=None,

@@ -1,4 +1,4 @@
-"""Records -> token ids with the tokens trained on: plain text, alpaca, sharegpt and messages.
+"""Records -> token ids with the tokens trained on: plain text, prompt / completion, alpaca, sharegpt and messages.
 
 Text trains on every token (an end-of-text token closes each document). Chat formats are rendered with the
 tokenizer's own chat template and train on what the assistant says (its reply and the end-of-turn token the
@@ -7,7 +7,10 @@ template's generation prompt, the reply is what rendering the turn adds to it; t
 once and each token is trained on where its characters lie in a reply. A template that does not render a
 conversation as the prompts before it plus the replies (a prefix of each other) is refused. Alpaca is one turn:
 the instruction (and its input) as the user's message, the output as the reply; without a chat template, in the
-alpaca prompt format with the loss on the response and the end-of-text token.
+alpaca prompt format with the loss on the response and the end-of-text token. Prompt / completion (TRL's
+format): as strings, the prompt's tokens then the completion's and the end-of-text token, trained on the completion
+and that token; as lists of messages, the conversation they make rendered with the chat template, trained on the
+completion's assistant turns only (not on any assistant turn the prompt holds).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import numpy as np
 
 from megatrain.data.errors import DataError
 
-FORMATS = ("text", "alpaca", "sharegpt", "messages")
+FORMATS = ("text", "prompt_completion", "alpaca", "sharegpt", "messages")
 # the fields each format reads (a column mapping may name others)
-FIELDS = {"text": ("text",), "alpaca": ("instruction", "input", "output", "system"), "sharegpt": ("conversations",),
+FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"),
+          "alpaca": ("instruction", "input", "output", "system"), "sharegpt": ("conversations",),
           "messages": ("messages",)}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -70,11 +74,13 @@ def detect(record: dict, columns: dict[str, str]) -> str:
         return "sharegpt"
     if has("instruction") and has("output"):
         return "alpaca"
+    if has("prompt") and has("completion"):
+        return "prompt_completion"
     if has("text"):
         return "text"
-    raise DataError(f"a record with fields {sorted(record)} is none of the formats: text ('text'), alpaca "
-                    f"('instruction', 'output'), sharegpt ('conversations'), messages ('messages'); name the "
-                    f"fields with --columns, e.g. text=body")
+    raise DataError(f"a record with fields {sorted(record)} is none of the formats: text ('text'), prompt_completion "
+                    f"('prompt', 'completion'), alpaca ('instruction', 'output'), sharegpt ('conversations'), "
+                    f"messages ('messages'); name the fields with --columns, e.g. text=body")
 
 
 def to_example(record: dict, fmt: str, tok, columns: dict[str, str]) -> Example:
@@ -88,6 +94,17 @@ def to_example(record: dict, fmt: str, tok, columns: dict[str, str]) -> Example:
         if not ids or ids[-1] != tok.eos_token_id:
             ids = ids + [tok.eos_token_id]
         return Example(ids, [True] * len(ids))
+    if fmt == "prompt_completion":
+        prompt, completion = get("prompt"), get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            head = tok(prompt, add_special_tokens=True)["input_ids"]
+            reply = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            return Example(head + reply, [False] * len(head) + [True] * len(reply))
+        if _messages(prompt) and _messages(completion):
+            return chat_example(prompt + completion, tok, trained_from=len(prompt))
+        raise DataError(f"fields {columns.get('prompt', 'prompt')!r} and {columns.get('completion', 'completion')!r} "
+                        f"must both be strings or both lists of {{'role': ..., 'content': text}}, got "
+                        f"{type(prompt).__name__} and {type(completion).__name__}")
     if fmt == "alpaca":
         instruction, inp, output, system = (get(f) for f in FIELDS["alpaca"])
         for name, v in (("instruction", instruction), ("output", output)):
@@ -116,29 +133,34 @@ def to_example(record: dict, fmt: str, tok, columns: dict[str, str]) -> Example:
         return chat_example(messages, tok)
     if fmt == "messages":
         messages = get("messages")
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+        if not _messages(messages):
             raise DataError(f"field {columns.get('messages', 'messages')!r} must be a list of "
                             f"{{'role': ..., 'content': text}}")
         return chat_example(messages, tok)
     raise DataError(f"unknown data format {fmt!r}; formats: {', '.join(FORMATS)}")
 
 
-def chat_example(messages: list[dict], tok) -> Example:
+def _messages(value) -> bool:
+    """Whether ``value`` is a list of ``{'role': str, 'content': str}`` messages."""
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def chat_example(messages: list[dict], tok, trained_from: int = 0) -> Example:
     """A conversation rendered with ``tok``'s chat template, trained on the assistant's replies (see the module
-    doc)."""
+    doc) from message ``trained_from`` on (those before it are prompt, whatever their role)."""
     if not tok.chat_template:
         raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError("a conversation without an assistant turn has nothing to train on")
+    if not any(m["role"] == "assistant" for m in messages[trained_from:]):
+        raise DataError("a conversation without an assistant turn has nothing to train on" if not trained_from else
+                        "a completion without an assistant turn has nothing to train on")
     def render(ms, prompt=False):
         return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=prompt)
 
     full = render(messages)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < trained_from:
             continue
         prompt, upto = render(messages[:i], True) if i else "", render(messages[: i + 1])
         if not (full.startswith(upto) and upto.startswith(prompt)):

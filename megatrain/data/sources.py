@@ -1,5 +1,5 @@
 """Where training data comes from: local files and directories read through HF ``datasets`` (json, jsonl,
-parquet, arrow, text), or a dataset already in the local HF cache by name; tokenized in batches, cached by
+parquet, arrow, csv, text), or a dataset already in the local HF cache by name; tokenized in batches, cached by
 ``datasets``, never held as one string."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 from megatrain.data.formats import FORMATS, Documents, detect, to_example
 
 # file suffix -> the datasets loader that reads it
-LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
 
 
 def load_records(source: str, *, split: str = "train", streaming: bool = False):
@@ -35,7 +35,7 @@ def load_records(source: str, *, split: str = "train", streaming: bool = False):
             if len(kinds) > 1:
                 raise DataError(f"data directory {p} mixes file kinds {sorted(kinds)}; give one kind")
             kind = kinds.pop()
-            extra = {"sample_by": "paragraph"} if kind == "text" else {}
+            extra = {"sample_by": "paragraph"} if kind == "text" else _csv_options(files[0]) if kind == "csv" else {}
             return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split, streaming=streaming,
                                          **extra)
         if not _in_cache(source):
@@ -52,6 +52,26 @@ def load_records(source: str, *, split: str = "train", streaming: bool = False):
         raise
     except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable data
         raise DataError(f"{source} {_why(e)}") from None
+
+
+def _csv_options(first: Path) -> dict:
+    """How a CSV source is read: every column as text, named by the first file's header (else the reader takes a
+    column of digits for numbers, and "4" as a completion would be refused as not a string), and an empty cell as
+    an empty string (not a missing value)."""
+    import csv
+
+    import datasets
+
+    try:
+        with open(first, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), None)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"data file {first}: its CSV header cannot be read ({type(e).__name__}: {e})") from None
+    if not header:
+        raise DataError(f"data file {first} is empty: a CSV file starts with a header naming its columns")
+    if any(not name.strip() for name in header) or len(set(header)) < len(header):
+        raise DataError(f"data file {first}: its CSV header {header!r} must name every column once"[:300])
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header}), "na_filter": False}
 
 
 def _why(e: BaseException) -> str:

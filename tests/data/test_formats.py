@@ -69,6 +69,52 @@ def test_alpaca_with_and_without_a_chat_template():
     assert ex.ids == prompt + reply and ex.train == [False] * len(prompt) + [True] * len(reply)
 
 
+def test_prompt_completion_as_strings_and_as_messages():
+    """TRL's prompt / completion: strings are the prompt's tokens (not trained) then the completion's and the end of
+    text (trained); messages are the conversation they make, trained on the completion's assistant turns alone,
+    not on an assistant turn of the prompt (a worked example in it)."""
+    tok = chatml_tokenizer()
+    ex = to_example({"prompt": "What is two plus two?", "completion": " It is four."}, "prompt_completion", tok, {})
+    head = tok("What is two plus two?")["input_ids"]
+    reply = tok(" It is four.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ex.ids == head + reply and ex.train == [False] * len(head) + [True] * len(reply)
+
+    rec = {"prompt": CHAT[:3], "completion": CHAT[3:]}
+    got = to_example(rec, "prompt_completion", tok, {})
+    both = chat_example(CHAT, tok)  # trains on both replies
+    assert got.ids == both.ids
+    assert all(b or not g for g, b in zip(got.train, both.train)) and sum(got.train) < sum(both.train)
+    trained = tok.decode([i for i, t in zip(got.ids, got.train) if t])
+    assert trained == "Paris.<|im_end|>"
+    with pytest.raises(DataError, match="must both be strings or both lists"):
+        to_example({"prompt": "Hi", "completion": CHAT[1:2]}, "prompt_completion", tok, {})
+    with pytest.raises(DataError, match="a completion without an assistant turn"):
+        to_example({"prompt": CHAT[:1], "completion": CHAT[:1]}, "prompt_completion", tok, {})
+
+
+def test_csv_cells_are_text_and_a_bad_header_is_named(tmp_path):
+    """Each CSV cell as the text it holds: digits stay a string and an empty cell is an empty input, so a numeric
+    completion trains as the others do; a header that does not name each column once is refused."""
+    tok = chatml_tokenizer()
+    tok.chat_template = None
+    data = tmp_path / "pc.csv"
+    data.write_text('prompt,completion\n"2+2=","4"\n"Say hi.","Hello, there."\n')
+    docs = tokenize(load_records(str(data)), tok, source=str(data))
+    want = [to_example({"prompt": p, "completion": c}, "prompt_completion", tok, {})
+            for p, c in (("2+2=", "4"), ("Say hi.", "Hello, there."))]
+    assert docs.ids.tolist() == [i for e in want for i in e.ids]
+    assert docs.train.tolist() == [t for e in want for t in e.train]
+    alpaca = tmp_path / "alpaca.csv"
+    alpaca.write_text('instruction,input,output\n"Say hi.",,"Hello."\n')
+    got = tokenize(load_records(str(alpaca)), tok)
+    assert got.ids.tolist() == to_example({"instruction": "Say hi.", "output": "Hello."}, "alpaca", tok, {}).ids
+    for header in ("prompt,prompt", "prompt,", ""):
+        bad = tmp_path / "bad.csv"
+        bad.write_text(header + ("\n" if header else ""))
+        with pytest.raises(DataError, match="bad.csv"):
+            load_records(str(bad))
+
+
 def test_every_format_and_file_kind_loads(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -77,6 +123,7 @@ def test_every_format_and_file_kind_loads(tmp_path):
     records = {
         "text": [{"text": "Paris is the capital of France."}, {"text": "The quick brown fox."}],
         "alpaca": [{"instruction": "Say hi.", "input": "", "output": "Hello there."}] * 2,
+        "prompt_completion": [{"prompt": "Say hi.", "completion": " Hello there."}] * 2,
         "sharegpt": [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}] * 2,
         "messages": [{"messages": CHAT}] * 2,
     }

@@ -97,7 +97,7 @@ def test_bad_jsonl_names_the_line(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["train", "--data", str(empty), "--out", str(tmp_path / "r")]) == 2
-    assert f"data directory {empty} holds no .arrow/.json/.jsonl/.parquet/.txt file" in capsys.readouterr().err
+    assert f"data directory {empty} holds no .arrow/.csv/.json/.jsonl/.parquet/.txt file" in capsys.readouterr().err
 
 
 def test_weight_slots_from_a_config_file_are_checked(tmp_path, capsys):

@@ -4,8 +4,10 @@ Text trains on every token (an end-of-text token closes each document). Chat for
 tokenizer's own chat template and train on what the assistant says (its reply and the end-of-turn token the
 template closes it with), nothing else: the prompt of each turn is the conversation so far rendered with the
 template's generation prompt, the reply is what rendering the turn adds to it; the whole conversation is tokenized
-once and each token is trained on where its characters lie in a reply. A template that does not render a
-conversation as the prompts before it plus the replies (a prefix of each other) is refused. Alpaca is one turn:
+once and each token is trained on where its characters lie in a reply. A template that renders a reply otherwise
+when it ends the conversation (Qwen3's reasoning block) has each reply trained on as the whole conversation renders
+it: from its prompt to its end-of-turn token, the reply's text found there as written. A template whose prompts are
+not each a prefix of the conversation is refused. Alpaca is one turn:
 the instruction (and its input) as the user's message, the output as the reply; without a chat template, in the
 alpaca prompt format with the loss on the response and the end-of-text token. Prompt / completion (TRL's
 format): as strings, the prompt's tokens then the completion's and the end-of-text token, trained on the completion
@@ -146,6 +148,21 @@ def _messages(value) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
 
 
+def _reply_end(full: str, start: int, content: str, eot: str | None) -> int | None:
+    """Where a reply that begins at ``start`` of the rendered conversation ``full`` ends (after its end-of-turn
+    token ``eot``), for a template that renders a turn otherwise when it is the conversation's last (Qwen3's adds
+    an empty reasoning block to the replies after the last user message, so a reply rendered last is not a prefix
+    of the conversation): its ``content`` as written, within its turn (before the next end-of-turn token), then
+    that token after nothing but white space. None where the reply cannot be found so."""
+    if not eot or not content:
+        return None
+    stop = full.find(eot, start)
+    at = full.find(content, start)
+    if stop < 0 or at < 0 or at + len(content) > stop or full[at + len(content):stop].strip():
+        return None
+    return stop + len(eot)
+
+
 def chat_example(messages: list[dict], tok, trained_from: int = 0) -> Example:
     """A conversation rendered with ``tok``'s chat template, trained on the assistant's replies (see the module
     doc) from message ``trained_from`` on (those before it are prompt, whatever their role)."""
@@ -158,19 +175,25 @@ def chat_example(messages: list[dict], tok, trained_from: int = 0) -> Example:
         return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=prompt)
 
     full = render(messages)
+    refused = DataError("the chat template does not render a conversation as each turn's prompt followed by its "
+                        "reply (the rendering of a turn is not a prefix of the next), so the assistant's tokens "
+                        "cannot be told apart")
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < trained_from:
             continue
         prompt, upto = render(messages[:i], True) if i else "", render(messages[: i + 1])
-        if not (full.startswith(upto) and upto.startswith(prompt)):
-            raise DataError("the chat template does not render a conversation as each turn's prompt followed by its "
-                            "reply (the rendering of a turn is not a prefix of the next), so the assistant's tokens "
-                            "cannot be told apart")
-        end = len(upto)
-        eot = upto.rfind(tok.eos_token, len(prompt)) if tok.eos_token else -1
-        if eot >= 0:  # the reply ends with its end-of-turn token; what the template adds after it is not trained
-            end = eot + len(tok.eos_token)
+        if not full.startswith(prompt):
+            raise refused
+        if full.startswith(upto) and upto.startswith(prompt):
+            end = len(upto)
+            eot = upto.rfind(tok.eos_token, len(prompt)) if tok.eos_token else -1
+            if eot >= 0:  # the reply ends with its end-of-turn token; what the template adds after it is not trained
+                end = eot + len(tok.eos_token)
+        else:
+            end = _reply_end(full, len(prompt), m["content"], tok.eos_token)
+            if end is None:
+                raise refused
         spans.append((len(prompt), end))
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     train = [any(a <= lo < b for a, b in spans) for lo, _ in enc["offset_mapping"]]

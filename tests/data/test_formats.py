@@ -8,7 +8,7 @@ import pytest
 
 from megatrain.data import DataError, Documents, chat_example, load_records, one_per_row, pack, to_example, tokenize
 
-from .tokenizers import chatml_tokenizer, llama3_tokenizer
+from .tokenizers import CHATML, chatml_tokenizer, llama3_tokenizer
 
 CHAT = [{"role": "user", "content": "What is two plus two?"},
         {"role": "assistant", "content": "It is four."},
@@ -165,3 +165,35 @@ def test_packed_rows_keep_documents_apart_and_hold_every_trained_token():
     others = np.setdiff1d(np.arange(len(docs.ids)), starts)
     assert packed.train.reshape(-1)[others].all()
     assert single.train.sum() == len(docs.ids) - len(docs)
+
+
+def test_a_template_that_renders_the_last_reply_otherwise_trains_each_reply_as_the_conversation_renders_it():
+    """Qwen3-style: the reply after the last user message opens with an empty reasoning block, earlier ones do not,
+    so a reply rendered last is not a prefix of the conversation. Each reply is trained on as the whole conversation
+    renders it, with its end-of-turn token; nothing else is. A template whose prompts are not prefixes of the
+    conversation, or that changes a reply's text, is refused."""
+    from .tokenizers import REASONING_CHATML
+
+    tok = chatml_tokenizer()
+    tok.chat_template = REASONING_CHATML
+    ex = chat_example(CHAT, tok)
+    full = tok.apply_chat_template(CHAT, tokenize=False)
+    assert full == ("<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\nIt is four.<|im_end|>\n"
+                    "<|im_start|>user\nAnd the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+                    "<think>\n\n</think>\n\nParis.<|im_end|>\n")
+    assert ex.ids == tok(full, add_special_tokens=False)["input_ids"]
+    runs, cur = [], None  # the trained tokens' runs, each decoded
+    for i, t in zip(ex.ids, ex.train):
+        if t:
+            cur = (cur or []) + [i]
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = None
+    assert runs + ([tok.decode(cur)] if cur else []) == ["It is four.<|im_end|>",
+                                                         "<think>\n\n</think>\n\nParis.<|im_end|>"]
+    tok.chat_template = "{{ messages | length }} turns\n" + CHATML
+    with pytest.raises(DataError, match="does not render a conversation as each turn's prompt"):
+        chat_example(CHAT, tok)
+    tok.chat_template = REASONING_CHATML.replace("m['content'] + '<|im_end|>", "m['content'] | upper + '<|im_end|>")
+    with pytest.raises(DataError, match="does not render a conversation as each turn's prompt"):
+        chat_example(CHAT, tok)

@@ -10,6 +10,14 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello there, how are 
 CHATML = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
           "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# ChatML whose replies after the last user message open with an empty reasoning block, as Qwen3's template renders
+# them (earlier replies bare): a reply rendered as the conversation's last is not a prefix of a longer one
+REASONING_CHATML = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 LLAMA3 = ("{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
           "'<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")

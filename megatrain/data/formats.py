@@ -12,7 +12,9 @@ the instruction (and its input) as the user's message, the output as the reply; 
 alpaca prompt format with the loss on the response and the end-of-text token. Prompt / completion (TRL's
 format): as strings, the prompt's tokens then the completion's and the end-of-text token, trained on the completion
 and that token; as lists of messages, the conversation they make rendered with the chat template, trained on the
-completion's assistant turns only (not on any assistant turn the prompt holds).
+completion's assistant turns only (not on any assistant turn the prompt holds). Messages may carry an assistant's
+``tool_calls`` (its content then empty) and tool results, and a record its ``tools``' definitions, all rendered by
+the template; the tool calls are trained on as replies are.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from megatrain.data.errors import DataError
 
 FORMATS = ("text", "prompt_completion", "alpaca", "sharegpt", "messages")
 # the fields each format reads (a column mapping may name others)
-FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"),
+FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion", "tools"),
           "alpaca": ("instruction", "input", "output", "system"), "sharegpt": ("conversations",),
-          "messages": ("messages",)}
+          "messages": ("messages", "tools")}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input}### Response:\n"
@@ -103,7 +105,8 @@ def to_example(record: dict, fmt: str, tok, columns: dict[str, str]) -> Example:
             reply = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             return Example(head + reply, [False] * len(head) + [True] * len(reply))
         if _messages(prompt) and _messages(completion):
-            return chat_example(prompt + completion, tok, trained_from=len(prompt))
+            return chat_example(_clean(prompt) + _clean(completion), tok, trained_from=len(prompt),
+                                tools=_tools(get("tools"), columns))
         raise DataError(f"fields {columns.get('prompt', 'prompt')!r} and {columns.get('completion', 'completion')!r} "
                         f"must both be strings or both lists of {{'role': ..., 'content': text}}, got "
                         f"{type(prompt).__name__} and {type(completion).__name__}")
@@ -137,15 +140,48 @@ def to_example(record: dict, fmt: str, tok, columns: dict[str, str]) -> Example:
         messages = get("messages")
         if not _messages(messages):
             raise DataError(f"field {columns.get('messages', 'messages')!r} must be a list of "
-                            f"{{'role': ..., 'content': text}}")
-        return chat_example(messages, tok)
+                            f"{{'role': ..., 'content': text}} (an assistant's content may be empty where it has "
+                            f"'tool_calls')")
+        return chat_example(_clean(messages), tok, tools=_tools(get("tools"), columns))
     raise DataError(f"unknown data format {fmt!r}; formats: {', '.join(FORMATS)}")
 
 
 def _messages(value) -> bool:
-    """Whether ``value`` is a list of ``{'role': str, 'content': str}`` messages."""
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    """Whether ``value`` is a list of ``{'role': str, 'content': str}`` messages (an assistant's content may be
+    missing or None where it has a list of ``tool_calls``; other keys, as a tool message's name, go to the
+    template)."""
+    def one(m) -> bool:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return False
+        return isinstance(m.get("content"), str) or (
+            m.get("content") is None and m["role"] == "assistant" and isinstance(m.get("tool_calls"), list)
+            and len(m["tool_calls"]) > 0)
+
+    return isinstance(value, list) and all(one(m) for m in value)
+
+
+def _clean(messages: list[dict]) -> list[dict]:
+    """The messages without the keys a columnar file gives every message of a column (None where a message has
+    none: a user message's ``tool_calls``), as the template would see them written by hand."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def _tools(value, columns: dict[str, str]):
+    """A record's tool definitions for the chat template: a list of JSON schemas, or that list as a JSON string (as
+    data sets store them to keep one column type); None where the record has none."""
+    import json
+
+    if value is None:
+        return None
+    name = columns.get("tools", "tools")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"field {name!r} is a string but not JSON ({e.msg} at {e.pos})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"field {name!r} must be a list of tool definitions (JSON objects), got {value!r}"[:300])
+    return value or None
 
 
 def _reply_end(full: str, start: int, content: str, eot: str | None) -> int | None:
@@ -163,16 +199,17 @@ def _reply_end(full: str, start: int, content: str, eot: str | None) -> int | No
     return stop + len(eot)
 
 
-def chat_example(messages: list[dict], tok, trained_from: int = 0) -> Example:
-    """A conversation rendered with ``tok``'s chat template, trained on the assistant's replies (see the module
-    doc) from message ``trained_from`` on (those before it are prompt, whatever their role)."""
+def chat_example(messages: list[dict], tok, trained_from: int = 0, tools: list[dict] | None = None) -> Example:
+    """A conversation rendered with ``tok``'s chat template (and its ``tools``' definitions), trained on the
+    assistant's replies (see the module doc), tool calls included, from message ``trained_from`` on (those before
+    it are prompt, whatever their role)."""
     if not tok.chat_template:
         raise DataError("chat data needs a tokenizer with a chat template, and this one has none")
     if not any(m["role"] == "assistant" for m in messages[trained_from:]):
         raise DataError("a conversation without an assistant turn has nothing to train on" if not trained_from else
                         "a completion without an assistant turn has nothing to train on")
     def render(ms, prompt=False):
-        return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=prompt)
+        return tok.apply_chat_template(ms, tools=tools, tokenize=False, add_generation_prompt=prompt)
 
     full = render(messages)
     refused = DataError("the chat template does not render a conversation as each turn's prompt followed by its "
@@ -191,7 +228,7 @@ def chat_example(messages: list[dict], tok, trained_from: int = 0) -> Example:
             if eot >= 0:  # the reply ends with its end-of-turn token; what the template adds after it is not trained
                 end = eot + len(tok.eos_token)
         else:
-            end = _reply_end(full, len(prompt), m["content"], tok.eos_token)
+            end = _reply_end(full, len(prompt), m.get("content"), tok.eos_token)
             if end is None:
                 raise refused
         spans.append((len(prompt), end))

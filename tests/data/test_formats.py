@@ -84,8 +84,7 @@ def test_prompt_completion_as_strings_and_as_messages():
     both = chat_example(CHAT, tok)  # trains on both replies
     assert got.ids == both.ids
     assert all(b or not g for g, b in zip(got.train, both.train)) and sum(got.train) < sum(both.train)
-    trained = tok.decode([i for i, t in zip(got.ids, got.train) if t])
-    assert trained == "Paris.<|im_end|>"
+    assert _trained_runs(tok, got) == ["Paris.<|im_end|>"]
     with pytest.raises(DataError, match="must both be strings or both lists"):
         to_example({"prompt": "Hi", "completion": CHAT[1:2]}, "prompt_completion", tok, {})
     with pytest.raises(DataError, match="a completion without an assistant turn"):
@@ -182,18 +181,60 @@ def test_a_template_that_renders_the_last_reply_otherwise_trains_each_reply_as_t
                     "<|im_start|>user\nAnd the capital of France?<|im_end|>\n<|im_start|>assistant\n"
                     "<think>\n\n</think>\n\nParis.<|im_end|>\n")
     assert ex.ids == tok(full, add_special_tokens=False)["input_ids"]
-    runs, cur = [], None  # the trained tokens' runs, each decoded
-    for i, t in zip(ex.ids, ex.train):
-        if t:
-            cur = (cur or []) + [i]
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = None
-    assert runs + ([tok.decode(cur)] if cur else []) == ["It is four.<|im_end|>",
-                                                         "<think>\n\n</think>\n\nParis.<|im_end|>"]
+    assert _trained_runs(tok, ex) == ["It is four.<|im_end|>", "<think>\n\n</think>\n\nParis.<|im_end|>"]
     tok.chat_template = "{{ messages | length }} turns\n" + CHATML
     with pytest.raises(DataError, match="does not render a conversation as each turn's prompt"):
         chat_example(CHAT, tok)
     tok.chat_template = REASONING_CHATML.replace("m['content'] + '<|im_end|>", "m['content'] | upper + '<|im_end|>")
     with pytest.raises(DataError, match="does not render a conversation as each turn's prompt"):
         chat_example(CHAT, tok)
+
+
+def _trained_runs(tok, ex):
+    """The example's trained tokens, each run of them decoded."""
+    runs, cur = [], []
+    for i, t in zip(ex.ids + [None], ex.train + [False]):
+        if t:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                                                         "b": {"type": "number"}}}}}]
+TOOL_CHAT = [{"role": "user", "content": "What is two plus two?"},
+             {"role": "assistant", "tool_calls": [{"type": "function",
+                                                   "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+             {"role": "tool", "name": "add", "content": "4"},
+             {"role": "assistant", "content": "It is four."}]
+
+
+def test_tool_calls_are_trained_on_and_tool_results_and_definitions_are_not(tmp_path):
+    """A conversation with tool definitions, an assistant's tool call (no content), the tool's result and the
+    answer: the call and the answer are trained on, each with its end-of-turn token; the definitions (rendered in)
+    and the result are not. The same records read from a JSONL file, where the columnar reader gives every message
+    every key (None where it has none) and the tools as a JSON string in one record, train the same tokens."""
+    from .tokenizers import TOOL_CHATML
+
+    tok = chatml_tokenizer()
+    tok.chat_template = TOOL_CHATML
+    ex = to_example({"messages": TOOL_CHAT, "tools": TOOLS}, "messages", tok, {})
+    full = tok.decode(ex.ids)
+    assert full.startswith('<|im_start|>system\nTools: [{"type": "function", "function": {"name": "add"')
+    assert '<|im_start|>tool\n4<|im_end|>' in full
+    assert _trained_runs(tok, ex) == ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call><|im_end|>',
+                                      "It is four.<|im_end|>"]
+    plain = {"messages": CHAT}
+    data = tmp_path / "tools.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ({"messages": TOOL_CHAT, "tools": json.dumps(TOOLS)}, plain)))
+    docs = tokenize(load_records(str(data)), tok, source=str(data))
+    want = [ex, to_example(plain, "messages", tok, {})]
+    assert docs.ids.tolist() == [i for e in want for i in e.ids]
+    assert docs.train.tolist() == [t for e in want for t in e.train]
+    with pytest.raises(DataError, match="field 'tools' is a string but not JSON"):
+        to_example({"messages": TOOL_CHAT, "tools": "[{"}, "messages", tok, {})
+    with pytest.raises(DataError, match="may be empty where it has 'tool_calls'"):
+        to_example({"messages": [TOOL_CHAT[0], {"role": "assistant", "content": None}]}, "messages", tok, {})

@@ -28,10 +28,12 @@ from megatrain.data.errors import DataError
 FORMATS = ("text", "prompt_completion", "alpaca", "sharegpt", "messages")
 # the fields each format reads (a column mapping may name others)
 FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion", "tools"),
-          "alpaca": ("instruction", "input", "output", "system"), "sharegpt": ("conversations",),
+          "alpaca": ("instruction", "input", "output", "system"), "sharegpt": ("conversations", "tools"),
           "messages": ("messages", "tools")}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system",
+                  "function_call": "assistant", "observation": "tool"}  # (the last two: tool use, as LLaMA-Factory
+# writes it: a call's value is the JSON of {"name", "arguments"}, an observation's the tool's result)
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input}### Response:\n"
 
 
@@ -134,8 +136,12 @@ def to_example(record: dict, fmt: str, tok, columns: dict[str, str]) -> Example:
             if not isinstance(t, dict) or not isinstance(t.get("value"), str) or t.get("from") not in SHAREGPT_ROLES:
                 raise DataError(f"conversations[{i}] must be {{'from': one of {sorted(SHAREGPT_ROLES)}, 'value': "
                                 f"text}}, got {t!r}"[:300])
-            messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
-        return chat_example(messages, tok)
+            if t["from"] == "function_call":
+                messages.append({"role": "assistant", "tool_calls": [{"type": "function",
+                                                                      "function": _call(t["value"], i)}]})
+            else:
+                messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+        return chat_example(messages, tok, tools=_tools(get("tools"), columns))
     if fmt == "messages":
         messages = get("messages")
         if not _messages(messages):
@@ -158,6 +164,21 @@ def _messages(value) -> bool:
             and len(m["tool_calls"]) > 0)
 
     return isinstance(value, list) and all(one(m) for m in value)
+
+
+def _call(value: str, i: int) -> dict:
+    """A ShareGPT ``function_call`` turn's value as the ``function`` of a tool call: ``{"name", "arguments"}``."""
+    import json
+
+    try:
+        call = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise DataError(f"conversations[{i}]: a function_call's value must be the JSON of {{'name', 'arguments'}} "
+                        f"({e.msg} at {e.pos})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+        raise DataError(f"conversations[{i}]: a function_call's value must be the JSON of {{'name', 'arguments'}}, "
+                        f"got {value!r}"[:300])
+    return {"name": call["name"], "arguments": call["arguments"]}
 
 
 def _clean(messages: list[dict]) -> list[dict]:

@@ -238,3 +238,24 @@ def test_tool_calls_are_trained_on_and_tool_results_and_definitions_are_not(tmp_
         to_example({"messages": TOOL_CHAT, "tools": "[{"}, "messages", tok, {})
     with pytest.raises(DataError, match="may be empty where it has 'tool_calls'"):
         to_example({"messages": [TOOL_CHAT[0], {"role": "assistant", "content": None}]}, "messages", tok, {})
+
+
+def test_sharegpt_tool_use_is_the_messages_tool_calls():
+    """ShareGPT's tool turns as LLaMA-Factory writes them (function_call: the call's JSON; observation: the result;
+    the tools as a JSON string) train exactly as the same conversation in messages."""
+    from .tokenizers import TOOL_CHATML
+
+    tok = chatml_tokenizer()
+    tok.chat_template = TOOL_CHATML
+    share = {"conversations": [{"from": "human", "value": "What is two plus two?"},
+                               {"from": "function_call", "value": json.dumps({"name": "add",
+                                                                              "arguments": {"a": 2, "b": 2}})},
+                               {"from": "observation", "value": "4"},
+                               {"from": "gpt", "value": "It is four."}], "tools": json.dumps(TOOLS)}
+    got = to_example(share, "sharegpt", tok, {})
+    messages = [{k: v for k, v in m.items() if k != "name"} for m in TOOL_CHAT]  # (ShareGPT names no tool)
+    want = to_example({"messages": messages, "tools": TOOLS}, "messages", tok, {})
+    assert (got.ids, got.train) == (want.ids, want.train) and sum(got.train) > 0
+    share["conversations"][1]["value"] = "add(2, 2)"
+    with pytest.raises(DataError, match=r"conversations\[1\]: a function_call's value must be the JSON"):
+        to_example(share, "sharegpt", tok, {})

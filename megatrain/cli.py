@@ -311,13 +311,15 @@ def _slots(value: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatrain.data.formats import FORMATS
+
     ap = argparse.ArgumentParser(prog="megatrain", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a model streamed from host memory (default: a tiny Llama, offline)")
     t.add_argument("--config", help="YAML file with any of the options below (flags override it)")
     t.add_argument("--model", help="tiny-llama (default), a preset such as qwen2.5-0.5b, or an HF model directory")
-    t.add_argument("--data", help="a file or directory (json, jsonl, parquet, arrow, txt) or a dataset in the local HF "
-                                  "cache; default: Python's own documentation")
+    t.add_argument("--data", help="a file or directory (json, jsonl, parquet, arrow, csv, txt) or a dataset in the "
+                                  "local HF cache; default: Python's own documentation")
     for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
                            ("warmup", int, "warmup steps (a tenth of the steps, at most 30)"),
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     t.add_argument("--decay-all", dest="decay_all", action="store_true", default=None,
                    help="weight decay on every parameter, biases and norm weights too")
-    t.add_argument("--format", choices=["text", "prompt_completion", "alpaca", "sharegpt", "messages"],
+    t.add_argument("--format", choices=FORMATS,
                    help="the data's format (default: from the first record's fields)")
     t.add_argument("--columns", help="the format's fields under other names, e.g. text=body,messages=conversation")
     t.add_argument("--streaming", dest="streaming", action="store_true", default=None,

@@ -19,6 +19,7 @@ the template; the tool calls are trained on as replies are.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,8 +169,6 @@ def _messages(value) -> bool:
 
 def _call(value: str, i: int) -> dict:
     """A ShareGPT ``function_call`` turn's value as the ``function`` of a tool call: ``{"name", "arguments"}``."""
-    import json
-
     try:
         call = json.loads(value)
     except json.JSONDecodeError as e:
@@ -190,8 +189,6 @@ def _clean(messages: list[dict]) -> list[dict]:
 def _tools(value, columns: dict[str, str]):
     """A record's tool definitions for the chat template: a list of JSON schemas, or that list as a JSON string (as
     data sets store them to keep one column type); None where the record has none."""
-    import json
-
     if value is None:
         return None
     name = columns.get("tools", "tools")

@@ -557,9 +557,13 @@ def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, 
             other.add(why)
     parts = []
     if host:
-        hint = ("" if bf16_tried else "; gradients on the host in bf16 (grad_host_dtype='bf16') need less") \
-            if grads_over else (" before any gradient buffer: the store, the bf16 shadow where the weights travel in "
-                                "bf16, the checkpoints it puts on the host and the process's own")
+        if not grads_over:
+            hint = (" before any gradient buffer: the store, the bf16 shadow where the weights travel in bf16, the "
+                    "checkpoints it puts on the host and the process's own")
+        elif not bf16_tried:
+            hint = "; gradients on the host in bf16 (grad_host_dtype='bf16') need less"
+        else:
+            hint = ""
         parts.append(f"host memory {min(host):.2f} GiB > {_gib(spec.host_bytes)} (the least any of {len(host)} "
                      f"candidate plans needs{hint})")
     if device:

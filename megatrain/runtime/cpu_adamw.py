@@ -148,7 +148,8 @@ def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode
         args = _Args(**scalars(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"], step),
                      scale=0.0 if grad_scale is None else grad_scale, v_fma=v_fma)
         secs = lib.mt_adamw(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                     out.data_ptr() if out is not None else None, main, ctypes.byref(args), mode, threads, block)
+                            out.data_ptr() if out is not None else None, main, ctypes.byref(args), mode, threads,
+                            block)
     if main < n:
         rest = [t[main:].clone() for t in (master, exp_avg, exp_avg_sq, grad)]
         _torch_step(*rest, hp, step, grad_scale)
@@ -200,8 +201,8 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     (``FULL``, ``MASTER``, ``MOMENTS``); ``threads``: OpenMP threads (None: torch's count). ``whole``: the last
     ``n % width`` elements too in torch's vector-loop arithmetic, not in its remainder loop's (which may round
     differently): every element as the GPU's kernel computes it (``kernels.adamw``). ``block``: 0, each thread
-    updates one equal contiguous share; N > 0, threads take runs of N elements as they come free (the same bits). Returns the
-    seconds the kernel's pass took by its own clock (torch's share, the remainder, not counted)."""
+    updates one equal contiguous share; N > 0, threads take runs of N elements as they come free (the same bits).
+    Returns the seconds the kernel's pass took by its own clock (torch's share, the remainder, not counted)."""
     n = master.numel()
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
         _check(name, t, n, torch.float32)

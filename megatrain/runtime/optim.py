@@ -235,11 +235,13 @@ class HostAdamW:
                                    out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
                                    threads=self.threads, whole=whole, block=self.block)
             if mode != MOMENTS:
-                kt = self.kernel_time.setdefault(self.step_index, [0.0, 0])
+                kt = self.kernel_time.get(self.step_index)
+                if kt is None:  # a new step's: the oldest steps' go
+                    for old in [k for k in self.kernel_time if k < self.step_index - 8]:
+                        del self.kernel_time[old]
+                    kt = self.kernel_time[self.step_index] = [0.0, 0]
                 kt[0] += secs
                 kt[1] += b - a
-        for old in [k for k in self.kernel_time if k < self.step_index - 8]:
-            del self.kernel_time[old]
 
     def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
         """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by

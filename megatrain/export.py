@@ -5,13 +5,22 @@ the tokenizer saved with ``save_pretrained``, generation_config.json. Every file
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
-from megatrain.rundir import save_whole, write_whole
+from megatrain.rundir import flush_to_disk, save_whole, write_whole
+from megatrain.runtime import safetensors_stream
+from megatrain.runtime.safetensors_stream import Source
 
-SHARD_BYTES = 5 * 10**9  # as HF's save_pretrained: shards of at most 5 GB
+# shards of at most 5 GB (transformers 5's save_pretrained defaults to 50 GB; 5 GB files are what model hubs hold,
+# and a file a disk cannot take whole costs less)
+SHARD_BYTES = 5 * 10**9
+INDEX = "model.safetensors.index.json"
+# host memory an export takes beyond the weights it reads: a chunk read (from a training state's files) and its
+# cast (megatrain.runtime.safetensors_stream.write)
+EXPORT_HOST_BYTES = 2 * safetensors_stream.CHUNK_BYTES
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -45,39 +54,44 @@ def generation_config(config, tok, model_dir: Path | None):
                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
 
-def export_pretrained(tensors: dict[str, torch.Tensor], config, tok, out: str | Path, dtype: torch.dtype,
-                      model_dir: Path | None = None) -> list[Path]:
-    """Write an HF model directory to ``out``: ``tensors`` (parameter name -> weights; tied names once) cast to
-    ``dtype`` in shards, config.json (``dtype`` recorded), the tokenizer, generation_config.json. Returns the
-    weight files."""
-    from safetensors.torch import save_file
+def export_pretrained(tensors: dict[str, "torch.Tensor | Source"], config, tok, out: str | Path,
+                      dtype: torch.dtype, model_dir: Path | None = None, *, shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Write an HF model directory to ``out``: ``tensors`` (parameter name -> weights, tied names once; a tensor or
+    a :class:`~megatrain.runtime.safetensors_stream.Source` that reads its elements a slice at a time) cast to
+    ``dtype`` in safetensors shards of at most ``shard_bytes`` (split and named as ``save_pretrained`` does, with its
+    index), config.json (``dtype`` recorded), the tokenizer, generation_config.json. Returns the weight files.
+
+    Each file is written tensor by tensor, a chunk at a time (:func:`megatrain.runtime.safetensors_stream.write`):
+    the memory this takes beyond the tensors is two chunks (:data:`EXPORT_HOST_BYTES`), whatever the model's size;
+    a tensor that is not contiguous is made so first (one tensor's copy)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        t = t.detach().to(dtype).contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for name, shard in zip(names, shards):
-        save_whole(out / name, lambda p, shard=shard: save_file(shard, p, metadata={"format": "pt"}))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for s in shards for t in s.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
-        write_whole(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+    size = lambda t: math.prod(t.shape) * dtype.itemsize  # noqa: E731
+    split = split_state_dict_into_shards_factory(tensors, get_storage_size=size, max_shard_size=shard_bytes,
+                                                 filename_pattern="model{suffix}.safetensors")
+    files = []
+    for name, keys in split.filename_to_tensors.items():
+        shard = {k: tensors[k] for k in keys}
+        save_whole(out / name, lambda p, shard=shard: _write_weights(p, shard, dtype))
+        files.append(out / name)
+    if split.is_sharded:  # the index as save_pretrained writes it
+        index = {"metadata": {"total_parameters": sum(math.prod(t.shape) for t in tensors.values()),
+                              **split.metadata}, "weight_map": split.tensor_to_filename}
+        write_whole(out / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
     config.dtype = dtype
     save_whole(out / "config.json", config.to_json_file)
     save_tokenizer(tok, out)
     gen = generation_config(config, tok, model_dir)
     save_whole(out / "generation_config.json", gen.to_json_file)
-    return [out / n for n in names]
+    return files
+
+
+def _write_weights(path: str, tensors: dict, dtype: torch.dtype) -> None:
+    with open(path, "wb") as f:
+        safetensors_stream.write(f, tensors, dtype, {"format": "pt"})
+        flush_to_disk(f)
 
 
 def save_tokenizer(tok, out: Path) -> None:
@@ -122,6 +136,6 @@ def export_run(run: str | Path, out: str | Path, dtype: str | None = None) -> li
     tok = load_tokenizer(run)
     if model.weights is None:
         set_special_ids(model.config, tok)
-    tensors = train_state.read_masters(run / STATE_DIR)
+    tensors = train_state.master_sources(run / STATE_DIR)  # every file's checksum checked first
     return export_pretrained(tensors, model.config, tok, out, export_dtype(dtype or cfg.export_dtype or model.dtype),
                              model.directory)

@@ -74,6 +74,15 @@ class RunDirectory:
                 pass
 
 
+def flush_to_disk(f) -> None:
+    """``f``'s bytes on the disk (flushed, synced), and its pages dropped from the page cache: a file of many GB
+    written while the store fills most of the host leaves no cache that the kernel must reclaim under pressure."""
+    f.flush()
+    os.fsync(f.fileno())
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def write_whole(path: str | Path, data: bytes | str) -> None:
     """Write ``path`` through a temporary file renamed over it: a full disk or a crash leaves the old file (or
     none), never a cut one; an error is an OSError naming the file."""
@@ -82,8 +91,7 @@ def write_whole(path: str | Path, data: bytes | str) -> None:
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+            flush_to_disk(f)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -156,7 +156,7 @@ def test_bad_files_are_refused_and_the_run_directory_left_as_it_was(tmp_path, ca
     capsys.readouterr()
     for argv, msg in [
         (["--data", str(binary)], f"{binary} is not UTF-8 text (invalid start byte at byte 3)"),
-        (["--model", str(cut)], f"{cut / 'model.safetensors'} is not a readable safetensors file"),
+        (["--model", str(cut)], f"{cut / 'model.safetensors'} is not a whole safetensors file"),
     ]:
         out = tmp_path / "new" / "run"
         assert main(["train", *argv, "--out", str(out)]) == 2

@@ -44,7 +44,7 @@ def checkpoint_plan(captured: Captured, directory: str | Path) -> tuple[list[Pat
     that is a parameter, or (parameter, expert, first row) for one expert's matrix of a parameter that holds every
     expert's (a checkpoint that stores experts one by one, as HF's save_pretrained writes MoE models: transformers'
     conversion mapping for the model type says which)."""
-    from safetensors import SafetensorError, safe_open
+    from megatrain.runtime.safetensors_stream import read_header
 
     d = Path(directory)
     index = d / "model.safetensors.index.json"
@@ -53,6 +53,10 @@ def checkpoint_plan(captured: Captured, directory: str | Path) -> tuple[list[Pat
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+        for f in files:
+            if not isinstance(f, str) or not _inside(d, f):
+                raise ValueError(f"{index}: its weight_map names {f!r}, which is not a file in {d} (an index names "
+                                 f"the shards beside it)")
     elif (d / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -65,11 +69,7 @@ def checkpoint_plan(captured: Captured, directory: str | Path) -> tuple[list[Pat
         path = d / f
         if not path.is_file():
             raise FileNotFoundError(f"{index}: names {f}, which {d} does not hold")
-        try:
-            with safe_open(str(path), framework="pt") as sf:
-                shapes = {key: tuple(sf.get_slice(key).get_shape()) for key in sf.keys()}
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+        shapes = {key: e.shape for key, e in read_header(path)[1].items()}
         for key, shape in shapes.items():
             name = key
             for src, dst in renames:
@@ -105,6 +105,13 @@ def checkpoint_plan(captured: Captured, directory: str | Path) -> tuple[list[Pat
     if missing:
         raise ValueError(f"{d}: checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
     return [d / f for f in files], placement
+
+
+def _inside(d: Path, name: str) -> bool:
+    """``name`` (as an index gives it) is a path inside ``d``, not one that leads out of it (read as it is written:
+    a file in ``d`` may be a link, as in the HF cache's snapshots)."""
+    p = Path(name)
+    return bool(p.parts) and not p.is_absolute() and ".." not in p.parts
 
 
 def _merged(name: str, merges: list) -> tuple[str, int, int] | None:

@@ -4,6 +4,7 @@ gradient buffers a schedule's gradients pass through (as many and as large as it
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch import nn
 from megatrain.capture import Captured
 from megatrain.planner.cost import HOST_UPDATE_CHUNK
 from megatrain.runtime.checkpoint import checkpoint_plan
+from megatrain.runtime.safetensors_stream import chunk_buffer, read_header, read_into
 
 ROWS = ("master", "exp_avg", "exp_avg_sq")
 OPT_SLOT_ROWS = ROWS + ("grad",)  # a device optimizer slot's rows: the state and the step's gradient
@@ -304,24 +306,28 @@ class HostStore:
                 self.param_view(name).copy_(p.detach())
 
     def load_safetensors(self, directory: str | Path, progress: Callable[[int], None] | None = None) -> None:
-        """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index),
-        one tensor at a time, so host memory holds one tensor beyond the store. The checkpoint is checked first
-        (:func:`megatrain.runtime.checkpoint.check_checkpoint`). ``progress(n)``: called with each tensor's size."""
-        from safetensors import safe_open
-
+        """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index) in
+        any float dtype, each tensor read straight into its place in the store a chunk at a time
+        (:func:`megatrain.runtime.safetensors_stream.read_into`): host memory holds one chunk beyond the store.
+        The checkpoint is checked first (:func:`megatrain.runtime.checkpoint.check_checkpoint`). ``progress(n)``:
+        called with each tensor's size."""
         files, placement = checkpoint_plan(self.captured, directory)  # checked first, from the headers
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
-                    t = sf.get_tensor(key)
-                    name, expert, row = placement[key]
-                    if expert is None:
-                        self.load_state({name: t})
-                    else:  # one expert's matrix, into its rows of the parameter that holds every expert's
-                        with self.loading():
-                            self.param_view(name)[expert, row: row + t.shape[0]].copy_(t)
-                    if progress is not None:
-                        progress(t.numel())
+        buf = chunk_buffer()
+        with self.loading():
+            for f in files:
+                entries = read_header(f)[1]
+                with open(f, "rb") as fh:
+                    for key, entry in entries.items():
+                        name, expert, row = placement[key]
+                        dest = self.param_view(name)
+                        if expert is not None:  # one expert's matrix, into its rows of the parameter that holds
+                            # every expert's
+                            dest = dest[expert, row: row + entry.shape[0]]
+                        read_into(fh, entry, dest, buf)
+                        if progress is not None:
+                            progress(entry.numel)
+                    if hasattr(os, "posix_fadvise"):  # read once: the page cache need not keep it
+                        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The master weights under the model's own names (tied names included), as views into the store."""

@@ -18,6 +18,7 @@ saves that died are removed by the next save. Each file's CRC-32 is checked as i
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -29,16 +30,41 @@ from typing import Callable
 import torch
 
 from megatrain.capture import Captured
+from megatrain.rundir import flush_to_disk
+from megatrain.runtime.safetensors_stream import CHUNK_BYTES
 from megatrain.runtime.state_dirs import (FORMAT, LATEST, MANIFEST, STEP_DIR, VERSION, find, is_state_root,
                                           layer_file, layer_nbytes, legacy_siblings, pid_alive, remove_stale)
 from megatrain.runtime.store import ROWS, HostStore
 
 KEPT_ROWS = ROWS[:3]  # master, exp_avg, exp_avg_sq
-_CHUNK = 64 << 20  # bytes per write / CRC call: CRC-32 runs at ~2.3 GB/s a thread, releasing the GIL
+_CHUNK = CHUNK_BYTES  # bytes per write / read / CRC call: CRC-32 runs at ~2.3 GB/s a thread, releasing the GIL
+# layer files written at once by a save: on a 2-core VM's disk 4 GiB in 16 files went at 1.14 GB/s from one
+# thread, 1.79 from two, 1.57 from four (docs/benchmarks.md, "The journey"); NVMe disks take more
+SAVE_WRITERS = min(4, os.cpu_count() or 1)
+# host memory a save, a load or an export from a state takes beyond the store: a chunk of the state's files read
+# (an export's, a checksum's); a save writes straight from the store and a load reads straight into it
+STATE_IO_HOST_BYTES = _CHUNK
+
+
+class NoSpace(OSError):
+    """The disk cannot take the state: nothing was changed (the state saved before stays current)."""
 
 
 class NonFiniteState(ValueError):
     """The weights or moments to save are not all finite numbers."""
+
+
+def state_nbytes(store: HostStore) -> int:
+    """Bytes a state of ``store`` takes on disk (its layer files; the manifest is a few KB more)."""
+    return sum(store.flat(l).numel() * 4 for l in store.owners())
+
+
+def _no_space(root: Path, need: int, why: str) -> NoSpace:
+    from megatrain.planner.cost import fmt_bytes
+
+    free = shutil.disk_usage(root).free
+    return NoSpace(errno.ENOSPC, f"no space left on the disk: the training state needs {fmt_bytes(need)} and {root} "
+                                 f"has {fmt_bytes(free)} free{why}; it is not saved")
 
 
 def _layout(cap: Captured) -> dict:
@@ -70,11 +96,13 @@ def _fsync_dir(d: Path) -> None:
 
 
 def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps: dict[int, int],
-         extra: dict | None = None) -> Path:
+         extra: dict | None = None, writers: int = SAVE_WRITERS) -> Path:
     """Write the store's master weights and moments with ``step`` (steps taken), each layer's optimizer step count
     and ``extra`` (JSON) as a new state in ``directory``, which becomes the current one in one atomic rename.
-    Returns the new state's own directory. Weights or moments that are not finite are refused
-    (:class:`NonFiniteState`) and nothing changes."""
+    Returns the new state's own directory. ``writers``: layer files written at once. Weights or moments that are
+    not finite are refused (:class:`NonFiniteState`), and so is a state the disk has no room for
+    (:class:`NoSpace`, before anything is written, or when the disk fills up while it is); either way nothing
+    changes. Memory beyond the store: :data:`STATE_IO_HOST_BYTES`."""
     root = Path(directory)
     if root.exists() and not root.is_dir():
         raise ValueError(f"{root} exists and is not a directory; it is left as it is: choose another path")
@@ -82,10 +110,13 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
         raise ValueError(f"{root} exists and is not a saved training state; it is left as it is: choose another path")
     root.mkdir(parents=True, exist_ok=True)
     remove_stale(root)
+    need = state_nbytes(store)
+    if shutil.disk_usage(root).free < need + (1 << 20):  # (the manifest, the pointer)
+        raise _no_space(root, need, " (the state saved before is removed only once the new one is complete)")
     tmp = root / f".partial-{os.getpid()}-{_counter()}"
     tmp.mkdir()
     try:
-        crcs = _write_layers(store, tmp)
+        crcs = _write_layers(store, tmp, writers)
         manifest = {"format": FORMAT, "version": VERSION, "step": int(step),
                     "optimizer_steps": {str(k): int(v) for k, v in optimizer_steps.items()},
                     "rows": list(KEPT_ROWS), "dtype": "float32", **_layout(store.captured),
@@ -99,8 +130,11 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
             final = root / f"step-{int(step):08d}.{k}"
         tmp.rename(final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the space it took back; the state saved before stays current
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise _no_space(root, need, f" (the disk filled up while {e.filename or 'the state'} was written)") \
+                from None
         raise
     pointer = root / f".{LATEST}.{os.getpid()}"
     _write_synced(pointer, (final.name + "\n").encode())
@@ -130,31 +164,50 @@ def _counter() -> int:
 def _write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        flush_to_disk(f)
 
 
-def _write_layers(store: HostStore, d: Path) -> dict[int, int]:
-    """Each layer's rows to its file, synced; their CRC-32s, computed on other threads while the next layer is
-    written."""
-    crcs = {}
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for layer in store.owners():
-            flat = store.flat(layer)
-            if not bool(torch.isfinite(flat).all()):  # a state to go on from holds numbers
-                rows = store.rows(layer)
-                bad = [KEPT_ROWS[r] for r in range(len(rows)) if not bool(torch.isfinite(rows[r]).all())]
-                raise NonFiniteState(f"layer {layer} ({store.captured.segments[layer].name}) holds values that are "
-                                     f"not finite in {', '.join(bad)}: the state is not saved (the one saved before "
-                                     f"stays current)")
-            view = memoryview(flat.numpy()).cast("B")
-            crcs[layer] = pool.submit(_crc, view)
-            with open(d / layer_file(layer), "wb") as f:
+def _write_layers(store: HostStore, d: Path, writers: int) -> dict[int, int]:
+    """Each layer's rows to its file, synced, ``writers`` files at once, each file's CRC-32 computed as it is
+    written; returns them. A layer that holds values that are not finite stops the save
+    (:class:`NonFiniteState`)."""
+    def write(layer: int) -> int:
+        flat = store.flat(layer)
+        if not _finite(flat):  # a state to go on from holds numbers
+            rows = store.rows(layer)
+            bad = [KEPT_ROWS[r] for r in range(len(rows)) if not _finite(rows[r])]
+            raise NonFiniteState(f"layer {layer} ({store.captured.segments[layer].name}) holds values that are "
+                                 f"not finite in {', '.join(bad)}: the state is not saved (the one saved before "
+                                 f"stays current)")
+        view = memoryview(flat.numpy()).cast("B")
+        crc = 0
+        path = d / layer_file(layer)
+        try:
+            with open(path, "wb") as f:
                 for i in range(0, len(view), _CHUNK):
                     f.write(view[i: i + _CHUNK])
-                f.flush()
-                os.fsync(f.fileno())
-        return {k: v.result() for k, v in crcs.items()}
+                    crc = zlib.crc32(view[i: i + _CHUNK], crc)
+                flush_to_disk(f)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        return crc
+
+    pool = ThreadPoolExecutor(max_workers=max(1, writers))
+    try:
+        futures = {layer: pool.submit(write, layer) for layer in store.owners()}
+        return {layer: fut.result() for layer, fut in futures.items()}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after a failure, the files not begun are not written
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Every element of ``t`` finite: its least and greatest (NaN propagates through both), a reduction that takes
+    no memory (``torch.isfinite(t).all()`` takes a float and two bool tensors of ``t``'s size: 117 MB for chunks
+    of 64 MB, 277 MB with threads, measured)."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def read_manifest(captured: Captured, directory: str | Path) -> dict:
@@ -248,7 +301,9 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
             flat = store.flat(layer)
             view = memoryview(flat.numpy()).cast("B")
             with open(d / layer_file(layer), "rb") as f:
-                got = f.readinto(view)
+                got = f.readinto(view)  # straight into the store
+                if hasattr(os, "posix_fadvise"):  # (the page cache need not keep what the store now holds)
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             if got != len(view):
                 raise ValueError(f"{d / layer_file(layer)}: read {got} of {len(view)} bytes")
             if layer_file(layer) in crcs:
@@ -262,9 +317,36 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
     return m
 
 
-def read_masters(directory: str | Path) -> dict[str, "torch.Tensor"]:
-    """The master weights of the state :func:`find` picks in ``directory``, by parameter name (tied names once),
-    read from its files with their checksums checked, without a model: what an export needs."""
+class _MasterRows:
+    """One parameter's fp32 master weights in a layer file, read a slice at a time into one reused buffer (a
+    :class:`~megatrain.runtime.safetensors_stream.Source`: each slice is valid until the next is read)."""
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, ...], buf: torch.Tensor):
+        self.path, self.offset, self.shape, self.buf = path, offset, tuple(shape), buf
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        lo, hi = s.start or 0, min(self.numel(), self.numel() if s.stop is None else s.stop)
+        k = (hi - lo) * 4
+        if k > self.buf.numel():
+            raise ValueError(f"a slice of {hi - lo} elements is more than the read buffer holds")
+        with open(self.path, "rb") as f:
+            got = os.preadv(f.fileno(), [memoryview(self.buf.numpy())[:k]], self.offset + lo * 4)
+        if got != k:
+            raise ValueError(f"{self.path}: read {got} of {k} bytes (the file was cut after it was checked)")
+        return self.buf[:k].view(torch.float32)
+
+
+def master_sources(directory: str | Path) -> dict[str, _MasterRows]:
+    """The master weights of the state :func:`find` picks in ``directory``, by parameter name (tied names once), as
+    sources that read them from the state's files a chunk at a time (what an export writes, in
+    :data:`STATE_IO_HOST_BYTES`), without a model. Every file's size and CRC-32 is checked first, a chunk at a
+    time."""
     d = find(directory)
     path = d / MANIFEST
     try:
@@ -275,20 +357,36 @@ def read_masters(directory: str | Path) -> dict[str, "torch.Tensor"]:
         raise ValueError(f"{path} is not a training state this megatrain reads ({type(e).__name__}: {e})") from None
     if m.get("format") != FORMAT or m.get("version") != VERSION:
         raise ValueError(f"{path} is not a megatrain training state of version {VERSION}")
-    rows = {}
+    buf = torch.empty(_CHUNK, dtype=torch.uint8)
     for key, lay in layers.items():
         f = d / layer_file(int(key))
-        n = int(lay["numel"])
         if not f.is_file() or f.stat().st_size != layer_nbytes(lay):
             raise ValueError(f"{f}: missing or not of the layer's size (an incomplete or damaged training state)")
-        raw = bytearray(f.read_bytes())
-        if layer_file(int(key)) in crcs and zlib.crc32(raw) != crcs[layer_file(int(key))]:
+        if layer_file(int(key)) in crcs and _file_crc(f, buf) != crcs[layer_file(int(key))]:
             raise ValueError(f"{f}: checksum mismatch: the file was damaged after it was saved")
-        rows[int(key)] = torch.frombuffer(raw, dtype=torch.float32)[:n]
-    out = {}
-    for name, (layer, off, shape) in params.items():
-        numel = 1
-        for s in shape:
-            numel *= s
-        out[name] = rows[int(layer)][off: off + numel].view(*shape)
+    return {name: _MasterRows(d / layer_file(int(layer)), 4 * off, shape, buf)
+            for name, (layer, off, shape) in params.items()}
+
+
+def _file_crc(path: Path, buf: torch.Tensor) -> int:
+    """CRC-32 of the file ``path``, read a chunk of ``buf`` at a time."""
+    view = memoryview(buf.numpy())
+    crc = 0
+    with open(path, "rb") as f:
+        while n := f.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return crc
+
+
+def read_masters(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The master weights of the state :func:`find` picks in ``directory`` as tensors of their own (4 bytes per
+    parameter of new memory: for a large model use :func:`master_sources`)."""
+    out, step = {}, _CHUNK // 4
+    for name, src in master_sources(directory).items():
+        t = torch.empty(src.numel())
+        for lo in range(0, src.numel(), step):
+            t[lo: lo + step] = src[lo: lo + step]
+        out[name] = t.view(src.shape)
     return out

@@ -112,8 +112,9 @@ def test_a_bad_checkpoint_is_refused_from_its_headers_before_the_store(tmp_path,
 
     monkeypatch.setattr(api, "HostStore", refuse)
     cases = {
-        "truncated": (blob[:1000], ValueError, "model.safetensors is not a readable safetensors file"),
-        "garbage": (b"hello\n", ValueError, "model.safetensors is not a readable safetensors file"),
+        "truncated": (blob[:1000], ValueError, "model.safetensors is not a whole safetensors file"),
+        "cut": (blob[:-100], ValueError, r"model.safetensors: tensor '.*' is not described as a safetensors tensor"),
+        "garbage": (b"hello\n", ValueError, "model.safetensors is not a whole safetensors file"),
     }
     for name, (data, err, msg) in cases.items():
         (tmp_path / name).mkdir()

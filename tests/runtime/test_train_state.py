@@ -67,7 +67,8 @@ def test_saving_replaces_a_state_only_when_the_new_one_is_whole(tmp_path, monkey
         return real_open(path, mode, *a, **k)
 
     monkeypatch.setattr("builtins.open", failing_open)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(train_state.NoSpace, match=r"no space left on the disk: the training state needs .* free \(the "
+                       r"disk filled up while .*layer-00001.bin was written\); it is not saved"):
         sm.save_state(tmp_path / "s")
     monkeypatch.undo()
     assert {f.name: f.read_bytes() for f in d.iterdir()} == before  # the old state, untouched

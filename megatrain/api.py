@@ -177,6 +177,7 @@ class StreamedModel:
         self._schedules: dict[tuple, tuple[Schedule | None, Schedule]] = {}  # plan key -> (set-up, step)
         self._successions: Successions = {}  # (id(prev), id(next)) -> the verified pair and its carried dependencies
         self._graphs: dict[int, LayerGraph] = {}  # sequence length -> the planner's layer graph (planning_graph)
+        self._margin_taken: dict[int, str | None] = {}  # id of a step's schedule -> Plan.margin_taken of its plan
         self.step = 0
         # streams: let a step's optimizer work run on while the next step starts (each layer's next load waits for
         # its own update); train_step then returns before the step's weights are all updated (its loss and gradient
@@ -214,6 +215,11 @@ class StreamedModel:
         the first of them), or None where it keeps nothing on the device."""
         return self._plans(batch_size, seq_len, overrides)[0]
 
+    def margin_taken(self, schedule: Schedule) -> str | None:
+        """Where the plan of ``schedule`` (one :meth:`schedule_for` gave) is not the fastest because the fastest
+        would take some of the host memory a plan leaves free (``HardwareSpec.host_margin``): in words."""
+        return self._margin_taken.get(id(schedule))
+
     def _host_checkpoints(self, opts: PlanOptions, seq_len: int) -> int | None:
         """The plan search's ``host_checkpoints`` for ``opts`` (None: searched). "auto" on a GPU searches every
         checkpoint on the device against every one on the host (and the splits of long sequences): with the
@@ -239,15 +245,16 @@ class StreamedModel:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
             graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
             auto = lambda v: None if v == "auto" else v  # noqa: E731
-            chosen = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
+            found = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
                           saved_acts=opts.saved_acts, grad_kept=opts.grad_kept, grad_host_dtype=opts.grad_host_dtype,
                           split_opt=opts.split_opt, opt_part=opts.opt_part,
                           n_mb=auto(opts.n_mb), weight_slots=auto(opts.weight_slots),
                           grad_slots=auto(opts.grad_slots), wire_bytes=2 if opts.wire == "bf16" else 4,
                           host_checkpoints=self._host_checkpoints(opts, seq_len),
                           gpu_opt_every=auto(opts.gpu_opt_every),
-                          resident_opt=auto(opts.resident_opt), seq_tile=auto(opts.seq_tile)).schedule.config
-            step = build_schedule(graph, replace(chosen, n_steps=1))
+                          resident_opt=auto(opts.resident_opt), seq_tile=auto(opts.seq_tile))
+            step = build_schedule(graph, replace(found.schedule.config, n_steps=1))
+            self._margin_taken[id(step)] = found.margin_taken
             setup = setup_schedule(graph, step)
             for s in (setup, step):
                 if s is not None:
@@ -627,11 +634,13 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         raise ValueError(f"unknown plan option ({e}); plan options are: {known}") from None
     if opts.host_budget_gib is not None:
         asked = int(opts.host_budget_gib * GiB)
-        if asked > spec.host_bytes:
+        if asked > spec.host_plan_bytes:
             raise ValueError(f"host_budget_gib={opts.host_budget_gib:g} is more than the "
-                             f"{fmt_bytes(spec.host_bytes)} of host memory "
-                             f"{'this machine has available' if host_free is not None else 'the hardware spec gives'}")
-        spec = replace(spec, host_bytes=asked)
+                             f"{fmt_bytes(spec.host_plan_bytes)} of host memory a plan may take (of the "
+                             f"{fmt_bytes(spec.host_bytes)} "
+                             f"{'this machine has available' if host_free is not None else 'the hardware spec gives'}"
+                             f", {fmt_bytes(spec.host_margin)} left free)")
+        spec = replace(spec, host_bytes=asked, host_margin_bytes=0)  # within the machine's margin already
     if opts.device_budget_gib is not None:
         budget = int(opts.device_budget_gib * GiB)
         if budget > spec.budget_bytes:
@@ -655,10 +664,11 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if state is not None:
         train_state.read_manifest(cap, state)  # the same
     need, n = store_nbytes(cap, shadow=opts.wire == "bf16"), cap.graph.n_params
-    if need > spec.host_bytes:
+    if need > spec.host_plan_bytes:
+        left = f" less the {fmt_bytes(spec.host_margin)} a plan leaves free" if spec.host_margin else ""
         have = (f"the {fmt_bytes(spec.host_bytes)} host_budget_gib allows" if opts.host_budget_gib is not None else
-                f"the {fmt_bytes(spec.host_bytes)} this machine has available" if host_free is not None else
-                f"the {fmt_bytes(spec.host_bytes)} of host memory the hardware spec {spec.name!r} gives")
+                f"the {fmt_bytes(spec.host_bytes)} this machine has available{left}" if host_free is not None else
+                f"the {fmt_bytes(spec.host_bytes)} of host memory the hardware spec {spec.name!r} gives{left}")
         raise ValueError(
             f"host memory: the host store of this model needs {fmt_bytes(need)} ({n / 1e9:.3f}B parameters x "
             f"{need // n} bytes: fp32 master weights and two Adam moments"

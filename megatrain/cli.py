@@ -113,7 +113,7 @@ def _plan(args) -> int:
     mem = device_memory(graph, s)
     host = host_memory(graph, s)
     grads = grad_placement(graph, s)
-    largest = largest_on_host(graph, s, spec.host_bytes)
+    largest = largest_on_host(graph, s, spec.host_plan_bytes)
     steady = tl.steady_step_s
     flops_6nt = 6 * graph.active_params * args.tokens
     lines = [
@@ -158,9 +158,10 @@ def _plan(args) -> int:
         f"gradients  {grads}",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in host.items())
-        + f") of {spec.host_bytes / GiB:.0f} GiB: "
-        f"{'fits' if sum(host.values()) <= spec.host_bytes else 'DOES NOT FIT'}; "
-        f"{sum(host.values()) / graph.n_params:.2f} bytes per parameter all in",
+        + f") of {spec.host_bytes / GiB:.0f} GiB less {spec.host_margin / GiB:.1f} left free: "
+        f"{'fits' if sum(host.values()) <= spec.host_plan_bytes else 'DOES NOT FIT'}; "
+        f"{sum(host.values()) / graph.n_params:.2f} bytes per parameter all in"
+        + (f"; {p.margin_taken}" if p.margin_taken else ""),
         f"largest    {largest}",
         f"searched   {_n(len(p.tried), 'candidate plan')} in {searched_s:.1f} s ({on})",
         f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",

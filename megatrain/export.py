@@ -19,7 +19,7 @@ from megatrain.runtime.safetensors_stream import Source
 SHARD_BYTES = 5 * 10**9
 INDEX = "model.safetensors.index.json"
 # host memory an export takes beyond the weights it reads: a chunk read (from a training state's files) and its
-# cast (megatrain.runtime.safetensors_stream.write)
+# cast (megatrain.runtime.safetensors_stream.write); the planner counts it (cost.STAGE_HOST_BYTES)
 EXPORT_HOST_BYTES = 2 * safetensors_stream.CHUNK_BYTES
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}

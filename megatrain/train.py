@@ -19,11 +19,10 @@ from megatrain.data import MIN_VOCAB, DataError
 from megatrain.inputs import data_source, model_source, tokenizer_for
 from megatrain.export import save_tokenizer
 from megatrain.rundir import RunDirectory, StopSignals, write_whole
-from megatrain.planner.cost import store_bytes
 from megatrain.runtime import train_state
+from megatrain.saving import STATE_DIR, outlook, save_state, save_weights, weights_nbytes
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
-STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
 # what is trained on, and in which order
 RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing", "eval_split",
                 "streaming")
@@ -370,16 +369,6 @@ def _nonfinite_message(step: int, stats, out: Path, cfg: TrainConfig, why: str) 
             f"(metrics up to this step are in {out}/metrics.jsonl). {where}")
 
 
-def _save_state(sm, batches, out: Path, say) -> None:
-    """Save the training state with the data order, saying so (``say``: a one-line printer) before and after: for
-    a large model it takes a while (12 bytes per parameter to disk, 4 for what is frozen)."""
-    nbytes = store_bytes(sm.graph)
-    say(f"step {sm.step}: saving the training state ({nbytes / 2**30:.2f} GiB) to {out}/{STATE_DIR}/")
-    t0 = time.perf_counter()
-    sm.save_state(out / STATE_DIR, extra={"data_order": batches.state()})
-    say(f"step {sm.step}: training state saved in {time.perf_counter() - t0:.1f} s")
-
-
 def resume_config(run_dir: str, **overrides) -> TrainConfig:
     """The config of the run in ``run_dir``, to go on from the training state it saved, with ``overrides``:
     anything but what decides the model and the data stream (:data:`RESUME_FIXED`), e.g. more steps, another
@@ -539,11 +528,17 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
                                             "data_sha256": data.digest}, indent=1))
     write_whole(out / "schedule.txt", schedule.to_text())
     c = schedule.config
+    timeline = simulate(schedule, sm.graph_for(schedule), sm.hardware)
     if can_plot():  # matplotlib is an extra (megatrain[plot]); schedule.txt says the same in text
-        plot([simulate(schedule, sm.graph_for(schedule), sm.hardware)], out / "schedule.png",
+        plot([timeline], out / "schedule.png",
              title=f"{cfg.model}: {cfg.batch} x {cfg.seq} tokens/step on the {sm.hardware.name} spec",
              budget_nbytes=schedule.config.budget_bytes)
     save_tokenizer(tok, out)
+    from megatrain.export import export_dtype
+
+    dtype = export_dtype(cfg.export_dtype or model.dtype)
+    lead = dp is None or dp.rank == 0  # the process that writes the weights and the state
+    saves = outlook(sm, out, timeline.steady_step_s, weights_nbytes(sm, dtype))[0] if lead else ""
     n_params = sm.graph.n_params
     print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
           f"{model.describe()}, {tok_from} ({len(tok):,} tokens); {data.description}; {cfg.steps} steps x "
@@ -551,13 +546,13 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
           + (f", {_frozen_text(sm)}" if sm.captured.frozen else "") + f"; plan: {c.weight_slots} "
           f"weight slots, {len(c.gpu_opt)} layers updated on the device ({len(c.resident_opt)} keeping their state "
           f"there), {len(c.grad_kept)} keeping their gradients there until the update, {len(c.saved_acts)} keeping "
-          f"their activations; host {_host_text(sm, schedule)}; "
+          f"their activations; host {_host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")
           + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
     meter = _Meter(sm, cfg, out)
     log = (out / "metrics.jsonl").open("w")
     history, skipped, in_row, evals = [], 0, 0, []
-    saved_at = None
+    saved_at, save_s, refused = None, [], None  # refused: why a state could not be saved (the disk)
     t_start = time.perf_counter()
     start = sm.step
     bar = tqdm(desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0, initial=start,
@@ -592,7 +587,11 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
                 evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log, dp))
                 meter.write(evals[-1])
             if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
-                _save_state(sm, data.batches, out, say)
+                try:
+                    save_s.append(save_state(sm, data.batches, out, say))
+                except train_state.NoSpace as e:  # the run stops: the weights are written, nothing else
+                    refused = f"step {st.step}: {e}"
+                    break
                 saved_at = st.step
     except BaseException:
         meter.close()
@@ -610,10 +609,17 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
     if signals.requested is not None:
         say(f"{signals.requested.name} after step {sm.step}: saving the weights and the training state, then "
             f"stopping (a second one stops at once)")
-    if dp is None or dp.rank == 0:  # the ranks' weights are the same
-        _save_weights(sm, model, tok, out, cfg)  # first: the smaller files survive a disk that fills up with the state
-    if saved_at != sm.step:
-        _save_state(sm, data.batches, out, lambda m: print(m, file=sys.stderr, flush=True))
+    export_s = None
+    if lead:  # the ranks' weights are the same
+        # first: the smaller files survive a disk that fills up with the state
+        export_s = save_weights(sm, model, tok, out, dtype)
+        print(f"step {sm.step}: weights written to {out}/ in {export_s:.1f} s "
+              f"({weights_nbytes(sm, dtype) / max(export_s, 1e-9) / 1e9:.2f} GB/s)", file=sys.stderr, flush=True)
+    if saved_at != sm.step and refused is None:
+        try:
+            save_s.append(save_state(sm, data.batches, out, lambda m: print(m, file=sys.stderr, flush=True)))
+        except train_state.NoSpace as e:
+            refused = f"step {sm.step}: {e}"
     done = len(history)
     first = history[0]["loss"] if history else float("nan")
     last = sum(h["loss"] for h in history[-5:]) / min(5, done) if history else float("nan")
@@ -626,12 +632,19 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
         **meter.summary(done * cfg.batch * cfg.seq / wall if wall > 0 else 0.0),
         **({"eval_loss": evals[-1]["eval_loss"], "eval_losses": [(e["step"], e["eval_loss"]) for e in evals]}
            if evals else {}),
+        "export_s": export_s, "state_save_s": save_s, **({"state_refused": refused} if refused else {}),
         "config": dataclasses.asdict(cfg),
     }
     if signals.requested is not None:
         summary["stopped_by"] = signals.requested.name
         summary["exit_code"] = signals.exit_code
     write_whole(out / "summary.json", json.dumps(summary, indent=1))
+    if refused is not None:
+        last = _last_state(out, cfg)
+        raise ValueError(f"{refused}; the run stops after step {sm.step}, whose weights are in {out}/ "
+                         f"(from_pretrained reads them); "
+                         + (f"the last training state saved is step {last[1]}'s, in {last[0]}/{STATE_DIR}"
+                            if last else "no training state was saved"))
     files = (f"metrics {out}/metrics.jsonl, schedule {out}/schedule.{'png' if can_plot() else 'txt'}, model {out}/ "
              f"(from_pretrained), training state {out}/{STATE_DIR}/")
     if signals.requested is not None:
@@ -707,10 +720,16 @@ def _host_text(sm, schedule) -> str:
     from megatrain.planner.cost import host_memory
 
     host = host_memory(sm.graph_for(schedule), schedule)
-    process = host.pop("process", 0)  # the process's own (libraries, Python), whatever the model's size
+    # the process's own (libraries, Python) and its reads and writes of weights, whatever the model's size
+    process = host.pop("process", 0) + host.pop("stages", 0)
     model = sum(host.values())
+    spec = sm.hardware
+    taken = sm.margin_taken(schedule)
+    where = "this machine has available" if sm.measure_host else "the hardware spec gives"
     return (f"{(model + process) / 2**30:.2f} GiB ({model / sm.graph.n_params:.1f} bytes per parameter, and "
-            f"{process / 2**30:.1f} GiB for the process itself)")
+            f"{process / 2**30:.1f} GiB for the process itself and its reads and writes) of the {spec.host_bytes / 2**30:.2f} GiB {where}"
+            + (f", {spec.host_margin / 2**30:.2f} GiB of it left free" if spec.host_margin else "")
+            + (f" ({taken})" if taken else ""))
 
 
 def _schedule_text(cfg: TrainConfig) -> str:
@@ -743,13 +762,3 @@ def _evaluate(sm, rows, batch: int, log, dp=None) -> dict:
     log.write(json.dumps(rec) + "\n")
     log.flush()
     return rec
-
-
-def _save_weights(sm, model, tok, out: Path, cfg: TrainConfig) -> None:
-    """The trained weights as an HF model directory (megatrain.export): ``from_pretrained`` and ``AutoTokenizer``
-    read it unchanged; in ``cfg.export_dtype``, or the dtype the model came in."""
-    from megatrain.export import export_dtype, export_pretrained
-
-    sd = sm.state_dict()
-    export_pretrained({n: sd[n] for n in sm.captured.model_param_names}, model.config, tok, out,
-                      export_dtype(cfg.export_dtype or model.dtype), model.directory)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -311,20 +312,66 @@ def test_skipping_non_finite_steps_goes_on_and_stops_after_too_many(tmp_path, ca
     assert "10 steps in a row were skipped" in capsys.readouterr().err
 
 
-def test_a_disk_that_fills_up_while_saving_the_state_is_one_line_and_keeps_the_weights(tmp_path, capsys,
+def _small_disk(monkeypatch, free: list[int]):
+    """``shutil.disk_usage`` reporting ``free[0]`` bytes free (changed by the test as it goes)."""
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * free[0], 9 * free[0], free[0]))
+
+
+def test_a_disk_too_small_for_the_state_is_said_before_training_and_the_weights_are_kept(tmp_path, capsys,
                                                                                         monkeypatch):
-    from megatrain.runtime import train_state
-
-    def full(*a, **k):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(train_state, "save", full)
+    """The end's state save does not fit the disk: the header says so, the weights are written first, then one line
+    names the bytes needed and free and that no state was saved; the exit status is 2, nothing cut is left."""
+    free = [5 << 20]  # the weights (3.8 MiB) fit, the state (11.5 MiB) does not
+    _small_disk(monkeypatch, free)
     run = tmp_path / "run"
     assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--out", str(run)]) == 2
-    err = capsys.readouterr().err
-    assert "megatrain train: [Errno 28] No space left on device" in err and "Traceback" not in err
-    assert (run / "model.safetensors").stat().st_size > 0  # written before the state
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"saves: the weights 3\.8\d MiB, the training state 11\.\d\d MiB; the disk has 5\.00 MiB free, too "
+                     r"little for the state: the save of it at the end will be refused after the weights are "
+                     r"written;", out), out
+    line = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"megatrain train: step 2: no space left on the disk: the training state needs 11\.\d\d MiB "
+                        r"and .*/run/state has 5\.00 MiB free \(the state saved before is removed only once the new "
+                        r"one is complete\); it is not saved; the run stops after step 2, whose weights are in "
+                        r".*/run/ \(from_pretrained reads them\); no training state was saved", line), line
+    assert "Traceback" not in err
+    assert (run / "model.safetensors").stat().st_size > 0 and not list((run / "state").iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["state_refused"].startswith("step 2: no space left") and summary["last_step"] == 2
+
+
+def test_a_periodic_save_the_disk_cannot_take_stops_the_run_with_the_weights_and_the_state_before(tmp_path, capsys,
+                                                                                                  monkeypatch):
+    from megatrain import saving
+    from megatrain.runtime import train_state
+
+    monkeypatch.setattr(saving, "PROBE_FROM_BYTES", 0)  # the disk's rate measured, as for a state of a GB or more
+    free = [1 << 40]
+    _small_disk(monkeypatch, free)
+    real, calls = train_state.save, []
+
+    def save(*a, **k):  # the disk fills up (with something else) after the first save
+        calls.append(k["step"])
+        free[0] = (1 << 40) if len(calls) == 1 else 1 << 20
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_state, "save", save)
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--save-every", "2", "--batch", "4", "--seq", "32", "--out", str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"the training state 11\.\d\d MiB \(about \d+ s a save at the [\d.]+ GB/s this disk wrote"
+                     r"(, \d+ steps' time: training stops while it is written)?\); the disk has 1024\.00 GiB free;",
+                     out), out
+    assert calls == [2, 4] and "Traceback" not in err
+    assert re.search(r"megatrain train: step 4: no space left on the disk: .* it is not saved; the run stops after step "
+                     r"4, whose weights are in .*/run/ \(from_pretrained reads them\); the last training state saved is "
+                     r"step 2's, in .*/run/state$", err.strip()), err
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4 and _state_step(run) == 2
+    assert (run / "model.safetensors").stat().st_size > 0
 
 
 def test_ctrl_c_finishes_the_step_saves_and_says_where(tmp_path):

@@ -19,6 +19,13 @@ STORE_BYTES_PER_PARAM = 4 + 4 + 4  # the host store: fp32 master, exp_avg, exp_a
 # libraries, Python): measured on the H200 machine as peak RSS less the planned figure, 1.59-1.66 GiB in six runs
 # of 1.8B-7.6B models (docs/benchmarks.md, "The host-lean store")
 PROCESS_HOST_BYTES = int(1.7 * (1 << 30))
+# bytes a read or write of weights between the store and disk moves at a time (runtime.safetensors_stream)
+IO_CHUNK_BYTES = 64 << 20
+# host memory the stages of a run besides its steps take beyond the store, the largest of them (they run one at a
+# time): loading a checkpoint (a chunk), saving or loading a state (none: straight from and into the store),
+# exporting (a chunk read and its cast), each measured within it on a 291M-parameter store
+# (tests/runtime/test_host_memory.py)
+STAGE_HOST_BYTES = 2 * IO_CHUNK_BYTES
 OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the gradient slot on the device)
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
@@ -448,9 +455,10 @@ def store_bytes(graph: LayerGraph) -> int:
 
 
 def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
-    """The host bytes of :func:`host_memory` that do not depend on the ops: store, shadow, checkpoints, and the
-    process's own (:data:`PROCESS_HOST_BYTES`)."""
-    out = {"store": store_bytes(graph), "process": PROCESS_HOST_BYTES}
+    """The host bytes of :func:`host_memory` that do not depend on the ops: store, shadow, checkpoints, the
+    process's own (:data:`PROCESS_HOST_BYTES`) and what the stages besides the steps take
+    (:data:`STAGE_HOST_BYTES`)."""
+    out = {"store": store_bytes(graph), "process": PROCESS_HOST_BYTES, "stages": STAGE_HOST_BYTES}
     if cfg.wire_bytes_per_param == 2:
         out["bf16_shadow"] = graph.n_params * 2
     out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb

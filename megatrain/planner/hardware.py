@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GiB = 1 << 30
+# Host memory a plan leaves free of the host's (for a run: of what the machine has available when it plans): the
+# kernel's page tables for a store that fills the host (8 bytes per 4 KiB page, 0.2%) and its reserves, and what
+# no byte count of the plan sees (allocator arenas, libraries' buffers); a share, at most HOST_MARGIN_MAX
+HOST_MARGIN_SHARE = 0.02
+HOST_MARGIN_MAX = 8 * GiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,11 +55,26 @@ class HardwareSpec:
     # that run GEMMs (a plan's step: the issuing thread's forwards and recomputes, autograd's backward thread; see
     # cost.GEMM_THREADS); compile() measures it on the device it runs on (the CUBLAS_WORKSPACE_CONFIG in force)
     gpu_gemm_workspace_bytes: int = 0
+    # host bytes a plan leaves free of host_bytes; None: HOST_MARGIN_SHARE of them, at most HOST_MARGIN_MAX (0 for
+    # a host budget a user gives, which is itself below what the machine has less its margin)
+    host_margin_bytes: int | None = None
 
     @property
     def budget_bytes(self) -> int:
         """Device bytes a plan may fill by default."""
         return self.gpu_bytes - self.gpu_reserved_bytes
+
+    @property
+    def host_margin(self) -> int:
+        """Host bytes a plan leaves free (:attr:`host_margin_bytes`, or its default)."""
+        if self.host_margin_bytes is not None:
+            return self.host_margin_bytes
+        return int(min(self.host_bytes * HOST_MARGIN_SHARE, HOST_MARGIN_MAX))
+
+    @property
+    def host_plan_bytes(self) -> int:
+        """Host bytes a plan may take: :attr:`host_bytes` less :attr:`host_margin`."""
+        return self.host_bytes - self.host_margin
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,16 +91,21 @@ class HardwareSpec:
             raise ValueError(f"hardware spec: name must be a string, got {d['name']!r}")
         for f in names[1:]:
             v = d.get(f, 0)
+            if f == "host_margin_bytes" and v is None:
+                continue
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
                                  "route_bytes_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown",
                                  "cpu_adam_master_params_per_s", "h2d_cpu_slowdown", "d2h_cpu_slowdown",
-                                 "gpu_gemm_workspace_bytes")
+                                 "gpu_gemm_workspace_bytes", "host_margin_bytes")
             # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
                     not (v >= 0 if may_be_zero else v > 0):
                 raise ValueError(f"hardware spec {d['name']!r}: {f} must be a finite number "
                                  f"{'>= 0' if may_be_zero else '> 0'}, got {v!r}")
         spec = cls(**d)
+        if spec.host_margin >= spec.host_bytes:
+            raise ValueError(f"hardware spec {spec.name!r}: host_margin_bytes ({spec.host_margin}) leaves nothing of "
+                             f"host_bytes ({spec.host_bytes})")
         if spec.gpu_reserved_bytes >= spec.gpu_bytes:
             raise ValueError(f"hardware spec {spec.name!r}: gpu_reserved_bytes ({spec.gpu_reserved_bytes}) leaves "
                              f"nothing of gpu_bytes ({spec.gpu_bytes})")

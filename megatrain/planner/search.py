@@ -43,6 +43,7 @@ class Plan:
     spec: HardwareSpec
     tokens: int
     tried: list[tuple[ScheduleConfig, str]] = field(default_factory=list)  # every candidate and its outcome
+    margin_taken: str | None = None  # where a faster plan was refused for the host margin alone: in words
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,6 +52,11 @@ class Plan:
 
 def _gib(x: float) -> str:
     return f"{x / GiB:.2f} GiB"
+
+
+def margin_note(spec: HardwareSpec) -> str:
+    """``, of which a plan leaves X free`` where the spec keeps a host margin, else nothing."""
+    return f", of which a plan leaves {_gib(spec.host_margin)} free" if spec.host_margin else ""
 
 
 def _min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
@@ -73,11 +79,11 @@ def _check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: 
     if budget > spec.gpu_bytes:
         raise PlanError(f"GPU budget {_gib(budget)} exceeds the {spec.name}'s {_gib(spec.gpu_bytes)}")
     host = store_bytes(graph)
-    if host > spec.host_bytes:
+    if host > spec.host_plan_bytes:
         raise PlanError(
             f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {STORE_BYTES_PER_PARAM} B "
             f"(fp32 master, exp_avg, exp_avg_sq{_FROZEN_NOTE if any(l.frozen for l in graph.layers) else ''}) = "
-            f"{_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}")
+            f"{_gib(host)}, the {spec.name} host has {_gib(spec.host_bytes)}{margin_note(spec)}")
     smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
                               weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
                               host_checkpoints=len(graph) - 2, budget_bytes=budget,
@@ -342,36 +348,41 @@ def choose_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
 
 
 def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
-         cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None]:
+         cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None, tuple | None]:
     """One candidate of :func:`plan`: its config with the kept gradients and saved activations chosen, the outcome,
-    and its rank (None where it cannot run). Checks what is cheap first, builds the schedule (once, twice with kept
-    gradients), checks it against the device budget and the host memory, and simulates it. Module level, so that
-    worker processes can run it."""
+    its rank (None where it cannot run), and for a candidate refused only because it would take some of the host
+    margin (``HardwareSpec.host_margin``), the rank it would have had (else None). Checks what is cheap first,
+    builds the schedule (once, twice with kept gradients), checks it against the device budget and the host
+    memory, and simulates it. Module level, so that worker processes can run it."""
+    limit = spec.host_plan_bytes
     host = sum(host_floor(graph, cfg).values())
     if host > spec.host_bytes:
-        return cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)} {FLOOR_NOTE}", None
+        return cfg, f"host memory {_gib(host)} > {_gib(limit)} {FLOOR_NOTE}", None, None
     need = _min_device_nbytes(graph, cfg)
     if need > budget:
-        return cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}", None
+        return cfg, f"device memory >= {_gib(need)} > budget {_gib(budget)}", None, None
     try:  # a count of kept gradients or saved layers this candidate cannot take
         base = choose_grad_kept(graph, cfg, grad_kept)  # its ops, for every choice of saved activations
         cfg = base.config
         host = sum(host_memory(graph, base).values())
         if host > spec.host_bytes:
-            return cfg, f"host memory {_gib(host)} > {_gib(spec.host_bytes)}", None
+            return cfg, f"host memory {_gib(host)} > {_gib(limit)}", None, None
         cfg = with_saved_acts(graph, cfg, saved_acts, base)
     except (PlanError, ValueError) as e:
-        return cfg, str(e), None
+        return cfg, str(e), None, None
     s = relabel_saved(base, cfg)
     try:
         check_memory(s, graph, spec)
     except ValueError as e:
-        return cfg, str(e), None
+        return cfg, str(e), None, None
     tl = simulate(s, graph, spec)
     # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
     key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
            cfg.weight_slots, host)
-    return cfg, f"{tl.step_s:.4f} s/step", key
+    if host > limit:
+        return cfg, (f"host memory {_gib(host)} > {_gib(limit)} (of {_gib(spec.host_bytes)}, "
+                     f"{_gib(spec.host_margin)} left free; {tl.step_s:.4f} s/step)"), None, key
+    return cfg, f"{tl.step_s:.4f} s/step", key, None
 
 
 # Plans whose simulated steady step is within this share of the fastest one's count as equally fast; among them the
@@ -451,7 +462,7 @@ def _refine_split(graph: LayerGraph, outcomes: list, split: list[tuple[ScheduleC
     at = {first + i: (c, len(layers)) for i, (c, layers) in enumerate(split)}  # outcome index -> (candidate, count)
     found: list = []
     while True:
-        order = rank([key for _, _, key in outcomes + found])
+        order = rank([o[2] for o in outcomes + found])
         if not order or order[0] not in at:  # the fastest plan splits nothing (or is not one of these)
             return found
         c, n = at[order[0]]
@@ -516,12 +527,12 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             if progress is not None:
                 progress(len(outcomes), len(configs))
         if split_opt == "auto" and clip:  # the fastest few again, a share of their host updates split to the device
-            best = [configs[i] for i in rank([key for _, _, key in outcomes])[:SPLIT_TRIED]]
+            best = [configs[i] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
             split = [(c, layers) for c in best for layers in split_sets(graph, c, "auto")]
             outcomes += run(job, [with_split(graph, c, layers, opt_part) for c, layers in split])
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(job, cs)))
-    tried: list[tuple[ScheduleConfig, str]] = [(cfg, why) for cfg, why, _ in outcomes]
-    for i in rank([key for _, _, key in outcomes]):
+    tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
+    for i in rank([o[2] for o in outcomes]):
         cfg = outcomes[i][0]
         s = build_schedule(graph, cfg)
         try:
@@ -529,9 +540,25 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         except ValueError as e:
             tried[i] = (cfg, str(e))
             continue
-        return Plan(s, simulate(s, graph, spec), bound(s, graph, spec), graph, spec, tokens, tried)
+        tl = simulate(s, graph, spec)
+        return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, _margin_taken(outcomes, tl, spec))
     raise PlanError(no_fit_message([why for _, why in tried], spec, budget=budget,
                                    bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16"))
+
+
+def _margin_taken(outcomes: list, chosen: Timeline, spec: HardwareSpec) -> str | None:
+    """Where the fastest candidate was refused only for the host margin and is faster than the plan chosen: one
+    sentence saying so (None otherwise)."""
+    over = [o[3] for o in outcomes if o[3] is not None and not o[3][0]]  # (fp32 host gradients, as preferred)
+    if not over:
+        return None
+    fastest = min(over)
+    if fastest[1] >= chosen.steady_step_s * (1 - 1e-6):
+        return None
+    return (f"the fastest plan ({fastest[1]:.3f} s/step) needs {_gib(fastest[-1])} of host memory, more than the "
+            f"{_gib(spec.host_plan_bytes)} a plan may take ({_gib(spec.host_margin)} of the "
+            f"{_gib(spec.host_bytes)} left free for what no plan counts): the fastest that leaves it is taken, "
+            f"{chosen.steady_step_s:.3f} s/step")
 
 
 # what a candidate's host check says where what it holds whatever its gradients (store, shadow, checkpoints, the
@@ -564,8 +591,8 @@ def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, 
             hint = "; gradients on the host in bf16 (grad_host_dtype='bf16') need less"
         else:
             hint = ""
-        parts.append(f"host memory {min(host):.2f} GiB > {_gib(spec.host_bytes)} (the least any of {len(host)} "
-                     f"candidate plans needs{hint})")
+        parts.append(f"host memory {min(host):.2f} GiB > {_gib(spec.host_plan_bytes)} (the least any of {len(host)} "
+                     f"candidate plans needs{hint}; the host has {_gib(spec.host_bytes)}{margin_note(spec)})")
     if device:
         budget = spec.budget_bytes if budget is None else budget
         parts.append(f"device memory {min(device):.2f} GiB > budget {_gib(budget)} (the least any of "

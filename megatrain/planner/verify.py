@@ -400,9 +400,10 @@ def verify(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = No
     _check_slots(schedule, graph, hb)
     if spec is not None:
         host = sum(host_memory(graph, schedule).values())
-        if host > spec.host_bytes:
-            raise ScheduleError("host-memory", None, f"needs {fmt_bytes(host)} of host memory, {spec.name} has "
-                                f"{fmt_bytes(spec.host_bytes)}")
+        if host > spec.host_plan_bytes:
+            raise ScheduleError("host-memory", None, f"needs {fmt_bytes(host)} of host memory, a plan on "
+                                f"{spec.name} may take {fmt_bytes(spec.host_plan_bytes)} (of its "
+                                f"{fmt_bytes(spec.host_bytes)}, {fmt_bytes(spec.host_margin)} left free)")
 
 
 def check_memory(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | None = None) -> None:

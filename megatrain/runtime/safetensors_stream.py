@@ -21,9 +21,11 @@ from typing import Protocol
 
 import torch
 
+from megatrain.planner.cost import IO_CHUNK_BYTES
+
 # bytes moved per read or write: large enough that a disk streams at its rate, small beside any model's store
-# (what a load, an export or a save holds beyond the store is one or two of these)
-CHUNK_BYTES = 64 << 20
+# (what a load, an export or a save holds beyond the store is one or two of these: cost.STAGE_HOST_BYTES)
+CHUNK_BYTES = IO_CHUNK_BYTES
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 # the dtypes megatrain reads and writes, by their names in the format, in the format's own order (a file lists its
 # tensors by dtype from the last of these to the first, then by name)

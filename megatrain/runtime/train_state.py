@@ -49,6 +49,9 @@ STATE_IO_HOST_BYTES = _CHUNK
 class NoSpace(OSError):
     """The disk cannot take the state: nothing was changed (the state saved before stays current)."""
 
+    def __str__(self) -> str:
+        return self.strerror
+
 
 class NonFiniteState(ValueError):
     """The weights or moments to save are not all finite numbers."""

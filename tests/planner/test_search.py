@@ -163,3 +163,25 @@ def test_each_long_held_buffer_of_a_mib_or_more_counts_the_allocators_rounding()
     tiny = LayerGraph([dataclasses.replace(lay, params=min(lay.params, 1000)) for lay in G.layers], name="tiny")
     small = device_memory(tiny, build_schedule(tiny, base))  # only its checkpoints' slots (7 MiB) count
     assert small.slack_nbytes == ALLOC_SLACK_BYTES * small.slot_count["a"] > 0
+
+
+def test_a_faster_plan_that_would_take_the_host_margin_gives_way_and_says_so():
+    """The fastest plan needs H bytes of host: on a host of H + 1 bytes that keeps 2 of them free it is refused, the
+    plan the search gives for a host of H - 1 (and no margin) is taken instead, and the plan says why; with no
+    margin the fastest is taken and nothing is said."""
+    first = plan(G, SPEC, **REQUEST, **FIXED)
+    need = sum(host_memory(G, first.schedule).values())
+    assert first.margin_taken is None
+    roomy = dataclasses.replace(SPEC, host_bytes=need + 1, host_margin_bytes=0)
+    assert plan(G, roomy, **REQUEST, **FIXED).schedule.to_text() == first.schedule.to_text()
+    tight = dataclasses.replace(SPEC, host_bytes=need + 1, host_margin_bytes=2)
+    p = plan(G, tight, **REQUEST, **FIXED)
+    short = plan(G, dataclasses.replace(SPEC, host_bytes=need - 1, host_margin_bytes=0), **REQUEST, **FIXED)
+    assert p.schedule.to_text() == short.schedule.to_text() != first.schedule.to_text()
+    assert sum(host_memory(G, p.schedule).values()) <= need - 1
+    assert p.timeline.steady_step_s > first.timeline.steady_step_s
+    assert p.margin_taken == (
+        f"the fastest plan ({first.timeline.steady_step_s:.3f} s/step) needs {need / GiB:.2f} GiB of host memory, "
+        f"more than the {(need - 1) / GiB:.2f} GiB a plan may take (0.00 GiB of the {(need + 1) / GiB:.2f} GiB left "
+        f"free for what no plan counts): the fastest that leaves it is taken, {p.timeline.steady_step_s:.3f} s/step")
+    assert any("left free;" in why for _, why in p.tried)

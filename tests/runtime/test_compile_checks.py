@@ -9,7 +9,7 @@ import torch
 import megatrain
 from megatrain import api
 from megatrain.capture import capture
-from megatrain.planner.hardware import PRESETS
+from megatrain.planner.hardware import HOST_MARGIN_SHARE, PRESETS
 from megatrain.runtime.store import available_host_bytes, store_nbytes
 
 from .models import hf_config, hf_model
@@ -59,21 +59,29 @@ def test_a_model_larger_than_host_memory_is_refused_before_the_store(monkeypatch
 def test_the_limit_is_exact_and_the_plan_gets_this_machines_host_memory(monkeypatch):
     model = hf_model("llama")
     need = store_nbytes(capture(model))
-    monkeypatch.setattr(api, "available_host_bytes", lambda: need - 1)
-    with pytest.raises(ValueError, match="host memory: the host store of this model needs"):
+    # the least available memory whose share a plan may take (all but the margin) holds the store
+    least = next(a for a in range(int(need / (1 - HOST_MARGIN_SHARE)) - 2, 2 * need)
+                 if dataclasses.replace(PRESETS["cpu"], host_bytes=a).host_plan_bytes >= need)
+    monkeypatch.setattr(api, "available_host_bytes", lambda: least - 1)
+    with pytest.raises(ValueError, match=r"host memory: the host store of this model needs .* more than the .* this "
+                                         r"machine has available less the .* a plan leaves free"):
         megatrain.compile(model, device="cpu")
-    monkeypatch.setattr(api, "available_host_bytes", lambda: need)
+    monkeypatch.setattr(api, "available_host_bytes", lambda: least)
     sm = megatrain.compile(model, device="cpu")
-    assert sm.hardware.host_bytes == need  # what the planner checks host checkpoints against
+    assert sm.hardware.host_bytes == least  # what the planner checks host checkpoints against (less the margin)
+    assert sm.hardware.host_margin == int(least * HOST_MARGIN_SHARE)
     assert sm.hardware.gpu_bytes == PRESETS["cpu"].gpu_bytes
     # a spec given is taken at its word: its host memory is the limit, whatever the machine reports (a VM whose
     # memory grows as it is used reports too little at first)
     assert megatrain.compile(model, device="cpu", hardware="cpu").hardware == PRESETS["cpu"]
-    # a host budget the user sets is the plan's limit, and refused where the machine has less
-    assert megatrain.compile(model, device="cpu", host_budget_gib=need / GiB).hardware.host_bytes == need
+    # a host budget the user sets is the plan's limit (no margin below it), and refused where the machine has less
+    # once its margin is left free
+    budgeted = megatrain.compile(model, device="cpu", host_budget_gib=need / GiB).hardware
+    assert budgeted.host_plan_bytes == budgeted.host_bytes == need
     with pytest.raises(ValueError, match=r"host memory: .* more than the .* host_budget_gib allows"):
         megatrain.compile(model, device="cpu", host_budget_gib=(need - 4096) / GiB)
-    with pytest.raises(ValueError, match=r"host_budget_gib=.* is more than the .* this machine has available"):
+    with pytest.raises(ValueError, match=r"host_budget_gib=.* is more than the .* of host memory a plan may take "
+                                         r"\(of the .* this machine has available, .* left free\)"):
         megatrain.compile(model, device="cpu", host_budget_gib=2 * need / GiB)
     with pytest.raises(ValueError, match="host_budget_gib must be a finite number of GiB > 0, got nan"):
         megatrain.compile(model, device="cpu", host_budget_gib=float("nan"))
@@ -83,8 +91,9 @@ def test_the_limit_is_exact_and_the_plan_gets_this_machines_host_memory(monkeypa
         megatrain.compile(model, device="cpu", device_budget_gib=1e6)
     with pytest.raises(ValueError, match="device_budget_gib must be a finite number of GiB > 0, got 0"):
         megatrain.compile(model, device="cpu", device_budget_gib=0)
-    small = dataclasses.replace(PRESETS["cpu"], name="small", host_bytes=need - 1)
-    with pytest.raises(ValueError, match=r"more than the .* of host memory the hardware spec 'small' gives"):
+    small = dataclasses.replace(PRESETS["cpu"], name="small", host_bytes=need)
+    with pytest.raises(ValueError, match=r"more than the .* of host memory the hardware spec 'small' gives less the "
+                                         r".* a plan leaves free"):
         megatrain.compile(model, device="cpu", hardware=small)
 
 

@@ -77,7 +77,7 @@ def _host_between(model, data, kept):
     back into fp32)."""
     probe = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, grad_kept=kept)
     fp32 = sum(host_memory(probe.graph, probe.schedule_for(*data[0][0].shape)).values())
-    return dataclasses.replace(PRESETS["cpu"], name="small-host", host_bytes=fp32 - 1)
+    return dataclasses.replace(PRESETS["cpu"], name="small-host", host_bytes=fp32 - 1, host_margin_bytes=0)
 
 
 @pytest.mark.parametrize("kept", [0, 2])

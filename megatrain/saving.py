@@ -1,0 +1,92 @@
+"""What a run of ``megatrain train`` writes besides its metrics: the trained weights (an HF model directory) and the
+training state; how large they are, how long a save stops training, and whether the disk holds them."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+from megatrain.planner.cost import fmt_bytes
+from megatrain.runtime import train_state
+
+STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
+# a state this large or larger gets the disk's write rate measured before training (a probe file of PROBE_BYTES),
+# so the header can say how long each save stops training
+PROBE_FROM_BYTES = 1 << 30
+PROBE_BYTES = 256 << 20
+
+
+def disk_write_rate(directory: Path, nbytes: int = PROBE_BYTES) -> float:
+    """Bytes per second ``directory``'s disk takes a file of ``nbytes`` at, written and synced as a state's layer
+    files are (the probe file is removed)."""
+    from megatrain.rundir import flush_to_disk
+
+    block = os.urandom(1 << 20)
+    probe = directory / f".disk-probe-{os.getpid()}"
+    t0 = time.perf_counter()
+    try:
+        with open(probe, "wb") as f:
+            for _ in range(max(1, nbytes >> 20)):
+                f.write(block)
+            flush_to_disk(f)
+        return max(1, nbytes >> 20) * len(block) / (time.perf_counter() - t0)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def weights_nbytes(sm, dtype) -> int:
+    """Bytes of the exported weights in ``dtype``."""
+    names = sm.captured.model_param_names
+    return sum(math.prod(shape) for _, _, shape in names.values()) * dtype.itemsize
+
+
+def outlook(sm, out: Path, step_s: float, weights: int) -> tuple[str, float | None]:
+    """One sentence for the run's header on what the run writes at the end (and with ``--save-every`` on the way):
+    the weights' and the state's size, the disk's free space (and where it cannot take them), and for a large state
+    how long a save takes at the disk's measured rate and how many steps' time that is (``step_s``: the plan's
+    predicted step). Also the rate (None where not measured)."""
+    state = train_state.state_nbytes(sm.store)
+    free = shutil.disk_usage(out).free
+    rate = disk_write_rate(out, min(PROBE_BYTES, state)) if state >= PROBE_FROM_BYTES else None
+    text = f"saves: the weights {fmt_bytes(weights)}, the training state {fmt_bytes(state)}"
+    if rate is not None:
+        save_s = state / rate
+        text += f" (about {save_s:.0f} s a save at the {rate / 1e9:.2f} GB/s this disk wrote"
+        text += (f", {save_s / step_s:.0f} steps' time: training stops while it is written)" if save_s > step_s
+                 else ")")
+    if weights + state > free:
+        text += (f"; the disk has {fmt_bytes(free)} free, too little for "
+                 + ("the state: the save of it at the end will be refused after the weights are written"
+                    if weights <= free else "the weights or the state: both will be refused"))
+    else:
+        text += f"; the disk has {fmt_bytes(free)} free"
+    return text, rate
+
+
+def save_state(sm, batches, out: Path, say) -> float:
+    """Save the training state with the data order, saying so (``say``: a one-line printer) before and after, with
+    the time it took and the rate; returns the seconds. :class:`~megatrain.runtime.train_state.NoSpace` where the
+    disk cannot take it (nothing changed)."""
+    nbytes = train_state.state_nbytes(sm.store)
+    say(f"step {sm.step}: saving the training state ({fmt_bytes(nbytes)}) to {out}/{STATE_DIR}/")
+    t0 = time.perf_counter()
+    sm.save_state(out / STATE_DIR, extra={"data_order": batches.state()})
+    took = time.perf_counter() - t0
+    say(f"step {sm.step}: training state saved in {took:.1f} s ({nbytes / max(took, 1e-9) / 1e9:.2f} GB/s)")
+    return took
+
+
+def save_weights(sm, model, tok, out: Path, dtype) -> float:
+    """The trained weights as an HF model directory (megatrain.export) in ``dtype``: ``from_pretrained`` and
+    ``AutoTokenizer`` read it unchanged; streamed from the store (megatrain.export.EXPORT_HOST_BYTES of memory).
+    Returns the seconds it took."""
+    from megatrain.export import export_pretrained
+
+    t0 = time.perf_counter()
+    sd = sm.state_dict()
+    export_pretrained({n: sd[n] for n in sm.captured.model_param_names}, model.config, tok, out, dtype,
+                      model.directory)
+    return time.perf_counter() - t0

@@ -21,6 +21,7 @@ from megatrain.export import save_tokenizer
 from megatrain.rundir import RunDirectory, StopSignals, write_whole
 from megatrain.runtime import train_state
 from megatrain.saving import STATE_DIR, outlook, save_state, save_weights, weights_nbytes
+from megatrain.stages import Stages
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
 # what is trained on, and in which order
@@ -426,15 +427,17 @@ def run(cfg: TrainConfig) -> dict:
             out = Path(dp.from_rank0(str(out)))
         run_dir = _run_directory(out, dp)
         lead = dp is None or dp.rank == 0
+        stages = Stages()
         try:
             with StopSignals() as signals, _quiet(not lead) as side:
                 try:
-                    prepared = _prepare(cfg, dp)
+                    with stages("prepare"):  # the data, the model's store filled, the plan
+                        prepared = _prepare(cfg, dp)
                 except BaseException:
                     if run_dir is not None:
                         run_dir.abandon()  # nothing is written before this point
                     raise
-                summary = _train(cfg, out if lead else side, prepared, signals, dp)
+                summary = _train(cfg, out if lead else side, prepared, signals, dp, stages)
                 done = True
                 return summary
         finally:
@@ -517,7 +520,8 @@ def _stopping(signals: StopSignals, dp) -> bool:
     return asked if dp is None else dp.sum_int(int(asked)) > 0
 
 
-def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None) -> dict:
+def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None, stages: Stages | None = None
+           ) -> dict:
     from tqdm import tqdm
 
     from megatrain.planner.dump import can_plot, plot
@@ -558,6 +562,9 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
     bar = tqdm(desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=1.0, initial=start,
                total=cfg.steps)
     say = lambda m: tqdm.write(m, file=sys.stderr)  # noqa: E731
+    stages = stages or Stages()
+    training = stages("train")  # (its saves and evaluations are stages of their own within it)
+    training.__enter__()
     try:
         while sm.step < cfg.steps and not _stopping(signals, dp):
             st = sm.train_step(**_share(data.batches.batch(cfg.batch), dp))
@@ -584,25 +591,28 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
             bar.set_postfix(loss=f"{st.loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", **meter.postfix(rec),
                             **({"eval": f"{evals[-1]['eval_loss']:.3f}"} if evals else {}))
             if data.eval_rows is not None and cfg.eval_every and st.step % cfg.eval_every == 0:
-                evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log, dp))
+                with stages("eval"):
+                    evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log, dp))
                 meter.write(evals[-1])
             if cfg.save_every and st.step % cfg.save_every == 0 and st.step < cfg.steps:
                 try:
-                    save_s.append(save_state(sm, data.batches, out, say))
+                    with stages("state save"):
+                        save_s.append(save_state(sm, data.batches, out, say))
                 except train_state.NoSpace as e:  # the run stops: the weights are written, nothing else
                     refused = f"step {st.step}: {e}"
                     break
                 saved_at = st.step
+        sm.wait()  # the last step's updates, which may run on after its train_step returned
     except BaseException:
         meter.close()
         raise
     finally:
         bar.close()
         log.close()
-    sm.wait()  # the last step's updates, which may run on after its train_step returned
+        training.__exit__(None, None, None)
     wall = time.perf_counter() - t_start
     if data.eval_rows is not None and (not evals or evals[-1]["step"] != sm.step):
-        with (out / "metrics.jsonl").open("a") as log:
+        with (out / "metrics.jsonl").open("a") as log, stages("eval"):
             evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log, dp))
         meter.write(evals[-1])
     meter.close()
@@ -612,12 +622,14 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
     export_s = None
     if lead:  # the ranks' weights are the same
         # first: the smaller files survive a disk that fills up with the state
-        export_s = save_weights(sm, model, tok, out, dtype)
+        with stages("export"):
+            export_s = save_weights(sm, model, tok, out, dtype)
         print(f"step {sm.step}: weights written to {out}/ in {export_s:.1f} s "
               f"({weights_nbytes(sm, dtype) / max(export_s, 1e-9) / 1e9:.2f} GB/s)", file=sys.stderr, flush=True)
     if saved_at != sm.step and refused is None:
         try:
-            save_s.append(save_state(sm, data.batches, out, lambda m: print(m, file=sys.stderr, flush=True)))
+            with stages("state save"):
+                save_s.append(save_state(sm, data.batches, out, lambda m: print(m, file=sys.stderr, flush=True)))
         except train_state.NoSpace as e:
             refused = f"step {sm.step}: {e}"
     done = len(history)
@@ -633,6 +645,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
         **({"eval_loss": evals[-1]["eval_loss"], "eval_losses": [(e["step"], e["eval_loss"]) for e in evals]}
            if evals else {}),
         "export_s": export_s, "state_save_s": save_s, **({"state_refused": refused} if refused else {}),
+        "host_planned_gib": _host_planned(sm, schedule) / 2**30, "host_rss_peak_run_gib": stages.peak_rss_gib,
+        "stages": stages.record,
         "config": dataclasses.asdict(cfg),
     }
     if signals.requested is not None:
@@ -657,7 +671,9 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None)
           f"{wall:.1f} s, {summary['tokens_per_s']:,.0f} tokens/s"
           + (f" ({summary['mfu']:.1%} model FLOPs utilization of the {sm.hardware.name} spec's "
              f"{summary['mfu_against_flops_per_s'] / 1e12:g} TFLOP/s)" if "mfu" in summary else "")
-          + (f", {skipped} steps skipped (not finite)" if skipped else "") + f"; {files}")
+          + (f", {skipped} steps skipped (not finite)" if skipped else "")
+          + (f"; host memory at most {stages.peak_rss_gib:.2f} GiB (the plan counted "
+             f"{summary['host_planned_gib']:.2f})" if stages.peak_rss_gib else "") + f"; {files}")
     return summary
 
 
@@ -714,6 +730,13 @@ class _Meter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _host_planned(sm, schedule) -> int:
+    """The host bytes the plan counts for the whole run (the store, its buffers, the process, the stages)."""
+    from megatrain.planner.cost import host_memory
+
+    return sum(host_memory(sm.graph_for(schedule), schedule).values())
 
 
 def _host_text(sm, schedule) -> str:

@@ -54,6 +54,20 @@ def host_rss_bytes(root: Path = Path("/")) -> int | None:
         return None
 
 
+def peak_rss_bytes(reset: bool = False) -> int | None:
+    """This process's peak resident host memory since it started or since the last reset (``VmHWM``); ``reset``:
+    start the peak again from the current resident set (``/proc/self/clear_refs``) after reading it. None where
+    it cannot be read (not Linux)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        peak = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+        if reset:
+            Path("/proc/self/clear_refs").write_text("5")
+        return peak
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
 def store_nbytes(captured: Captured, *, shadow: bool = False) -> int:
     """Host bytes a :class:`HostStore` of ``captured`` takes: three fp32 rows per owned parameter, and with
     ``shadow`` the bf16 copy of the masters a bf16 wire sends (gradient buffers come with a plan: see

@@ -2,7 +2,7 @@
 ChatML tokenizer), ``megatrain train --model DIR --data chat.jsonl`` fine-tuning it, the weights out, and HF reading
 them back (``from_pretrained``, ``apply_chat_template``, ``generate``). Each stage's seconds and peak host memory
 come from the run's own summary (megatrain.stages); the run's peak resident set is also read from outside
-(``getrusage`` of the child), beside the host memory the plan counted.
+(sampled from outside), beside the host memory the plan counted.
 
 With ``--kill-after-save N`` it also checks crash and resume: a reference run with ``--save-every``, then a run
 killed (SIGKILL) once its step-N state is saved, resumed to the end: the resumed losses and exported weights must
@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import signal
 import subprocess
@@ -97,14 +96,34 @@ def make_checkpoint(d: Path, shape: str, layers: int | None, shards: int, chats:
     return {"params": total // 2, "bytes": total, "seconds": time.perf_counter() - t0}
 
 
+def _sample_rss(pid: int, peak: list[int]) -> None:
+    """``peak[0]``: the most resident memory ``pid`` held, sampled every 0.1 s until it ends (the run resets its
+    own high-water mark between stages, so getrusage would miss peaks)."""
+    status = Path(f"/proc/{pid}/status")
+    while True:
+        try:
+            text = status.read_text()
+        except OSError:
+            return
+        for line in text.splitlines():
+            if line.startswith("VmRSS:"):
+                peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+        time.sleep(0.1)
+
+
 def run_train(argv: list[str], log: Path, kill_after: str | None = None) -> dict:
-    """``megatrain train`` in a process of its own: its exit status, wall seconds, peak resident set (getrusage
-    of the child), and whether it was killed (SIGKILL once a line containing ``kill_after`` appeared)."""
+    """``megatrain train`` in a process of its own: its exit status, wall seconds, peak resident set (sampled from
+    outside), and whether it was killed (SIGKILL once a line containing ``kill_after`` appeared)."""
+    import threading
+
     cmd = [sys.executable, "-m", "megatrain", "train", *argv]
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    peak = [0]
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        sampler = threading.Thread(target=_sample_rss, args=(p.pid, peak), daemon=True)
+        sampler.start()
         killed = False
         for line in p.stdout:
             f.write(line)
@@ -113,8 +132,8 @@ def run_train(argv: list[str], log: Path, kill_after: str | None = None) -> dict
                 p.send_signal(signal.SIGKILL)
                 killed = True
         rc = p.wait()
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far
-    return {"rc": rc, "killed": killed, "wall_s": time.perf_counter() - t0, "child_peak_rss_gib": peak / GiB,
+        sampler.join()
+    return {"rc": rc, "killed": killed, "wall_s": time.perf_counter() - t0, "sampled_peak_rss_gib": peak[0] / GiB,
             "cmd": " ".join(cmd)}
 
 
@@ -176,6 +195,7 @@ def main(argv=None) -> int:
     if summary_file.is_file():
         s = json.loads(summary_file.read_text())
         res["summary"] = {k: s.get(k) for k in ("tokens_per_s", "host_planned_gib", "host_rss_peak_run_gib",
+                                                "device_planned_gib",
                                                 "stages", "export_s", "state_save_s", "state_refused",
                                                 "gpu_peak_gib", "mfu")}
     res["log_tail"] = (work / "run.log").read_text().splitlines()[-4:]

@@ -228,7 +228,7 @@ def _export(args) -> int:
     from megatrain.export import export_run
 
     try:
-        files = export_run(args.run, args.out, args.dtype)
+        files = export_run(args.run, args.out, args.dtype, args.trust_remote_code)
     except (ValueError, DataError, OSError) as e:
         print(f"megatrain export: {e}", file=sys.stderr)
         return 2
@@ -467,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("run", help="a run directory of megatrain train (or its state directory)")
     e.add_argument("out", help="the model directory to write (new or empty)")
     e.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="dtype of the weights (default: the run's)")
+    e.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true",
+                   help="run the Python files the model's config names (auto_map); never taken from the run")
     e.set_defaults(fn=_export)
     v = sub.add_parser("viz", help="draw simulated and measured timelines on one picture and one Chrome trace")
     v.add_argument("--schedule", help="schedule text to simulate (with --preset/--config and --hardware)")

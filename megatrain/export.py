@@ -112,10 +112,14 @@ def save_tokenizer(tok, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def export_run(run: str | Path, out: str | Path, dtype: str | None = None) -> list[Path]:
+def export_run(run: str | Path, out: str | Path, dtype: str | None = None, trust_remote_code: bool = False
+               ) -> list[Path]:
     """A run directory's training state (``RUN/state``, or that state directory itself) as an HF model directory in
     ``out``: the model's config as the run built it, the run's tokenizer, the state's master weights in ``dtype``
-    (None: the dtype the run's model came in)."""
+    (None: the dtype the run's model came in). ``trust_remote_code``: this caller's alone (a run directory's
+    config never allows a model's code to run); temporary files that killed writes left in the run directory are
+    removed."""
+    from megatrain.rundir import remove_leftovers
     from megatrain.data import load_tokenizer
     from megatrain.inputs import model_source
     from megatrain.runtime import train_state
@@ -132,7 +136,8 @@ def export_run(run: str | Path, out: str | Path, dtype: str | None = None) -> li
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory; choose another output directory")
-    model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
+    remove_leftovers(run)
+    model = model_source(cfg.model, cfg.vocab, cfg.seq, trust_remote_code)
     tok = load_tokenizer(run)
     if model.weights is None:
         set_special_ids(model.config, tok)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -44,17 +46,10 @@ class RunDirectory:
 
     def _refuse_taken(self):
         """One line: the directory is another run's, in use now (its lock held) or finished (not empty)."""
-        lock = self.path / LOCK
-        if lock.is_file():
-            fd = os.open(lock, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                raise ValueError(f"output directory {self.path} is in use by another megatrain train"
-                                 + (f" (process {holder})" if holder else "") + "; choose another --out") from None
-            finally:
-                os.close(fd)
+        who = holder(self.path)
+        if who is not None:
+            raise ValueError(f"output directory {self.path} is in use by another megatrain train"
+                             + (f" (process {who})" if who else "") + "; choose another --out")
         raise ValueError(f"output directory {self.path} is not empty; choose another --out")
 
     def close(self) -> None:
@@ -72,6 +67,47 @@ class RunDirectory:
                 self.path.rmdir()
             except OSError:
                 pass
+
+
+def holder(run: str | Path) -> str | None:
+    """Where a run is training into the directory ``run`` now (its lock held): the process id it wrote ("" where
+    none can be read); None where no run holds it."""
+    lock = Path(run) / LOCK
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip()
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+# what whole-file writes leave when their process dies: ".NAME.tmp-PID" files and ".tokenizer-PID" directories
+LEFTOVER = re.compile(r"^\.(.+\.tmp|tokenizer)-(\d+)$")
+
+
+def remove_leftovers(d: str | Path) -> list[Path]:
+    """Remove from ``d`` the temporary files and directories that writes of processes no longer alive left there
+    (an export or a summary killed mid-write); returns them."""
+    from megatrain.runtime.state_dirs import pid_alive
+
+    gone = []
+    d = Path(d)
+    for x in sorted(d.iterdir()) if d.is_dir() else []:
+        m = LEFTOVER.match(x.name)
+        if m and not pid_alive(int(m.group(2))):
+            if x.is_dir() and not x.is_symlink():
+                shutil.rmtree(x, ignore_errors=True)
+            else:
+                x.unlink(missing_ok=True)
+            gone.append(x)
+    return gone
 
 
 def flush_to_disk(f) -> None:

@@ -18,7 +18,7 @@ import torch
 from megatrain.data import MIN_VOCAB, DataError
 from megatrain.inputs import data_source, model_source, tokenizer_for
 from megatrain.export import save_tokenizer
-from megatrain.rundir import RunDirectory, StopSignals, write_whole
+from megatrain.rundir import RunDirectory, StopSignals, holder, remove_leftovers, write_whole
 from megatrain.runtime import train_state
 from megatrain.saving import STATE_DIR, outlook, save_state, save_weights, weights_nbytes
 from megatrain.stages import Stages
@@ -253,6 +253,9 @@ def load_yaml(path: str) -> dict:
     if isinstance(d.get("betas"), list):  # betas: [0.9, 0.95]
         d["betas"] = ",".join(str(b) for b in d["betas"])
     names = {f.name for f in dataclasses.fields(TrainConfig)}
+    if d.get("trust_remote_code"):
+        raise ValueError(f"{p}: 'trust_remote_code' is a flag only (--trust-remote-code): a config file, like a run "
+                         f"directory, is data that may come from someone else, and cannot allow a model's code to run")
     if "resume" in d:
         raise ValueError(f"{p}: 'resume' is a flag only (megatrain train --resume RUN_DIR goes on with that run's own "
                          f"config, checked against it); a config file cannot name it")
@@ -290,7 +293,9 @@ def _prepare(cfg: TrainConfig, dp=None):
                                                 trust_remote_code=cfg.trust_remote_code)
     freeze(meta, cfg.freeze_patterns())
     optim = cfg.optim_config()
-    source_of_weights = (dict(state=Path(cfg.resume) / STATE_DIR) if cfg.resume else
+    # the state resumed from, found once: what is checked is what is read
+    state = train_state.find(Path(cfg.resume) / STATE_DIR) if cfg.resume else None
+    source_of_weights = (dict(state=state) if cfg.resume else
                          dict(checkpoint=model.weights) if model.weights else dict(init_seed=cfg.seed))
     world = 1 if dp is None else dp.world
     sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
@@ -305,11 +310,16 @@ def _prepare(cfg: TrainConfig, dp=None):
         raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
                          f"--no-packing (one document per row)")
     if cfg.resume:
-        extra = train_state.read_manifest(sm.captured, Path(cfg.resume) / STATE_DIR)["extra"]
-        if "data_order" not in extra:
-            raise ValueError(f"{cfg.resume}/{STATE_DIR} does not say where the data stood (saved by another "
-                             f"program than megatrain train, or by an earlier megatrain)")
-        data.batches.restore(extra["data_order"], f"{cfg.resume}/{STATE_DIR}")
+        m = train_state.read_manifest(sm.captured, state)
+        if "data_order" not in m["extra"]:
+            raise ValueError(f"{state} does not say where the data stood (saved by another program than megatrain "
+                             f"train, or by an earlier megatrain)")
+        data.batches.restore(m["extra"]["data_order"], str(state))
+        taken = data.batches.taken(cfg.batch)
+        if taken is not None and (taken < m["step"] or taken != int(taken)):
+            raise DataError(f"{state}: the data order saved is {taken:g} batches of {cfg.batch} rows into the data, "
+                            f"{'fewer than' if taken < m['step'] else 'not a whole number of batches for'} the "
+                            f"{m['step']} steps the state took (an inconsistent training state)")
     return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch // world, cfg.seq)
 
 
@@ -350,7 +360,7 @@ def _last_state(out: Path, cfg: TrainConfig) -> tuple[Path, int] | None:
     for run_dir in (out, *((Path(cfg.resume),) if cfg.resume else ())):
         try:
             d = train_state.find(run_dir / STATE_DIR)
-            return run_dir, int(json.loads((d / train_state.MANIFEST).read_text())["step"])
+            return run_dir, int(train_state.load_manifest(d / train_state.MANIFEST)["step"])
         except (ValueError, OSError, KeyError, TypeError):
             continue
     return None
@@ -373,13 +383,19 @@ def _nonfinite_message(step: int, stats, out: Path, cfg: TrainConfig, why: str) 
 def resume_config(run_dir: str, **overrides) -> TrainConfig:
     """The config of the run in ``run_dir``, to go on from the training state it saved, with ``overrides``:
     anything but what decides the model and the data stream (:data:`RESUME_FIXED`), e.g. more steps, another
-    learning rate, another plan. Partial state directories that killed saves left there are removed."""
+    learning rate, another plan. What runs killed there left behind (partial saves, superseded states, temporary
+    files) is removed. ``trust_remote_code`` comes from ``overrides`` alone, never from the run directory."""
     d = Path(run_dir)
     for need in (RUN_FILE, "tokenizer_config.json"):
         if not (d / need).is_file():
             raise ValueError(f"cannot resume from {d}: it holds no {need} (a run directory of megatrain train "
                              f"that saved its training state has one)")
+    who = holder(d)
+    if who is not None:
+        raise ValueError(f"cannot resume from {d}: a megatrain train" + (f" (process {who})" if who else "")
+                         + " is training into it now; resume once it has stopped")
     train_state.remove_stale(d / STATE_DIR)
+    remove_leftovers(d)
     try:
         state = train_state.find(d / STATE_DIR)
     except ValueError as e:
@@ -391,15 +407,15 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
     try:
         began = json.loads((d / RUN_FILE).read_text())["config"]
         began["warmup"] = TrainConfig(**began).warmup_steps  # as it was, whatever the steps become
+        began["trust_remote_code"] = False  # a run directory is data: only this command line may allow code
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot resume from {d}: its {RUN_FILE} does not hold a config this megatrain reads "
                          f"({type(e).__name__}: {e})") from None
     cfg = TrainConfig(**{**began, "out": None, **overrides, "resume": str(d)})
     try:
-        done = json.loads((state / train_state.MANIFEST).read_text())["step"]
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise ValueError(f"cannot resume from {d}: {state / train_state.MANIFEST} is not readable "
-                         f"({type(e).__name__}: {e})") from None
+        done = train_state.load_manifest(state / train_state.MANIFEST).get("step")
+    except ValueError as e:
+        raise ValueError(f"cannot resume from {d}: {e}") from None
     if isinstance(done, bool) or not isinstance(done, int) or done < 0:
         raise ValueError(f"cannot resume from {d}: {state / train_state.MANIFEST}: 'step' must be a count of steps "
                          f"(an integer >= 0), got {done!r}")
@@ -646,6 +662,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
            if evals else {}),
         "export_s": export_s, "state_save_s": save_s, **({"state_refused": refused} if refused else {}),
         "host_planned_gib": _host_planned(sm, schedule) / 2**30, "host_rss_peak_run_gib": stages.peak_rss_gib,
+        "device_planned_gib": _device_planned(sm, schedule) / 2**30,
         "stages": stages.record,
         "config": dataclasses.asdict(cfg),
     }
@@ -673,7 +690,9 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
              f"{summary['mfu_against_flops_per_s'] / 1e12:g} TFLOP/s)" if "mfu" in summary else "")
           + (f", {skipped} steps skipped (not finite)" if skipped else "")
           + (f"; host memory at most {stages.peak_rss_gib:.2f} GiB (the plan counted "
-             f"{summary['host_planned_gib']:.2f})" if stages.peak_rss_gib else "") + f"; {files}")
+             f"{summary['host_planned_gib']:.2f}"
+             + (f", and {summary['device_planned_gib']:.2f} of device memory, which on the CPU is host memory too"
+                if sm.device.type == "cpu" else "") + ")" if stages.peak_rss_gib else "") + f"; {files}")
     return summary
 
 
@@ -737,6 +756,13 @@ def _host_planned(sm, schedule) -> int:
     from megatrain.planner.cost import host_memory
 
     return sum(host_memory(sm.graph_for(schedule), schedule).values())
+
+
+def _device_planned(sm, schedule) -> int:
+    """The device bytes the plan reserves (slots, kept weights, saved activations, workspaces)."""
+    from megatrain.planner.cost import device_memory
+
+    return device_memory(sm.graph_for(schedule), schedule).total_nbytes
 
 
 def _host_text(sm, schedule) -> str:

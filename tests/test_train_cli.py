@@ -491,6 +491,7 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
 
 def test_damaged_resume_files_are_one_line(tmp_path, capsys, monkeypatch):
     from megatrain.runtime import train_state
+    from megatrain.runtime.state_dirs import manifest_bytes
 
     run = tmp_path / "run"
     assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0", "--out", str(run)]) == 0
@@ -504,7 +505,7 @@ def test_damaged_resume_files_are_one_line(tmp_path, capsys, monkeypatch):
         (dict(extra={"data_order": {"seed": 0, "epoch": 0, "next": 1, "rows": 3}}),
          "the data order saved (3 rows, seed 0) is not this data's"),
     ]:
-        (state / "state.json").write_text(json.dumps({**m, **edit}))
+        (state / "state.json").write_bytes(manifest_bytes({**m, **edit}))  # (its checksum made again)
         assert main(["train", "--resume", str(run), "--steps", "3", "--out", str(tmp_path / "next")]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (edit, err)

@@ -141,14 +141,21 @@ class Batches:
     def state(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "next": self.next, "rows": len(self.rows)}
 
+    def taken(self, batch: int) -> float:
+        """Batches of ``batch`` rows taken so far (each step takes one, a skipped step too)."""
+        return (self.epoch * len(self.rows) + self.next) / batch
+
     def restore(self, state: dict, where: str) -> None:
         """Go on from :meth:`state`; one line naming ``where`` if it does not fit these rows."""
         try:
             epoch, nxt, n = int(state["epoch"]), int(state["next"]), int(state["rows"])
         except (KeyError, TypeError, ValueError):
             raise DataError(f"{where}: the data order is not one this megatrain reads ({state!r})"[:300]) from None
-        if n != len(self.rows) or not (epoch >= 0 and 0 <= nxt <= n) or state.get("seed") != self.seed:
+        if n != len(self.rows) or state.get("seed") != self.seed:
             raise DataError(f"{where}: the data order saved ({n} rows, seed {state.get('seed')}) is not this data's "
                             f"({len(self.rows)} rows, seed {self.seed})")
+        if not (epoch >= 0 and 0 <= nxt <= n):
+            raise DataError(f"{where}: the data order saved is row {nxt} of epoch {epoch}, outside this data's "
+                            f"{n} rows")
         self.epoch, self.next = epoch, nxt
         self._order = self._permutation(epoch)

@@ -98,6 +98,11 @@ class StreamBatches:
     def state(self) -> dict:
         return {"stream": True, "seed": self.seed, "epoch": self.epoch, "next": self.in_epoch}
 
+    def taken(self, batch: int) -> float | None:
+        """Batches of ``batch`` rows taken so far, where the stream is in its first epoch (None after: its epochs'
+        lengths are not known)."""
+        return self.in_epoch / batch if self.epoch == 0 else None
+
     def restore(self, state: dict, where: str) -> None:
         """Go on from :meth:`state`: the stream read again from the saved epoch's start, its rows up to the saved
         place skipped; one line naming ``where`` if the state is not a stream's of this seed or the stream is

@@ -35,12 +35,30 @@ def build_tokenizer(docs: Iterable[str], vocab_size: int):
     return fast
 
 
+def _check_references(d: Path) -> None:
+    """Refuse a tokenizer_config.json that names a file outside ``d`` (its ``*_file`` fields: a path that is
+    absolute or climbs out with ``..``)."""
+    import json
+
+    cfg = d / "tokenizer_config.json"
+    try:
+        fields = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # (AutoTokenizer says what is wrong with it)
+    for key, value in fields.items() if isinstance(fields, dict) else ():
+        if key.endswith("_file") and isinstance(value, str) and (Path(value).is_absolute()
+                                                                 or ".." in Path(value).parts):
+            raise DataError(f"{cfg}: {key} names {value!r}, a file outside {d} (a tokenizer's files are read from its "
+                            f"own directory)")
+
+
 def load_tokenizer(directory: str | Path, *, trust_remote_code: bool = False):
     """The tokenizer saved in ``directory`` (an HF model directory or a run directory), any format
     ``AutoTokenizer`` reads; one line naming the directory where there is none or it cannot be read."""
     from transformers import AutoTokenizer
 
     d = Path(directory)
+    _check_references(d)
     if not any((d / f).is_file() for f in TOKENIZER_FILES):
         raise DataError(f"{d} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): a model directory with "
                         f"weights needs its own tokenizer (save it there with tokenizer.save_pretrained)")

@@ -1,10 +1,11 @@
 """Training state on disk: everything a run needs to go on exactly where it stopped, kept safe from crashes.
 
 A state is a directory holding ``state.json`` (the step, each layer's optimizer step count, the layout of the
-parameters in the store, a CRC-32 of every file, and whatever the caller adds, e.g. the data order) and one raw file
-per layer that owns weights: its fp32 master weights, exp_avg and exp_avg_sq, one after the other (the store's first
-three rows, written and read in place, so saving and loading a large model needs no memory beyond the store). The
-gradient row is not kept: a step starts by overwriting it.
+parameters in the store, a CRC-32 of every file, whatever the caller adds, e.g. the data order, and a SHA256 of all
+of that, so that an edit or damage of the manifest is seen when it is read) and one raw file per layer that owns
+weights: its fp32 master weights, exp_avg and exp_avg_sq, one after the other (the store's first three rows, written
+and read in place, so saving and loading a large model needs no memory beyond the store). The gradient row is not
+kept: a step starts by overwriting it.
 
 The directory a caller names (``save(store, "run/state")``) holds states as ``step-<N>/`` subdirectories and a
 pointer file, ``LATEST``, naming the current one. Saving writes a hidden ``.partial-<pid>-<n>/`` (each file synced
@@ -33,7 +34,8 @@ from megatrain.capture import Captured
 from megatrain.rundir import flush_to_disk
 from megatrain.runtime.safetensors_stream import CHUNK_BYTES
 from megatrain.runtime.state_dirs import (FORMAT, LATEST, MANIFEST, STEP_DIR, VERSION, find, is_state_root,
-                                          layer_file, layer_nbytes, legacy_siblings, pid_alive, remove_stale)
+                                          layer_file, layer_nbytes, legacy_siblings, load_manifest, manifest_bytes,
+                                          pid_alive, remove_stale)
 from megatrain.runtime.store import ROWS, HostStore
 
 KEPT_ROWS = ROWS[:3]  # master, exp_avg, exp_avg_sq
@@ -124,7 +126,7 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
                     "optimizer_steps": {str(k): int(v) for k, v in optimizer_steps.items()},
                     "rows": list(KEPT_ROWS), "dtype": "float32", **_layout(store.captured),
                     "crc32": {layer_file(k): v for k, v in crcs.items()}, "extra": extra or {}}
-        _write_synced(tmp / MANIFEST, json.dumps(manifest).encode())
+        _write_synced(tmp / MANIFEST, manifest_bytes(manifest))
         _fsync_dir(tmp)
         final = root / f"step-{int(step):08d}"
         k = 0
@@ -220,15 +222,7 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
     directory is under the key ``"dir"``."""
     d = find(directory)
     path = d / MANIFEST
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a megatrain training state (format {m.get('format')!r})"
-                         if isinstance(m, dict) else f"{path} is not a megatrain training state")
-    if m.get("version") != VERSION:
-        raise ValueError(f"{path}: training state version {m.get('version')!r}; this megatrain reads {VERSION}")
+    m = load_manifest(path)
     want = _layout(captured)
     def placed(params) -> dict | None:  # name -> (layer, shape): a layer frozen in part lays its weights out anew
         return {k: (v[0], v[2]) for k, v in params.items() if isinstance(v, list) and len(v) == 3} \
@@ -247,11 +241,17 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
             raise ValueError(f"{d} was saved with the layers {frozen(m['layers']) or 'none'} frozen (no optimizer "
                              f"state for what is frozen), this model has {frozen(want['layers']) or 'none'}: freeze "
                              f"the same parameters to resume from it")
-    if m.get("params") != want["params"] or m.get("layers") != want["layers"]:
+    if m.get("params") != want["params"]:
         got, exp = m.get("params") if isinstance(m.get("params"), dict) else {}, want["params"]
         differ = sorted(set(got) ^ set(exp)) or sorted(k for k in exp if got.get(k) != exp[k])
         raise ValueError(f"{d} was saved from another model: {len(differ)} parameters differ in name, shape or "
                          f"place, e.g. {differ[:3]}")
+    if m.get("layers") != want["layers"]:
+        got = m.get("layers") if isinstance(m.get("layers"), dict) else {}
+        differ = sorted(set(got) ^ set(want["layers"]), key=int) or sorted(
+            (k for k in want["layers"] if got.get(k) != want["layers"][k]), key=int)
+        raise ValueError(f"{path}: its layers do not match this model's ({len(differ)} differ, e.g. layer "
+                         f"{differ[0]}: saved {got.get(differ[0])}, this model {want['layers'].get(differ[0])})")
     for key, lay in m["layers"].items():
         f = d / layer_file(int(key))
         size = f.stat().st_size if f.is_file() else None
@@ -260,14 +260,18 @@ def read_manifest(captured: Captured, directory: str | Path) -> dict:
             raise ValueError(f"{f}: {'missing' if size is None else f'{size:,} bytes'}, the layer's state is "
                              f"{expect:,} bytes (an incomplete or damaged training state)")
     _check_counts(m, path)
-    crcs = m.get("crc32")
-    if crcs is not None and (not isinstance(crcs, dict) or set(crcs) != {layer_file(int(k)) for k in m["layers"]}
-                             or not all(isinstance(v, int) and not isinstance(v, bool) for v in crcs.values())):
-        raise ValueError(f"{path}: 'crc32' does not list one checksum per layer file (a damaged training state)")
+    _check_crcs(m, path)
     if not isinstance(m.get("extra", {}), dict):
         raise ValueError(f"{path}: 'extra' must be an object, got {type(m['extra']).__name__}")
     m["dir"] = str(d)
     return m
+
+
+def _check_crcs(m: dict, path: Path) -> None:
+    crcs = m.get("crc32")
+    if not isinstance(crcs, dict) or set(crcs) != {layer_file(int(k)) for k in m["layers"]} \
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in crcs.values()):
+        raise ValueError(f"{path}: 'crc32' does not list one checksum per layer file (a damaged training state)")
 
 
 def _check_counts(m: dict, path: Path) -> None:
@@ -283,6 +287,10 @@ def _check_counts(m: dict, path: Path) -> None:
     bad = {k: v for k, v in steps.items() if not count(v)}
     if bad:
         raise ValueError(f"{path}: 'optimizer_steps' must be integers >= 0, got {bad}")
+    ahead = {k: v for k, v in steps.items() if v > m["step"]}
+    if ahead:  # a layer is updated once a step at most
+        raise ValueError(f"{path}: layers {sorted(ahead, key=int)} took more optimizer steps ({max(ahead.values())}) "
+                         f"than the state's {m['step']} steps (an inconsistent training state)")
 
 
 def load(store: HostStore, directory: str | Path, progress: Callable[[int], None] | None = None) -> dict:
@@ -294,7 +302,7 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
     for hook in store.before_load:  # whoever holds device copies writes them back and lets them go
         hook()
     d = Path(m["dir"])
-    crcs = m.get("crc32") or {}
+    crcs = m["crc32"]
     checks = []
     store.generation += 1  # device copies of the old masters are stale from here on, whatever happens
     store.shadows = None  # made again from the new masters when next needed
@@ -309,8 +317,7 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             if got != len(view):
                 raise ValueError(f"{d / layer_file(layer)}: read {got} of {len(view)} bytes")
-            if layer_file(layer) in crcs:
-                checks.append((d / layer_file(layer), crcs[layer_file(layer)], pool.submit(_crc, view)))
+            checks.append((d / layer_file(layer), crcs[layer_file(layer)], pool.submit(_crc, view)))
             if progress is not None:
                 progress(store.master(layer).numel())
         for path, want, fut in checks:
@@ -352,20 +359,22 @@ def master_sources(directory: str | Path) -> dict[str, _MasterRows]:
     time."""
     d = find(directory)
     path = d / MANIFEST
+    m = load_manifest(path)
     try:
-        m = json.loads(path.read_text())
         params, layers = m["params"], m["layers"]
-        crcs = m.get("crc32") or {}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        _check_crcs(m, path)
+        crcs = m["crc32"]
+        for key, lay in layers.items():
+            f = d / layer_file(int(key))
+            if not f.is_file() or f.stat().st_size != layer_nbytes(lay):
+                raise ValueError(f"{f}: missing or not of the layer's size (an incomplete or damaged training "
+                                 f"state)")
+    except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a training state this megatrain reads ({type(e).__name__}: {e})") from None
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise ValueError(f"{path} is not a megatrain training state of version {VERSION}")
     buf = torch.empty(_CHUNK, dtype=torch.uint8)
-    for key, lay in layers.items():
+    for key in layers:
         f = d / layer_file(int(key))
-        if not f.is_file() or f.stat().st_size != layer_nbytes(lay):
-            raise ValueError(f"{f}: missing or not of the layer's size (an incomplete or damaged training state)")
-        if layer_file(int(key)) in crcs and _file_crc(f, buf) != crcs[layer_file(int(key))]:
+        if _file_crc(f, buf) != crcs[layer_file(int(key))]:
             raise ValueError(f"{f}: checksum mismatch: the file was damaged after it was saved")
     return {name: _MasterRows(d / layer_file(int(layer)), 4 * off, shape, buf)
             for name, (layer, off, shape) in params.items()}

@@ -162,13 +162,20 @@ def test_partial_saves_of_dead_processes_are_removed_and_live_ones_kept(tmp_path
     (dict(extra=[1]), "'extra' must be an object, got list"),
 ])
 def test_a_hand_edited_manifest_is_refused_in_one_line(tmp_path, edit, msg):
+    """Edited, a manifest no longer matches its checksum; edited with the checksum made again, each field is
+    still checked."""
+    from megatrain.runtime.state_dirs import manifest_bytes
+
     sm = _model()
     d = sm.save_state(tmp_path / "s")
     m = json.loads((d / "state.json").read_text())
-    (d / "state.json").write_text(json.dumps({**m, **edit}))
-    with pytest.raises(ValueError) as e:
-        _model().load_state(tmp_path / "s")
-    assert msg in str(e.value) and "\n" not in str(e.value)
+    for data, why in ((json.dumps({**m, **edit}).encode(), "its contents do not match its checksum ('sha256'): the "
+                                                           "manifest was edited or damaged after it was saved"),
+                      (manifest_bytes({**m, **edit}), msg)):
+        (d / "state.json").write_bytes(data)
+        with pytest.raises(ValueError) as e:
+            _model().load_state(tmp_path / "s")
+        assert why in str(e.value) and "\n" not in str(e.value)
 
 
 def test_saves_from_another_thread_while_steps_run_are_each_one_steps_state(tmp_path):

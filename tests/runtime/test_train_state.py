@@ -105,7 +105,7 @@ def test_a_bad_state_is_refused_before_the_store_changes(tmp_path):
         fresh.load_state(tmp_path)
     m = json.loads((d / "state.json").read_text())
     (cut / "state.json").write_text(json.dumps({**m, "version": 99}))
-    with pytest.raises(ValueError, match="training state version 99; this megatrain reads 1"):
+    with pytest.raises(ValueError, match="training state version 99; this megatrain reads 2"):
         fresh.load_state(cut)
     assert all(torch.equal(v, snapshot[k]) for k, v in fresh.state_dict().items())
     assert fresh.step == 0

@@ -4,10 +4,21 @@ The host owns the model (fp32 master weights and Adam state); the GPU streams la
 that the planner computes before the first step.
 """
 
-from megatrain.api import PlanOptions, StepStats, StreamedModel, compile
-from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
-from megatrain.runtime.optim import OptimConfig
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Op", "OpKind", "OptimConfig", "PlanOptions", "Schedule", "ScheduleConfig", "StepStats", "Stream",
-           "StreamedModel", "compile", "__version__"]
+# the public names, imported when first used (so that the command line starts, and takes signals, before torch loads)
+_NAMES = {"PlanOptions": "megatrain.api", "StepStats": "megatrain.api", "StreamedModel": "megatrain.api",
+          "compile": "megatrain.api", "Op": "megatrain.ir", "OpKind": "megatrain.ir", "Schedule": "megatrain.ir",
+          "ScheduleConfig": "megatrain.ir", "Stream": "megatrain.ir", "OptimConfig": "megatrain.runtime.optim"}
+__all__ = sorted([*_NAMES, "__version__"])
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module 'megatrain' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -7,10 +7,13 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megatrain.rundir import Stopped, stop_at_once
 
 GiB = 1 << 30
 
@@ -23,7 +26,7 @@ def _model(args):
         if p.is_dir():
             p = p / "config.json"
         if not p.exists():
-            raise SystemExit(f"megatrain: model config {p} does not exist")
+            raise ValueError(f"model config {p} does not exist")
         cfg = _read_json(p, "model config")
         if not isinstance(cfg, dict):
             raise ValueError(f"model config {p}: expected an object of fields, got a {type(cfg).__name__}")
@@ -220,6 +223,10 @@ def _train(args) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once; the last training state saved stays whole
         print("megatrain train: interrupted; the last training state saved (if any) is whole", file=sys.stderr)
         return 130
+    except Stopped as e:  # before the first step: nothing was in flight, nothing is saved
+        print(f"megatrain train: stopped by {e.signal.name} before the first step; nothing was trained or saved",
+              file=sys.stderr)
+        return e.exit_code
     return summary.get("exit_code", 0)
 
 
@@ -312,6 +319,26 @@ def _slots(value: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``megatrain`` command; SIGINT or SIGTERM from its first moment stop it in one line (a run takes them
+    over once it trains, to finish the step in flight and save)."""
+    import threading
+
+    before = {}
+    if threading.current_thread() is threading.main_thread():
+        before = {s: signal.signal(s, stop_at_once) for s in (signal.SIGINT, signal.SIGTERM)}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except Stopped as e:
+        what = next((a for a in argv if not a.startswith("-")), "")
+        print(f"megatrain {what}: stopped by {e.signal.name}".replace("  ", " "), file=sys.stderr)
+        return e.exit_code
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def _main(argv: list[str]) -> int:
     from megatrain.data.formats import FORMATS
 
     ap = argparse.ArgumentParser(prog="megatrain", description=__doc__)
@@ -480,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--out", default="megatrain-viz", help="output directory")
     v.set_defaults(fn=_viz)
     args = ap.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = argv
     return args.fn(args)
 
 

@@ -64,6 +64,10 @@ def model_source(name: str, vocab: int, seq: int, trust_remote_code: bool = Fals
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):  # before building anything of it
         config_size({key: getattr(cfg, key, None)}, key)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 0 and "head_dim" not in raw and cfg.hidden_size % heads:
+        raise ValueError(f"{d / 'config.json'}: hidden_size ({cfg.hidden_size}) is not a multiple of "
+                         f"num_attention_heads ({heads}), and no head_dim is given")
     weights = d if any((d / f).is_file() for f in WEIGHT_FILES) else None
     if weights is None and (any(d.glob("*.bin")) or any(d.glob("*.pt")) or any(d.glob("*.pth"))):
         raise ValueError(f"model {d} has its weights only as PyTorch pickles (.bin/.pt); megatrain reads "
@@ -108,6 +112,7 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
         examples = Documents.of([to_example({"text": d}, "text", tok, {}) for d in default_corpus()])
         what = "the default corpus"
     else:
+        _say_size(data)
         examples = tokenize(load_records(data), tok, fmt=fmt, columns=columns, source=data)
         what = data
     held = None
@@ -132,6 +137,21 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
             + (f", {len(held):,} held out for eval" if held is not None else ""))
     longest = max(rows.longest, eval_rows.longest if eval_rows is not None else 0)
     return DataSource(Batches(rows, seed), eval_rows, desc, h.hexdigest(), rows.tokens, longest)
+
+
+SAY_FROM_BYTES = 64 << 20  # data this large gets a line before it is read: tokenizing it takes a minute or more
+
+
+def _say_size(data: str) -> None:
+    """One line on stderr before large data is read and tokenized in memory (a GB takes minutes)."""
+    import sys
+
+    p = Path(data)
+    files = [p] if p.is_file() else [f for f in p.iterdir() if f.is_file()] if p.is_dir() else []
+    size = sum(f.stat().st_size for f in files)
+    if size >= SAY_FROM_BYTES:
+        print(f"megatrain train: reading and tokenizing {data} ({size / 2**20:,.0f} MiB) before the first step; "
+              f"--streaming reads it as training goes instead", file=sys.stderr, flush=True)
 
 
 def _streamed(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, columns: dict[str, str],

@@ -148,17 +148,42 @@ def save_whole(path: str | Path, save) -> None:
         raise OSError(f"{path} could not be written ({e})") from None
 
 
-class StopSignals:
-    """While entered: SIGINT and SIGTERM ask the run to stop after the step in flight (``requested`` names the
-    signal); a second one of either stops at once (KeyboardInterrupt). Outside the main thread it does nothing."""
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
-    EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM before a run's first step: it stops at once (nothing is in flight to finish)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signal = signal.Signals(signum)
+        self.exit_code = EXIT_CODES[self.signal]
+
+
+def stop_at_once(signum, frame) -> None:
+    """A signal handler: :class:`Stopped` (the command line's until a run takes the signals over)."""
+    raise Stopped(signum)
+
+
+class StopSignals:
+    """While entered: SIGINT and SIGTERM stop the run at once (:class:`Stopped`) until :meth:`begin_steps`; from
+    then on they ask it to stop after the step in flight (``requested`` names the signal), and a second one of
+    either stops at once (KeyboardInterrupt). Outside the main thread it does nothing."""
+
+    EXIT_CODES = EXIT_CODES
 
     def __init__(self):
         self.requested: signal.Signals | None = None
+        self.stepping = False
         self._before: dict = {}
 
+    def begin_steps(self) -> None:
+        """From here a signal lets the step in flight finish and the run save what it has."""
+        self.stepping = True
+
     def _handle(self, signum, frame) -> None:
+        if not self.stepping:
+            raise Stopped(signum)
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum)

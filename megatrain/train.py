@@ -30,6 +30,8 @@ RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "col
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
 MAX_SKIPPED = 10  # with on_nonfinite "skip": this many steps in a row without an update stop the run
 FINE_TUNE_LR = 1e-5  # the learning rate when the model brings weights (3e-3 from scratch)
+MAX_SEQ = 1 << 24  # 16,777,216 tokens: 16x the longest sequence a plan fits one H200 with (1M, docs/planner.md)
+MAX_VOCAB = 1 << 20  # the largest BPE built from the data (vocabularies of released models: up to 262,144)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +159,14 @@ class TrainConfig:
         if self.seq < 2:
             raise ValueError(f"seq must be at least 2 (each token is predicted from the ones before it), got "
                              f"{self.seq}")
+        if self.seq > MAX_SEQ:
+            raise ValueError(f"seq must be at most {MAX_SEQ:,} tokens (the longest sequence megatrain plans for), got "
+                             f"{self.seq:,}")
+        if self.vocab > MAX_VOCAB:
+            raise ValueError(f"vocab must be at most {MAX_VOCAB:,} (the largest vocabulary megatrain builds a "
+                             f"tokenizer of), got {self.vocab:,}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer from 0 to 2**63 - 1, got {self.seed}")
         if self.vocab < MIN_VOCAB:
             raise ValueError(f"vocab must be at least {MIN_VOCAB} (the byte-level tokenizer's 256 bytes and its "
                              f"special tokens), got {self.vocab}")
@@ -581,6 +591,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
     stages = stages or Stages()
     training = stages("train")  # (its saves and evaluations are stages of their own within it)
     training.__enter__()
+    signals.begin_steps()
     try:
         while sm.step < cfg.steps and not _stopping(signals, dp):
             st = sm.train_step(**_share(data.batches.batch(cfg.batch), dp))

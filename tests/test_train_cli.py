@@ -156,7 +156,7 @@ def test_bad_files_are_refused_and_the_run_directory_left_as_it_was(tmp_path, ca
     (cut / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes()[:1000])
     capsys.readouterr()
     for argv, msg in [
-        (["--data", str(binary)], f"{binary} is not UTF-8 text (invalid start byte at byte 3)"),
+        (["--data", str(binary)], f"{binary} is not UTF-8 text (invalid start byte at byte 3, line 1)"),
         (["--model", str(cut)], f"{cut / 'model.safetensors'} is not a whole safetensors file"),
     ]:
         out = tmp_path / "new" / "run"
@@ -423,9 +423,13 @@ def test_a_second_run_into_the_same_directory_is_refused(tmp_path, capsys):
 def test_stop_signals_stop_after_the_step_and_a_second_one_at_once():
     import signal
 
-    from megatrain.rundir import StopSignals
+    from megatrain.rundir import StopSignals, Stopped
 
     with StopSignals() as s:
+        with pytest.raises(Stopped) as e:  # before the steps begin: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert e.value.exit_code == 143 and s.requested is None
+        s.begin_steps()
         os.kill(os.getpid(), signal.SIGTERM)
         assert s.requested is signal.SIGTERM and s.exit_code == 143
         with pytest.raises(KeyboardInterrupt):
@@ -470,7 +474,11 @@ def test_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch):
         (["--model", str(huge)], "num_hidden_layers must be a positive integer of at most 4,096, got 100,000,000"),
     ]
     monkeypatch.setattr("megatrain.runtime.store.available_host_bytes", lambda: 2_000)  # a tiny machine
-    cases.append((["--data", str(big)], "GiB as rows, more than half of the 0.0 GiB of memory available"))
+    cases.append((["--data", str(big)], "big.txt: 0.00 GiB of data files would take about 0.0 GiB to prepare in "
+                                        "memory (24 bytes per byte of data), more than half of the 0.0 GiB available: "
+                                        "train with --streaming"))
+    cases.append((["--seq", "64"], "the data as 3,127 rows of 64 tokens takes 0.0 GiB, more than half of the 0.0 GiB "
+                                   "of memory available"))
     for argv, msg in cases:
         out = tmp_path / "out"
         assert main(["train", *argv, "--out", str(out)]) == 2, argv

@@ -41,14 +41,16 @@ class Rows:
 BYTES_PER_TOKEN = 4 + 1 + 4 + 1  # a row's id, trained flag, position and padding flag
 
 
-def _check_memory(tokens: int) -> None:
+def _check_memory(n_rows: int, seq: int) -> None:
+    """Refuse ``n_rows`` rows of ``seq`` tokens where they would take more than half the memory available (before
+    they are allocated)."""
     from megatrain.runtime.store import available_host_bytes
 
-    need, free = tokens * BYTES_PER_TOKEN, available_host_bytes()
+    need, free = n_rows * seq * BYTES_PER_TOKEN, available_host_bytes()
     if free is not None and need > free // 2:
-        raise DataError(f"the data's {tokens:,} tokens take {need / 2**30:.1f} GiB as rows, more than half of the "
-                        f"{free / 2**30:.1f} GiB of memory available (the model's store needs the rest): train on "
-                        f"a part of it")
+        raise DataError(f"the data as {n_rows:,} rows of {seq:,} tokens takes {need / 2**30:.1f} GiB, more than half "
+                        f"of the {free / 2**30:.1f} GiB of memory available (the model's store needs the rest): "
+                        f"train on a part of it" + (", or with a shorter --seq" if n_rows == 1 else ""))
 
 
 def pack(docs: Documents, seq: int, pad_id: int) -> Rows:
@@ -59,8 +61,8 @@ def pack(docs: Documents, seq: int, pad_id: int) -> Rows:
     if not len(docs):
         raise DataError("no documents to pack")
     n_tokens = len(docs.ids)
-    _check_memory(n_tokens)
     n_rows = -(-n_tokens // seq)
+    _check_memory(n_rows, seq)
     pad = n_rows * seq - n_tokens
     starts = np.zeros(n_rows * seq, dtype=bool)
     starts[np.concatenate([[0], np.cumsum(docs.lengths)[:-1]])] = True
@@ -81,7 +83,7 @@ def one_per_row(docs: Documents, seq: int, pad_id: int) -> Rows:
     if not len(docs):
         raise DataError("no documents")
     n = len(docs)
-    _check_memory(n * seq)
+    _check_memory(n, seq)
     ids = np.full((n, seq), pad_id, dtype=np.int32)
     train = np.zeros((n, seq), dtype=bool)
     real = np.zeros((n, seq), dtype=bool)

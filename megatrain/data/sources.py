@@ -35,9 +35,18 @@ def load_records(source: str, *, split: str = "train", streaming: bool = False):
             if len(kinds) > 1:
                 raise DataError(f"data directory {p} mixes file kinds {sorted(kinds)}; give one kind")
             kind = kinds.pop()
+            from megatrain.data.scan import check_files
+            from megatrain.runtime.store import available_host_bytes
+
+            check_files(files, kind, streaming=streaming, available=available_host_bytes())
             extra = {"sample_by": "paragraph"} if kind == "text" else _csv_options(files[0]) if kind == "csv" else {}
-            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split, streaming=streaming,
-                                         **extra)
+            try:
+                return datasets.load_dataset(kind, data_files=[str(f) for f in files], split=split,
+                                             streaming=streaming, **extra)
+            except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable data
+                if kind == "json" and len(files) > 1 and "Cast" in type(_innermost(e)).__name__:
+                    raise DataError(_fields_differ(p, files)) from None
+                raise
         if not _in_cache(source):
             raise DataError(f"data {source} is neither a file, a directory, nor a dataset in the local HF cache "
                             f"({datasets.config.HF_DATASETS_CACHE})")
@@ -74,10 +83,36 @@ def _csv_options(first: Path) -> dict:
     return {"features": datasets.Features({name: datasets.Value("string") for name in header}), "na_filter": False}
 
 
-def _why(e: BaseException) -> str:
-    """What the innermost of a chain of exceptions says (datasets wraps the reader's error in its own)."""
+def _innermost(e: BaseException) -> BaseException:
     while (e.__cause__ or e.__context__) is not None:
         e = e.__cause__ or e.__context__
+    return e
+
+
+def _fields_differ(source: Path, files: list[Path]) -> str:
+    """Which JSON files of a directory hold records with other fields than the first's (their first records)."""
+    import json
+
+    def fields(f: Path) -> list[str]:
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        return ["?"]
+                    return sorted(rec) if isinstance(rec, dict) else ["?"]
+        return []
+
+    first = fields(files[0])
+    other = next((f for f in files[1:] if fields(f) != first), files[1])
+    return (f"data directory {source}: its files hold records of other fields ({files[0].name}: {first}, "
+            f"{other.name}: {fields(other)}); the files of one data source hold one format")[:400]
+
+
+def _why(e: BaseException) -> str:
+    """What the innermost of a chain of exceptions says (datasets wraps the reader's error in its own)."""
+    e = _innermost(e)
     if isinstance(e, UnicodeDecodeError):
         return f"is not UTF-8 text ({e.reason} at byte {e.start})"
     msg = str(e).splitlines()[0] if str(e) else ""

@@ -59,9 +59,11 @@ def model_source(name: str, vocab: int, seq: int, trust_remote_code: bool = Fals
                          f"from a model directory unless asked: pass --trust-remote-code if you trust it")
     try:
         cfg = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
-    except (ValueError, TypeError, KeyError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers' configs raise their own types (validators of fields)
+        while (e.__cause__ or e.__context__) is not None:  # what the config's own check said
+            e = e.__cause__ or e.__context__
         raise ValueError(f"{d / 'config.json'} is not a model config transformers reads "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                         f"({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''})") from None
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):  # before building anything of it
         config_size({key: getattr(cfg, key, None)}, key)
     heads = getattr(cfg, "num_attention_heads", None)

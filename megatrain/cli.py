@@ -200,7 +200,8 @@ def _launch(args, cfg) -> int | None:
 
 def _train(args) -> int:
     from megatrain.data import DataError
-    from megatrain.train import TrainConfig, load_yaml, resume_config, run
+    from megatrain.train import resume_config, run
+    from megatrain.train_config import TrainConfig, load_yaml
 
     try:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)

@@ -123,7 +123,8 @@ def export_run(run: str | Path, out: str | Path, dtype: str | None = None, trust
     from megatrain.data import load_tokenizer
     from megatrain.inputs import model_source
     from megatrain.runtime import train_state
-    from megatrain.train import RUN_FILE, STATE_DIR, TrainConfig
+    from megatrain.train import RUN_FILE, STATE_DIR
+    from megatrain.train_config import TrainConfig
 
     run = Path(run)
     if not (run / RUN_FILE).is_file() and (run.parent / RUN_FILE).is_file():

@@ -20,7 +20,6 @@ saves that died are removed by the next save. Each file's CRC-32 is checked as i
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import zlib

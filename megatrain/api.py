@@ -486,9 +486,11 @@ class StreamedModel:
         self.executor.drain()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current master weights by parameter name (views into the host store). With ``overlap_steps`` the
-        last step's updates may still be running: they finish first; states kept on the device (``resident_opt``)
-        are written back to the store first."""
+        """The current master weights by parameter name (views into the host store: no memory beyond it; casting
+        them all, ``{k: v.to(torch.bfloat16)}``, would allocate the model again, where
+        :func:`megatrain.export.export_pretrained` streams them). With ``overlap_steps`` the last step's updates
+        may still be running: they finish first; states kept on the device (``resident_opt``) are written back to
+        the store first."""
         with self._lock:
             self.wait()
             self.executor.sync_resident()
@@ -541,7 +543,8 @@ class StreamedModel:
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
-        """Write the trained weights into ``model`` (same architecture), in place."""
+        """Write the trained weights into ``model`` (same architecture), in place (into the model's own memory:
+        nothing beyond it is allocated)."""
         with self._lock:
             sd = self.state_dict()
             for name, p in model.named_parameters():

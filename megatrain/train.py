@@ -37,6 +37,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     import megatrain
     from megatrain.export import set_special_ids
 
+    _check_step_inputs(cfg)
     model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
     tok, tok_from = tokenizer_for(model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code, cfg.streaming)
     if len(tok) > model.config.vocab_size:
@@ -85,6 +86,21 @@ def _prepare(cfg: TrainConfig, dp=None):
                             f"{'fewer than' if taken < m['step'] else 'not a whole number of batches for'} the "
                             f"{m['step']} steps the state took (an inconsistent training state)")
     return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch // world, cfg.seq)
+
+
+STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and positions, int64
+
+
+def _check_step_inputs(cfg: TrainConfig) -> None:
+    """Refuse a step whose token tensors alone (``--batch`` x ``--seq`` tokens) would take more than a quarter of
+    the host memory available, before anything is read or allocated."""
+    from megatrain.runtime.store import available_host_bytes
+
+    need, free = cfg.batch * cfg.seq * STEP_INPUT_BYTES_PER_TOKEN, available_host_bytes()
+    if free is not None and need > free // 4:
+        raise ValueError(f"a step of --batch {cfg.batch:,} x --seq {cfg.seq:,} tokens takes {need / 2**30:.1f} GiB as "
+                         f"its input tensors alone, more than a quarter of the {free / 2**30:.1f} GiB of host memory "
+                         f"available: a smaller --batch (or more steps)")
 
 
 def _warn_positions(model, data, cfg: TrainConfig) -> None:

@@ -148,6 +148,8 @@ def test_inputs_that_would_take_the_machine_down_are_refused_in_bounded_memory(t
         (["--seq", "1000000000"], "seq must be at most 16,777,216 tokens"),
         (["--vocab", "1000000000"], "vocab must be at most 1,048,576"),
         (["--seed", str(2**70)], "seed must be an integer from 0 to 2**63 - 1"),
+        (["--batch", "100000000", "--mb", "1"], "a step of --batch 100,000,000 x --seq 128 tokens takes 381.5 GiB as "
+                                                 "its input tensors alone"),
         (["--data", str(ragged)], f"data file {ragged} line 3: 3 cells, its header names 2 columns"),
         (["--data", str(empty)], f"data file {empty} is empty"),
     ]

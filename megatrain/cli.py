@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatrain.rundir import Stopped, stop_at_once
+from megatrain.rundir import stop_at_once
 
 GiB = 1 << 30
 
@@ -224,10 +224,6 @@ def _train(args) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once; the last training state saved stays whole
         print("megatrain train: interrupted; the last training state saved (if any) is whole", file=sys.stderr)
         return 130
-    except Stopped as e:  # before the first step: nothing was in flight, nothing is saved
-        print(f"megatrain train: stopped by {e.signal.name} before the first step; nothing was trained or saved",
-              file=sys.stderr)
-        return e.exit_code
     return summary.get("exit_code", 0)
 
 
@@ -330,10 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)
-    except Stopped as e:
-        what = next((a for a in argv if not a.startswith("-")), "")
-        print(f"megatrain {what}: stopped by {e.signal.name}".replace("  ", " "), file=sys.stderr)
-        return e.exit_code
     finally:
         for s, h in before.items():
             signal.signal(s, h)

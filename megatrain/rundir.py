@@ -59,6 +59,16 @@ class RunDirectory:
             os.close(self.fd)
             self.fd = None
 
+    def discard(self) -> None:
+        """Remove what this run wrote (the directory was empty when the run took it), and the directory if the run
+        made it: for a run stopped before its first step."""
+        for p in self.path.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.name != LOCK:
+                p.unlink(missing_ok=True)
+        self.abandon()
+
     def abandon(self) -> None:
         """Release the lock and remove the directory if this run made it and wrote nothing into it."""
         self.close()
@@ -151,30 +161,37 @@ def save_whole(path: str | Path, save) -> None:
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-class Stopped(BaseException):
-    """SIGINT or SIGTERM before a run's first step: it stops at once (nothing is in flight to finish)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signal = signal.Signals(signum)
-        self.exit_code = EXIT_CODES[self.signal]
+_exit = os._exit  # (tests replace it)
 
 
-def stop_at_once(signum, frame) -> None:
-    """A signal handler: :class:`Stopped` (the command line's until a run takes the signals over)."""
-    raise Stopped(signum)
+def stop_at_once(signum, frame, undo=None, words: str = "") -> None:
+    """A signal handler for moments when nothing is in flight to finish: ``undo()`` (a run's: what it wrote before
+    its first step), one line, and the process ends with 130 (SIGINT) or 143 (SIGTERM). It exits rather than
+    raising: a signal can arrive while C++ code (torch's import, a tokenizer) runs Python, where an exception would
+    abort the process instead."""
+    import sys
+
+    if undo is not None:
+        try:
+            undo()
+        except OSError:
+            pass
+    print(f"megatrain: stopped by {signal.Signals(signum).name}{words}", file=sys.stderr, flush=True)
+    _exit(EXIT_CODES[signal.Signals(signum)])
 
 
 class StopSignals:
-    """While entered: SIGINT and SIGTERM stop the run at once (:class:`Stopped`) until :meth:`begin_steps`; from
-    then on they ask it to stop after the step in flight (``requested`` names the signal), and a second one of
-    either stops at once (KeyboardInterrupt). Outside the main thread it does nothing."""
+    """While entered: SIGINT and SIGTERM stop the process at once (:func:`stop_at_once`, after ``discard()``: what
+    the run wrote so far) until :meth:`begin_steps`; from then on they ask the run to stop after the step in flight
+    (``requested`` names the signal), and a second one of either stops at once (KeyboardInterrupt). Outside the main
+    thread it does nothing."""
 
     EXIT_CODES = EXIT_CODES
 
-    def __init__(self):
+    def __init__(self, discard=None):
         self.requested: signal.Signals | None = None
         self.stepping = False
+        self.discard = discard
         self._before: dict = {}
 
     def begin_steps(self) -> None:
@@ -183,7 +200,8 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if not self.stepping:
-            raise Stopped(signum)
+            stop_at_once(signum, frame, self.discard, " before the first step; nothing was trained or saved")
+            return
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum)

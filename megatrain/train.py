@@ -37,13 +37,13 @@ def _prepare(cfg: TrainConfig, dp=None):
     import megatrain
     from megatrain.export import set_special_ids
 
-    _check_step_inputs(cfg)
     model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
     tok, tok_from = tokenizer_for(model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code, cfg.streaming)
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary {model.config.vocab_size}")
     if model.weights is None:  # from scratch: its special tokens are the tokenizer's
         set_special_ids(model.config, tok)
+    _check_step_inputs(cfg)
     data = data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format, columns=cfg.column_map(),
                        packing=cfg.packing, eval_data=cfg.eval_data, eval_split=cfg.eval_split,
                        streaming=cfg.streaming)
@@ -93,7 +93,7 @@ STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and posit
 
 def _check_step_inputs(cfg: TrainConfig) -> None:
     """Refuse a step whose token tensors alone (``--batch`` x ``--seq`` tokens) would take more than a quarter of
-    the host memory available, before anything is read or allocated."""
+    the host memory available, before the data is read or anything is allocated."""
     from megatrain.runtime.store import available_host_bytes
 
     need, free = cfg.batch * cfg.seq * STEP_INPUT_BYTES_PER_TOKEN, available_host_bytes()
@@ -225,7 +225,8 @@ def run(cfg: TrainConfig) -> dict:
         lead = dp is None or dp.rank == 0
         stages = Stages()
         try:
-            with StopSignals() as signals, _quiet(not lead) as side:
+            # (a stop before the first step: what this run wrote goes)
+            with StopSignals(run_dir.discard if run_dir is not None else None) as signals, _quiet(not lead) as side:
                 try:
                     with stages("prepare"):  # the data, the model's store filled, the plan
                         prepared = _prepare(cfg, dp)

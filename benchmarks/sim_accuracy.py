@@ -53,8 +53,8 @@ def graph_of(r: dict):
 def steady_mean_s(r: dict) -> float:
     """The run's mean step. Runs timed in the steady state (``drained_step_s`` recorded, since 49a0551) but before
     throughput.py's cool-down step (no ``cooldown_steps``): the mean of the intervals between step ends without
-    the last, which ended early with no next step beside its update pass (docs/benchmarks.md, "The last timed step
-    ended early"); otherwise the recorded mean."""
+    the last, which ended early with no next step beside its update pass (docs/benchmark-history.md, "The last
+    timed step ended early"); otherwise the recorded mean."""
     gaps = r.get("step_times_between_ends_s") or []
     if "drained_step_s" in r and "cooldown_steps" not in r and len(gaps) >= 2:
         return sum(gaps[:-1]) / len(gaps[:-1])

@@ -224,7 +224,7 @@ class StreamedModel:
         """The plan search's ``host_checkpoints`` for ``opts`` (None: searched). "auto" on a GPU searches every
         checkpoint on the device against every one on the host (and the splits of long sequences): with the
         checkpoints in pinned buffers of their own size the host ones measured faster at 24 and 48 GiB budgets
-        (docs/benchmarks.md). On the CPU the host is the device, so a checkpoint "offloaded" only adds a copy:
+        (docs/benchmark-history.md). On the CPU the host is the device, so a checkpoint "offloaded" only adds a copy:
         none there, except for long sequences, where the search's split is what fits."""
         if opts.host_checkpoints != "auto":
             return opts.host_checkpoints
@@ -627,8 +627,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     host_free = available_host_bytes() if hardware is None else None  # a spec given is taken at its word
     if host_free is not None:  # plan with this machine's host memory, not the preset's
         spec = replace(spec, host_bytes=host_free)
-    for name in ("gpu_opt_every", "split_opt"):  # on the H200 faster at every size measured (docs/benchmarks.md);
-        # on the CPU a "device" update is a host update by another path
+    for name in ("gpu_opt_every", "split_opt"):  # on the H200 faster at every size measured
+        # (docs/benchmark-history.md); on the CPU a "device" update is a host update by another path
         plan.setdefault(name, "auto" if dev.type == "cuda" else 0)
     try:
         opts = PlanOptions(**plan)

@@ -55,7 +55,8 @@ def generation_config(config, tok, model_dir: Path | None):
 
 
 def export_pretrained(tensors: dict[str, "torch.Tensor | Source"], config, tok, out: str | Path,
-                      dtype: torch.dtype, model_dir: Path | None = None, *, shard_bytes: int = SHARD_BYTES) -> list[Path]:
+                      dtype: torch.dtype, model_dir: Path | None = None, *,
+                      shard_bytes: int = SHARD_BYTES) -> list[Path]:
     """Write an HF model directory to ``out``: ``tensors`` (parameter name -> weights, tied names once; a tensor or
     a :class:`~megatrain.runtime.safetensors_stream.Source` that reads its elements a slice at a time) cast to
     ``dtype`` in safetensors shards of at most ``shard_bytes`` (split and named as ``save_pretrained`` does, with its

@@ -180,6 +180,32 @@ def stop_at_once(signum, frame, undo=None, words: str = "") -> None:
     _exit(EXIT_CODES[signal.Signals(signum)])
 
 
+def answering_signals(fn, *args):
+    """``fn(*args)`` on a thread of its own while this one waits in steps of 0.1 s, so that a signal is answered
+    at once even while ``fn`` sits in a long native call (a tokenizer's training: 2 s and more, during which the
+    main thread runs no signal handler); its result, or its exception."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+    out: list = []
+
+    def work():
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+            out.append((False, e))
+
+    t = threading.Thread(target=work, name="megatrain-prepare", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 class StopSignals:
     """While entered: SIGINT and SIGTERM stop the process at once (:func:`stop_at_once`, after ``discard()``: what
     the run wrote so far) until :meth:`begin_steps`; from then on they ask the run to stop after the step in flight

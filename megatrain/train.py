@@ -16,7 +16,7 @@ import torch
 from megatrain.data import DataError
 from megatrain.inputs import data_source, model_source, tokenizer_for
 from megatrain.export import save_tokenizer
-from megatrain.rundir import RunDirectory, StopSignals, holder, remove_leftovers, write_whole
+from megatrain.rundir import RunDirectory, StopSignals, answering_signals, holder, remove_leftovers, write_whole
 from megatrain.runtime import train_state
 from megatrain.saving import STATE_DIR, outlook, save_state, save_weights, weights_nbytes
 from megatrain.stages import Stages
@@ -38,15 +38,18 @@ def _prepare(cfg: TrainConfig, dp=None):
     from megatrain.export import set_special_ids
 
     model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
-    tok, tok_from = tokenizer_for(model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code, cfg.streaming)
+    # (on threads of their own, so that a signal is answered while a tokenizer trains or a reader parses)
+    tok, tok_from = answering_signals(tokenizer_for, model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code,
+                                      cfg.streaming)
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary {model.config.vocab_size}")
     if model.weights is None:  # from scratch: its special tokens are the tokenizer's
         set_special_ids(model.config, tok)
     _check_step_inputs(cfg)
-    data = data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format, columns=cfg.column_map(),
-                       packing=cfg.packing, eval_data=cfg.eval_data, eval_split=cfg.eval_split,
-                       streaming=cfg.streaming)
+    data = answering_signals(lambda: data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format,
+                                                 columns=cfg.column_map(), packing=cfg.packing,
+                                                 eval_data=cfg.eval_data, eval_split=cfg.eval_split,
+                                                 streaming=cfg.streaming))
     _warn_positions(model, data, cfg)
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
@@ -558,7 +561,8 @@ def _host_text(sm, schedule) -> str:
     taken = sm.margin_taken(schedule)
     where = "this machine has available" if sm.measure_host else "the hardware spec gives"
     return (f"{(model + process) / 2**30:.2f} GiB ({model / sm.graph.n_params:.1f} bytes per parameter, and "
-            f"{process / 2**30:.1f} GiB for the process itself and its reads and writes) of the {spec.host_bytes / 2**30:.2f} GiB {where}"
+            f"{process / 2**30:.1f} GiB for the process itself and its reads and writes) of the "
+            f"{spec.host_bytes / 2**30:.2f} GiB {where}"
             + (f", {spec.host_margin / 2**30:.2f} GiB of it left free" if spec.host_margin else "")
             + (f" ({taken})" if taken else ""))
 

@@ -330,8 +330,8 @@ def test_a_disk_too_small_for_the_state_is_said_before_training_and_the_weights_
     run = tmp_path / "run"
     assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--out", str(run)]) == 2
     out, err = capsys.readouterr()
-    assert re.search(r"saves: the weights 3\.8\d MiB, the training state 11\.\d\d MiB; the disk has 5\.00 MiB free, too "
-                     r"little for the state: the save of it at the end will be refused after the weights are "
+    assert re.search(r"saves: the weights 3\.8\d MiB, the training state 11\.\d\d MiB; the disk has 5\.00 MiB "
+                     r"free, too little for the state: the save of it at the end will be refused after the weights are "
                      r"written;", out), out
     line = err.strip().splitlines()[-1]
     assert re.fullmatch(r"megatrain train: step 2: no space left on the disk: the training state needs 11\.\d\d MiB "
@@ -367,9 +367,9 @@ def test_a_periodic_save_the_disk_cannot_take_stops_the_run_with_the_weights_and
                      r"(, \d+ steps' time: training stops while it is written)?\); the disk has 1024\.00 GiB free;",
                      out), out
     assert calls == [2, 4] and "Traceback" not in err
-    assert re.search(r"megatrain train: step 4: no space left on the disk: .* it is not saved; the run stops after step "
-                     r"4, whose weights are in .*/run/ \(from_pretrained reads them\); the last training state saved is "
-                     r"step 2's, in .*/run/state$", err.strip()), err
+    assert re.search(r"megatrain train: step 4: no space left on the disk: .* it is not saved; the run stops after "
+                     r"step 4, whose weights are in .*/run/ \(from_pretrained reads them\); the last training state "
+                     r"saved is step 2's, in .*/run/state$", err.strip()), err
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4 and _state_step(run) == 2
     assert (run / "model.safetensors").stat().st_size > 0
 

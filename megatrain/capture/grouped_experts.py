@@ -5,7 +5,7 @@ transformers' ``grouped_mm`` experts implementation (the default where torch has
 versions (5.17, installed on the GPU machine) also zero rows reserved for expert parallelism with three
 ``masked_fill`` passes over (pairs x width) tensors in every forward, and gather / scatter the pairs with indexing
 whose backward is an accumulating ``index_put``: in an OLMoE-1B-7B-shaped step at 32,768 tokens the masks alone
-took 0.21 s of 1.15 s on the H200 (``docs/benchmarks.md``). A single process holds every expert, so nothing needs
+took 0.21 s of 1.15 s on the H200 (``docs/benchmark-history.md``). A single process holds every expert, so nothing needs
 masking; the captured model (capture's own copy) is switched to :func:`forward`, which
 
 - moves rows with a gather whose backward is the adjoint gather-and-sum over each token's k pairs (no

@@ -17,7 +17,7 @@ STORE_BYTES_PER_PARAM = 4 + 4 + 4  # the host store: fp32 master, exp_avg, exp_a
 # the plan sizes, see host_memory)
 # host memory a training process holds besides the store, its buffers and checkpoints (the CUDA context, the
 # libraries, Python): measured on the H200 machine as peak RSS less the planned figure, 1.59-1.66 GiB in six runs
-# of 1.8B-7.6B models (docs/benchmarks.md, "The host-lean store")
+# of 1.8B-7.6B models (docs/benchmark-history.md, "The host-lean store")
 PROCESS_HOST_BYTES = int(1.7 * (1 << 30))
 # bytes a read or write of weights between the store and disk moves at a time (runtime.safetensors_stream)
 IO_CHUNK_BYTES = 64 << 20
@@ -39,7 +39,7 @@ HOST_UPDATE_CHUNK = 1 << 26  # elements a host update reads a bf16 gradient back
 # elements, a part at a time, each part copied and then cast on the load's stream (runtime.device.DeviceState.
 # load_cast). The part's size decides the share of the copy engine a load gets beside a split update's state loads:
 # on the H200 a 7B block's load (233M parameters) ran at 12.5 GB/s in parts of 128 MiB, 25.9 in parts of 512 MiB
-# and 35.1 as torch's one copy, against 54 alone (benchmarks/stage_share.py, docs/benchmarks.md "Weights sent as
+# and 35.1 as torch's one copy, against 54 alone (benchmarks/stage_share.py, docs/benchmark-history.md "Weights sent as
 # fp32"). 512 MiB, not a whole block: with parts of 128 MiB the 7B 24 GiB plan peaked at 23.4 GiB allocated, and
 # 0.8 GiB more would pass its budget. The weight slots' count at the wire's bytes covers the buffer (slot_sizes)
 WIRE_STAGE_PARAMS = 1 << 27
@@ -132,7 +132,8 @@ def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     # weight slots at the wire's bytes: with an fp32 wire the slots hold the compute dtype, and the other half stays
     # counted for what a 24 GiB 7B plan was measured to take beyond its slots and working sets (the fp32 staging
     # buffer, 512 MiB, is a part of it): counted at 2 bytes, the plan the search then made (1.74 GiB of kept
-    # gradients more) reached 25.1 GiB allocated against 23.5 planned (docs/benchmarks.md, "Weights sent as fp32")
+    # gradients more) reached 25.1 GiB allocated against 23.5 planned (docs/benchmark-history.md, "Weights sent as
+    # fp32")
     per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES, "h": cfg.grad_host_bytes,
                  "k": cfg.grad_host_bytes}
     checkpoint = slot_nbytes(graph, cfg)["a"]
@@ -239,7 +240,7 @@ def _passes(cfg: ScheduleConfig, op: Op) -> float:
 
 
 # A fused attention's backward in forward passes: it forms the probabilities again and has five products to the
-# forward's two (measured: docs/benchmarks.md, "Long sequences").
+# forward's two (measured: docs/benchmark-history.md, "Long sequences").
 ATTN_BWD_PASSES = 2.5
 
 

@@ -137,19 +137,19 @@ PRESETS: dict[str, HardwareSpec] = {
     # 8192^3 bf16 GEMM alone reaches 784), the issue floors what one FWD / BWD op of a Qwen2 block with the Triton
     # kernels cost the host thread (1.5B at 4,096 tokens per op: 1.2 / 4.4 ms whatever the op's size). Attention
     # (cuDNN's fused kernel through SDPA): 510 TFLOP/s fits Qwen2.5-7B steps with 131,072- and 262,144-token
-    # sequences within 2% (docs/benchmarks.md, "Long sequences"). Host AdamW: the optimizer worker's rate (3.7 G
+    # sequences within 2% (docs/benchmark-history.md, "Long sequences"). Host AdamW: the optimizer worker's rate (3.7 G
     # params/s; 3.9-4.4 with no copies running, 3.68-4.12 read off timed 7B steps), and the share of it copies take
-    # (4.25 alone, 3.7 with h2d copies at 49 GB/s, 3.2 with d2h at 52, 3.1 with both: docs/benchmarks.md, "Device
+    # (4.25 alone, 3.7 with h2d copies at 49 GB/s, 3.2 with d2h at 52, 3.1 with both: docs/benchmark-history.md, "Device
     # budgets"); with these the simulation put Qwen2.5-7B's steps at 24-141 GiB budgets, split updates among
     # them, within 8% of their measured means (the schedules they ran; docs/planner.md, "Host DRAM, shared").
     # Mixture-of-experts routing: 1.8e12 B/s fits the OLMoE-1B-7B-shaped step (0.863 s measured) and puts the Qwen3-30B-A3B-shaped one
-    # within 9% (docs/benchmarks.md, "Mixture-of-experts shapes"): its gathers and small kernels run at ~0.4 of HBM.
+    # within 9% (docs/benchmark-history.md, "Mixture-of-experts shapes"): its gathers and small kernels run at ~0.4 of HBM.
     # The masters-alone pass of a deferred host update: 4.5 G params/s read off a timed 7B step at 24 GiB
-    # (4.37B parameters written that way, 1.15B in full, 1.38 s in all; docs/benchmarks.md, "Moments after the
+    # (4.37B parameters written that way, 1.15B in full, 1.38 s in all; docs/benchmark-history.md, "Moments after the
     # update pass"); alone, megatrain's kernel ran 4.8-5.1 (full: 3.9-4.3). The copies' share lost to the host's
     # AdamW (h2d 0.2): fitted to timed 7B steps at 24 GiB with 8-11 split layers, 48 and 80 GiB (2026-12-04): with
     # it the simulated steps are 0.96-0.99 of the measured, without it 0.92-0.98, and the search picks the 9-split
-    # plan that measured fastest at 24 GiB instead of 11 (docs/benchmarks.md, "Copies slowed by the host pass").
+    # plan that measured fastest at 24 GiB instead of 11 (docs/benchmark-history.md, "Copies slowed by the host pass").
     # cuBLAS's workspace: 32 MiB per thread and stream with torch 2.11 on the H200 (four such blocks were live at a
     # capped run's allocation peak: two threads, the probe's default stream and the compute stream). The reserve
     # was 4 GiB until plans counted those workspaces and the allocator's rounding themselves (0.09 GiB of a 7B

@@ -69,7 +69,8 @@ def test_sim_accuracy_reads_the_recorded_runs():
     rows = [l for l in proc.stdout.splitlines() if l.startswith("qwen2.5-")]
     assert len(rows) == 12
     m = re.search(r"(\d+) of 12 within 15%; mean \|sim/measured - 1\| = ([\d.]+)", proc.stdout)
-    assert m and int(m.group(1)) == 6 and float(m.group(2)) == 0.16, proc.stdout  # docs/benchmarks.md quotes these
+    # (docs/benchmark-history.md quotes these)
+    assert m and int(m.group(1)) == 6 and float(m.group(2)) == 0.16, proc.stdout
 
 
 def test_sim_accuracy_leaves_out_the_early_last_interval_of_runs_before_the_cool_down_step():

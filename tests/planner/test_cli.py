@@ -275,18 +275,19 @@ def test_plan_cli_puts_100b_dense_models_on_one_h200_with_a_1536_gib_host(tmp_pa
              "--split-opt", "0"]
     assert main(["plan", "--config", str(shapes["dense-106b"]), *fixed, "--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
-    assert "106.000B params" in out and re.search(r"^host .* of 1536 GiB less 8\.0 left free: fits; 1[45]\.\d\d bytes per parameter",
-                                                  out, re.M), out
+    assert "106.000B params" in out and re.search(
+        r"^host .* of 1536 GiB less 8\.0 left free: fits; 1[45]\.\d\d bytes per parameter", out, re.M), out
     assert re.search(r"^gradients  \d+ layers' .* kept on the GPU until their update in fp32", out, re.M), out
     assert main(["plan", "--config", str(shapes["dense-123b"]), *fixed, "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"no plan fits: host memory 1\d{3}\.\d\d GiB > 1528\.00 GiB .* the host has 1536\.00 GiB, of which a "
-                     r"plan leaves 8\.00 GiB free\)", err) and len(
+    assert re.search(r"no plan fits: host memory 1\d{3}\.\d\d GiB > 1528\.00 GiB .* the host has 1536\.00 GiB, of "
+                     r"which a plan leaves 8\.00 GiB free\)", err) and len(
         err.strip().splitlines()) == 2, err  # the progress line, then the refusal
     assert main(["plan", "--config", str(shapes["dense-123b"]), *fixed, "--grad-host-dtype", "bf16",
                  "--out", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
-    assert "122.6" in out and re.search(r"^host .* of 1536 GiB less 8\.0 left free: fits; 13\.\d\d bytes per parameter", out, re.M), out
+    assert "122.6" in out and re.search(r"^host .* of 1536 GiB less 8\.0 left free: fits; 13\.\d\d bytes per "
+                                        r"parameter", out, re.M), out
     assert re.search(r"kept on the GPU until their update in bf16 .* host buffers \(bf16\)", out), out
     assert main(["plan", "--config", str(shapes["dense-123b"]), *fixed, "--no-clip", "--out", str(tmp_path / "d")]) == 0
     out = capsys.readouterr().out

@@ -131,29 +131,14 @@ class HardwareSpec:
 
 
 PRESETS: dict[str, HardwareSpec] = {
-    # Measured on the project's H200 machine, 2026-11-29 (docs/planner.md): copies with pinned 1 GiB buffers,
-    # torch's fused CPU AdamW on 16 threads; the HBM rate is a device-to-device copy. The matmul rate is what
-    # decoder-layer ops reached in streamed Qwen2.5-7B steps (600-650 TFLOP/s for FWD, BWD and the fused loss; an
-    # 8192^3 bf16 GEMM alone reaches 784), the issue floors what one FWD / BWD op of a Qwen2 block with the Triton
-    # kernels cost the host thread (1.5B at 4,096 tokens per op: 1.2 / 4.4 ms whatever the op's size). Attention
-    # (cuDNN's fused kernel through SDPA): 510 TFLOP/s fits Qwen2.5-7B steps with 131,072- and 262,144-token
-    # sequences within 2% (docs/benchmark-history.md, "Long sequences"). Host AdamW: the optimizer worker's rate (3.7 G
-    # params/s; 3.9-4.4 with no copies running, 3.68-4.12 read off timed 7B steps), and the share of it copies take
-    # (4.25 alone, 3.7 with h2d copies at 49 GB/s, 3.2 with d2h at 52, 3.1 with both: docs/benchmark-history.md, "Device
-    # budgets"); with these the simulation put Qwen2.5-7B's steps at 24-141 GiB budgets, split updates among
-    # them, within 8% of their measured means (the schedules they ran; docs/planner.md, "Host DRAM, shared").
-    # Mixture-of-experts routing: 1.8e12 B/s fits the OLMoE-1B-7B-shaped step (0.863 s measured) and puts the Qwen3-30B-A3B-shaped one
-    # within 9% (docs/benchmark-history.md, "Mixture-of-experts shapes"): its gathers and small kernels run at ~0.4 of HBM.
-    # The masters-alone pass of a deferred host update: 4.5 G params/s read off a timed 7B step at 24 GiB
-    # (4.37B parameters written that way, 1.15B in full, 1.38 s in all; docs/benchmark-history.md, "Moments after the
-    # update pass"); alone, megatrain's kernel ran 4.8-5.1 (full: 3.9-4.3). The copies' share lost to the host's
-    # AdamW (h2d 0.2): fitted to timed 7B steps at 24 GiB with 8-11 split layers, 48 and 80 GiB (2026-12-04): with
-    # it the simulated steps are 0.96-0.99 of the measured, without it 0.92-0.98, and the search picks the 9-split
-    # plan that measured fastest at 24 GiB instead of 11 (docs/benchmark-history.md, "Copies slowed by the host pass").
-    # cuBLAS's workspace: 32 MiB per thread and stream with torch 2.11 on the H200 (four such blocks were live at a
-    # capped run's allocation peak: two threads, the probe's default stream and the compute stream). The reserve
-    # was 4 GiB until plans counted those workspaces and the allocator's rounding themselves (0.09 GiB of a 7B
-    # full-card plan, which the reserve held before): the full card's budget keeps what it was less that.
+    # Measured on the project's H200 machine; each figure's measurement is in docs/benchmark-history.md under the
+    # section named. Copies: pinned buffers, alone and both ways. Matmul: what streamed 7B decoder ops reach (a lone
+    # GEMM reaches 784 TFLOP/s). Issue floors: the host's cost of issuing one FWD / BWD op. Attention: cuDNN through
+    # SDPA, fitted to 131K- and 262K-token steps ("Long sequences"). Host AdamW and the shares copies and it take of
+    # each other: fitted to timed 7B steps ("Device budgets", "Copies slowed by the host pass"); the masters-alone
+    # pass ("Moments after the update pass"). Routing: fitted to the OLMoE step ("Mixture-of-experts shapes").
+    # cuBLAS: one 32 MiB workspace per thread and stream (torch 2.11). The reserve: the caching allocator's
+    # fragmentation, which plans do not count (their workspaces and rounding they do).
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=int(3.9 * GiB),
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,

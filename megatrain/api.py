@@ -19,7 +19,8 @@ from megatrain.planner.cost import device_memory, fmt_bytes, gemm_workspace_nbyt
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, setup_schedule
-from megatrain.planner.search import LONG_SEQ, MAX_MB_TOKENS, SEQ_TILES, GiB, check_resident, plan
+from megatrain.planner.request import PlanOptions
+from megatrain.planner.search import MAX_MB_TOKENS, SEQ_TILES, GiB, plan
 from megatrain.planner.verify import verify
 from megatrain.runtime import train_state
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
@@ -35,85 +36,6 @@ from megatrain.runtime.store import HostStore, available_host_bytes, grad_host_d
 
 # Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)
 SAVED_PROBE_TOKENS = (256, 512)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanOptions:
-    n_mb: int | str = 1  # micro-batches per step; "auto": the search's choice for the step's shape (a divisor of
-    # the batch, micro-batches of up to search.MAX_MB_TOKENS tokens)
-    weight_slots: int | str = 2  # device buffers for layers' weights; "all": one per layer, so the backward finds
-    # every layer's weights still there from the forward and each layer is loaded once per step; "auto": the
-    # search's choice (2, 3 or all)
-    grad_slots: int | str = "auto"  # device fp32 gradient slots; "auto": 2, or the search's 1 or 2 for sequences of
-    # search.LONG_SEQ tokens and more
-    host_checkpoints: int | str = "auto"  # layers (from the first block up) whose checkpoints wait on the host;
-    # "auto": on a GPU the search's choice of all on the device or all on the host, on the CPU none; for sequences
-    # of search.LONG_SEQ tokens or more also the search's split (long checkpoints)
-    gpu_opt_every: int | str = 0  # every k-th layer (of those owning weights) is updated on the GPU;
-    # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search).
-    # compile() makes it "auto" on a CUDA device unless it is given
-    wire: str = "fp32"  # weights on the wire: "fp32" (the master, cast on the device) or "bf16" (a host shadow
-    # the optimizer keeps current: half the bytes per load, a host cast per update, 2 more bytes per param of RAM)
-    saved_acts: int | str = "auto"  # layers whose forward keeps its activations on the device so that their
-    # backward does not recompute it: a count (the last ones), or "auto": as many as the device memory the plan
-    # leaves free holds (see megatrain.planner.search.saved_act_layers)
-    resident_opt: int | str = "auto"  # of the layers updated on the GPU, how many (the first ones) keep their
-    # master weights and moments there between steps instead of sending them to the host and back every step
-    # (state_dict() writes them back); "auto": the simulation's choice (see megatrain.planner.search.resident_sets)
-    grad_kept: int | str = "auto"  # of the layers updated on the host, how many (the first ones) keep their
-    # gradient on the device until the update pass instead of in a host buffer of their own (with clipping); "auto":
-    # as many as the device memory holds, before saved activations (see megatrain.planner.search.with_grad_kept)
-    grad_host_dtype: str = "fp32"  # "bf16" allows gradients to go to the host in bf16 where no plan with fp32 ones
-    # fits the host memory
-    host_budget_gib: float | None = None  # host memory the plan may use (the store, its buffers and host
-    # checkpoints), GiB: a plan leaves the rest to other work; None: what the machine has available (or the hardware
-    # spec's, where one is given)
-    seq_tile: int | str = "auto"  # tokens per tile of the blocks' MLPs in recomputed layers (ScheduleConfig.seq_tile;
-    # long sequences: the MLP's intermediate held for one tile at a time); 0: untiled; "auto": the search's choice
-    split_opt: int | str = 0  # of the layers updated on the host, how many have their update done on the GPU
-    # instead, in the update pass after the backward (with clipping), their master weights and moments streamed
-    # over PCIe in parts, next to the host's updates of the others; "auto": the simulation's choice (see
-    # megatrain.planner.search.split_sets). compile() makes it "auto" on a CUDA device unless it is given
-    opt_part: int | None = None  # elements of one part of a split update's state (None: the planner's SPLIT_PART)
-    device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
-    # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),
-    # as on a card of that size (a 24, 48 or 80 GB card's plan on a larger one); None: the card's, less the reserve
-
-    def __post_init__(self):
-        if self.wire not in ("fp32", "bf16"):
-            raise ValueError(f"wire must be 'fp32' or 'bf16', got {self.wire!r}")
-        if self.grad_host_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"grad_host_dtype must be 'fp32' or 'bf16', got {self.grad_host_dtype!r}")
-        for name in ("n_mb", "grad_slots"):
-            v = getattr(self, name)
-            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {v!r}")
-        if self.seq_tile != "auto" and (not isinstance(self.seq_tile, int) or isinstance(self.seq_tile, bool)
-                                        or self.seq_tile < 0):
-            raise ValueError(f"seq_tile must be 'auto' or a number of tokens >= 0 (0: untiled), got "
-                             f"{self.seq_tile!r}")
-        h = self.host_checkpoints
-        if h != "auto" and (not isinstance(h, int) or isinstance(h, bool) or h < 0):
-            raise ValueError(f"host_checkpoints must be 'auto' or an integer >= 0, got {h!r}")
-        w = self.weight_slots
-        if w not in ("all", "auto") and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
-            raise ValueError(f"weight_slots must be an integer >= 1, 'all' or 'auto', got {w!r}")
-        for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes"),
-                           ("resident_opt", "every device update's state goes back to the host each step"),
-                           ("grad_kept", "every gradient goes to the host during the backward"),
-                           ("split_opt", "every host-updated layer stays on the host")):
-            v = getattr(self, name)
-            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
-        check_resident(self.gpu_opt_every, self.resident_opt)  # a PlanError, which is a ValueError
-        if self.opt_part is not None and (not isinstance(self.opt_part, int) or isinstance(self.opt_part, bool)
-                                          or self.opt_part < 1):
-            raise ValueError(f"opt_part must be a number of elements >= 1 or None, got {self.opt_part!r}")
-        for name in ("host_budget_gib", "device_budget_gib"):
-            h = getattr(self, name)
-            if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or
-                                  h <= 0):
-                raise ValueError(f"{name} must be a finite number of GiB > 0, got {h!r}")
 
 
 @dataclass
@@ -220,16 +142,6 @@ class StreamedModel:
         would take some of the host memory a plan leaves free (``HardwareSpec.host_margin``): in words."""
         return self._margin_taken.get(id(schedule))
 
-    def _host_checkpoints(self, opts: PlanOptions, seq_len: int) -> int | None:
-        """The plan search's ``host_checkpoints`` for ``opts`` (None: searched). "auto" on a GPU searches every
-        checkpoint on the device against every one on the host (and the splits of long sequences): with the
-        checkpoints in pinned buffers of their own size the host ones measured faster at 24 and 48 GiB budgets
-        (docs/benchmark-history.md). On the CPU the host is the device, so a checkpoint "offloaded" only adds a copy:
-        none there, except for long sequences, where the search's split is what fits."""
-        if opts.host_checkpoints != "auto":
-            return opts.host_checkpoints
-        return None if self.device.type == "cuda" or seq_len >= LONG_SEQ else 0
-
     def _plans(self, batch_size: int, seq_len: int, overrides: dict) -> tuple[Schedule | None, Schedule]:
         """(the plan's set-up or None, the schedule of each of its steps): the plan search's choice
         (:func:`megatrain.planner.search.plan`, the one ``megatrain plan`` runs) with the plan options as fixed
@@ -244,15 +156,8 @@ class StreamedModel:
             if opts.n_mb != "auto" and batch_size % opts.n_mb:
                 raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
             graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
-            auto = lambda v: None if v == "auto" else v  # noqa: E731
             found = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
-                          saved_acts=opts.saved_acts, grad_kept=opts.grad_kept, grad_host_dtype=opts.grad_host_dtype,
-                          split_opt=opts.split_opt, opt_part=opts.opt_part,
-                          n_mb=auto(opts.n_mb), weight_slots=auto(opts.weight_slots),
-                          grad_slots=auto(opts.grad_slots), wire_bytes=2 if opts.wire == "bf16" else 4,
-                          host_checkpoints=self._host_checkpoints(opts, seq_len),
-                          gpu_opt_every=auto(opts.gpu_opt_every),
-                          resident_opt=auto(opts.resident_opt), seq_tile=auto(opts.seq_tile))
+                         **opts.search_kwargs(seq_len, on_gpu=self.device.type == "cuda"))
             step = build_schedule(graph, replace(found.schedule.config, n_steps=1))
             self._margin_taken[id(step)] = found.margin_taken
             setup = setup_schedule(graph, step)
@@ -627,14 +532,15 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     host_free = available_host_bytes() if hardware is None else None  # a spec given is taken at its word
     if host_free is not None:  # plan with this machine's host memory, not the preset's
         spec = replace(spec, host_bytes=host_free)
-    for name in ("gpu_opt_every", "split_opt"):  # on the H200 faster at every size measured
-        # (docs/benchmark-history.md); on the CPU a "device" update is a host update by another path
-        plan.setdefault(name, "auto" if dev.type == "cuda" else 0)
     try:
         opts = PlanOptions(**plan)
     except TypeError as e:
         known = ", ".join(f.name for f in fields(PlanOptions))
         raise ValueError(f"unknown plan option ({e}); plan options are: {known}") from None
+    if opts.wire == "auto":
+        raise ValueError("wire must be 'fp32' or 'bf16' for compile(): the store keeps a bf16 copy only for the "
+                         "latter ('auto', the search's choice of the two, is for megatrain plan)")
+    opts = opts.on_device(dev.type == "cuda")  # (the defaults left to the device, decided once)
     if opts.host_budget_gib is not None:
         asked = int(opts.host_budget_gib * GiB)
         if asked > spec.host_plan_bytes:

@@ -35,6 +35,21 @@ def _model(args):
     return preset(args.preset)
 
 
+def _captured_graph(model_dir: str, on_gpu: bool):
+    """The layer graph ``compile()`` plans for the model of an HF directory (its config captured on the meta
+    device, in the compute dtype of that device): the same graph, so the same plan, as a run of it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.capture import capture
+    from megatrain.inputs import model_source
+
+    cfg = model_source(model_dir, 1024, 1024).config
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return capture(meta, compute_dtype=torch.bfloat16 if on_gpu else torch.float32).graph
+
+
 def _read_json(path: Path, what: str):
     try:
         return json.loads(Path(path).read_text())
@@ -56,13 +71,14 @@ def _plan(args) -> int:
     from megatrain.planner.search import largest_on_host
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.graph import full_recompute
+    from megatrain.planner.request import PlanOptions
     from megatrain.planner.search import PlanError, plan
 
     try:
-        graph = _model(args)
+        spec = hardware(args.hardware)
+        graph = _captured_graph(args.model, spec.name != "cpu") if args.model else _model(args)
         if args.full_recompute:
             graph = full_recompute(graph)
-        spec = hardware(args.hardware)
         for flag in ("host_gib", "gpu_gib"):
             v = getattr(args, flag)
             if v is not None and not (math.isfinite(v) and v > 0):
@@ -71,19 +87,16 @@ def _plan(args) -> int:
             spec = dataclasses.replace(spec, host_bytes=int(args.host_gib * GiB))
         if args.one_pass_updates:
             spec = dataclasses.replace(spec, cpu_adam_master_params_per_s=0.0)
-        every = args.gpu_opt_every
-        if every is None:  # what compile() does on that device: device updates on a GPU, none on the CPU
-            every = "0" if spec.name == "cpu" else "auto"
-        split = args.split_opt
-        if split is None:  # likewise
-            split = "0" if spec.name == "cpu" else "auto"
-        fixed = dict(n_mb=args.mb, weight_slots=args.slots, split_opt=split_opt(split),
-                     wire_bytes={"bf16": 2, "fp32": 4, None: None}[args.wire],
-                     host_checkpoints=args.host_checkpoints,
-                     gpu_opt_every=None if every == "auto" else gpu_opt_every(every),
-                     saved_acts=saved_acts(args.saved_acts),
-                     resident_opt=None if args.resident_opt == "auto" else resident_opt(args.resident_opt),
-                     grad_host_dtype=args.grad_host_dtype, seq_tile=args.seq_tile)
+        auto = lambda v: "auto" if v is None else v  # noqa: E731 - a flag not given: the search's
+        opts = PlanOptions(n_mb=auto(args.mb), weight_slots=auto(args.slots), wire=auto(args.wire),
+                           host_checkpoints=auto(args.host_checkpoints),
+                           gpu_opt_every=None if args.gpu_opt_every is None else gpu_opt_every(args.gpu_opt_every),
+                           split_opt=None if args.split_opt is None else split_opt(args.split_opt),
+                           saved_acts=saved_acts(args.saved_acts), resident_opt=resident_opt(args.resident_opt),
+                           grad_kept=grad_kept(args.grad_kept), grad_host_dtype=args.grad_host_dtype,
+                           seq_tile=auto(args.seq_tile))
+        # what compile() plans on that device: the hardware spec of the CPU runtime, or a GPU's
+        fixed = opts.search_kwargs(args.seq, on_gpu=spec.name != "cpu")
         budget = int(args.gpu_gib * GiB) if args.gpu_gib is not None else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
@@ -99,8 +112,7 @@ def _plan(args) -> int:
                 bar.update(done - bar.n)
 
             p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
-                     n_steps=args.steps, workers=jobs, progress=progress, grad_kept=grad_kept(args.grad_kept),
-                     **fixed)
+                     n_steps=args.steps, workers=jobs, progress=progress, **fixed)
         searched_s = time.perf_counter() - t0
     except (PlanError, ValueError) as e:
         print(f"megatrain plan: {e}", file=sys.stderr)
@@ -431,7 +443,9 @@ def _main(argv: list[str]) -> int:
     p = sub.add_parser("plan", help="plan a training step: schedule, predicted time, bound, memory, pictures")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="qwen2.5-7b", help="model shape preset (default qwen2.5-7b)")
-    src.add_argument("--config", help="HF config.json or a directory holding one")
+    src.add_argument("--config", help="HF config.json or a directory holding one (its shape read by the planner)")
+    src.add_argument("--model", help="an HF model directory, captured as megatrain train and compile() capture it: "
+                                     "the plan they would make for the same options")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per optimizer step")
     p.add_argument("--seq", type=int, default=1024, help="sequence length")
     p.add_argument("--hardware", default="h200", help="hardware preset (h200, h100, cpu) or a JSON spec file")

@@ -67,13 +67,7 @@ def _prepare(cfg: TrainConfig, dp=None):
                          dict(checkpoint=model.weights) if model.weights else dict(init_seed=cfg.seed))
     world = 1 if dp is None else dp.world
     sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
-                           device=cfg.device, n_mb=cfg.mb // world, weight_slots=cfg.slots,
-                           host_checkpoints=cfg.host_checkpoints, wire=cfg.wire,
-                           **({} if cfg.gpu_opt_every is None else {"gpu_opt_every": cfg.gpu_opt_every}),
-                           **({} if cfg.split_opt is None else {"split_opt": cfg.split_opt}),
-                           saved_acts=cfg.saved_acts, resident_opt=cfg.resident_opt, grad_kept=cfg.grad_kept,
-                           grad_host_dtype=cfg.grad_host_dtype, host_budget_gib=cfg.host_gib,
-                           device_budget_gib=cfg.gpu_gib, seq_tile=cfg.seq_tile)
+                           device=cfg.device, **dataclasses.asdict(cfg.plan_options(world)))
     if cfg.packing and not sm.captured.packs:
         raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
                          f"--no-packing (one document per row)")

@@ -122,6 +122,17 @@ class TrainConfig:
                            total_steps=self.steps, schedule=self.schedule, min_lr=self.min_lr_value,
                            decay_steps=self.decay_steps)
 
+    def plan_options(self, world: int = 1):
+        """The plan this run asks for (the one place the run's option names become the plan's), for one of
+        ``world`` data-parallel ranks: each runs ``mb / world`` micro-batches."""
+        from megatrain.planner.request import PlanOptions
+
+        return PlanOptions(n_mb=self.mb // world, weight_slots=self.slots, host_checkpoints=self.host_checkpoints,
+                           gpu_opt_every=self.gpu_opt_every, split_opt=self.split_opt, wire=self.wire,
+                           saved_acts=self.saved_acts, resident_opt=self.resident_opt, grad_kept=self.grad_kept,
+                           grad_host_dtype=self.grad_host_dtype, seq_tile=self.seq_tile,
+                           host_budget_gib=self.host_gib, device_budget_gib=self.gpu_gib)
+
     def column_map(self) -> dict[str, str]:
         """``columns`` as format field -> column; ValueError where it is not ``field=column,...``."""
         if not self.columns:
@@ -153,15 +164,10 @@ class TrainConfig:
         if self.vocab < MIN_VOCAB:
             raise ValueError(f"vocab must be at least {MIN_VOCAB} (the byte-level tokenizer's 256 bytes and its "
                              f"special tokens), got {self.vocab}")
-        from megatrain.api import PlanOptions
-
-        # the plan options' own checks
-        every = "auto" if self.gpu_opt_every is None else self.gpu_opt_every
-        PlanOptions(n_mb=self.mb, host_checkpoints=self.host_checkpoints, weight_slots=self.slots,
-                    gpu_opt_every=every, wire=self.wire, saved_acts=self.saved_acts, resident_opt=self.resident_opt,
-                    grad_kept=self.grad_kept, grad_host_dtype=self.grad_host_dtype, host_budget_gib=self.host_gib,
-                    device_budget_gib=self.gpu_gib, seq_tile=self.seq_tile,
-                    split_opt="auto" if self.split_opt is None else self.split_opt)
+        if self.wire == "auto":
+            raise ValueError("wire must be 'fp32' or 'bf16' for a run (the search's choice of the two is for "
+                             "megatrain plan)")
+        self.plan_options()  # the plan options' own checks
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):

@@ -122,7 +122,8 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,msg", [
     (["--preset", "qwen2.5-72b"], "does not fit host memory"),
-    (["--gpu-opt-every", "-1"], "gpu_opt_every must be >= 0"),
+    (["--gpu-opt-every", "-1"], "gpu_opt_every must be an integer >= 0 (0: every update on the host) or 'auto', "
+                                "got -1"),
     (["--gpu-gib", "1"], "too small for one layer"),
     (["--tokens", "1000"], "multiple of the sequence length"),
     (["--preset", "gpt-5"], "unknown model preset"),
@@ -132,7 +133,9 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
     (["--hardware", "cpu", "--preset", "qwen2.5-0.5b", "--tokens", "1024", "--resident-opt", "3"],
      "but gpu_opt_every=0"),  # the cpu's default: no device updates
     (["--jobs", "0"], "--jobs must be at least 1"),
-    (["--gpu-opt-every", "2", "--resident-opt", "-2"], "resident_opt must be a count >= 0"),
+    (["--gpu-opt-every", "2", "--resident-opt", "-2"], "resident_opt must be an integer >= 0 (0: every device "
+                                                        "update's state goes back to the host each step) or 'auto', "
+                                                        "got -2"),
     (["--host-gib", "-3"], "--host-gib must be a finite number of GiB > 0, got -3.0"),
     (["--host-gib", "inf"], "--host-gib must be a finite number of GiB > 0, got inf"),
     (["--gpu-gib", "nan"], "--gpu-gib must be a finite number of GiB > 0, got nan"),

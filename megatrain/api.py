@@ -12,16 +12,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megatrain.ir import Schedule, ScheduleConfig
+from megatrain.ir import Schedule
 from megatrain.capture import Captured, capture
-from megatrain.planner.carried import carried_deps, join
-from megatrain.planner.cost import device_memory, fmt_bytes, gemm_workspace_nbytes, host_memory, slot_params
+from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_params
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.passes import build_schedule, setup_schedule
 from megatrain.planner.request import PlanOptions
-from megatrain.planner.search import MAX_MB_TOKENS, SEQ_TILES, GiB, plan
-from megatrain.planner.verify import verify
+from megatrain.planner.run_plan import plan_eval, plan_run
+from megatrain.planner.search import GiB
 from megatrain.runtime import train_state
 from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
 from megatrain.runtime.ops import IGNORE_INDEX
@@ -153,25 +151,13 @@ class StreamedModel:
         clip = self.optimizer.cfg.max_grad_norm is not None
         key = (batch_size, seq_len, opts, clip)
         if key not in self._schedules:
-            if opts.n_mb != "auto" and batch_size % opts.n_mb:
-                raise ValueError(f"batch of {batch_size} sequences cannot be split into {opts.n_mb} micro-batches")
             graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
-            found = plan(graph, self.hardware, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
-                         **opts.search_kwargs(seq_len, on_gpu=self.device.type == "cuda"))
-            step = build_schedule(graph, replace(found.schedule.config, n_steps=1))
-            self._margin_taken[id(step)] = found.margin_taken
-            setup = setup_schedule(graph, step)
-            for s in (setup, step):
-                if s is not None:
-                    verify(s, graph, self.hardware)
-            self._check_grad_buffers(step, batch_size, seq_len)
-            self._schedules[key] = (setup, step)
-            # the pairs a run issues back to back (the set-up then a step, a step then the next), each verified as
-            # one schedule with what the second carries over from the first
-            for prev in (setup, step) if setup is not None else (step,):
-                carried = carried_deps(prev, step, graph)
-                verify(join(prev, step, carried), graph)
-                self._successions[(id(prev), id(step))] = (prev, step, carried)
+            run = plan_run(graph, self.hardware, batch_size, seq_len, opts, clip=clip,
+                           on_gpu=self.device.type == "cuda")
+            self._check_grad_buffers(run.step, batch_size, seq_len)
+            self._margin_taken[id(run.step)] = run.margin_taken
+            self._schedules[key] = (run.setup, run.step)
+            self._successions.update({(id(a), id(b)): (a, b, carried) for a, b, carried in run.pairs})
         return self._schedules[key]
 
     def _check_grad_buffers(self, schedule: Schedule, batch_size: int, seq_len: int) -> None:
@@ -270,24 +256,7 @@ class StreamedModel:
         micro-batches longer than a tile."""
         key = ("eval", batch_size, seq_len, self.plan_options)
         if key not in self._schedules:
-            opts = self.plan_options
-            n_mb = opts.n_mb
-            if n_mb == "auto":  # (one sequence a micro-batch at the most)
-                n_mb = next(m for m in range(1, batch_size + 1)
-                            if batch_size % m == 0 and (m == batch_size or batch_size // m * seq_len <= MAX_MB_TOKENS))
-            if batch_size % n_mb:
-                raise ValueError(f"batch of {batch_size} sequences cannot be split into {n_mb} micro-batches")
-            slots = {"all": len(self.graph), "auto": 2}.get(opts.weight_slots, opts.weight_slots)
-            cfg = ScheduleConfig(n_layers=len(self.graph), n_mb=n_mb, mb_tokens=batch_size // n_mb * seq_len,
-                                 seq_len=seq_len, weight_slots=slots,
-                                 wire_bytes_per_param=2 if opts.wire == "bf16" else 4, clip=False,
-                                 budget_bytes=self.hardware.budget_bytes, train=False,
-                                 gemm_workspace_bytes=gemm_workspace_nbytes(self.hardware, train=False),
-                                 # without autograd a tile costs no recompute: long micro-batches always tiled
-                                 seq_tile=min(SEQ_TILES) if opts.seq_tile == "auto" else opts.seq_tile)
-            s = build_schedule(self.graph, cfg)
-            verify(s, self.graph, self.hardware)
-            self._schedules[key] = (None, s)
+            self._schedules[key] = (None, plan_eval(self.graph, self.hardware, batch_size, seq_len, self.plan_options))
         return self._schedules[key][1]
 
     def _batch(self, input_ids, attention_mask, labels, position_ids):

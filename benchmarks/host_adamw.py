@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from megatrain.planner.cost import HOST_UPDATE_CHUNK
+from megatrain.layout import HOST_UPDATE_CHUNK
 
 
 def blocks(layers: int, numel: int, pinned: bool) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from megatrain.cli import gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile, split_opt
-from megatrain.planner.cost import WIRE_STAGE_PARAMS
+from megatrain.layout import WIRE_STAGE_PARAMS
 
 
 def main():

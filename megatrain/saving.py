@@ -9,7 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
-from megatrain.planner.cost import fmt_bytes
+from megatrain.layout import fmt_bytes
 from megatrain.runtime import train_state
 
 STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps

@@ -34,7 +34,8 @@ from torch import nn
 from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
-from megatrain.planner.graph import (NORM_WITH_MLP, UNREAD_PROJECTION, DecoderShape, Layer, LayerGraph,
+from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
+from megatrain.planner.graph import (DecoderShape, Layer, LayerGraph,
                                      latent_attention, layer_costs, moe_block, moe_of)
 
 

@@ -9,18 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, ScheduleConfig, Stream
-from megatrain.planner.graph import LOSS_CHUNK_TOKENS, LOSS_LOGITS_PER_CHUNK, LayerGraph
+from megatrain.layout import (GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, LOSS_CHUNK_TOKENS,
+                              STORE_BYTES_PER_PARAM, fmt_bytes)
+from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
-GRAD_BYTES = 4  # gradients are accumulated in fp32 (on the host: ScheduleConfig.grad_host_bytes)
-STORE_BYTES_PER_PARAM = 4 + 4 + 4  # the host store: fp32 master, exp_avg, exp_avg_sq (gradients: host buffers
-# the plan sizes, see host_memory)
 # host memory a training process holds besides the store, its buffers and checkpoints (the CUDA context, the
 # libraries, Python): measured on the H200 machine as peak RSS less the planned figure, 1.59-1.66 GiB in six runs
 # of 1.8B-7.6B models (docs/benchmark-history.md, "The host-lean store")
 PROCESS_HOST_BYTES = int(1.7 * (1 << 30))
-# bytes a read or write of weights between the store and disk moves at a time (runtime.safetensors_stream)
-IO_CHUNK_BYTES = 64 << 20
 # host memory the stages of a run besides its steps take beyond the store, the largest of them (they run one at a
 # time): loading a checkpoint (a chunk), saving or loading a state (none: straight from and into the store),
 # exporting (a chunk read and its cast), each measured within it on a 291M-parameter store
@@ -30,19 +27,8 @@ OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the g
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
 OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
 OPT_MASTER_BYTES = 4  # STORE_OPT of a split update whose moments the host computes after the update pass
-OPT_STATE_ROWS = 3  # LOAD_OPT and STORE_OPT copy master, exp_avg and exp_avg_sq one row at a time: a layer's load
-# of the next step may start once the first row is stored
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
 COMPUTE_BYTES = 2  # bf16 weights on the device; a device-updated layer keeps its new weights so, for the next step
-HOST_UPDATE_CHUNK = 1 << 26  # elements a host update reads a bf16 gradient back into fp32 at a time (256 MiB)
-# fp32 weights bound for bf16 weight slots cross into the device through one fp32 staging buffer of this many
-# elements, a part at a time, each part copied and then cast on the load's stream (runtime.device.DeviceState.
-# load_cast). The part's size decides the share of the copy engine a load gets beside a split update's state loads:
-# on the H200 a 7B block's load (233M parameters) ran at 12.5 GB/s in parts of 128 MiB, 25.9 in parts of 512 MiB
-# and 35.1 as torch's one copy, against 54 alone (benchmarks/stage_share.py, docs/benchmark-history.md "Weights sent as
-# fp32"). 512 MiB, not a whole block: with parts of 128 MiB the 7B 24 GiB plan peaked at 23.4 GiB allocated, and
-# 0.8 GiB more would pass its budget. The weight slots' count at the wire's bytes covers the buffer (slot_sizes)
-WIRE_STAGE_PARAMS = 1 << 27
 POOLS = ("w", "g", "a", "o", "k")  # device slot pools
 # threads that run a training step's GEMMs, each with a cuBLAS workspace of its own on the compute stream: the
 # issuing thread (forwards, recomputes) and autograd's device thread (backwards); an evaluation runs forwards only
@@ -53,14 +39,6 @@ GEMM_THREADS = 2
 # plan each took 1008 KiB more than asked for (5.9 MiB in all), which put the run 0.3 MiB over its budget
 ALLOC_SLACK_BYTES = 1 << 20
 HOST_POOLS = ("h",)  # host gradient buffers
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at least 1 (GiB, MiB, KiB)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def checkpoint_nbytes(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import networkx as nx
 
 from megatrain.ir import Op, Schedule, Stream, issue_preds
-from megatrain.planner.cost import OPT_STATE_ROWS, duration_s
+from megatrain.layout import OPT_STATE_ROWS
+from megatrain.planner.cost import duration_s
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.simulate import same_state

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-# An evaluation's logits are formed this many tokens at a time (fp32; runtime.ops.evaluate).
-LOSS_CHUNK_TOKENS = 1024
+from megatrain.layout import NORM_WITH_MLP
 # The fused linear + cross-entropy of a training step forms its logits this many elements at a time, in the compute
 # dtype, one chunk alive at a time (kernels.linear_ce.LOGITS_PER_CHUNK; a test keeps the two equal, a GPU test
 # checks what a LOSS allocates against cost.workspace_nbytes).
@@ -198,15 +197,6 @@ class DecoderShape:
     vocab: int
 
 
-# decoder layers (by model type) that compute ``mlp(post_attention_layernorm(h))`` and use the norm's output for
-# nothing else: the norm joins the MLP in its tiles (runtime.tiling), so its output, a hidden state per token, is not
-# kept for the whole sequence either
-NORM_WITH_MLP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# the same decoder layers end with ``residual + mlp(...)`` and return that sum: nothing in the layer reads the MLP's
-# output but the sum, so a backward that recomputes the forward need not form the MLP's last projection (its
-# gradients need its input and weights alone). The projection, as a template path (checked on the device as well:
-# runtime.probe.unread_outputs_hold)
-UNREAD_PROJECTION = "mlp.down_proj"
 
 
 def full_recompute(graph: "LayerGraph") -> "LayerGraph":

@@ -6,7 +6,7 @@ predecessors are done. Compute and cpu ops take the cost model's seconds, transf
 alone, a copy direction moves at its own rate; when both directions run, each is slowed so that together they stay
 within the duplex rate; queues of one direction (or of the GPU's compute) share it; the host's AdamW slows while
 copies run (the spec's ``cpu_h2d_slowdown`` / ``cpu_d2h_slowdown``: they share the host's DRAM). A device update's
-state moves a row at a time (``cost.OPT_STATE_ROWS``): its LOAD_OPT may start once the STORE_OPT it waits for has
+state moves a row at a time (``layout.OPT_STATE_ROWS``): its LOAD_OPT may start once the STORE_OPT it waits for has
 stored the first row, and ends no earlier than that store.
 """
 
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, Stream, issue_preds, queue_of,
                           resident_slots)
-from megatrain.planner.cost import (OPT_STATE_ROWS, POOLS, device_memory, duration_s, host_memory, saved_nbytes,
+from megatrain.layout import OPT_STATE_ROWS
+from megatrain.planner.cost import (POOLS, device_memory, duration_s, host_memory, saved_nbytes,
                                     slot_sizes, transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -144,7 +145,7 @@ class Bound:
 
 def same_state(load: Op, dep: Op) -> bool:
     """A LOAD_OPT's dependency on the STORE_OPT of the same layer's state (the step before's), which it may follow
-    a row behind (``cost.OPT_STATE_ROWS``)."""
+    a row behind (``layout.OPT_STATE_ROWS``)."""
     return (load.kind is OpKind.LOAD_OPT and dep.kind is OpKind.STORE_OPT
             and (dep.layer, dep.mb) == (load.layer, load.mb))
 

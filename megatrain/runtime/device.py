@@ -8,9 +8,11 @@ from typing import Callable
 import torch
 
 from megatrain.ir import Op, Schedule
-from megatrain.planner.cost import WIRE_STAGE_PARAMS, slot_params
+from megatrain.layout import WIRE_STAGE_PARAMS
+from megatrain.planner.cost import slot_params
 from megatrain.planner.graph import LayerGraph
-from megatrain.runtime.store import OPT_SLOT_ROWS, HostStore, grad_host_dtype
+from megatrain.layout import OPT_SLOT_ROWS
+from megatrain.runtime.store import HostStore, grad_host_dtype
 
 
 class DeviceState:

@@ -20,8 +20,7 @@ from megatrain.capture import packed_attention
 from megatrain.capture.tracer import PACKED, Packed
 from megatrain.ir import (SLOT_POOL, Op, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
-from megatrain.planner.cost import OPT_STATE_ROWS
-from megatrain.planner.graph import UNREAD_PROJECTION
+from megatrain.layout import OPT_STATE_ROWS, UNREAD_PROJECTION
 from megatrain.planner.passes import write_back_schedule
 from megatrain.planner.verify import verify
 from megatrain.runtime import ops, probe, router_aux

@@ -186,7 +186,7 @@ def losses_out(ex, op: Op, st: StepState) -> None:
 def evaluate(ex, op: Op, st: StepState) -> None:
     """An evaluation's head and loss for one micro-batch: the loss sum alone, the logits formed a chunk of
     ``LOSS_CHUNK_TOKENS`` tokens at a time (no more of them exist at once than the plan counts)."""
-    from megatrain.planner.graph import LOSS_CHUNK_TOKENS
+    from megatrain.layout import LOSS_CHUNK_TOKENS
 
     x = st.act[op.slot("x")]
     labels = st.mbs[op.mb].next_labels

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from megatrain.planner.cost import HOST_UPDATE_CHUNK
+from megatrain.layout import HOST_UPDATE_CHUNK
 from megatrain.runtime import cpu_adamw
 from megatrain.runtime.cpu_adamw import FULL, MASTER, MOMENTS
 from megatrain.runtime.optim_config import OptimConfig, lr_at

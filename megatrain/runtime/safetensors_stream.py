@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from megatrain.planner.cost import IO_CHUNK_BYTES
+from megatrain.layout import IO_CHUNK_BYTES
 
 # bytes moved per read or write: large enough that a disk streams at its rate, small beside any model's store
 # (what a load, an export or a save holds beyond the store is one or two of these: cost.STAGE_HOST_BYTES)

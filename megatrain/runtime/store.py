@@ -14,12 +14,11 @@ import torch
 from torch import nn
 
 from megatrain.capture import Captured
-from megatrain.planner.cost import HOST_UPDATE_CHUNK
+from megatrain.layout import HOST_UPDATE_CHUNK, STORE_ROWS
 from megatrain.runtime.checkpoint import checkpoint_plan
 from megatrain.runtime.safetensors_stream import chunk_buffer, read_header, read_into
 
-ROWS = ("master", "exp_avg", "exp_avg_sq")
-OPT_SLOT_ROWS = ROWS + ("grad",)  # a device optimizer slot's rows: the state and the step's gradient
+ROWS = STORE_ROWS
 
 
 def available_host_bytes(root: Path = Path("/")) -> int | None:

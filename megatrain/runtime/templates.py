@@ -9,7 +9,7 @@ from torch import nn
 from torch.fx.node import Node, map_aggregate
 
 from megatrain.capture import Captured, Segment
-from megatrain.planner.graph import UNREAD_PROJECTION
+from megatrain.layout import UNREAD_PROJECTION
 from megatrain.runtime import grad_sink, router_aux, tiling
 from megatrain.runtime.grad_sink import SinkLinear
 

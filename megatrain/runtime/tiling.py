@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatrain.planner.graph import NORM_WITH_MLP
+from megatrain.layout import NORM_WITH_MLP
 from megatrain.runtime.grad_sink import SinkLinear
 
 

@@ -64,7 +64,7 @@ def state_nbytes(store: HostStore) -> int:
 
 
 def _no_space(root: Path, need: int, why: str) -> NoSpace:
-    from megatrain.planner.cost import fmt_bytes
+    from megatrain.layout import fmt_bytes
 
     free = shutil.disk_usage(root).free
     return NoSpace(errno.ENOSPC, f"no space left on the disk: the training state needs {fmt_bytes(need)} and {root} "

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from megatrain.planner.cost import WIRE_STAGE_PARAMS
+from megatrain.layout import WIRE_STAGE_PARAMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

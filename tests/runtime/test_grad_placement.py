@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatrain.planner.cost import HOST_UPDATE_CHUNK, host_memory
+from megatrain.layout import HOST_UPDATE_CHUNK
+from megatrain.planner.cost import host_memory
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.search import grad_kept_eligible
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatrain.ir import OpKind
-from megatrain.runtime.store import OPT_SLOT_ROWS
+from megatrain.layout import OPT_SLOT_ROWS
 
 from .models import compile_cpu, hf_model
 from .test_parity import OPT, batches

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatrain.ir import SLOT_POOL, OpKind, Stream, queue_of
-from megatrain.planner.cost import OPT_STATE_ROWS
+from megatrain.layout import OPT_STATE_ROWS
 from megatrain.runtime.streams import StreamExecutor
 
 from .fake_cuda import FakeCuda

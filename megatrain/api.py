@@ -97,7 +97,10 @@ class StreamedModel:
         self._schedules: dict[tuple, tuple[Schedule | None, Schedule]] = {}  # plan key -> (set-up, step)
         self._successions: Successions = {}  # (id(prev), id(next)) -> the verified pair and its carried dependencies
         self._graphs: dict[int, LayerGraph] = {}  # sequence length -> the planner's layer graph (planning_graph)
-        self._margin_taken: dict[int, str | None] = {}  # id of a step's schedule -> Plan.margin_taken of its plan
+        self._run_plans: dict[int, object] = {}  # id of a step's schedule -> the RunPlan it is the step of
+        self.planned_s = 0.0  # seconds the last schedule_for took (a run's header says)
+        self.plan_files: tuple[str, ...] = ()  # earlier plans offered (RunPlan.to_json): one for the same request is
+        # taken without a search
         self.step = 0
         # streams: let a step's optimizer work run on while the next step starts (each layer's next load waits for
         # its own update); train_step then returns before the step's weights are all updated (its loss and gradient
@@ -135,10 +138,11 @@ class StreamedModel:
         the first of them), or None where it keeps nothing on the device."""
         return self._plans(batch_size, seq_len, overrides)[0]
 
-    def margin_taken(self, schedule: Schedule) -> str | None:
-        """Where the plan of ``schedule`` (one :meth:`schedule_for` gave) is not the fastest because the fastest
-        would take some of the host memory a plan leaves free (``HardwareSpec.host_margin``): in words."""
-        return self._margin_taken.get(id(schedule))
+    def run_plan(self, schedule: Schedule):
+        """The :class:`~megatrain.planner.run_plan.RunPlan` whose step ``schedule`` is (one :meth:`schedule_for`
+        gave): its set-up, pairs, whether it came from a plan file, and its ``margin_taken`` (where the fastest
+        plan would have taken some of the host memory a plan leaves free: in words)."""
+        return self._run_plans[id(schedule)]
 
     def _plans(self, batch_size: int, seq_len: int, overrides: dict) -> tuple[Schedule | None, Schedule]:
         """(the plan's set-up or None, the schedule of each of its steps): the plan search's choice
@@ -153,9 +157,9 @@ class StreamedModel:
         if key not in self._schedules:
             graph = self.graph if opts.saved_acts == 0 else self.planning_graph(seq_len)
             run = plan_run(graph, self.hardware, batch_size, seq_len, opts, clip=clip,
-                           on_gpu=self.device.type == "cuda")
+                           on_gpu=self.device.type == "cuda", known=self.plan_files)
             self._check_grad_buffers(run.step, batch_size, seq_len)
-            self._margin_taken[id(run.step)] = run.margin_taken
+            self._run_plans[id(run.step)] = run
             self._schedules[key] = (run.setup, run.step)
             self._successions.update({(id(a), id(b)): (a, b, carried) for a, b, carried in run.pairs})
         return self._schedules[key]

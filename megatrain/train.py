@@ -23,6 +23,7 @@ from megatrain.stages import Stages
 from megatrain.train_config import TrainConfig
 
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
+PLAN_FILE = "plan.json"  # the plan the run took (planner.run_plan.RunPlan.to_json): a resume takes it, unsearched
 # what is trained on, and in which order
 RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing", "eval_split",
                 "streaming")
@@ -82,7 +83,12 @@ def _prepare(cfg: TrainConfig, dp=None):
             raise DataError(f"{state}: the data order saved is {taken:g} batches of {cfg.batch} rows into the data, "
                             f"{'fewer than' if taken < m['step'] else 'not a whole number of batches for'} the "
                             f"{m['step']} steps the state took (an inconsistent training state)")
-    return model, tok, tok_from, data, sm, sm.schedule_for(cfg.batch // world, cfg.seq)
+    if cfg.resume and (Path(cfg.resume) / PLAN_FILE).is_file():  # the run resumed from planned this request
+        sm.plan_files = ((Path(cfg.resume) / PLAN_FILE).read_text(),)
+    t0 = time.perf_counter()
+    schedule = sm.schedule_for(cfg.batch // world, cfg.seq)
+    sm.planned_s = time.perf_counter() - t0
+    return model, tok, tok_from, data, sm, schedule
 
 
 STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and positions, int64
@@ -325,6 +331,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
     write_whole(out / RUN_FILE, json.dumps({"config": dataclasses.asdict(cfg), "data_tokens": data.tokens,
                                             "data_sha256": data.digest}, indent=1))
     write_whole(out / "schedule.txt", schedule.to_text())
+    write_whole(out / PLAN_FILE, sm.run_plan(schedule).to_json())
     c = schedule.config
     timeline = simulate(schedule, sm.graph_for(schedule), sm.hardware)
     if can_plot():  # matplotlib is an extra (megatrain[plot]); schedule.txt says the same in text
@@ -344,7 +351,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
           + (f", {_frozen_text(sm)}" if sm.captured.frozen else "") + f"; plan: {c.weight_slots} "
           f"weight slots, {len(c.gpu_opt)} layers updated on the device ({len(c.resident_opt)} keeping their state "
           f"there), {len(c.grad_kept)} keeping their gradients there until the update, {len(c.saved_acts)} keeping "
-          f"their activations; host {_host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")
+          f"their activations ({_planned_text(sm, schedule, cfg)}); host {_host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")
           + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
     meter = _Meter(sm, cfg, out)
@@ -530,6 +537,13 @@ class _Meter:
             self.tb.close()
 
 
+def _planned_text(sm, schedule, cfg) -> str:
+    """Where the plan came from and how long that took."""
+    if sm.run_plan(schedule).from_cache:
+        return f"the plan {cfg.resume} took, not searched again ({sm.planned_s:.1f} s)"
+    return f"searched in {sm.planned_s:.1f} s"
+
+
 def _host_planned(sm, schedule) -> int:
     """The host bytes the plan counts for the whole run (the store, its buffers, the process, the stages)."""
     from megatrain.planner.cost import host_memory
@@ -552,7 +566,7 @@ def _host_text(sm, schedule) -> str:
     process = host.pop("process", 0) + host.pop("stages", 0)
     model = sum(host.values())
     spec = sm.hardware
-    taken = sm.margin_taken(schedule)
+    taken = sm.run_plan(schedule).margin_taken
     where = "this machine has available" if sm.measure_host else "the hardware spec gives"
     return (f"{(model + process) / 2**30:.2f} GiB ({model / sm.graph.n_params:.1f} bytes per parameter, and "
             f"{process / 2**30:.1f} GiB for the process itself and its reads and writes) of the "

@@ -56,3 +56,48 @@ def test_plan_compile_and_train_pick_the_same_plan(tmp_path, model_dir, batch, s
     assert _key(planned) == _key(compiled), "plan vs compile()"
     assert _key(compiled) == _key(trained), "compile() vs train"
     assert _key(planned) == _key(trained), "plan vs train"
+
+
+def test_a_resumed_run_takes_its_plan_without_searching_unless_the_request_changed(tmp_path, monkeypatch, capsys):
+    import megatrain.planner.run_plan as run_plan
+
+    argv = ["--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0"]
+    assert main(["train", *argv, "--out", str(tmp_path / "a")]) == 0
+    first = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert "searched in" in capsys.readouterr().out
+
+    def no_search(*a, **k):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr(run_plan, "plan", no_search)
+    assert main(["train", "--resume", str(tmp_path / "a"), "--steps", "3", "--out", str(tmp_path / "b")]) == 0
+    assert f"the plan {tmp_path / 'a'} took, not searched again" in capsys.readouterr().out
+    assert json.loads((tmp_path / "b" / "plan.json").read_text()) == first
+    # another request (a fixed weight-slot count) searches again
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(tmp_path / "b"), "--steps", "4", "--slots", "3",
+                 "--out", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "searched in" in out and json.loads((tmp_path / "c" / "plan.json").read_text())["key"] != first["key"]
+
+
+def test_a_known_plan_is_taken_only_for_its_request_and_where_the_host_holds_it():
+    from megatrain.planner.graph import preset
+    from megatrain.planner.hardware import PRESETS
+    from megatrain.planner.request import PlanOptions
+    from megatrain.planner.run_plan import plan_run
+
+    g = preset("qwen2.5-0.5b")
+    spec = dataclasses.replace(PRESETS["cpu"], host_bytes=16 << 30)
+    opts = PlanOptions(n_mb=2, weight_slots=2)
+    first = plan_run(g, spec, 4, 256, opts, clip=True, on_gpu=False)
+    again = plan_run(g, spec, 4, 256, opts, clip=True, on_gpu=False, known=(first.to_json(),))
+    assert again.from_cache and not first.from_cache and again.step.to_text() == first.step.to_text()
+    other = plan_run(g, spec, 8, 256, opts, clip=True, on_gpu=False, known=(first.to_json(),))
+    assert not other.from_cache  # another batch shape
+    from megatrain.planner.cost import host_memory
+
+    need = sum(host_memory(g, first.step).values())
+    small = dataclasses.replace(spec, host_bytes=need - 1, host_margin_bytes=0)
+    with pytest.raises(ValueError):  # no plan fits such a host: the known one is not taken over the search's word
+        plan_run(g, small, 4, 256, opts, clip=True, on_gpu=False, known=(first.to_json(),))

@@ -5,11 +5,16 @@ each verified; an evaluation plan is forwards and the loss for a batch shape."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.planner.carried import Carried, carried_deps, join
-from megatrain.planner.cost import gemm_workspace_nbytes
+from megatrain.planner.cost import gemm_workspace_nbytes, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, setup_schedule
@@ -24,19 +29,73 @@ class RunPlan:
     step: Schedule  # the schedule every step runs
     pairs: tuple[tuple[Schedule, Schedule, Carried], ...]  # (first, second, what the second carries from the first)
     margin_taken: str | None  # where a faster plan was refused for the host margin alone: in words
+    key: str = ""  # the request's (plan_key)
+    from_cache: bool = False  # taken from a plan file (no search ran)
+
+    def to_json(self) -> str:
+        """What a plan file holds: the request's key and the step's config (all a later run needs to build the
+        same plan without searching)."""
+        return json.dumps({"key": self.key, "config": self.step.config.to_dict(), "margin_taken": self.margin_taken})
+
+
+@functools.cache
+def _code_digest() -> str:
+    """A digest of the code that decides plans (the planner, the IR, the layout): a plan file made by other code
+    is not taken."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted([*root.joinpath("planner").glob("*.py"), root / "ir.py", root / "layout.py"]):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def plan_key(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: int, options: PlanOptions, *,
+             clip: bool, on_gpu: bool) -> str:
+    """What decides a training plan, as a digest: the layer graph, the hardware spec but its host memory (which
+    the machine reports anew each time; a plan file's plan is checked against it instead), the batch shape,
+    clipping, the search's arguments and the code's digest."""
+    hw = {k: v for k, v in spec.to_dict().items() if k not in ("host_bytes", "host_margin_bytes")}
+    what = {"graph": [graph.name, [dataclasses.asdict(lay) for lay in graph.layers]], "spec": hw,
+            "batch": [batch_size, seq_len], "clip": clip, "search": options.search_kwargs(seq_len, on_gpu),
+            "code": _code_digest()}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def plan_run(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: int, options: PlanOptions, *,
-             clip: bool, on_gpu: bool) -> RunPlan:
+             clip: bool, on_gpu: bool, known: tuple[str, ...] = ()) -> RunPlan:
     """The training plan for steps of ``batch_size`` sequences of ``seq_len`` tokens: the search's fastest
     (:func:`megatrain.planner.search.plan`, the one ``megatrain plan`` runs) for ``options``, every schedule of it
     verified, and each pair a run issues back to back (the set-up then a step, a step then the next) verified as one
-    schedule with its carried dependencies."""
+    schedule with its carried dependencies. ``known``: plan files' texts (:meth:`RunPlan.to_json`, an earlier run's):
+    the plan of the one whose key is this request's is taken without a search where it fits this host's memory
+    now; otherwise the search runs."""
     if options.n_mb != "auto" and batch_size % options.n_mb:
         raise ValueError(f"batch of {batch_size} sequences cannot be split into {options.n_mb} micro-batches")
+    key = plan_key(graph, spec, batch_size, seq_len, options, clip=clip, on_gpu=on_gpu)
+    for text in known:
+        step = _known_step(text, key, graph, spec)
+        if step is not None:
+            return _run_plan(graph, spec, step, json.loads(text).get("margin_taken"), key, True)
     found = plan(graph, spec, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
                  **options.search_kwargs(seq_len, on_gpu))
     step = build_schedule(graph, replace(found.schedule.config, n_steps=1))
+    return _run_plan(graph, spec, step, found.margin_taken, key, False)
+
+
+def _known_step(known: str, key: str, graph: LayerGraph, spec: HardwareSpec) -> Schedule | None:
+    """The step of a plan file's plan where it is this request's and fits the host now, else None."""
+    try:
+        d = json.loads(known)
+        if d.get("key") != key:
+            return None
+        step = build_schedule(graph, replace(ScheduleConfig.from_dict(d["config"]), n_steps=1))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return step if sum(host_memory(graph, step).values()) <= spec.host_plan_bytes else None
+
+
+def _run_plan(graph: LayerGraph, spec: HardwareSpec, step: Schedule, margin_taken: str | None, key: str,
+              from_cache: bool) -> RunPlan:
     setup = setup_schedule(graph, step)
     for s in (setup, step):
         if s is not None:
@@ -46,7 +105,7 @@ def plan_run(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: in
         carried = carried_deps(prev, step, graph)
         verify(join(prev, step, carried), graph)
         pairs.append((prev, step, carried))
-    return RunPlan(setup, step, tuple(pairs), found.margin_taken)
+    return RunPlan(setup, step, tuple(pairs), margin_taken, key, from_cache)
 
 
 def plan_eval(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: int, options: PlanOptions) -> Schedule:

@@ -22,6 +22,7 @@
 #           tiles) and one of 524,288 tokens (3 steps; the planner's device peak next to the measured one);
 #   adamw   the host AdamW rate for 7B-block-sized updates: main or worker thread, thread count, pinned or not, with
 #           copies to and from the GPU running (benchmarks/host_adamw.py);
+#   journey a checkpoint directory in, chat fine-tuning, the weights out (below; journey-7b, journey-1.5b apart);
 #   all     all of them in turn (over ten minutes; not lean or budget: their models take calls of their own).
 # Each stage has its own time limit so a hang still leaves the others' results. Run from the repository root:
 #   PYTHONUNBUFFERED=1 PYTHONPATH=. bash benchmarks/gpu_checks.sh /tmp/out all
@@ -72,6 +73,20 @@ if [[ $part == seq ]]; then
         --json "$out/seq-262k.json"
     stage seq-524k 440 python3 benchmarks/throughput.py --preset qwen2.5-7b --layers 4 --seq 524288 --batch 1 --mb 1 \
         --slots 3 --gpu-opt-every auto --warmup 1 --steps 2 --json "$out/seq-524k.json"
+fi
+# journey: a user's whole run from a checkpoint directory (benchmarks/journey.py): Qwen2.5-7B's shape at a 24 GiB
+# budget (the state is larger than the disk: refused after the weights are written), then Qwen2.5-1.5B's with saves
+# every 2 steps, killed after the step-4 save and resumed; the work directory ($JOURNEY_DIR) must be on a disk of 55 GB
+# free, not a tmpfs (it would take host memory from the run)
+if [[ $part == journey || $part == journey-7b ]]; then
+    stage journey-7b 1200 python3 benchmarks/journey.py --shape qwen2.5-7b --steps 6 --batch 32 --seq 1024 \
+        --gpu-gib 24 --work "${JOURNEY_DIR:-/var/tmp/megatrain-journey}" --json "$out/journey-7b.json"
+fi
+if [[ $part == journey || $part == journey-1.5b ]]; then
+    stage journey-1.5b 1200 python3 benchmarks/journey.py --shape qwen2.5-1.5b --steps 6 --batch 32 --seq 1024 \
+        --gpu-gib 24 --save-every 2 --kill-after-save 4 --work "${JOURNEY_DIR:-/var/tmp/megatrain-journey}" \
+        --json "$out/journey-1.5b.json"
+    rm -rf "${JOURNEY_DIR:-/var/tmp/megatrain-journey}"
 fi
 if [[ $part == adamw || $part == all ]]; then
     stage adamw 200 python3 benchmarks/host_adamw.py --json "$out/host-adamw.json"

@@ -15,6 +15,7 @@ equal the reference's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -82,6 +83,8 @@ def make_checkpoint(d: Path, shape: str, layers: int | None, shards: int, chats:
     cfg = model_source(shape, 1024, 1024).config
     if layers:
         cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):  # (transformers checks one type per layer)
+            cfg.layer_types = cfg.layer_types[:layers]
     texts = [t["content"] for c in chats for t in c]
     tok = build_tokenizer(texts, 4096)
     tok.eos_token = "<|im_end|>"
@@ -152,6 +155,18 @@ def read_back(run: Path, chat: list[dict]) -> dict:
             "eos_token_id": model.generation_config.eos_token_id, "dtype": str(model.dtype)}
 
 
+def digests(run: Path) -> dict[str, str]:
+    """SHA-256 of each exported weights file of ``run`` (read a MiB at a time)."""
+    out = {}
+    for p in sorted(run.glob("model*.safetensors")):
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        out[p.name] = h.hexdigest()
+    return out
+
+
 def losses(run: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
 
@@ -203,8 +218,11 @@ def main(argv=None) -> int:
         res["read_back"] = read_back(ref, chats[0])
     if args.kill_after_save:
         ref_losses = losses(ref)
-        ref_weights = {p.name: p.read_bytes() for p in ref.glob("model*.safetensors")}
-        shutil.rmtree(ref / "state", ignore_errors=True)  # (the disk holds two states of the shapes measured)
+        ref_weights = digests(ref)
+        # the disk holds two states of the shapes measured, and the reference's are no longer needed
+        shutil.rmtree(ref / "state", ignore_errors=True)
+        for p in ref.glob("model*.safetensors"):
+            p.unlink()
         killed = work / "killed"
         res["killed"] = run_train([*common, "--out", str(killed)], work / "killed.log",
                                   kill_after=f"step {args.kill_after_save}: training state saved")
@@ -213,9 +231,10 @@ def main(argv=None) -> int:
         got = losses(killed)[: args.kill_after_save] + losses(resumed)
         res["resume_exact"] = {
             "losses": got == ref_losses,
-            "weights": {p.name: p.read_bytes() for p in resumed.glob("model*.safetensors")} == ref_weights,
+            "weights": digests(resumed) == ref_weights,
             "ref_losses": ref_losses, "resumed_losses": got}
-    print(json.dumps(res, indent=1, default=str))
+    res["logs"] = {p.stem: p.read_text().splitlines() for p in sorted(work.glob("*.log"))}
+    print(json.dumps({k: v for k, v in res.items() if k != "logs"}, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

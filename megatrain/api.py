@@ -15,7 +15,7 @@ from torch import nn
 from megatrain.ir import Schedule
 from megatrain.capture import Captured, capture
 from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_params
-from megatrain.planner.graph import LayerGraph
+from megatrain.ir import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.run_plan import plan_eval, plan_run
@@ -315,13 +315,15 @@ class StreamedModel:
         t0 = time.perf_counter()
         # the plan's set-up before its first step, and again where something took what the steps keep on the
         # device away (new weights in the store, an evaluation, another plan)
+        run = self._run_plans.get(id(schedule))  # (None: a schedule put in the cache by hand, as tests do)
+        write_back = run.write_back if run is not None else None
         if setup is not None and not self.executor.holds(schedule):
-            self.executor.set_up(setup, schedule)
+            self.executor.set_up(setup, schedule, write_back)
         if self.overlap_steps:
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False,
-                                                successions=self._successions)
+                                                successions=self._successions, write_back=write_back)
         else:
-            out = self.executor.run(schedule, mbs, denom)
+            out = self.executor.run(schedule, mbs, denom, write_back=write_back)
         if out.applied:
             self.step += 1
         stats = StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0,

@@ -241,7 +241,7 @@ def _train(args) -> int:
 
 def _export(args) -> int:
     from megatrain.data import DataError
-    from megatrain.export import export_run
+    from megatrain.saving import export_run
 
     try:
         files = export_run(args.run, args.out, args.dtype, args.trust_remote_code)

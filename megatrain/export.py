@@ -111,38 +111,3 @@ def save_tokenizer(tok, out: Path) -> None:
         raise OSError(f"{out}: the tokenizer could not be written ({e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def export_run(run: str | Path, out: str | Path, dtype: str | None = None, trust_remote_code: bool = False
-               ) -> list[Path]:
-    """A run directory's training state (``RUN/state``, or that state directory itself) as an HF model directory in
-    ``out``: the model's config as the run built it, the run's tokenizer, the state's master weights in ``dtype``
-    (None: the dtype the run's model came in). ``trust_remote_code``: this caller's alone (a run directory's
-    config never allows a model's code to run); temporary files that killed writes left in the run directory are
-    removed."""
-    from megatrain.rundir import remove_leftovers
-    from megatrain.data import load_tokenizer
-    from megatrain.inputs import model_source
-    from megatrain.runtime import train_state
-    from megatrain.train import RUN_FILE, STATE_DIR
-    from megatrain.train_config import TrainConfig
-
-    run = Path(run)
-    if not (run / RUN_FILE).is_file() and (run.parent / RUN_FILE).is_file():
-        run = run.parent  # the state directory was named
-    try:
-        cfg = TrainConfig(**json.loads((run / RUN_FILE).read_text())["config"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{run} is not a run directory of megatrain train (its {RUN_FILE}: {type(e).__name__}: "
-                         f"{e})") from None
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} exists and is not an empty directory; choose another output directory")
-    remove_leftovers(run)
-    model = model_source(cfg.model, cfg.vocab, cfg.seq, trust_remote_code)
-    tok = load_tokenizer(run)
-    if model.weights is None:
-        set_special_ids(model.config, tok)
-    tensors = train_state.master_sources(run / STATE_DIR)  # every file's checksum checked first
-    return export_pretrained(tensors, model.config, tok, out, export_dtype(dtype or cfg.export_dtype or model.dtype),
-                             model.directory)

@@ -30,6 +30,13 @@ NORM_WITH_MLP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 UNREAD_PROJECTION = "mlp.down_proj"
 
 
+def store_bytes(graph) -> int:
+    """Host bytes of the store of ``graph`` (a LayerGraph): fp32 master weights and two Adam moments per parameter,
+    moments only for the parameters that train (none in a layer frozen whole, ``Layer.frozen``; ``Layer.trainable``
+    of a layer frozen in part)."""
+    return sum(lay.params * 4 + lay.moment_params * (STORE_BYTES_PER_PARAM - 4) for lay in graph.layers)
+
+
 def fmt_bytes(n: float) -> str:
     """Bytes in the largest binary unit that keeps the number at least 1 (GiB, MiB, KiB)."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

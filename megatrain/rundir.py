@@ -12,6 +12,9 @@ import threading
 from pathlib import Path
 
 LOCK = ".lock"
+RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
+PLAN_FILE = "plan.json"  # the plan the run took (planner.run_plan.RunPlan.to_json): a resume takes it, unsearched
+STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
 
 
 class RunDirectory:

@@ -1,8 +1,10 @@
 """What a run of ``megatrain train`` writes besides its metrics: the trained weights (an HF model directory) and the
-training state; how large they are, how long a save stops training, and whether the disk holds them."""
+training state; how large they are, how long a save stops training, and whether the disk holds them; the weights of
+a run's saved state written out again (``megatrain export``)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -10,9 +12,9 @@ import time
 from pathlib import Path
 
 from megatrain.layout import fmt_bytes
+from megatrain.rundir import STATE_DIR
 from megatrain.runtime import train_state
 
-STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
 # a state this large or larger gets the disk's write rate measured before training (a probe file of PROBE_BYTES),
 # so the header can say how long each save stops training
 PROBE_FROM_BYTES = 1 << 30
@@ -90,3 +92,37 @@ def save_weights(sm, model, tok, out: Path, dtype) -> float:
     export_pretrained({n: sd[n] for n in sm.captured.model_param_names}, model.config, tok, out, dtype,
                       model.directory)
     return time.perf_counter() - t0
+
+
+def export_run(run: str | Path, out: str | Path, dtype: str | None = None, trust_remote_code: bool = False
+               ) -> list[Path]:
+    """A run directory's training state (``RUN/state``, or that state directory itself) as an HF model directory in
+    ``out``: the model's config as the run built it, the run's tokenizer, the state's master weights in ``dtype``
+    (None: the dtype the run's model came in). ``trust_remote_code``: this caller's alone (a run directory's
+    config never allows a model's code to run); temporary files that killed writes left in the run directory are
+    removed."""
+    from megatrain.data import load_tokenizer
+    from megatrain.export import export_dtype, export_pretrained, set_special_ids
+    from megatrain.inputs import model_source
+    from megatrain.rundir import RUN_FILE, remove_leftovers
+    from megatrain.train_config import TrainConfig
+
+    run = Path(run)
+    if not (run / RUN_FILE).is_file() and (run.parent / RUN_FILE).is_file():
+        run = run.parent  # the state directory was named
+    try:
+        cfg = TrainConfig(**json.loads((run / RUN_FILE).read_text())["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{run} is not a run directory of megatrain train (its {RUN_FILE}: {type(e).__name__}: "
+                         f"{e})") from None
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty directory; choose another output directory")
+    remove_leftovers(run)
+    model = model_source(cfg.model, cfg.vocab, cfg.seq, trust_remote_code)
+    tok = load_tokenizer(run)
+    if model.weights is None:
+        set_special_ids(model.config, tok)
+    tensors = train_state.master_sources(run / STATE_DIR)  # every file's checksum checked first
+    return export_pretrained(tensors, model.config, tok, out, export_dtype(dtype or cfg.export_dtype or model.dtype),
+                             model.directory)

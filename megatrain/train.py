@@ -14,16 +14,24 @@ from pathlib import Path
 import torch
 
 from megatrain.data import DataError
-from megatrain.inputs import data_source, model_source, tokenizer_for
 from megatrain.export import save_tokenizer
-from megatrain.rundir import RunDirectory, StopSignals, answering_signals, holder, remove_leftovers, write_whole
+from megatrain.inputs import data_source, model_source, tokenizer_for
+from megatrain.rundir import (
+    PLAN_FILE,
+    RUN_FILE,
+    STATE_DIR,
+    RunDirectory,
+    StopSignals,
+    answering_signals,
+    holder,
+    remove_leftovers,
+    write_whole,
+)
 from megatrain.runtime import train_state
-from megatrain.saving import STATE_DIR, outlook, save_state, save_weights, weights_nbytes
+from megatrain.saving import outlook, save_state, save_weights, weights_nbytes
 from megatrain.stages import Stages
 from megatrain.train_config import TrainConfig
 
-RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
-PLAN_FILE = "plan.json"  # the plan the run took (planner.run_plan.RunPlan.to_json): a resume takes it, unsearched
 # what is trained on, and in which order
 RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing", "eval_split",
                 "streaming")

@@ -33,10 +33,23 @@ from torch import nn
 
 from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks
-from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
+from megatrain.capture.params import no_decay_names, router_aux_of
+from megatrain.capture.tracer import (
+    CaptureError,
+    Root,
+    is_mask_builder,
+    takes_positions,
+    trace,
+)
+from megatrain.ir import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
-from megatrain.planner.graph import (DecoderShape, Layer, LayerGraph,
-                                     latent_attention, layer_costs, moe_block, moe_of)
+from megatrain.planner.graph import (
+    DecoderShape,
+    latent_attention,
+    layer_costs,
+    moe_block,
+    moe_of,
+)
 
 
 @dataclass
@@ -442,8 +455,6 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     graph = LayerGraph(layers, name=getattr(cfg, "model_type", None) or type(model).__name__)
     for seg in segments:
         seg.tuple_out = tuple_out and seg.kind == "block"
-    from megatrain.runtime.optim import no_decay_names
-
     frozen = frozenset(n for n in names if not model.get_parameter(n).requires_grad)
     if len(frozen) == len(names):
         raise CaptureError("every parameter of the model has requires_grad=False: there is nothing to train")
@@ -451,11 +462,9 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
         graph = LayerGraph([dataclasses.replace(lay, frozen=True) if lay.params and not trainable[i] else
                             dataclasses.replace(lay, trainable=trainable[i]) if trainable[i] < lay.params else lay
                             for i, lay in enumerate(graph.layers)], name=graph.name)
-    from megatrain.runtime import router_aux
-
     return Captured(graph, segments, side_names, names, tied_names, hidden, vocab, frozen=frozen,
                     no_decay=frozenset(no_decay_names(model)) & frozenset(names),
-                    router_aux=router_aux.of_model(model))
+                    router_aux=router_aux_of(model))
 
 
 def _only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatrain.adamw_scalars import scalars
+
 BLOCK = 2048
 NUM_WARPS = 8
 
@@ -62,12 +64,12 @@ def _adamw_kernel(P, M, V, G, OUT, SCALE, n, coeff, beta2, w2, eps, decay, neg_s
 
 def adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
                lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int,
-               grad_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:
+               v_fma: bool, grad_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:
     """One AdamW update in place of contiguous fp32 ``master``, ``exp_avg``, ``exp_avg_sq`` from ``grad``
     (divided by the 0-dim fp32 ``grad_scale`` if given; a non-finite ``grad_scale`` leaves all three as they are);
-    ``step`` counts this update (1 for the first). ``out``: written with the new master in its dtype."""
-    from megatrain.runtime import cpu_adamw
-
+    ``step`` counts this update (1 for the first). ``out``: written with the new master in its dtype. ``v_fma``: the
+    form of exp_avg_sq's update torch's fused CPU AdamW takes here (``runtime.cpu_adamw.v_fma``), which this
+    update takes too."""
     n = master.numel()
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
         if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
@@ -77,12 +79,12 @@ def adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
         raise ValueError(f"adamw_step: out must be contiguous with {n} elements, got {tuple(out.shape)}")
     if step < 1:
         raise ValueError(f"adamw_step: step counts updates from 1, got {step}")
-    a = {k: np.float32(x) for k, x in cpu_adamw.scalars(lr, betas, eps, weight_decay, step).items()}
+    a = {k: np.float32(x) for k, x in scalars(lr, betas, eps, weight_decay, step).items()}
     from_grad = not abs(a["w1"]) < np.float32(0.5)  # as the host kernel picks lerp's form, in fp32
     coeff = a["w1"] - np.float32(1.0) if from_grad else a["w1"]
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         master, exp_avg, exp_avg_sq, grad, master if out is None else out,
         master if grad_scale is None else grad_scale, n, float(coeff), float(a["beta2"]), float(a["w2"]),
         float(a["eps"]), float(a["decay"]), float(a["neg_step"]), float(a["bc2_sqrt"]),
-        LERP_FROM_GRAD=from_grad, V_FMA=cpu_adamw.v_fma(), HAS_SCALE=grad_scale is not None,
+        LERP_FROM_GRAD=from_grad, V_FMA=v_fma, HAS_SCALE=grad_scale is not None,
         HAS_OUT=out is not None, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)

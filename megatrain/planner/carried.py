@@ -25,12 +25,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, Stream, op_contents
-from megatrain.planner.graph import LayerGraph
-
-OUTLIVING_POOLS = ("w", "g", "o", "k", "h")  # allocated once and rewritten every step (activations are fresh tensors)
-
-Carried = tuple[tuple[int, ...], ...]  # per op of the next step, the ids of the ops of the step before it follows
+from megatrain.ir import (
+    OUTLIVING_POOLS,
+    SLOT_POOL,
+    Carried,
+    LayerGraph,
+    Op,
+    OpKind,
+    Schedule,
+    Stream,
+    op_contents,
+)
 
 
 def _buffers(op: Op):

@@ -8,9 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule, ScheduleConfig, Stream
-from megatrain.layout import (GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, LOSS_CHUNK_TOKENS,
-                              STORE_BYTES_PER_PARAM, fmt_bytes)
+from megatrain.ir import (
+    POOLS,
+    Op,
+    OpKind,
+    Schedule,
+    ScheduleConfig,
+    Stream,
+    op_params,
+    slot_params,
+)
+from megatrain.layout import (
+    GRAD_BYTES,
+    HOST_UPDATE_CHUNK,
+    IO_CHUNK_BYTES,
+    LOSS_CHUNK_TOKENS,
+    fmt_bytes,
+    store_bytes,
+)
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -29,7 +44,6 @@ OPT_OUT_BYTES = 12  # STORE_OPT: master and moments
 OPT_MASTER_BYTES = 4  # STORE_OPT of a split update whose moments the host computes after the update pass
 OPT_DEVICE_BYTES = 28  # AdamW on the device: reads 16, writes 12 bytes per parameter
 COMPUTE_BYTES = 2  # bf16 weights on the device; a device-updated layer keeps its new weights so, for the next step
-POOLS = ("w", "g", "a", "o", "k")  # device slot pools
 # threads that run a training step's GEMMs, each with a cuBLAS workspace of its own on the compute stream: the
 # issuing thread (forwards, recomputes) and autograd's device thread (backwards); an evaluation runs forwards only
 GEMM_THREADS = 2
@@ -38,7 +52,6 @@ GEMM_THREADS = 2
 # long (a slot, a kept weight) may take this much beyond its count. Measured on the H200: six slots of a 1 GiB
 # plan each took 1008 KiB more than asked for (5.9 MiB in all), which put the run 0.3 MiB over its budget
 ALLOC_SLACK_BYTES = 1 << 20
-HOST_POOLS = ("h",)  # host gradient buffers
 
 
 def checkpoint_nbytes(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int:
@@ -59,48 +72,10 @@ def slot_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
     }
 
 
-_last_slot_params: tuple = (None, None, None)  # (ops, graph, result) of the last call: see slot_params
-
-
-def slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
-    """Parameters each weight, gradient and optimizer slot holds at most, by slot index: the largest layer the
-    schedule puts in it (an embedding's slot need not size every other one). For activation slots (``a``), the
-    number of slots, each 0 here. Depends on the ops alone, which the plan search shares between the configs it
-    tries on one candidate (``passes.relabel_saved``): the last result is kept for the same ops."""
-    global _last_slot_params
-    ops, g, out = _last_slot_params
-    if ops is schedule.ops and g is graph:
-        return {p: list(v) for p, v in out.items()}
-    out = _slot_params(graph, schedule)
-    _last_slot_params = (schedule.ops, graph, out)
-    return {p: list(v) for p, v in out.items()}
-
-
 def split_part_params(graph: LayerGraph, cfg: ScheduleConfig, layer: int) -> int:
     """Parameters of the largest part of a split update of ``layer`` (``ScheduleConfig.opt_part``)."""
     n = graph.weight_params(layer)
     return min(n, cfg.opt_part) if cfg.opt_part else n
-
-
-def _slot_params(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {p: [] for p in POOLS + HOST_POOLS}
-    for op in schedule.ops:
-        for role, idx in op.slots:
-            pool = SLOT_POOL[role]
-            sizes = out[pool]
-            if len(sizes) <= idx:
-                sizes.extend([0] * (idx + 1 - len(sizes)))
-            if pool != "a":
-                n = op_params(graph, schedule.config, op) if pool in ("h", "o") else graph.weight_params(op.layer)
-                sizes[idx] = max(sizes[idx], n)
-    return out
-
-
-def op_params(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
-    """Parameters whose gradient or update ``op`` handles: its layer's weights, or one part of them
-    (``ScheduleConfig.host_grad_part``)."""
-    lo, hi = cfg.part_span(op, graph.weight_params(op.layer))
-    return hi - lo
 
 
 def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
@@ -424,13 +399,6 @@ def grad_placement(graph: LayerGraph, schedule: Schedule) -> str:
         when = "during the backward, held until the update pass" if cfg.clip else "as they are complete"
         parts.append(f"{len(to_host)} layers' ({params(to_host)}) to host buffers {when}")
     return "; ".join(parts) + f"; {len(buffers)} host buffers ({kind}), {fmt_bytes(sum(buffers))}"
-
-
-def store_bytes(graph: LayerGraph) -> int:
-    """Host bytes of the store: fp32 master weights and two Adam moments per parameter, moments only for the
-    parameters that train (none in a layer frozen whole, ``Layer.frozen``; ``Layer.trainable`` of a layer frozen in
-    part)."""
-    return sum(lay.params * 4 + lay.moment_params * (STORE_BYTES_PER_PARAM - 4) for lay in graph.layers)
 
 
 def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:

@@ -2,85 +2,56 @@
 
 Order (see :func:`build_schedule`): compute ops -> checkpoint transfers -> gradient stores -> optimizer ops ->
 weight slots (inserts the loads) -> activation slots -> gradient slots. Ops carry unique ids while passes insert;
-:func:`_finalize` renumbers them so that ``id == position`` and every dependency points backwards.
+:func:`finalize` renumbers them so that ``id == position`` and every dependency points backwards.
 """
 
 from __future__ import annotations
 
 import os
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import replace
-from typing import Callable, Iterable
 
-from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream, queue_of, resident_slots
+from megatrain.ir import (
+    LayerGraph,
+    Op,
+    OpKind,
+    Schedule,
+    ScheduleConfig,
+    Stream,
+    resident_slots,
+)
 from megatrain.planner.carried import unroll
-from megatrain.planner.cost import defers_head_store, grad_slot_count, weights_kept
-from megatrain.planner.graph import LayerGraph
-
-C, H2D, D2H, CPU = Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.CPU
-
-
-class _Ids:
-    """Fresh ids above every id of a schedule."""
-
-    def __init__(self, ops: Iterable[Op]):
-        self.next = max((op.id for op in ops), default=-1) + 1
-
-    def __call__(self) -> int:
-        self.next += 1
-        return self.next - 1
-
-
-def _replace(op: Op, **kw) -> Op:
-    g = kw.get  # positional, with no dict of every field: the passes make hundreds of thousands of ops a search
-    return Op(g("id", op.id), g("kind", op.kind), g("stream", op.stream), g("step", op.step), g("layer", op.layer),
-              g("mb", op.mb), g("slots", op.slots), g("deps", op.deps))
-
-
-def _add_deps(op: Op, deps: Iterable[int]) -> Op:
-    return _replace(op, deps=tuple(dict.fromkeys((*op.deps, *deps))))
+from megatrain.planner.checks import check_grad_kept, check_split_opt
+from megatrain.planner.cost import defers_head_store
+from megatrain.planner.op_edits import (
+    CPU,
+    D2H,
+    H2D,
+    C,
+    Ids,
+    add_deps,
+    by_compute_key,
+    compute_key,
+    finalize,
+    insert_after,
+)
+from megatrain.planner.slot_passes import (
+    PREFETCH_LAYERS,
+    assign_activation_slots,
+    assign_grad_slots,
+    assign_host_grad_slots,
+    assign_opt_slots,
+    assign_weight_slots,
+)
 
 
-def _insert_after(ops: list[Op], after: dict[int | None, list[Op]]) -> list[Op]:
-    """``ops`` with ``after[id]`` placed right after op ``id`` (``after[None]``: at the front), in list order."""
-    out = list(after.get(None, ()))
-    for op in ops:
-        out.append(op)
-        out.extend(after.get(op.id, ()))
-    return out
-
-
-def _finalize(ops: list[Op]) -> list[Op]:
-    """Renumber so ``id == position``; drop duplicate deps and deps implied by issue order (an earlier op on the same
-    queue, or, for an op on a split queue, on its stream's own queue: ``ir.issue_preds``)."""
-    new_id = {op.id: i for i, op in enumerate(ops)}
-    out = []
-    for i, op in enumerate(ops):
-        q = queue_of(op)
-        deps = sorted({new_id[d] for d in op.deps if queue_of(ops[new_id[d]]) not in (q, (op.stream, False))})
-        bad = [d for d in deps if d >= i]
-        if bad:
-            raise AssertionError(f"pass produced a forward dependency: op {op} on {bad}")
-        out.append(_replace(op, id=i, deps=tuple(deps)))
-    return out
-
-
-def _compute_key(op: Op) -> tuple:
-    return (op.kind, op.step, op.layer, op.mb)
-
-
-def _index(ops: list[Op]) -> dict[tuple, Op]:
-    return {_compute_key(op): op for op in ops}
-
-
-# --------------------------------------------------------------------------------------------------------------
 def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
     """Layer-major compute: each micro-batch's inputs to the device (LOAD_IN, h2d), FWD of layers 0..L-2 over all
     mbs, LOSS of the head per mb, BWD of L-2..0."""
     cfg = s.config
     L, M = len(graph), cfg.n_mb
     ops: list[Op] = []
-    ids = _Ids(s.ops)
+    ids = Ids(s.ops)
     at: dict[tuple, int] = {}
 
     def emit(kind: OpKind, step: int, layer: int, mb: int, deps: tuple, stream: Stream = C) -> None:
@@ -113,9 +84,9 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
     cfg = s.config
     if cfg.host_checkpoints == 0:
         return s.with_ops(s.ops, "add_checkpoint_transfers: every checkpoint stays on the device")
-    L, ids = len(graph), _Ids(s.ops)
+    L, ids = len(graph), Ids(s.ops)
     ops = list(s.ops)
-    idx = _index(ops)
+    idx = by_compute_key(ops)
     after: dict[int | None, list[Op]] = defaultdict(list)
     before: dict[int, list[Op]] = defaultdict(list)
     loaded: dict[tuple, int] = {}
@@ -132,8 +103,8 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
     out = []
     for op in ops:
         out.extend(before.get(op.id, ()))
-        dep = loaded.get(_compute_key(op))
-        out.append(_add_deps(op, (dep,)) if dep is not None else op)
+        dep = loaded.get(compute_key(op))
+        out.append(add_deps(op, (dep,)) if dep is not None else op)
         out.extend(after.get(op.id, ()))
     n = cfg.host_checkpoints * cfg.n_mb * cfg.n_steps
     return s.with_ops(out, f"add_checkpoint_transfers: {n} checkpoints of layers 1..{cfg.host_checkpoints} via host")
@@ -145,7 +116,7 @@ def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
     The head's goes in right before the embedding's when ``cost.defers_head_store``. A layer in ``grad_kept``
     gets a NORM there instead; its store goes into the update pass (:func:`add_optimizer`)."""
     cfg = s.config
-    ids, after = _Ids(s.ops), defaultdict(list)
+    ids, after = Ids(s.ops), defaultdict(list)
     last, head = cfg.n_mb - 1, len(graph) - 1
     on_gpu, kept = set(cfg.gpu_opt), set(cfg.grad_kept)
     check_grad_kept(graph, cfg)
@@ -168,19 +139,7 @@ def add_grad_stores(s: Schedule, graph: LayerGraph) -> Schedule:
     where = "; the head's after the embedding's backward" if defer else ""
     if kept:
         where += f"; layers {sorted(kept)} keep theirs on the device (NORM)"
-    return s.with_ops(_insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores{where}")
-
-
-def check_grad_kept(graph: LayerGraph, cfg: ScheduleConfig) -> None:
-    """Refuse ``grad_kept`` layers that cannot keep their gradient on the device until the update pass: it is for
-    layers updated on the host, that own their weights and share them with none, with clipping (without it each
-    update follows its gradient anyway)."""
-    kept = cfg.grad_kept
-    bad = sorted(l for l in kept if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l)
-                 or l in cfg.gpu_opt)
-    if bad or len(set(kept)) != len(kept) or (kept and not (cfg.clip and cfg.train)):
-        raise ValueError(f"grad_kept {list(kept)}: each layer at most once, only with clipping, and only layers "
-                         f"updated on the host that own their weights and share them with none (not {bad})")
+    return s.with_ops(insert_after(list(s.ops), after), f"add_grad_stores: {n} gradient stores{where}")
 
 
 def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
@@ -200,7 +159,7 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     cfg = s.config
     if not cfg.train:
         return s.with_ops(s.ops, "add_optimizer: an evaluation updates nothing")
-    ids, after = _Ids(s.ops), defaultdict(list)
+    ids, after = Ids(s.ops), defaultdict(list)
     stores = defaultdict(list)  # (step, owner) -> STORE_G ops
     last_store: dict[tuple[int, Stream], Op] = {}  # (step, stream) -> the step's last store on that stream
     first_bwd = {}  # (step, layer) -> the layer's first backward op (BWD or LOSS of micro-batch 0)
@@ -305,24 +264,11 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         where += f"; split to the device, state streamed in parts: layers {list(cfg.split_opt)}"
     if resident:
         where += f", the state of {list(cfg.resident_opt)} staying there"
-    ops = [_add_deps(op, (loaded[op.id],)) if op.id in loaded else op for op in s.ops]
-    return s.with_ops(_insert_after(ops, after), f"add_optimizer: OPT {mode}{where}")
+    ops = [add_deps(op, (loaded[op.id],)) if op.id in loaded else op for op in s.ops]
+    return s.with_ops(insert_after(ops, after), f"add_optimizer: OPT {mode}{where}")
 
 
-def check_split_opt(graph: LayerGraph, cfg: ScheduleConfig) -> None:
-    """Refuse ``split_opt`` layers that cannot be updated on the device in the update pass: it is for layers that
-    own their weights and share them with none, have parameters to train, are not in ``gpu_opt``, with clipping
-    (the update pass follows the backward)."""
-    split = cfg.split_opt
-    bad = sorted(l for l in split if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l)
-                 or graph[l].frozen or l in cfg.gpu_opt)
-    if bad or len(set(split)) != len(split) or (split and not (cfg.clip and cfg.train)) or cfg.opt_part < 0:
-        raise ValueError(f"split_opt {list(split)} (parts of {cfg.opt_part} elements): each layer at most once, "
-                         f"only with clipping, only layers that own their weights, share them with none, train and "
-                         f"are not in gpu_opt (not {bad}); parts of >= 0 elements")
-
-
-def _split_update(cfg: ScheduleConfig, graph: LayerGraph, st: int, l: int, ids: _Ids, deps: tuple[int, ...],
+def _split_update(cfg: ScheduleConfig, graph: LayerGraph, st: int, l: int, ids: Ids, deps: tuple[int, ...],
                   stores: list[Op], prev: dict[tuple[int, int], Op]) -> list[Op]:
     """The ops of one split update (``ScheduleConfig.split_opt``) of layer ``l`` in step ``st``, part by part:
     LOAD_OPT (h2d: the part's state, and its gradient from the host buffer after the layer's STORE_G unless the
@@ -339,284 +285,6 @@ def _split_update(cfg: ScheduleConfig, graph: LayerGraph, st: int, l: int, ids: 
     return out
 
 
-def _opt_owner(graph: LayerGraph, op: Op) -> int | None:
-    """The layer whose optimizer slot ``op`` uses (a tied head's gradient goes to its owner's), or None."""
-    if op.kind in (OpKind.LOAD_OPT, OpKind.STORE_OPT) or (op.kind in (OpKind.OPT, OpKind.STORE_G) and op.stream is C):
-        return graph.owner(op.layer)
-    return None
-
-
-def _opt_uses(graph: LayerGraph, resident: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
-    def uses(op: Op) -> list[tuple[str, tuple, bool]]:
-        o = _opt_owner(graph, op)
-        if o is None or o in resident:
-            return []
-        return [("o", (op.step, o, op.mb), op.kind is OpKind.LOAD_OPT)]  # (mb: a split update's part)
-
-    return uses
-
-
-def assign_opt_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Optimizer slots for the device updates: one per update in flight (from its LOAD_OPT to its STORE_OPT), and
-    at least two where there are two updates, so a state load never waits for the store of the update before it
-    (in program order that store frees the only slot just before the next load: with one slot the updates of a
-    step without clipping ran one after another, 0.026 s per pair of layers measured on the H200, where a step of
-    a longer schedule, which finds the slots of the step before, alternates two)."""
-    cfg = s.config
-    if not cfg.gpu_opt and not cfg.split_opt:
-        return s.with_ops(s.ops, "assign_opt_slots: every update on the host")
-    # a resident layer's state has slot i (its place in resident_opt) for good; the others share the slots after
-    own = {l: i for i, l in enumerate(cfg.resident_opt)}
-    moving = len(cfg.gpu_opt) - len(own) + 2 * bool(cfg.split_opt)
-    ops, n = _allocate(list(s.ops), _opt_uses(graph, set(own)), pool=min(2, moving))
-    out = []
-    for op in ops:
-        o = _opt_owner(graph, op)
-        if o in own:
-            op = _replace(op, slots=op.slots + (("o", own[o]),))
-        elif o is not None:
-            op = _replace(op, slots=tuple((r, k + len(own)) if r == "o" else (r, k) for r, k in op.slots))
-        out.append(op)
-    kept = f", {len(own)} of them holding a resident state" if own else ""
-    return s.with_ops(out, f"assign_opt_slots: {n + len(own)} optimizer slots{kept}")
-
-
-PREFETCH_LAYERS = 2  # how many layers ahead of its first reader a weight load may be issued
-
-
-def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Give each compute op a weight slot and insert the LOAD_W ops that fill them.
-
-    A layer still resident is not loaded again (the turn from forward to backward). When a slot must be reused,
-    the evicted content is the one needed farthest in the future (Belady), and its LOAD_W goes right after the
-    last reader of what it evicts, so it prefetches as early as the slot allows — but no more than
-    ``PREFETCH_LAYERS`` layers ahead of its first reader: a load waits for the layer's update of the step before,
-    and issuing it far ahead (with a slot per layer, every load at the step's start) would hold back the compute
-    ops behind it in program order. LOAD_W of step s+1 waits for the owner's OPT of step s (a device update's
-    OPT leaves the new weights on the device: that load is a device copy, see ``cost.loads_from_device``).
-    """
-    cfg = s.config
-    ops = list(s.ops)
-    ids = _Ids(ops)
-    pos = {op.id: i for i, op in enumerate(ops)}
-    # the op after which a layer's new weights can be loaded: its OPT (on the host, or on the device, which keeps
-    # the new weights there for the next step's load)
-    # (a split update's: its last STORE_OPT, which writes the new weights to the host)
-    split = set(cfg.split_opt)
-    opt_of = {(op.step, op.layer): op for op in ops
-              if op.kind is OpKind.OPT or op.kind is OpKind.STORE_OPT and op.layer in split}
-    computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL)]
-    inputs = {op.step: op for op in ops if op.kind is OpKind.LOAD_IN}  # each step's last input load
-    content = [(op.step, graph.owner(op.layer)) for op in computes]
-    step_start: dict[int, int] = {}
-    for i, op in enumerate(computes):
-        step_start.setdefault(op.step, i)
-    ahead = PREFETCH_LAYERS * cfg.n_mb  # compute ops a load may run ahead of its first reader
-    next_use: list[float] = [float("inf")] * len(computes)  # position in `computes` of the next use of content
-    seen: dict[tuple, int] = {}
-    for i in range(len(computes) - 1, -1, -1):
-        next_use[i] = seen.get(content[i], float("inf"))
-        seen[content[i]] = i
-
-    slots: list[tuple | None] = [None] * cfg.weight_slots  # content per slot
-    upcoming: list[float] = [float("inf")] * cfg.weight_slots  # next use of each slot's content
-    last_reader: list[Op | None] = [None] * cfg.weight_slots
-    size = [0] * cfg.weight_slots  # parameters of the largest layer each slot has held
-    loader: list[Op | None] = [None] * cfg.weight_slots
-    after: dict[int | None, list[Op]] = defaultdict(list)
-    prev_load_anchor = None
-    new_ops: dict[int, Op] = {}
-    n_loads = 0
-    for i, op in enumerate(computes):
-        c = content[i]
-        deps: tuple[int, ...] = ()
-        if c in slots:
-            k = slots.index(c)
-        else:
-            empty = [k for k in range(cfg.weight_slots) if slots[k] is None]
-            # Belady; among slots whose contents are needed equally late (none again this step: the next step's
-            # weights are new ones), one already as large as the layer (a slot is sized for the largest layer it
-            # holds), then the one its last reader freed first, so the load can start soonest and the slots take
-            # turns instead of one slot's load waiting for the compute op just before it
-            need = graph.weight_params(c[1])
-            k = empty[0] if empty else max(range(cfg.weight_slots), key=lambda k: (
-                upcoming[k], size[k] >= need, -pos[last_reader[k].id], -k))
-            anchors = [a for a in (last_reader[k], prev_load_anchor) if a is not None]
-            war = [last_reader[k].id] if last_reader[k] is not None else []
-            opt = opt_of.get((c[0] - 1, c[1]))
-            if opt is not None:
-                anchors.append(opt)
-            if i - ahead >= step_start[op.step]:
-                anchors.append(computes[i - ahead])
-            # (none: behind the step's input loads, which go first on the copy stream)
-            anchor = max(anchors, key=lambda a: pos[a.id]) if anchors else inputs.get(op.step)
-            # weights a device update of the step before left on the device: a device copy, on the compute stream
-            # (in the h2d queue it would wait behind optimizer-state loads that wait for the wire)
-            load = Op(ids(), OpKind.LOAD_W, C if weights_kept(cfg, c[1]) else H2D, op.step, op.layer, slots=(("w", k),),
-                      deps=tuple(war) + ((opt.id,) if opt is not None else ()))
-            after[anchor.id if anchor is not None else None].append(load)
-            prev_load_anchor = anchor
-            slots[k], loader[k] = c, load
-            size[k] = max(size[k], graph.weight_params(c[1]))
-            deps = (load.id,)
-            n_loads += 1
-        upcoming[k] = next_use[i]
-        last_reader[k] = op
-        new_ops[op.id] = _add_deps(_replace(op, slots=(("w", k),) + op.slots), deps)
-    out = _insert_after([new_ops.get(op.id, op) for op in ops], after)
-    return s.with_ops(out, f"assign_weight_slots: {cfg.weight_slots} slots, {n_loads} loads")
-
-
-# Activation buffers: A(step, layer, mb, copy) is the checkpoint at the input of `layer`; copy 0 is the one FWD made,
-# copy 1 the one LOAD_ACT brought back. BWD/LOSS overwrite it in place with the input's gradient, which the
-# backward of the layer below reads as `dy`.
-def _activation_uses(cfg: ScheduleConfig, graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
-    def copy(layer: int, backward: bool) -> int:
-        return 1 if backward and 1 <= layer <= cfg.host_checkpoints else 0
-
-    def uses(op: Op) -> list[tuple[str, tuple, bool]]:  # (role, buffer key, starts the buffer)
-        st, l, j = op.step, op.layer, op.mb
-        if op.kind is OpKind.FWD:
-            out = [("x", (st, l, j, 0), False)] if l > 0 else []
-            return out + [("y", (st, l + 1, j, 0), True)]
-        if op.kind is OpKind.SAVE_ACT:
-            return [("a", (st, l, j, 0), False)]
-        if op.kind is OpKind.LOAD_ACT:
-            return [("a", (st, l, j, 1), True)]
-        if op.kind in (OpKind.LOSS, OpKind.EVAL):
-            return [("x", (st, l, j, 0), False)]
-        if op.kind is OpKind.BWD:
-            out = [("x", (st, l, j, copy(l, True)), False)] if l > 0 else []
-            return out + [("dy", (st, l + 1, j, copy(l + 1, True)), False)]
-        return []
-
-    return uses
-
-
-def _grad_uses(kept: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
-    def uses(op: Op) -> list[tuple[str, tuple, bool]]:
-        if op.kind in (OpKind.BWD, OpKind.LOSS):
-            return [("g", (op.step, op.layer), op.mb == 0)]
-        if op.kind is OpKind.NORM or op.kind is OpKind.STORE_G and op.layer not in kept:
-            return [("g", (op.step, op.layer), False)]
-        return []
-
-    return uses
-
-
-def _kept_uses(op: Op) -> list[tuple[str, tuple, bool]]:
-    if op.kind is OpKind.NORM:
-        return [("k", (op.step, op.layer), True)]
-    if op.kind is OpKind.STORE_G or op.kind is OpKind.OPT and op.stream is C:  # (a split update's, in parts)
-        return [("k", (op.step, op.layer), False)]
-    return []
-
-
-def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]], pool: int = 0,
-              limit: int | None = None, affinity: Callable[[tuple], object] | None = None) -> tuple[list[Op], int]:
-    """Program-order slot allocation. A buffer holds its slot from the op that starts it to its last user; the op
-    that next starts a buffer in that slot depends on every user of the previous one (write-after-read).
-
-    Free slots are reused first-freed-first (``pool`` slots are free at the start), so a new buffer waits on the
-    readers that finished longest ago; a slot is added only when none is free. With ``affinity`` (buffer key ->
-    class), a buffer takes the slot its class had last where that one is free (each layer's gradient in the same
-    host buffer step after step, so buffers are sized for one layer each). Returns the ops and slots used.
-    """
-    last_of: dict[object, int] = {}  # affinity class -> the slot it had last
-    all_uses = [uses(op) for op in ops]
-    last_user: dict[tuple, int] = {}
-    for op, u in zip(ops, all_uses):
-        for _, key, _ in u:
-            last_user[key] = op.id
-    free: deque[int] = deque(range(pool))
-    n_slots = pool
-    slot_of: dict[tuple, int] = {}
-    prev_users: dict[int, list[Op]] = defaultdict(list)  # slot -> users of the buffer it held last
-    used = set()
-    out = []
-    for op, u in zip(ops, all_uses):
-        if not u:
-            out.append(op)
-            continue
-        roles, deps = [], []
-        for role, key, starts in u:
-            if starts:
-                mine = last_of.get(affinity(key)) if affinity is not None else None
-                if mine is not None and mine in free:
-                    free.remove(mine)
-                    k = mine
-                elif free:
-                    k = free.popleft()
-                else:
-                    k, n_slots = n_slots, n_slots + 1
-                    if limit is not None and n_slots > limit:
-                        raise AssertionError(f"{n_slots} slots needed, {limit} allowed")
-                deps += [p.id for p in prev_users[k]]
-                prev_users[k] = []
-                slot_of[key] = k
-                used.add(k)
-                if affinity is not None:
-                    last_of[affinity(key)] = k
-            if key not in slot_of:
-                raise AssertionError(f"op {op} uses buffer {key} before anything starts it")
-            k = slot_of[key]
-            prev_users[k].append(op)
-            roles.append((role, k))
-        for _, key, _ in u:
-            if last_user[key] == op.id and key in slot_of:
-                free.append(slot_of.pop(key))
-        deps = tuple(dict.fromkeys((*op.deps, *(d for d in deps if d != op.id))))
-        out.append(_replace(op, slots=op.slots + tuple(roles), deps=deps))
-    return out, len(used)
-
-
-def assign_activation_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    ops, n = _allocate(list(s.ops), _activation_uses(s.config, graph))
-    return s.with_ops(ops, f"assign_activation_slots: {n} activation slots")
-
-
-def assign_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Gradient slots (``grad_slots``: the backward's fp32 sums), and a kept-gradient slot for each gradient that
-    stays on the device until the update pass, from its NORM to its STORE_G."""
-    k = grad_slot_count(graph, s.config)
-    kept = set(s.config.grad_kept)
-    ops, n = _allocate(list(s.ops), _grad_uses(kept), pool=k, limit=k)
-    note = f"assign_grad_slots: {n} of {k} gradient slots"
-    if kept:
-        readers = (OpKind.NORM, OpKind.STORE_G, OpKind.OPT)  # (an OPT reading one: a split update's)
-        kept_ops, m = _allocate([op for op in ops if op.kind in readers and op.layer in kept and op.stream is not CPU],
-                                _kept_uses, affinity=lambda key: key[1])
-        by_id = {op.id: op for op in kept_ops}
-        ops = [by_id.get(op.id, op) for op in ops]
-        note += f", {m} kept-gradient slots"
-    return s.with_ops(ops, note)
-
-
-def _host_grad_uses(graph: LayerGraph, kept: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
-    def uses(op: Op) -> list[tuple[str, tuple, bool]]:
-        if op.kind is OpKind.STORE_G and op.stream is D2H and graph.owner(op.layer) == op.layer:
-            return [("h", (op.step, op.layer, op.mb), True)]
-        if op.kind is OpKind.OPT and op.stream is CPU:
-            return [("h", (op.step, op.layer, op.mb), False)]
-        if op.kind is OpKind.LOAD_OPT and op.mb is not None and op.layer not in kept:  # a split update's part
-            return [("h", (op.step, op.layer, None), False)]
-        return []
-
-    return uses
-
-
-def assign_host_grad_slots(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Host gradient buffers for the gradients that go to the host: each from its STORE_G to the OPT that reads
-    it. With clipping a gradient stored during the backward holds its buffer until the update pass (one buffer per
-    such layer); gradients that pass through (without clipping, or kept on the device until the update pass) take
-    turns in ``host_grad_slots`` buffers."""
-    cfg = s.config
-    ops, n = _allocate(list(s.ops), _host_grad_uses(graph, set(cfg.grad_kept)), pool=cfg.host_grad_slots,
-                       affinity=lambda key: key[1:])
-    kind = "bf16" if cfg.grad_host_bytes == 2 else "fp32"
-    return s.with_ops(ops, f"assign_host_grad_slots: {n} host gradient buffers ({kind})")
-
-
 def add_loss_copies(s: Schedule, graph: LayerGraph) -> Schedule:
     """LOSS_OUT (d2h) right after each step's last LOSS (or EVAL), following every one of them: the micro-batches'
     loss sums on their way to the host, ahead of the step's other copies out."""
@@ -624,10 +292,10 @@ def add_loss_copies(s: Schedule, graph: LayerGraph) -> Schedule:
     for op in s.ops:
         if op.kind in (OpKind.LOSS, OpKind.EVAL):
             heads[op.step].append(op)
-    ids = _Ids(s.ops)
+    ids = Ids(s.ops)
     after = {ops[-1].id: [Op(ids(), OpKind.LOSS_OUT, D2H, st, len(graph) - 1, deps=tuple(op.id for op in ops))]
              for st, ops in heads.items()}
-    return s.with_ops(_insert_after(list(s.ops), after), f"add_loss_copies: {len(after)} loss copies")
+    return s.with_ops(insert_after(list(s.ops), after), f"add_loss_copies: {len(after)} loss copies")
 
 
 PASSES = (emit_compute, add_checkpoint_transfers, add_grad_stores, add_optimizer, assign_opt_slots,
@@ -657,7 +325,7 @@ def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool 
         s = Schedule((), cfg)
         for p in PASSES:
             s = p(s, graph)
-        s = Schedule(tuple(_finalize(list(s.ops))), cfg, s.provenance + (f"finalize: {len(s.ops)} ops",))
+        s = Schedule(tuple(finalize(list(s.ops))), cfg, s.provenance + (f"finalize: {len(s.ops)} ops",))
     else:
         step = build_schedule(graph, replace(cfg, n_steps=1), verify_each=False)
         setup = setup_schedule(graph, step)

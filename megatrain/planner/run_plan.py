@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain.ir import Schedule, ScheduleConfig
+from megatrain.ir import Schedule, ScheduleConfig, resident_slots
 from megatrain.planner.carried import Carried, carried_deps, join
 from megatrain.planner.cost import gemm_workspace_nbytes, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.passes import build_schedule, setup_schedule
+from megatrain.planner.passes import build_schedule, setup_schedule, write_back_schedule
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.search import MAX_MB_TOKENS, SEQ_TILES, plan
 from megatrain.planner.verify import verify
@@ -31,6 +31,9 @@ class RunPlan:
     margin_taken: str | None  # where a faster plan was refused for the host margin alone: in words
     key: str = ""  # the request's (plan_key)
     from_cache: bool = False  # taken from a plan file (no search ran)
+    # what takes the optimizer states the steps keep on the device (resident_opt) back to the host store before it
+    # is read or saved, or before another plan runs (None: the steps keep none)
+    write_back: Schedule | None = None
 
     def to_json(self) -> str:
         """What a plan file holds: the request's key and the step's config (all a later run needs to build the
@@ -44,8 +47,8 @@ def _code_digest() -> str:
     is not taken."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for f in sorted([*root.joinpath("planner").glob("*.py"), root / "ir.py", root / "layout.py"]):
-        h.update(f.name.encode() + f.read_bytes())
+    for f in sorted([*root.joinpath("planner").glob("*.py"), *root.joinpath("ir").glob("*.py"), root / "layout.py"]):
+        h.update(str(f.relative_to(root)).encode() + f.read_bytes())
     return h.hexdigest()
 
 
@@ -105,7 +108,11 @@ def _run_plan(graph: LayerGraph, spec: HardwareSpec, step: Schedule, margin_take
         carried = carried_deps(prev, step, graph)
         verify(join(prev, step, carried), graph)
         pairs.append((prev, step, carried))
-    return RunPlan(setup, step, tuple(pairs), margin_taken, key, from_cache)
+    homes = resident_slots(step, graph.owner)
+    write_back = write_back_schedule(graph, homes) if homes else None
+    if write_back is not None:
+        verify(write_back, graph)
+    return RunPlan(setup, step, tuple(pairs), margin_taken, key, from_cache, write_back)
 
 
 def plan_eval(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: int, options: PlanOptions) -> Schedule:

@@ -12,10 +12,17 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from megatrain.ir import Op, OpKind, Schedule, ScheduleConfig, Stream
+from megatrain.layout import STORE_BYTES_PER_PARAM, fmt_bytes, store_bytes
 from megatrain.planner import cost
-from megatrain.planner.cost import (STORE_BYTES_PER_PARAM, checkpoint_nbytes, device_memory, fmt_bytes,
-                                    gemm_workspace_nbytes, host_floor, host_memory, slot_nbytes, store_bytes,
-                                    workspace_nbytes)
+from megatrain.planner.cost import (
+    checkpoint_nbytes,
+    device_memory,
+    gemm_workspace_nbytes,
+    host_floor,
+    host_memory,
+    slot_nbytes,
+    workspace_nbytes,
+)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import shutil
 import subprocess
@@ -20,6 +19,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from megatrain.adamw_scalars import scalars
 
 FULL, MASTER, MOMENTS = 0, 1, 2
 _SOURCE = Path(__file__).with_suffix(".c")
@@ -159,14 +160,6 @@ def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode
         if out is not None and mode != MOMENTS:
             out[main:].copy_(rest[0])
     return secs
-
-
-def scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> dict[str, float]:
-    """The kernel's scalars for AdamW's update ``step``, in double, as torch's fused kernel forms them; the kernel
-    takes each rounded to float (as the GPU's Triton kernel does: ``kernels.adamw``, the same arithmetic)."""
-    beta1, beta2 = betas
-    return dict(decay=1 - lr * weight_decay, w1=1 - beta1, beta2=beta2, w2=1 - beta2,
-                neg_step=-(lr / (1 - beta1 ** step)), bc2_sqrt=math.sqrt(1 - beta2 ** step), eps=eps)
 
 
 def v_fma() -> bool:

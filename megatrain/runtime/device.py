@@ -9,8 +9,8 @@ import torch
 
 from megatrain.ir import Op, Schedule
 from megatrain.layout import WIRE_STAGE_PARAMS
-from megatrain.planner.cost import slot_params
-from megatrain.planner.graph import LayerGraph
+from megatrain.ir import slot_params
+from megatrain.ir import LayerGraph
 from megatrain.layout import OPT_SLOT_ROWS
 from megatrain.runtime.store import HostStore, grad_host_dtype
 

@@ -21,8 +21,6 @@ from megatrain.capture.tracer import PACKED, Packed
 from megatrain.ir import (SLOT_POOL, Op, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.layout import OPT_STATE_ROWS, UNREAD_PROJECTION
-from megatrain.planner.passes import write_back_schedule
-from megatrain.planner.verify import verify
 from megatrain.runtime import ops, probe, router_aux
 from megatrain.runtime.device import DeviceState
 from megatrain.runtime.data_parallel import DataParallel
@@ -65,7 +63,9 @@ class Executor:
         store.before_load.append(self._release_resident)  # new masters from outside: the moments stay current
         self._slot_plans: dict[int, tuple] = {}  # id(schedule) -> (schedule, slot contents per op, accesses)
         self._homes: dict[int, tuple] = {}  # id(schedule) -> (schedule, its resident layers' optimizer slots)
-        self._write_backs: dict[tuple, Schedule] = {}  # ((layer, slot), ...) -> its write-back schedule
+        # (layer, optimizer slot) -> the STORE_OPT of a plan's write-back schedule (RunPlan.write_back) that takes
+        # that state back to the host: given with each schedule that keeps states on the device
+        self._write_back_ops: dict[tuple[int, int], Op] = {}
         self.bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
         # around each op, if set: a context manager (profiling labels, timing); it does not change what runs
         self.on_op: Callable[[Op], ContextManager] | None = None
@@ -105,14 +105,17 @@ class Executor:
         return st.deferred_moments if st is not None else frozenset()
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
-            successions=None) -> StepOutput:
+            successions=None, write_back: Schedule | None = None) -> StepOutput:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step. ``wait_optimizer``: False
         lets an issuer that overlaps steps return before the step's updates are done (here they always are).
         ``successions``: the verified pairs of schedules and their carried dependencies
-        (:mod:`megatrain.runtime.step_order`), for an issuer that overlaps steps (here each step ends first)."""
+        (:mod:`megatrain.runtime.step_order`), for an issuer that overlaps steps (here each step ends first).
+        ``write_back``: where the step keeps optimizer states on the device (``resident_opt``), the plan's schedule
+        that takes them back to the host (``RunPlan.write_back``)."""
         cfg = schedule.config
         if cfg.n_steps != 1 or cfg.n_mb != len(mbs):
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
+        self._take_write_back(schedule, write_back)
         self._settle_resident(schedule)
         self.dev.fit(schedule)
         self.store.grads.fit(self.dev.slot_numels(schedule)["h"], grad_host_dtype(cfg), self._quiesce)
@@ -236,10 +239,12 @@ class Executor:
         return self.dev.keeps(schedule.config.gpu_opt) and all(
             self.dev.resident.get(l) == (k, self.store.generation) for l, k in self._resident_slots(schedule).items())
 
-    def set_up(self, setup: Schedule, step: Schedule) -> None:
+    def set_up(self, setup: Schedule, step: Schedule, write_back: Schedule | None = None) -> None:
         """Run ``setup`` (:func:`~megatrain.planner.passes.setup_schedule`), the set-up of the plan whose steps run
         ``step``: the states kept on the device go back to the host store first (it loads the current ones from
-        there), the step's slots are allocated, and its ops issued as a step's are."""
+        there), the step's slots are allocated, and its ops issued as a step's are. ``write_back``: as for
+        :meth:`run`."""
+        self._take_write_back(setup, write_back)
         self._release_resident()
         self.dev.fit(step)
         tags, accesses = self._slot_plan(setup)
@@ -279,20 +284,29 @@ class Executor:
         moments (they stay on the device too: the next step continues from there)."""
         self._write_back(self.dev.resident)
 
+    def _take_write_back(self, schedule: Schedule, write_back: Schedule | None) -> None:
+        """Keep the ops of ``write_back`` that take back to the host the states ``schedule`` keeps on the device
+        (refused where it has none for one of them: the state could not be saved or read)."""
+        homes = self._resident_slots(schedule)
+        if not homes:
+            return
+        given = {} if write_back is None else {(op.layer, op.slot("o")): op for op in write_back.ops}
+        missing = sorted(l for l, k in homes.items() if (l, k) not in given)
+        if missing:
+            raise ValueError(f"the schedule keeps the optimizer state of layers {missing} on the device, and no "
+                             f"write-back schedule for them was given (its plan's RunPlan.write_back)")
+        self._write_back_ops.update(given)
+
     def _write_back(self, states: dict[int, tuple[int, int]]) -> None:
-        """Run the write-back schedule (:func:`~megatrain.planner.passes.write_back_schedule`, verified) of those
-        of ``states`` (owner -> (slot, generation)) that belong to the store's current generation, once every
-        update is done, and wait for its copies."""
+        """Issue the write-back ops (``RunPlan.write_back``, one STORE_OPT each) of those of ``states`` (owner ->
+        (slot, generation)) that belong to the store's current generation, once every update is done, and wait for
+        their copies."""
         homes = {l: k for l, (k, gen) in states.items() if gen == self.store.generation}
         if not homes:
             return
-        key = tuple(sorted(homes.items()))
-        schedule = self._write_backs.get(key)
-        if schedule is None:
-            schedule = self._write_backs[key] = write_back_schedule(self.graph, homes)
-            verify(schedule, self.graph)
         self._quiesce()
-        for op in schedule.ops:
+        for l in sorted(homes):
+            op = self._write_back_ops[(l, homes[l])]
             with self.on_op(op) if self.on_op is not None else contextlib.nullcontext():
                 ops.HANDLERS[(op.kind, op.stream)](self, op, None)
         self._quiesce()

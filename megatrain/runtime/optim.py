@@ -13,26 +13,7 @@ from megatrain.runtime.cpu_adamw import FULL, MASTER, MOMENTS
 from megatrain.runtime.optim_config import OptimConfig, lr_at
 from megatrain.runtime.store import ROWS, HostStore
 
-
 _SAID_TORCH_KERNEL = False  # the notice that megatrain's host kernel could not be built is printed once
-
-# parameter names the HF Trainer leaves out of weight decay (besides those of nn.LayerNorm modules)
-NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
-
-
-def no_decay_names(model: torch.nn.Module) -> set[str]:
-    """Names of ``model``'s parameters the HF Trainer applies no weight decay to: biases and norm weights (by their
-    names) and the parameters of ``nn.LayerNorm`` modules."""
-    import re
-
-    patterns = [re.compile(p) for p in NO_DECAY_PATTERNS]
-    out = set()
-    for mod_name, mod in model.named_modules():
-        for p_name, _ in mod.named_parameters(recurse=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if isinstance(mod, torch.nn.LayerNorm) or any(p.search(full.lower()) for p in patterns):
-                out.add(full)
-    return out
 
 
 def update_ranges(captured, layer: int, decay_all: bool = False) -> list[tuple[int, int, bool]]:
@@ -295,8 +276,8 @@ class HostAdamW:
             cfg = self.cfg
             for a, b, decay in ranges:
                 adamw_step(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], lr=lr, betas=cfg.betas,
-                           eps=cfg.eps, weight_decay=self._decay(decay), step=step, grad_scale=scale,
-                           out=out[a:b] if out is not None and whole else None)
+                           eps=cfg.eps, weight_decay=self._decay(decay), step=step, v_fma=cpu_adamw.v_fma(),
+                           grad_scale=scale, out=out[a:b] if out is not None and whole else None)
             self.set_steps(layer, step)  # the host's count stays the one truth, whichever side updates the layer
             return out is not None and whole
         if not block.is_cuda and self.native:  # the CPU as the device: megatrain's kernel on every element, the

@@ -14,7 +14,8 @@ micro-batch's :class:`Stats`, the head's LOSS adds the value (``coef x aux / n_m
 its micro-batches' losses, each HF's), and each backward differentiates its layer's P(l) against
 ``coef / n_mb x E c / N^2`` along with its output.
 
-The routers are found by the module class HF records ``router_logits`` from (``OutputRecorder``); a forward hook on
+Whether a model has such a loss, and where its logits come from, capture records
+(:func:`megatrain.capture.params.router_aux_of`). The routers are found by the module class HF records ``router_logits`` from (``OutputRecorder``); a forward hook on
 each such module of the templates hands the logits to the list the running layer's binding gives it
 (:func:`collecting`, through ``LayerRunner.routers``).
 """
@@ -22,22 +23,12 @@ each such module of the templates hands the logits to the list the running layer
 from __future__ import annotations
 
 import contextlib
-import importlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-@dataclass(frozen=True)
-class RouterAux:
-    """How a captured model's router loss is computed: its coefficient, experts, top k, and where the logits come
-    from (the router module class and the index of the logits in its output)."""
-
-    coef: float
-    num_experts: int
-    top_k: int
-    router_class: type
-    index: int
+from megatrain.capture.params import RouterAux
 
 
 @dataclass
@@ -48,31 +39,6 @@ class Stats:
     counts: torch.Tensor | None = None
     probs: torch.Tensor | None = None
     rows: torch.Tensor | float = 0.0
-
-
-def of_model(model: nn.Module) -> RouterAux | None:
-    """The router loss HF adds to ``model``'s loss, or None where it adds none (the config does not set
-    ``output_router_logits``, the coefficient is 0, or the model family has no such loss)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or not getattr(cfg, "output_router_logits", False):
-        return None
-    module = importlib.import_module(type(model).__module__)
-    coef = getattr(model, "router_aux_loss_coef", None)
-    if not hasattr(module, "load_balancing_loss_func") or coef is None:
-        return None  # HF's forward of this family adds nothing (DeepSeek-V3, Llama 4)
-    if not coef:
-        return None
-    recorder = None
-    for sub in model.modules():
-        recorder = (getattr(type(sub), "_can_record_outputs", None) or {}).get("router_logits")
-        if recorder is not None:
-            break
-    experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
-    if recorder is None or not isinstance(experts, int) or not isinstance(top_k, int):
-        raise ValueError(f"{type(model).__name__}: the config sets output_router_logits (router_aux_loss_coef="
-                         f"{coef}), and megatrain does not know where this model's router logits come from; set "
-                         f"config.output_router_logits=False to train without the router loss")
-    return RouterAux(float(coef), experts, top_k, recorder.target_class, recorder.index)
 
 
 def install(module: nn.Module, spec: RouterAux) -> list[nn.Module]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megatrain.ir import SLOT_POOL, Op, OpKind, Schedule
-from megatrain.planner.carried import OUTLIVING_POOLS, Carried
+from megatrain.ir import OUTLIVING_POOLS, Carried
 
 Successions = dict[tuple[int, int], tuple[Schedule, Schedule, Carried]]  # (id(prev), id(next)) -> verified pair
 

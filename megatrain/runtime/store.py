@@ -71,7 +71,7 @@ def store_nbytes(captured: Captured, *, shadow: bool = False) -> int:
     """Host bytes a :class:`HostStore` of ``captured`` takes: three fp32 rows per owned parameter, and with
     ``shadow`` the bf16 copy of the masters a bf16 wire sends (gradient buffers come with a plan: see
     :class:`GradBuffers`)."""
-    from megatrain.planner.cost import store_bytes
+    from megatrain.layout import store_bytes
 
     return store_bytes(captured.graph) + (captured.graph.n_params * 2 if shadow else 0)
 

@@ -90,7 +90,7 @@ class StreamExecutor(StreamCopies, Executor):
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
         self.checkpoint_bufs = CheckpointBuffers(cuda)  # the host buffers of offloaded checkpoints, reused
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
-        self.timer = OpTimer(self.graph, self.streams[Stream.COMPUTE], cuda)
+        self.timer = OpTimer(self.streams[Stream.COMPUTE], cuda)
         self.order = StepOrder(self.timer.waited)
         self.steps_issued = 0
         self.split_opt_end = None  # the end event of the last split update issued (pace_split)
@@ -108,7 +108,7 @@ class StreamExecutor(StreamCopies, Executor):
 
     # ---- step ---------------------------------------------------------------------------------------------
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
-            successions: Successions | None = None) -> StepOutput:
+            successions: Successions | None = None, write_back: Schedule | None = None) -> StepOutput:
         self.issued = self.order.begin(schedule, None if self.sync_between_steps else successions,
                                        list(self.queues.values()))
         self.events, self.futures = self.issued.events, self.issued.futures
@@ -117,7 +117,8 @@ class StreamExecutor(StreamCopies, Executor):
             self.cuda.synchronize(self.device)
         self.timer.begin(schedule)
         with self.cuda.use(self.streams[Stream.COMPUTE]):  # what run() puts on the device between ops
-            out = super().run(schedule, mbs, denom)  # issues everything; reading the losses waits for compute
+            # issues everything; reading the losses waits for compute
+            out = super().run(schedule, mbs, denom, write_back=write_back)
         self.order.end()
         if not out.applied:  # the device updates were issued with this step's count and changed nothing: the host's
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
@@ -150,14 +151,14 @@ class StreamExecutor(StreamCopies, Executor):
             got = self._deferrable[id(schedule)] = (schedule, ids, loads)
         return got
 
-    def set_up(self, setup: Schedule, step: Schedule) -> None:
+    def set_up(self, setup: Schedule, step: Schedule, write_back: Schedule | None = None) -> None:
         """The plan's set-up on the copy stream; the next step follows it by the dependencies carried from it."""
         self.drain()  # (the write-back of other states waits for everything anyway)
         self.issued = self.order.begin(setup, None, list(self.queues.values()))
         self.events, self.futures = self.issued.events, self.issued.futures
         self.timer.begin(setup)
         with self.cuda.use(self.streams[Stream.COMPUTE]):
-            super().set_up(setup, step)
+            super().set_up(setup, step, write_back)
         self.order.end()
 
     def drain(self) -> None:  # every queued optimizer task and every stream

@@ -1,6 +1,5 @@
 """Timing the ops the streaming executor issues: CUDA events around GPU ops, the host clock around worker tasks, and
-the host thread's own time; the last step as a :class:`~megatrain.planner.simulate.Timeline`, the simulator's
-format."""
+the host thread's own time; the last step as a :class:`~megatrain.ir.Timeline`, the simulator's format."""
 
 from __future__ import annotations
 
@@ -11,13 +10,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatrain.ir import Op, Schedule
-from megatrain.planner.graph import LayerGraph
 from megatrain.runtime.cuda_api import TORCH_CUDA
 
 
 class OpTimer:
-    def __init__(self, graph: LayerGraph, compute, cuda=TORCH_CUDA):
-        self.graph, self.compute, self.cuda = graph, compute, cuda
+    def __init__(self, compute, cuda=TORCH_CUDA):
+        self.compute, self.cuda = compute, cuda
         self.schedule: Schedule | None = None
         self._timing: list = []
         self.host_issue_s: dict[str, float] = {}  # the last step's host time issuing ops, by kind (waits included)
@@ -93,9 +91,9 @@ class OpTimer:
 
     def timeline(self, marked: "Marked | None" = None):
         """The last step (or the one ``marked``): start and end of every op, seconds from the step's start (waits
-        for the worker)."""
-        from megatrain.planner.cost import device_memory
-        from megatrain.planner.simulate import Timeline
+        for the worker). The device memory it reserved is the plan's (``planner.cost.device_memory``), not
+        recorded here."""
+        from megatrain.ir import Timeline
 
         m = marked or self.mark()
         ops, starts, ends = [], [], []
@@ -108,8 +106,7 @@ class OpTimer:
             ops.append(op)
             starts.append(a)
             ends.append(b)
-        return Timeline(source="measured", ops=tuple(ops), start_s=starts, end_s=ends,
-                        reserved_nbytes=device_memory(self.graph, m.schedule).total_nbytes, n_steps=1)
+        return Timeline(source="measured", ops=tuple(ops), start_s=starts, end_s=ends, n_steps=1)
 
 
 @dataclass(frozen=True)

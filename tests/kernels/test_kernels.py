@@ -168,6 +168,7 @@ def test_adamw_matches_torch_adamw_over_steps(scaled):
     """Three updates of a block of 5,000 parameters (the last program partly masked), from a non-zero state,
     against torch.optim.AdamW (per-tensor loop) and the reference; the 16-bit copy is the new master rounded."""
     from megatrain.kernels import adamw_step
+    from megatrain.runtime import cpu_adamw
 
     n, lr, betas, eps, wd = 5000, 1e-2, (0.9, 0.95), 1e-8, 0.1
     master, grads = rand(n, dtype=torch.float32), [rand(n, dtype=torch.float32, seed=s) for s in (1, 2, 3)]
@@ -185,7 +186,7 @@ def test_adamw_matches_torch_adamw_over_steps(scaled):
         p.grad = g / scale if scaled else g
         opt.step()
         adamw_step(*mine, g.clone(), lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step, grad_scale=scale,
-                   out=out)
+                   out=out, v_fma=cpu_adamw.v_fma())
         ref = list(reference.adamw(*ref, g, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step,
                                    grad_scale=scale))
     state = opt.state[p]
@@ -221,7 +222,7 @@ def test_adamw_gives_the_host_kernels_bits(beta1, scaled):
         cpu_adamw.adamw(*host, grad, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step, grad_scale=scale,
                         out=out_host)
         adamw_step(*dev, grad.to(DEV), lr=lr, betas=betas, eps=eps, weight_decay=wd, step=step,
-                   grad_scale=torch.tensor(scale, device=DEV) if scaled else None, out=out_dev)
+                   v_fma=cpu_adamw.v_fma(), grad_scale=torch.tensor(scale, device=DEV) if scaled else None, out=out_dev)
     for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), host, dev):
         assert torch.equal(a, b.cpu()), f"{name}: {int((a != b.cpu()).sum())} of {n} differ"
     if DEV == "cuda":
@@ -233,6 +234,7 @@ def test_adamw_with_a_non_finite_scale_changes_nothing(bad):
     """A step whose loss or gradient norm is not finite passes a non-finite scale: master and moments keep their
     bits (the gradient here is non-finite too), and the 16-bit copy is the unchanged master rounded."""
     from megatrain.kernels import adamw_step
+    from megatrain.runtime import cpu_adamw
 
     n = 3000
     state = [rand(n, dtype=torch.float32, seed=s) for s in (1, 2)] + [rand(n, dtype=torch.float32, seed=3).abs()]
@@ -242,7 +244,8 @@ def test_adamw_with_a_non_finite_scale_changes_nothing(bad):
     low = torch.bfloat16 if DEV == "cuda" else torch.float16
     out = torch.empty(n, dtype=low, device=DEV)
     scale = torch.tensor(bad, device=DEV)
-    adamw_step(*state, grad, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=3, grad_scale=scale, out=out)
+    adamw_step(*state, grad, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=3, grad_scale=scale, out=out,
+               v_fma=cpu_adamw.v_fma())
     assert all(torch.equal(a, b) for a, b in zip(state, before))
     assert torch.equal(out, before[0].to(low))
     ref = reference.adamw(*before, grad, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=3,
@@ -256,10 +259,10 @@ def test_adamw_refuses_what_it_cannot_update():
     x = torch.zeros(8, device=DEV)
     with pytest.raises(ValueError, match="grad must be contiguous fp32 with 8 elements"):
         adamw_step(x, x.clone(), x.clone(), torch.zeros(8, dtype=torch.bfloat16, device=DEV), lr=1e-3,
-                   betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, step=1)
+                   betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, step=1, v_fma=True)
     with pytest.raises(ValueError, match="step counts updates from 1"):
         adamw_step(x, x.clone(), x.clone(), x.clone(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                   step=0)
+                   step=0, v_fma=True)
 
 
 # ---- bf16 on the GPU ----------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 
 import megatrain
 from megatrain.capture import CaptureError
-from megatrain.runtime.optim import lr_at, no_decay_names
+from megatrain.capture.params import no_decay_names
+from megatrain.runtime.optim import lr_at
 from megatrain.runtime.optim_config import SCHEDULES
 
 from .models import FAMILIES, TinyGPT, compile_cpu, hf_model

@@ -119,8 +119,11 @@ def test_a_step_without_its_set_up_is_refused():
     nxt = torch.full_like(labels, -100)
     nxt[:, :-1] = labels[:, 1:]
     mbs = [MicroBatch(ids[i * 3:(i + 1) * 3], mask[i * 3:(i + 1) * 3], nxt[i * 3:(i + 1) * 3]) for i in range(2)]
+    denom = int((nxt != -100).sum())
+    with pytest.raises(ValueError, match=r"keeps the optimizer state of layers \[.*\] on the device, and no write-back"):
+        sm.executor.run(cont, mbs, denom)
     with pytest.raises(ValueError, match=r"expects the state of layers \[.*\] on the device.*run the plan's set-up"):
-        sm.executor.run(cont, mbs, int((nxt != -100).sum()))
+        sm.executor.run(cont, mbs, denom, write_back=sm.run_plan(cont).write_back)
 
 
 def test_keeping_states_without_device_updates_is_refused():

@@ -1,0 +1,31 @@
+"""Checks of a schedule config's decisions that the passes which build from it and the verifier both make: a decision
+the graph or the other decisions rule out is refused with the rule it breaks."""
+
+from __future__ import annotations
+
+from megatrain.ir import LayerGraph, ScheduleConfig
+
+
+def check_grad_kept(graph: LayerGraph, cfg: ScheduleConfig) -> None:
+    """Refuse ``grad_kept`` layers that cannot keep their gradient on the device until the update pass: it is for
+    layers updated on the host, that own their weights and share them with none, with clipping (without it each
+    update follows its gradient anyway)."""
+    kept = cfg.grad_kept
+    bad = sorted(l for l in kept if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l)
+                 or l in cfg.gpu_opt)
+    if bad or len(set(kept)) != len(kept) or (kept and not (cfg.clip and cfg.train)):
+        raise ValueError(f"grad_kept {list(kept)}: each layer at most once, only with clipping, and only layers "
+                         f"updated on the host that own their weights and share them with none (not {bad})")
+
+
+def check_split_opt(graph: LayerGraph, cfg: ScheduleConfig) -> None:
+    """Refuse ``split_opt`` layers that cannot be updated on the device in the update pass: it is for layers that
+    own their weights and share them with none, have parameters to train, are not in ``gpu_opt``, with clipping
+    (the update pass follows the backward)."""
+    split = cfg.split_opt
+    bad = sorted(l for l in split if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l)
+                 or graph[l].frozen or l in cfg.gpu_opt)
+    if bad or len(set(split)) != len(split) or (split and not (cfg.clip and cfg.train)) or cfg.opt_part < 0:
+        raise ValueError(f"split_opt {list(split)} (parts of {cfg.opt_part} elements): each layer at most once, "
+                         f"only with clipping, only layers that own their weights, share them with none, train and "
+                         f"are not in gpu_opt (not {bad}); parts of >= 0 elements")

@@ -502,8 +502,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
     dev = _device(device)
     dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware or
-                                                                            ("h200" if dev.type == "cuda" else "cpu"))
+    spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware) if hardware else \
+        _device_spec(dev)
     host_free = available_host_bytes() if hardware is None else None  # a spec given is taken at its word
     if host_free is not None:  # plan with this machine's host memory, not the preset's
         spec = replace(spec, host_bytes=host_free)
@@ -607,6 +607,21 @@ def _device(device: str | torch.device | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def _device_spec(dev: torch.device) -> HardwareSpec:
+    """The hardware spec of ``dev`` where none is given: the preset of its card (H100, H200), or for another card
+    the H200's rates with this card's memory; the CPU's preset on the CPU."""
+    from megatrain.planner.hardware import PRESETS
+
+    if dev.type != "cuda":
+        return PRESETS["cpu"]
+    name = torch.cuda.get_device_name(dev)
+    for preset in ("h100", "h200"):
+        if preset in name.lower():
+            return PRESETS[preset]
+    return replace(PRESETS["h200"], name=f"{name} (h200 rates)",
+                   gpu_bytes=torch.cuda.get_device_properties(dev).total_memory)
 
 
 def _gemm_workspace(dev: torch.device) -> int:

@@ -12,8 +12,10 @@ carries them instead of building a mask (capture.tracer)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import threading
 
 import torch
 
@@ -114,10 +116,35 @@ class _FlashOverDocuments(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
-            scale=ctx.scale)
+        with _deterministic():
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(
+                dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
+                scale=ctx.scale)
         return dq, dk, dv, None, None, None
+
+
+_DETERMINISM = threading.Lock()
+
+
+@contextlib.contextmanager
+def _deterministic():
+    """torch's deterministic algorithms for the duration of one call: the flash kernel's backward otherwise sums
+    each query block's gradient over key blocks in whatever order they finish (atomic adds), so two runs of the same
+    steps on the same GPU differed from the second step on (Qwen2.5-1.5B's shape, packed chat rows, H100), and a run
+    resumed from a saved state could not equal the run it continued. Uninitialized memory is left as it is (the
+    kernel writes every element it returns)."""
+    if torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    with _DETERMINISM:
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(False)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def _flash(query, key, value, packed: Packed, scale):

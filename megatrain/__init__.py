@@ -9,7 +9,7 @@ import importlib
 __version__ = "0.1.0"
 # the public names, imported when first used (so that the command line starts, and takes signals, before torch loads)
 _NAMES = {"PlanOptions": "megatrain.planner.request", "StepStats": "megatrain.api",
-          "StreamedModel": "megatrain.api", "compile": "megatrain.api", "Op": "megatrain.ir",
+          "StreamedModel": "megatrain.api", "compile": "megatrain.compiler", "Op": "megatrain.ir",
           "OpKind": "megatrain.ir", "Schedule": "megatrain.ir", "ScheduleConfig": "megatrain.ir",
           "Stream": "megatrain.ir", "OptimConfig": "megatrain.runtime.optim"}
 __all__ = sorted([*_NAMES, "__version__"])

@@ -68,11 +68,10 @@ def _plan(args) -> int:
     from megatrain.planner import hardware
     from megatrain.planner.cost import device_memory, grad_placement, host_memory
     from megatrain.planner.critical import critical_path
-    from megatrain.planner.search import largest_on_host
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.graph import full_recompute
     from megatrain.planner.request import PlanOptions
-    from megatrain.planner.search import PlanError, plan
+    from megatrain.planner.search import PlanError, largest_on_host, plan
 
     try:
         spec = hardware(args.hardware)
@@ -212,7 +211,8 @@ def _launch(args, cfg) -> int | None:
 
 def _train(args) -> int:
     from megatrain.data import DataError
-    from megatrain.train import resume_config, run
+    from megatrain.resume import resume_config
+    from megatrain.train import run
     from megatrain.train_config import TrainConfig, load_yaml
 
     try:
@@ -256,10 +256,8 @@ def _export(args) -> int:
 def _viz(args) -> int:
     from megatrain.ir import IRError, Schedule
     from megatrain.planner import hardware
-    from megatrain.planner.dump import plot, write_trace
+    from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, write_trace
     from megatrain.planner.simulate import Timeline, simulate
-
-    from megatrain.planner.dump import PLOT_EXTRA, can_plot
 
     if not can_plot():
         print(f"megatrain viz: {PLOT_EXTRA}", file=sys.stderr)

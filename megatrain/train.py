@@ -13,28 +13,17 @@ from pathlib import Path
 
 import torch
 
+from megatrain import train_report as report
 from megatrain.data import DataError
 from megatrain.export import save_tokenizer
 from megatrain.inputs import data_source, model_source, tokenizer_for
-from megatrain.rundir import (
-    PLAN_FILE,
-    RUN_FILE,
-    STATE_DIR,
-    RunDirectory,
-    StopSignals,
-    answering_signals,
-    holder,
-    remove_leftovers,
-    write_whole,
-)
+from megatrain.resume import last_state
+from megatrain.rundir import PLAN_FILE, RUN_FILE, STATE_DIR, RunDirectory, StopSignals, answering_signals, write_whole
 from megatrain.runtime import train_state
 from megatrain.saving import outlook, save_state, save_weights, weights_nbytes
 from megatrain.stages import Stages
 from megatrain.train_config import TrainConfig
 
-# what is trained on, and in which order
-RESUME_FIXED = ("model", "data", "batch", "seq", "vocab", "seed", "format", "columns", "packing", "eval_split",
-                "streaming")
 MAX_SKIPPED = 10  # with on_nonfinite "skip": this many steps in a row without an update stop the run
 
 
@@ -145,75 +134,18 @@ def freeze(model, patterns: list[str]) -> int:
     return len(hit)
 
 
-def _last_state(out: Path, cfg: TrainConfig) -> tuple[Path, int] | None:
-    """(run directory, step) of the newest training state this run can go on from: its own, else the one it
-    resumed from."""
-    for run_dir in (out, *((Path(cfg.resume),) if cfg.resume else ())):
-        try:
-            d = train_state.find(run_dir / STATE_DIR)
-            return run_dir, int(train_state.load_manifest(d / train_state.MANIFEST)["step"])
-        except (ValueError, OSError, KeyError, TypeError):
-            continue
-    return None
-
-
 def _nonfinite_message(step: int, stats, out: Path, cfg: TrainConfig, why: str) -> str:
     """What to say when a run stops on steps whose loss or gradient norm is not finite (none of them was applied):
     the step, and the training state to go on from."""
     what = " and ".join(f"{k} {v}" for k, v in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
                         if v is not None and not math.isfinite(v))
-    last = _last_state(out, cfg)
+    last = last_state(out, cfg)
     where = ("No training state was saved before it (--save-every N saves one every N steps)." if last is None else
              f"The last training state saved is step {last[1]}'s, in {last[0]}/{STATE_DIR}"
              + (" (the weights this step started from)" if last[1] == step - 1 else "")
              + f": go on from it with, e.g., a lower learning rate: megatrain train --resume {last[0]} --lr ...")
     return (f"step {step}: {what}; no update was applied, and the run stops ({why}); nothing more is saved "
             f"(metrics up to this step are in {out}/metrics.jsonl). {where}")
-
-
-def resume_config(run_dir: str, **overrides) -> TrainConfig:
-    """The config of the run in ``run_dir``, to go on from the training state it saved, with ``overrides``:
-    anything but what decides the model and the data stream (:data:`RESUME_FIXED`), e.g. more steps, another
-    learning rate, another plan. What runs killed there left behind (partial saves, superseded states, temporary
-    files) is removed. ``trust_remote_code`` comes from ``overrides`` alone, never from the run directory."""
-    d = Path(run_dir)
-    for need in (RUN_FILE, "tokenizer_config.json"):
-        if not (d / need).is_file():
-            raise ValueError(f"cannot resume from {d}: it holds no {need} (a run directory of megatrain train "
-                             f"that saved its training state has one)")
-    who = holder(d)
-    if who is not None:
-        raise ValueError(f"cannot resume from {d}: a megatrain train" + (f" (process {who})" if who else "")
-                         + " is training into it now; resume once it has stopped")
-    train_state.remove_stale(d / STATE_DIR)
-    remove_leftovers(d)
-    try:
-        state = train_state.find(d / STATE_DIR)
-    except ValueError as e:
-        raise ValueError(f"cannot resume from {d}: {e}") from None
-    fixed = [k for k in RESUME_FIXED if k in overrides]
-    if fixed:
-        raise ValueError(f"a resumed run trains the same model on the same data in the same order: "
-                         f"{', '.join(RESUME_FIXED)} cannot change, and {', '.join(fixed)} was given")
-    try:
-        began = json.loads((d / RUN_FILE).read_text())["config"]
-        began["warmup"] = TrainConfig(**began).warmup_steps  # as it was, whatever the steps become
-        began["trust_remote_code"] = False  # a run directory is data: only this command line may allow code
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot resume from {d}: its {RUN_FILE} does not hold a config this megatrain reads "
-                         f"({type(e).__name__}: {e})") from None
-    cfg = TrainConfig(**{**began, "out": None, **overrides, "resume": str(d)})
-    try:
-        done = train_state.load_manifest(state / train_state.MANIFEST).get("step")
-    except ValueError as e:
-        raise ValueError(f"cannot resume from {d}: {e}") from None
-    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
-        raise ValueError(f"cannot resume from {d}: {state / train_state.MANIFEST}: 'step' must be a count of steps "
-                         f"(an integer >= 0), got {done!r}")
-    if done >= cfg.steps:
-        raise ValueError(f"{d} already took {done} of its {cfg.steps} steps: pass --steps N with N > {done} to go "
-                         f"further")
-    return cfg
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -340,7 +272,6 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
                                             "data_sha256": data.digest}, indent=1))
     write_whole(out / "schedule.txt", schedule.to_text())
     write_whole(out / PLAN_FILE, sm.run_plan(schedule).to_json())
-    c = schedule.config
     timeline = simulate(schedule, sm.graph_for(schedule), sm.hardware)
     if can_plot():  # matplotlib is an extra (megatrain[plot]); schedule.txt says the same in text
         plot([timeline], out / "schedule.png",
@@ -353,16 +284,10 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
     lead = dp is None or dp.rank == 0  # the process that writes the weights and the state
     saves = outlook(sm, out, timeline.steady_step_s, weights_nbytes(sm, dtype))[0] if lead else ""
     n_params = sm.graph.n_params
-    print(f"megatrain train: {cfg.model} ({n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on {sm.device}, "
-          f"{model.describe()}, {tok_from} ({len(tok):,} tokens); {data.description}; {cfg.steps} steps x "
-          f"{cfg.batch} x {cfg.seq} tokens, {cfg.mb} micro-batches, {_schedule_text(cfg)}"
-          + (f", {_frozen_text(sm)}" if sm.captured.frozen else "") + f"; plan: {c.weight_slots} "
-          f"weight slots, {len(c.gpu_opt)} layers updated on the device ({len(c.resident_opt)} keeping their state "
-          f"there), {len(c.grad_kept)} keeping their gradients there until the update, {len(c.saved_acts)} keeping "
-          f"their activations ({_planned_text(sm, schedule, cfg)}); host {_host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")
-          + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/", flush=True)
+    print(report.header(cfg, sm, schedule, model.describe(), f"{tok_from} ({len(tok):,} tokens)", data.description,
+                        saves, out), flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
-    meter = _Meter(sm, cfg, out)
+    meter = report.Meter(sm, cfg, out)
     log = (out / "metrics.jsonl").open("w")
     history, skipped, in_row, evals = [], 0, 0, []
     saved_at, save_s, refused = None, [], None  # refused: why a state could not be saved (the disk)
@@ -455,8 +380,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
         **({"eval_loss": evals[-1]["eval_loss"], "eval_losses": [(e["step"], e["eval_loss"]) for e in evals]}
            if evals else {}),
         "export_s": export_s, "state_save_s": save_s, **({"state_refused": refused} if refused else {}),
-        "host_planned_gib": _host_planned(sm, schedule) / 2**30, "host_rss_peak_run_gib": stages.peak_rss_gib,
-        "device_planned_gib": _device_planned(sm, schedule) / 2**30,
+        "host_planned_gib": report.host_planned(sm, schedule) / 2**30, "host_rss_peak_run_gib": stages.peak_rss_gib,
+        "device_planned_gib": report.device_planned(sm, schedule) / 2**30,
         "stages": stages.record,
         "config": dataclasses.asdict(cfg),
     }
@@ -465,7 +390,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
         summary["exit_code"] = signals.exit_code
     write_whole(out / "summary.json", json.dumps(summary, indent=1))
     if refused is not None:
-        last = _last_state(out, cfg)
+        last = last_state(out, cfg)
         raise ValueError(f"{refused}; the run stops after step {sm.step}, whose weights are in {out}/ "
                          f"(from_pretrained reads them); "
                          + (f"the last training state saved is step {last[1]}'s, in {last[0]}/{STATE_DIR}"
@@ -488,111 +413,6 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
              + (f", and {summary['device_planned_gib']:.2f} of device memory, which on the CPU is host memory too"
                 if sm.device.type == "cpu" else "") + ")" if stages.peak_rss_gib else "") + f"; {files}")
     return summary
-
-
-class _Meter:
-    """Per-step figures besides the loss: on a GPU, model FLOPs utilization against the planner's hardware spec
-    (its measured matmul rate; the cpu spec's rate is a placeholder, not a measurement, so there is none on the CPU)
-    and the GPU's peak allocation in the step; host memory resident; and the TensorBoard writer, where asked for."""
-
-    def __init__(self, sm, cfg: TrainConfig, out: Path):
-        self.sm = sm
-        self.tokens_per_step = cfg.batch * cfg.seq
-        self.flops = sm.graph.train_flops(self.tokens_per_step, cfg.seq)
-        self.rate = sm.hardware.matmul_flops_per_s
-        self.cuda = sm.device.type == "cuda"
-        self.host_peak = self.gpu_peak = 0.0
-        self.tb = None
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out / "tensorboard"))
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(sm.device)
-
-    def step(self, seconds: float) -> dict:
-        from megatrain.runtime.store import host_rss_bytes
-
-        rec = {"mfu": self.flops / seconds / self.rate if seconds > 0 else 0.0} if self.cuda else {}
-        rss = host_rss_bytes()
-        if rss is not None:
-            rec["host_rss_gib"] = rss / 2**30
-            self.host_peak = max(self.host_peak, rec["host_rss_gib"])
-        if self.cuda:
-            rec["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.sm.device) / 2**30
-            self.gpu_peak = max(self.gpu_peak, rec["gpu_peak_gib"])
-            torch.cuda.reset_peak_memory_stats(self.sm.device)
-        return rec
-
-    def write(self, rec: dict) -> None:
-        if self.tb is not None:
-            for k, v in rec.items():
-                if k not in ("step", "skipped") and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{'eval' if k.startswith('eval') else 'train'}/{k}", v, rec["step"])
-
-    def summary(self, tokens_per_s: float) -> dict:
-        out = {"host_rss_peak_gib": self.host_peak}
-        if self.cuda:
-            out.update(mfu=tokens_per_s / self.tokens_per_step * self.flops / self.rate,
-                       mfu_against_flops_per_s=self.rate, gpu_peak_gib=self.gpu_peak)
-        return out
-
-    def postfix(self, rec: dict) -> dict:
-        return {"mfu": f"{rec['mfu']:.1%}", "gpu": f"{rec['gpu_peak_gib']:.1f}G"} if "mfu" in rec else {}
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
-def _planned_text(sm, schedule, cfg) -> str:
-    """Where the plan came from and how long that took."""
-    if sm.run_plan(schedule).from_cache:
-        return f"the plan {cfg.resume} took, not searched again ({sm.planned_s:.1f} s)"
-    return f"searched in {sm.planned_s:.1f} s"
-
-
-def _host_planned(sm, schedule) -> int:
-    """The host bytes the plan counts for the whole run (the store, its buffers, the process, the stages)."""
-    from megatrain.planner.cost import host_memory
-
-    return sum(host_memory(sm.graph_for(schedule), schedule).values())
-
-
-def _device_planned(sm, schedule) -> int:
-    """The device bytes the plan reserves (slots, kept weights, saved activations, workspaces)."""
-    from megatrain.planner.cost import device_memory
-
-    return device_memory(sm.graph_for(schedule), schedule).total_nbytes
-
-
-def _host_text(sm, schedule) -> str:
-    from megatrain.planner.cost import host_memory
-
-    host = host_memory(sm.graph_for(schedule), schedule)
-    # the process's own (libraries, Python) and its reads and writes of weights, whatever the model's size
-    process = host.pop("process", 0) + host.pop("stages", 0)
-    model = sum(host.values())
-    spec = sm.hardware
-    taken = sm.run_plan(schedule).margin_taken
-    where = "this machine has available" if sm.measure_host else "the hardware spec gives"
-    return (f"{(model + process) / 2**30:.2f} GiB ({model / sm.graph.n_params:.1f} bytes per parameter, and "
-            f"{process / 2**30:.1f} GiB for the process itself and its reads and writes) of the "
-            f"{spec.host_bytes / 2**30:.2f} GiB {where}"
-            + (f", {spec.host_margin / 2**30:.2f} GiB of it left free" if spec.host_margin else "")
-            + (f" ({taken})" if taken else ""))
-
-
-def _schedule_text(cfg: TrainConfig) -> str:
-    o = cfg.optim_config()
-    end = f" to {o.min_lr:g}" if o.schedule_name in ("cosine_with_min_lr", "warmup_stable_decay") else ""
-    return f"lr {o.lr:g} ({o.warmup_steps} warmup steps, then {o.schedule_name}{end})"
-
-
-def _frozen_text(sm) -> str:
-    names = sm.captured.model_param_names
-    n = sum(math.prod(names[p][2]) for p in sm.captured.frozen)
-    return f"{len(sm.captured.frozen)} parameters frozen ({n / 1e6:.2f}M weights)"
 
 
 def _evaluate(sm, rows, batch: int, log, dp=None) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain import api
+from megatrain import compiler
 from megatrain.capture import capture
 from megatrain.planner.hardware import HOST_MARGIN_SHARE, PRESETS
 from megatrain.runtime.store import available_host_bytes, store_nbytes
@@ -28,7 +28,7 @@ def _no_store(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the host store was allocated")
 
-    monkeypatch.setattr(api, "HostStore", refuse)
+    monkeypatch.setattr(compiler, "HostStore", refuse)
 
 
 def test_store_bytes_are_three_fp32_rows_per_parameter():
@@ -45,7 +45,7 @@ def test_a_model_larger_than_host_memory_is_refused_before_the_store(monkeypatch
     model = _meta_model(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, vocab_size=32000,
                         num_attention_heads=32, num_key_value_heads=32)  # Llama-2-7B's shape, on meta
     n = sum(p.numel() for p in model.parameters())
-    monkeypatch.setattr(api, "available_host_bytes", lambda: 64 * GiB)  # 12 x 6.74B = 75.3 GiB
+    monkeypatch.setattr(compiler, "available_host_bytes", lambda: 64 * GiB)  # 12 x 6.74B = 75.3 GiB
     _no_store(monkeypatch)
     with pytest.raises(ValueError) as e:
         megatrain.compile(model, device="cpu", init_seed=0)
@@ -62,11 +62,11 @@ def test_the_limit_is_exact_and_the_plan_gets_this_machines_host_memory(monkeypa
     # the least available memory whose share a plan may take (all but the margin) holds the store
     least = next(a for a in range(int(need / (1 - HOST_MARGIN_SHARE)) - 2, 2 * need)
                  if dataclasses.replace(PRESETS["cpu"], host_bytes=a).host_plan_bytes >= need)
-    monkeypatch.setattr(api, "available_host_bytes", lambda: least - 1)
+    monkeypatch.setattr(compiler, "available_host_bytes", lambda: least - 1)
     with pytest.raises(ValueError, match=r"host memory: the host store of this model needs .* more than the .* this "
                                          r"machine has available less the .* a plan leaves free"):
         megatrain.compile(model, device="cpu")
-    monkeypatch.setattr(api, "available_host_bytes", lambda: least)
+    monkeypatch.setattr(compiler, "available_host_bytes", lambda: least)
     sm = megatrain.compile(model, device="cpu")
     assert sm.hardware.host_bytes == least  # what the planner checks host checkpoints against (less the margin)
     assert sm.hardware.host_margin == int(least * HOST_MARGIN_SHARE)

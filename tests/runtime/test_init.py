@@ -99,7 +99,7 @@ def test_a_bad_checkpoint_is_refused_from_its_headers_before_the_store(tmp_path,
 
     from safetensors.torch import save_file
 
-    from megatrain import api
+    from megatrain import compiler
 
     from .models import hf_model
 
@@ -110,7 +110,7 @@ def test_a_bad_checkpoint_is_refused_from_its_headers_before_the_store(tmp_path,
     def refuse(*a, **k):
         raise AssertionError("the host store was allocated")
 
-    monkeypatch.setattr(api, "HostStore", refuse)
+    monkeypatch.setattr(compiler, "HostStore", refuse)
     cases = {
         "truncated": (blob[:1000], ValueError, "model.safetensors is not a whole safetensors file"),
         "cut": (blob[:-100], ValueError, r"model.safetensors: tensor '.*' is not described as a safetensors tensor"),

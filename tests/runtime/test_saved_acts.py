@@ -132,7 +132,7 @@ def test_the_saved_bytes_probe_leaves_nothing_alive(monkeypatch):
 def test_a_budget_larger_than_the_device_is_refused(monkeypatch):
     """Plans fill the budget (saved activations take what the rest leaves): a spec for a larger card than the one
     present is refused at compile, before anything is allocated, naming both sizes."""
-    from megatrain import api
+    from megatrain import compiler
     from megatrain.planner.hardware import PRESETS
 
     GiB = 1 << 30
@@ -141,8 +141,8 @@ def test_a_budget_larger_than_the_device_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "an 80 GiB card")
     with pytest.raises(ValueError, match=r"'h200' plans for 135.10 GiB.*an 80 GiB card \(cuda:0\) has 72.00 GiB "
                                          r"available of 80.00 GiB"):
-        api._check_device_memory(torch.device("cuda:0"), PRESETS["h200"])
-    api._check_device_memory(torch.device("cuda:0"), dataclasses.replace(PRESETS["h200"], gpu_bytes=75 * GiB))
+        compiler._check_device_memory(torch.device("cuda:0"), PRESETS["h200"])
+    compiler._check_device_memory(torch.device("cuda:0"), dataclasses.replace(PRESETS["h200"], gpu_bytes=75 * GiB))
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])

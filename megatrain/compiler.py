@@ -4,6 +4,7 @@ store, and return the :class:`~megatrain.api.StreamedModel` that trains it strea
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -86,6 +87,9 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         raise ValueError("streams=True needs a CUDA device")
     dp = _data_parallel(cap, opts, use_streams)
     store = _filled_store(model, cap, need, dev, dp, checkpoint, init_seed, state)
+    if dev.type == "cuda":  # autograd's device thread takes the primary context at its first GEMM, and torch says
+        # so once per thread (a warning a user could take for a fault)
+        warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context")
     if dev.type == "cuda" and opts.device_budget_gib is not None:  # the caching allocator keeps to the budget too,
         # with the spec's reserve for its rounding and fragmentation: the run behaves as on a card whose plans
         # fill the budget (measured: 2.5 GiB reserved and unallocated at a 48 GiB budget)

@@ -207,6 +207,18 @@ def test_references_outside_a_model_directory_are_refused(tmp_path, run, capsys)
     capsys.readouterr()
     _one_line(capsys, "tokenizer_config.json: tokenizer_file names '../elsewhere/tokenizer.json', a file outside",
               got=main(["train", "--model", str(model), *TINY, "--out", str(tmp_path / "o")]))
+    # a safetensors index naming a shard beside the directory (which exists there, so only the confinement stops it)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "other").mkdir()
+    (model / "model.safetensors").rename(tmp_path / "other" / "model.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "other" / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "../other/model.safetensors" for n in names}}))
+    _one_line(capsys, "its weight_map names '../other/model.safetensors', which is not a file in",
+              got=main(["train", "--model", str(model), *TINY, "--out", str(tmp_path / "o2")]))
 
 
 def test_leftovers_of_killed_runs_are_removed_on_the_next_start(tmp_path, run, capsys):

@@ -71,7 +71,8 @@ def _plan(args) -> int:
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.graph import full_recompute
     from megatrain.planner.request import PlanOptions
-    from megatrain.planner.search import PlanError, largest_on_host, plan
+    from megatrain.planner.limits import largest_on_host
+    from megatrain.planner.search import PlanError, plan
 
     try:
         spec = hardware(args.hardware)

@@ -16,7 +16,7 @@ from megatrain.capture import Captured, capture
 from megatrain.layout import fmt_bytes
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.request import PlanOptions
-from megatrain.planner.search import GiB
+from megatrain.planner.limits import GiB
 from megatrain.runtime import train_state
 from megatrain.runtime.checkpoint import check_checkpoint
 from megatrain.runtime.data_parallel import DataParallel

@@ -1,9 +1,14 @@
-"""Checks of a schedule config's decisions that the passes which build from it and the verifier both make: a decision
-the graph or the other decisions rule out is refused with the rule it breaks."""
+"""The error of a request that cannot be planned, and the checks of a schedule config's decisions that both the
+passes which build from it and the verifier make: a decision the graph or the other decisions rule out is refused
+with the rule it breaks."""
 
 from __future__ import annotations
 
 from megatrain.ir import LayerGraph, ScheduleConfig
+
+
+class PlanError(ValueError):
+    """The request cannot be planned; the message names the limit and the numbers."""
 
 
 def check_grad_kept(graph: LayerGraph, cfg: ScheduleConfig) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from megatrain.planner.search import LONG_SEQ, check_resident
+from megatrain.planner.choices import LONG_SEQ, check_resident
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,10 +18,10 @@ class PlanOptions:
     # every layer's weights still there from the forward and each layer is loaded once per step; "auto": the
     # search's choice (2, 3 or all)
     grad_slots: int | str = "auto"  # device fp32 gradient slots; "auto": 2, or the search's 1 or 2 for sequences of
-    # search.LONG_SEQ tokens and more
+    # choices.LONG_SEQ tokens and more
     host_checkpoints: int | str = "auto"  # layers (from the first block up) whose checkpoints wait on the host;
     # "auto": on a GPU the search's choice of all on the device or all on the host, on the CPU none; for sequences
-    # of search.LONG_SEQ tokens or more also the search's split (long checkpoints)
+    # of choices.LONG_SEQ tokens or more also the search's split (long checkpoints)
     gpu_opt_every: int | str | None = None  # every k-th layer (of those owning weights) is updated on the GPU;
     # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search);
     # None: the device's default (DEVICE_DEFAULTS: "auto" on a GPU, 0 on the CPU)
@@ -30,13 +30,13 @@ class PlanOptions:
     # "auto": the search's choice of the two
     saved_acts: int | str = "auto"  # layers whose forward keeps its activations on the device so that their
     # backward does not recompute it: a count (the last ones), or "auto": as many as the device memory the plan
-    # leaves free holds (see megatrain.planner.search.saved_act_layers)
+    # leaves free holds (see megatrain.planner.choices.saved_act_layers)
     resident_opt: int | str = "auto"  # of the layers updated on the GPU, how many (the first ones) keep their
     # master weights and moments there between steps instead of sending them to the host and back every step
-    # (state_dict() writes them back); "auto": the simulation's choice (see megatrain.planner.search.resident_sets)
+    # (state_dict() writes them back); "auto": the simulation's choice (see megatrain.planner.choices.resident_sets)
     grad_kept: int | str = "auto"  # of the layers updated on the host, how many (the first ones) keep their
     # gradient on the device until the update pass instead of in a host buffer of their own (with clipping); "auto":
-    # as many as the device memory holds, before saved activations (see megatrain.planner.search.with_grad_kept)
+    # as many as the device memory holds, before saved activations (see megatrain.planner.choices.with_grad_kept)
     grad_host_dtype: str = "fp32"  # "bf16" allows gradients to go to the host in bf16 where no plan with fp32 ones
     # fits the host memory
     host_budget_gib: float | None = None  # host memory the plan may use (the store, its buffers and host
@@ -47,7 +47,7 @@ class PlanOptions:
     split_opt: int | str | None = None  # of the layers updated on the host, how many have their update done on
     # the GPU instead, in the update pass after the backward (with clipping), their master weights and moments
     # streamed over PCIe in parts, next to the host's updates of the others; "auto": the simulation's choice (see
-    # megatrain.planner.search.split_sets); None: the device's default (as gpu_opt_every)
+    # megatrain.planner.choices.split_sets); None: the device's default (as gpu_opt_every)
     opt_part: int | None = None  # elements of one part of a split update's state (None: the planner's SPLIT_PART)
     device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
     # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),

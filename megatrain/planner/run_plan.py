@@ -19,7 +19,8 @@ from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, setup_schedule, write_back_schedule
 from megatrain.planner.request import PlanOptions
-from megatrain.planner.search import MAX_MB_TOKENS, SEQ_TILES, plan
+from megatrain.planner.choices import SEQ_TILES
+from megatrain.planner.search import MAX_MB_TOKENS, plan
 from megatrain.planner.verify import verify
 
 

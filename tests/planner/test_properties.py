@@ -11,7 +11,8 @@ from megatrain.planner.cost import device_memory, host_memory
 from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule, setup_schedule
-from megatrain.planner.search import (PlanError, device_update_sets, plan, saved_act_layers, unsaved,
+from megatrain.planner.choices import unsaved
+from megatrain.planner.search import (PlanError, device_update_sets, plan, saved_act_layers,
                                       with_saved_acts)
 from megatrain.planner.critical import critical_path
 from megatrain.planner.simulate import bound, simulate
@@ -280,7 +281,7 @@ def test_the_smallest_plan_checked_first_tiles_as_the_search_would():
     """The check before the search assumes tiles only where the search tries them (micro-batches of LONG_SEQ tokens
     or more): a 65,536-token sequence is refused untiled, a 524,288-token one with 16,384-token tiles."""
     from megatrain.planner.graph import preset
-    from megatrain.planner.search import LONG_SEQ, SEQ_TILES, tile_choices
+    from megatrain.planner.choices import LONG_SEQ, SEQ_TILES, tile_choices
 
     assert tile_choices(LONG_SEQ // 2) == [0] and tile_choices(LONG_SEQ) == [0, *SEQ_TILES]
     g = preset("qwen2.5-7b")

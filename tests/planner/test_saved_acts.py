@@ -9,7 +9,8 @@ from megatrain.planner.cost import compute_flops, compute_traffic_nbytes, device
 from megatrain.planner.graph import PRESETS, from_config, preset
 from megatrain.planner.hardware import PRESETS as HW
 from megatrain.planner.passes import build_schedule
-from megatrain.planner.search import SAVED_FILL, PlanError, plan, saved_act_layers, with_saved_acts
+from megatrain.planner.choices import SAVED_FILL
+from megatrain.planner.search import PlanError, plan, saved_act_layers, with_saved_acts
 from megatrain.planner.simulate import bound, simulate
 from megatrain.planner.verify import ScheduleError, verify
 

@@ -12,7 +12,9 @@ from megatrain.planner.cost import gemm_workspace_nbytes, host_memory, slot_para
 from megatrain.planner.graph import LayerGraph, preset
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule, relabel_saved
-from megatrain.planner.search import candidates, plan, unsaved, with_saved_acts
+from megatrain.planner.choices import unsaved
+from megatrain.planner.limits import min_device_nbytes
+from megatrain.planner.search import candidates, plan, with_saved_acts
 from megatrain.planner.simulate import simulate
 from megatrain.planner.verify import ScheduleError, verify
 
@@ -139,7 +141,7 @@ def test_cublas_workspaces_are_counted_within_the_budget():
     assert [(t, b + GEMM_THREADS * ws) for t, b in curve] == p.timeline.memory  # held throughout
     assert p.timeline.peak_nbytes <= mem.total_nbytes
     with pytest.raises(search.PlanError, match=r"cuBLAS workspaces 0.06 GiB"):
-        plan(G, spec, **REQUEST, budget_bytes=search._min_device_nbytes(
+        plan(G, spec, **REQUEST, budget_bytes=min_device_nbytes(
             G, dataclasses.replace(p.schedule.config, weight_slots=1, grad_slots=1)) // 4, **FIXED)
 
 

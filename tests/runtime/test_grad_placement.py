@@ -11,7 +11,7 @@ import torch
 from megatrain.layout import HOST_UPDATE_CHUNK
 from megatrain.planner.cost import host_memory
 from megatrain.planner.hardware import PRESETS
-from megatrain.planner.search import grad_kept_eligible
+from megatrain.planner.choices import grad_kept_eligible
 
 from .models import TinyGPT, compile_cpu, hf_model, record_grads
 from .test_parity import OPT, batches, check, reference_train

@@ -24,12 +24,7 @@ from megatrain.runtime.kernel_rewrite import can_keep_less
 from megatrain.runtime.ops import IGNORE_INDEX
 from megatrain.runtime.optim import HostAdamW, OptimConfig
 from megatrain.runtime.step_order import Successions
-from megatrain.runtime.store import (
-    HostStore,
-    available_host_bytes,
-    grad_host_dtype,
-    progress_bar,
-)
+from megatrain.runtime.store import HostStore, available_host_bytes, grad_host_dtype, progress_bar
 
 # Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)
 SAVED_PROBE_TOKENS = (256, 512)

@@ -22,12 +22,7 @@ from megatrain.runtime.checkpoint import check_checkpoint
 from megatrain.runtime.data_parallel import DataParallel
 from megatrain.runtime.init import init_seeded
 from megatrain.runtime.optim import OptimConfig
-from megatrain.runtime.store import (
-    HostStore,
-    available_host_bytes,
-    progress_bar,
-    store_nbytes,
-)
+from megatrain.runtime.store import HostStore, available_host_bytes, progress_bar, store_nbytes
 
 
 def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed: int | None = None,

@@ -4,7 +4,8 @@
 the traced graph into layers and templates.
 """
 
-from megatrain.capture.layers import Captured, ParamRef, Segment, capture, meta_copy
+from megatrain.capture.layers import Captured, ParamRef, Segment, capture
+from megatrain.capture.meta import meta_copy
 from megatrain.capture.tracer import CaptureError
 
 __all__ = ["Captured", "CaptureError", "ParamRef", "Segment", "capture", "meta_copy"]

@@ -19,10 +19,8 @@ The user's model is only read.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
-import inspect
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,23 +31,12 @@ from torch import nn
 
 from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks
+from megatrain.capture.meta import block_buffers_as_parameters, materialize_meta_buffers, meta_copy
 from megatrain.capture.params import no_decay_names, router_aux_of
-from megatrain.capture.tracer import (
-    CaptureError,
-    Root,
-    is_mask_builder,
-    takes_positions,
-    trace,
-)
+from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
 from megatrain.ir import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
-from megatrain.planner.graph import (
-    DecoderShape,
-    latent_attention,
-    layer_costs,
-    moe_block,
-    moe_of,
-)
+from megatrain.planner.graph import DecoderShape, latent_attention, layer_costs, moe_block, moe_of
 
 
 @dataclass
@@ -113,70 +100,6 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A structural copy whose parameters live on the meta device (no weight memory); buffers are copied."""
-    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            for p in module.parameters()}
-    return copy.deepcopy(module, memo)
-
-
-def _materialize_meta_buffers(module: nn.Module) -> None:
-    """Buffers of a model built on the meta device (rotary tables, embedding scales) hold no values; rebuild each
-    owning module from its config on the CPU and take its buffers, or a scalar buffer from the number the module
-    keeps beside it (HF's scaled embeddings: ``embed_scale`` and ``scalar_embed_scale``). A module that keeps no
-    config of its own but is built from one (DeepSeek-V3's router: ``e_score_correction_bias``) is rebuilt from the
-    model's."""
-    root_config = getattr(module, "config", None)
-    for name, mod in module.named_modules():
-        meta = [b for b, t in mod._buffers.items() if t is not None and t.is_meta]
-        for b in list(meta):
-            value = getattr(mod, f"scalar_{b}", None)
-            if mod._buffers[b].dim() == 0 and isinstance(value, (int, float)) and not isinstance(value, bool):
-                mod._buffers[b] = torch.tensor(value, dtype=mod._buffers[b].dtype)
-                meta.remove(b)
-        if not meta:
-            continue
-        config = getattr(mod, "config", None)
-        if config is None and root_config is not None and _built_from_config(type(mod)):
-            config = root_config
-        if config is None:
-            raise CaptureError(f"buffers {meta} of '{name}' ({type(mod).__name__}) are on the meta device and the "
-                               f"module has no config to rebuild them from; build the model with real buffers")
-        with torch.device("cpu"):
-            fresh = type(mod)(config=config)
-        for b in meta:
-            mod._buffers[b] = fresh._buffers[b]
-
-
-def _block_buffers_as_parameters(block_list: nn.ModuleList) -> None:
-    """The decoder blocks' persistent floating-point buffers (DeepSeek-V3's router bias, ``e_score_correction_bias``)
-    made frozen parameters of their blocks, in place: a checkpoint holds one per layer, and the blocks run through
-    one shared template, which binds a layer's parameters alone. As parameters they live in the store with the
-    layer's weights (4 bytes each, no moments: they do not train; the model's forward reads them as before) and
-    load, save and export under their names."""
-    for blk in block_list:
-        persistent = set(blk.state_dict(keep_vars=True))
-        for path, mod in blk.named_modules():
-            for b, t in list(mod._buffers.items()):
-                name = f"{path}.{b}" if path else b
-                if t is None or not t.is_floating_point() or name not in persistent:
-                    continue
-                del mod._buffers[b]
-                mod.register_parameter(b, nn.Parameter(t, requires_grad=False))
-
-
-def _built_from_config(cls: type) -> bool:
-    """Whether ``cls(config=...)`` is how the class is built: its constructor takes a config and nothing else it
-    needs."""
-    try:
-        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return False
-    need = [p.name for p in params if p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return need == ["config"]
-
-
 def _structure_key(mod: nn.Module) -> str:
     parts = [type(mod).__qualname__]
     for name, sub in mod.named_modules():
@@ -236,14 +159,14 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     (or its path), where :func:`~megatrain.capture.blocks.find_blocks` would not find it. Raises
     :class:`CaptureError` naming what was not understood."""
     hf = hasattr(model, "config") and hasattr(model, "get_output_embeddings")
-    _block_buffers_as_parameters(find_blocks(model, blocks)[1])
+    block_buffers_as_parameters(find_blocks(model, blocks)[1])
     if any(b.is_meta for b in model.buffers()):
         # built on the meta device: constants the trace computes from buffers (a scale cast to the compute dtype)
         # need their values, so a copy with its buffers rebuilt is traced
         if isinstance(blocks, nn.ModuleList):
             blocks = next((n for n, m in model.named_modules() if m is blocks), blocks)
         model = meta_copy(model)
-        _materialize_meta_buffers(model)
+        materialize_meta_buffers(model)
     blocks_name, block_list = find_blocks(model, blocks)
     # the router loss is the runtime's (runtime.router_aux): the trace takes the forward without it (HF's would
     # compute it from router logits that the blocks, traced as leaves, do not record)
@@ -304,7 +227,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     if any(n.op == "placeholder" for n in epilogue):
         raise CaptureError(f"{type(model).__name__}: the head reads the model's inputs directly")
     meta_model = meta_copy(model)
-    _materialize_meta_buffers(meta_model)
+    materialize_meta_buffers(meta_model)
     meta_root = Root(meta_model, hf)
     for n in graph.nodes:  # tensors the trace made constants (a dtype known while tracing makes torch.tensor(x,
         # dtype=...) a value): on the root the layers' graphs are built over

@@ -25,17 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatrain.ir import (
-    OUTLIVING_POOLS,
-    SLOT_POOL,
-    Carried,
-    LayerGraph,
-    Op,
-    OpKind,
-    Schedule,
-    Stream,
-    op_contents,
-)
+from megatrain.ir import OUTLIVING_POOLS, SLOT_POOL, Carried, LayerGraph, Op, OpKind, Schedule, Stream, op_contents
 
 
 def _buffers(op: Op):

@@ -8,24 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.ir import (
-    POOLS,
-    Op,
-    OpKind,
-    Schedule,
-    ScheduleConfig,
-    Stream,
-    op_params,
-    slot_params,
-)
-from megatrain.layout import (
-    GRAD_BYTES,
-    HOST_UPDATE_CHUNK,
-    IO_CHUNK_BYTES,
-    LOSS_CHUNK_TOKENS,
-    fmt_bytes,
-    store_bytes,
-)
+from megatrain.ir import POOLS, Op, OpKind, Schedule, ScheduleConfig, Stream, op_params, slot_params
+from megatrain.layout import GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, LOSS_CHUNK_TOKENS, fmt_bytes, store_bytes
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 

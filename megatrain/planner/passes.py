@@ -11,38 +11,14 @@ import os
 from collections import defaultdict
 from dataclasses import replace
 
-from megatrain.ir import (
-    LayerGraph,
-    Op,
-    OpKind,
-    Schedule,
-    ScheduleConfig,
-    Stream,
-    resident_slots,
-)
+from megatrain.ir import LayerGraph, Op, OpKind, Schedule, ScheduleConfig, Stream, resident_slots
 from megatrain.planner.carried import unroll
 from megatrain.planner.checks import check_grad_kept, check_split_opt
 from megatrain.planner.cost import defers_head_store
-from megatrain.planner.op_edits import (
-    CPU,
-    D2H,
-    H2D,
-    C,
-    Ids,
-    add_deps,
-    by_compute_key,
-    compute_key,
-    finalize,
-    insert_after,
-)
-from megatrain.planner.slot_passes import (
-    PREFETCH_LAYERS,
-    assign_activation_slots,
-    assign_grad_slots,
-    assign_host_grad_slots,
-    assign_opt_slots,
-    assign_weight_slots,
-)
+from megatrain.planner.op_edits import (CPU, D2H, H2D, C, Ids, add_deps, by_compute_key, compute_key, finalize,
+                                        insert_after)
+from megatrain.planner.slot_passes import (PREFETCH_LAYERS, assign_activation_slots, assign_grad_slots,
+                                           assign_host_grad_slots, assign_opt_slots, assign_weight_slots)
 
 
 def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:

@@ -14,31 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.ir import (
-    QUEUES,
-    SLOT_POOL,
-    STREAM_ORDER,
-    Op,
-    OpKind,
-    Queue,
-    Schedule,
-    Stream,
-    Timeline,
-    issue_preds,
-    queue_of,
-    resident_slots,
-)
+from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, Stream, Timeline, issue_preds,
+                          queue_of, resident_slots)
 from megatrain.layout import OPT_STATE_ROWS
-from megatrain.planner.cost import (
-    POOLS,
-    device_memory,
-    duration_s,
-    host_memory,
-    saved_nbytes,
-    slot_sizes,
-    transfer_nbytes,
-    workspace_nbytes,
-)
+from megatrain.planner.cost import (POOLS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
+                                    transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 

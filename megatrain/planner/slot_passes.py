@@ -8,25 +8,9 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Callable
 
-from megatrain.ir import (
-    LayerGraph,
-    Op,
-    OpKind,
-    Schedule,
-    ScheduleConfig,
-)
+from megatrain.ir import LayerGraph, Op, OpKind, Schedule, ScheduleConfig
 from megatrain.planner.cost import grad_slot_count, weights_kept
-from megatrain.planner.op_edits import (
-    CPU,
-    D2H,
-    H2D,
-    C,
-    Ids,
-    add_deps,
-    edit,
-    insert_after,
-    opt_owner,
-)
+from megatrain.planner.op_edits import CPU, D2H, H2D, C, Ids, add_deps, edit, insert_after, opt_owner
 
 
 def _opt_uses(graph: LayerGraph, resident: set[int]) -> Callable[[Op], list[tuple[str, tuple, bool]]]:

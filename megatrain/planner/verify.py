@@ -11,29 +11,10 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from megatrain.ir import (
-    KIND_STREAMS,
-    QUEUES,
-    SLOT_POOL,
-    Op,
-    OpKind,
-    Schedule,
-    Stream,
-    initial_contents,
-    issue_preds,
-    op_contents,
-    queue_of,
-    resident_slots,
-    setup_ops,
-)
+from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, initial_contents, issue_preds,
+                          op_contents, queue_of, resident_slots, setup_ops)
 from megatrain.planner.checks import check_grad_kept, check_split_opt
-from megatrain.planner.cost import (
-    POOLS,
-    device_memory,
-    fmt_bytes,
-    grad_slot_count,
-    host_memory,
-)
+from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 

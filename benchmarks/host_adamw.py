@@ -25,7 +25,7 @@ from megatrain.layout import HOST_UPDATE_CHUNK
 
 def blocks(layers: int, numel: int, pinned: bool) -> list[torch.Tensor]:
     """``layers`` (4, numel) fp32 blocks: master, exp_avg, exp_avg_sq, gradient."""
-    from megatrain.runtime.store import pinned_zeros
+    from megatrain.runtime.memory.store import pinned_zeros
 
     out = []
     for _ in range(layers):
@@ -64,7 +64,7 @@ def optimizers(bs: list[torch.Tensor], chunk: int) -> list[tuple[torch.optim.Ada
 def native_all(bs: list[torch.Tensor], chunk: int, mode: int, threads: int | None, scale: float | None) -> float:
     """Seconds for one update of every block by megatrain's host kernel (``cpu_adamw``) in ``mode``, a chunk at a
     time, in the calling thread."""
-    from megatrain.runtime import cpu_adamw
+    from megatrain.runtime.optim import cpu_adamw
 
     t = time.perf_counter()
     for b in bs:
@@ -100,7 +100,7 @@ class Traffic:
 
     def __init__(self, gib: float, h2d: bool, d2h: bool):
         n = int(gib * (1 << 30)) // 4
-        from megatrain.runtime.store import pinned_zeros
+        from megatrain.runtime.memory.store import pinned_zeros
 
         self.host = [pinned_zeros(n), pinned_zeros(n)]
         self.dev = [torch.empty(n, device="cuda"), torch.empty(n, device="cuda")]
@@ -168,7 +168,7 @@ def main():
               + (f"  copies {', '.join(f'{k} {v:.1f} GB/s' for k, v in gbps.items())}" if gbps else ""), flush=True)
 
     if args.native_only:
-        from megatrain.runtime import cpu_adamw
+        from megatrain.runtime.optim import cpu_adamw
 
         cpu_adamw.library()
         print(f"host kernel: form {cpu_adamw._form} (torch's fused AdamW reproduced bit for bit)", flush=True)

@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from megatrain.runtime.device import DeviceState
+from megatrain.runtime.memory.device import DeviceState
 
 
 def run(variant: str, part_params: int, rows: list, dev_rows: list, src: torch.Tensor, dst: torch.Tensor,

@@ -263,7 +263,7 @@ def host_kernel(value: str) -> bool:
     if value not in ("native", "torch"):
         raise argparse.ArgumentTypeError(f"host_kernel is native or torch, got {value!r}")
     if value == "native":
-        from megatrain.runtime import cpu_adamw
+        from megatrain.runtime.optim import cpu_adamw
 
         cpu_adamw.library()
     return value == "native"
@@ -343,7 +343,6 @@ def chat_rows(vocab: int, seq: int, n_rows: int, seed: int = 0):
 def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     from megatrain.ir import ScheduleConfig
     from megatrain.planner.dump import plot, write_trace
-    from megatrain.planner.hardware import PRESETS as HW
     from megatrain.planner.passes import build_schedule
     from megatrain.planner.simulate import bound, simulate
 

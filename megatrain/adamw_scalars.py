@@ -1,4 +1,4 @@
-"""The scalars of one AdamW update, as torch's fused kernel forms them: what the host kernel (runtime/cpu_adamw.c)
+"""The scalars of one AdamW update, as torch's fused kernel forms them: what the host kernel (runtime/optim/cpu_adamw.c)
 and the GPU's (kernels.adamw) both take, each rounded to float, so the two leave the same bits. Outside both
 packages: the host kernel needs it on machines without triton, and the kernels import nothing of the runtime."""
 

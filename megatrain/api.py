@@ -18,13 +18,13 @@ from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_p
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.run_plan import plan_eval, plan_run
-from megatrain.runtime import train_state
-from megatrain.runtime.executor import Executor, MicroBatch, StepOutput
-from megatrain.runtime.kernel_rewrite import can_keep_less
-from megatrain.runtime.ops import IGNORE_INDEX
+from megatrain.runtime.state import train_state
+from megatrain.runtime.issue.executor import Executor, MicroBatch, StepOutput
+from megatrain.runtime.layers.kernel_rewrite import can_keep_less
+from megatrain.runtime.ops.compute import IGNORE_INDEX
 from megatrain.runtime.optim import HostAdamW, OptimConfig
-from megatrain.runtime.step_order import Successions
-from megatrain.runtime.store import HostStore, available_host_bytes, grad_host_dtype, progress_bar
+from megatrain.runtime.issue.step_order import Successions
+from megatrain.runtime.memory.store import HostStore, available_host_bytes, grad_host_dtype, progress_bar
 
 # Sequence lengths at which saved bytes are measured for longer sequences (see StreamedModel._saved_per_token)
 SAVED_PROBE_TOKENS = (256, 512)
@@ -75,7 +75,7 @@ class StreamedModel:
         self.kernels: dict[str, list[str]] = {}  # what the Triton kernels replaced (empty: kernels off)
         head_loss = None
         if kernels:
-            from megatrain.runtime.kernel_rewrite import head_loss_spec, use_kernels
+            from megatrain.runtime.layers.kernel_rewrite import head_loss_spec, use_kernels
 
             self.kernels = use_kernels(captured)
             head_loss = head_loss_spec(captured)
@@ -83,7 +83,7 @@ class StreamedModel:
         self.measure_host = False  # check plans' host buffers against the memory the machine has available
         self.optimizer = HostAdamW(store, optim)
         if streams:
-            from megatrain.runtime.streams import StreamExecutor
+            from megatrain.runtime.issue.streams import StreamExecutor
 
             self.executor = StreamExecutor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         else:
@@ -373,9 +373,9 @@ class StreamedModel:
     # ---- training state ---------------------------------------------------------------------------------
     def save_state(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Save what training needs to go on exactly from here: master weights, Adam moments, step counts, and
-        ``extra`` (JSON, e.g. the data order) into ``directory`` (:mod:`megatrain.runtime.train_state`). Waits for
+        ``extra`` (JSON, e.g. the data order) into ``directory`` (:mod:`megatrain.runtime.state.train_state`). Waits for
         the last step's updates; a state saved there before is replaced only once the new one is complete (see
-        :mod:`megatrain.runtime.train_state`: a crash at any moment leaves one to go on from). A state whose
+        :mod:`megatrain.runtime.state.train_state`: a crash at any moment leaves one to go on from). A state whose
         weights or moments are not finite is refused. Returns the new state's own directory."""
         with self._lock:
             self.wait()

@@ -17,12 +17,12 @@ from megatrain.layout import fmt_bytes
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.limits import GiB
-from megatrain.runtime import train_state
-from megatrain.runtime.checkpoint import check_checkpoint
-from megatrain.runtime.data_parallel import DataParallel
-from megatrain.runtime.init import init_seeded
+from megatrain.runtime.state import train_state
+from megatrain.runtime.state.hf_weights import check_checkpoint
+from megatrain.runtime.issue.data_parallel import DataParallel
+from megatrain.runtime.state.init import init_seeded
 from megatrain.runtime.optim import OptimConfig
-from megatrain.runtime.store import HostStore, available_host_bytes, progress_bar, store_nbytes
+from megatrain.runtime.memory.store import HostStore, available_host_bytes, progress_bar, store_nbytes
 
 
 def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed: int | None = None,
@@ -44,7 +44,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     the Triton kernels into the templates (RMSNorm, SwiGLU, RoPE) and runs the loss as the fused linear +
     cross-entropy; ``StreamedModel.kernels`` lists what they replaced. On the CPU they need Triton's interpreter.
     ``streams`` (default: on with CUDA) issues the schedule on separate CUDA streams with a host optimizer thread
-    (:mod:`megatrain.runtime.streams`); off, every op runs in program order. ``plan``: :class:`PlanOptions`; with
+    (:mod:`megatrain.runtime.issue.streams`); off, every op runs in program order. ``plan``: :class:`PlanOptions`; with
     CUDA ``gpu_opt_every`` and ``split_opt`` default to "auto" (the planner picks the layers updated on the GPU),
     on the CPU to 0.
     """

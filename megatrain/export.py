@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 
 from megatrain.rundir import flush_to_disk, save_whole, write_whole
-from megatrain.runtime import safetensors_stream
-from megatrain.runtime.safetensors_stream import Source
+from megatrain.runtime.state import safetensors_stream
+from megatrain.runtime.state.safetensors_stream import Source
 
 # shards of at most 5 GB (transformers 5's save_pretrained defaults to 50 GB; 5 GB files are what model hubs hold,
 # and a file a disk cannot take whole costs less)
 SHARD_BYTES = 5 * 10**9
 INDEX = "model.safetensors.index.json"
 # host memory an export takes beyond the weights it reads: a chunk read (from a training state's files) and its
-# cast (megatrain.runtime.safetensors_stream.write); the planner counts it (cost.STAGE_HOST_BYTES)
+# cast (megatrain.runtime.state.safetensors_stream.write); the planner counts it (cost.STAGE_HOST_BYTES)
 EXPORT_HOST_BYTES = 2 * safetensors_stream.CHUNK_BYTES
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
@@ -58,11 +58,11 @@ def export_pretrained(tensors: dict[str, "torch.Tensor | Source"], config, tok, 
                       dtype: torch.dtype, model_dir: Path | None = None, *,
                       shard_bytes: int = SHARD_BYTES) -> list[Path]:
     """Write an HF model directory to ``out``: ``tensors`` (parameter name -> weights, tied names once; a tensor or
-    a :class:`~megatrain.runtime.safetensors_stream.Source` that reads its elements a slice at a time) cast to
+    a :class:`~megatrain.runtime.state.safetensors_stream.Source` that reads its elements a slice at a time) cast to
     ``dtype`` in safetensors shards of at most ``shard_bytes`` (split and named as ``save_pretrained`` does, with its
     index), config.json (``dtype`` recorded), the tokenizer, generation_config.json. Returns the weight files.
 
-    Each file is written tensor by tensor, a chunk at a time (:func:`megatrain.runtime.safetensors_stream.write`):
+    Each file is written tensor by tensor, a chunk at a time (:func:`megatrain.runtime.state.safetensors_stream.write`):
     the memory this takes beyond the tensors is two chunks (:data:`EXPORT_HOST_BYTES`), whatever the model's size;
     a tensor that is not contiguous is made so first (one tensor's copy)."""
     from huggingface_hub import split_state_dict_into_shards_factory

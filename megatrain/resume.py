@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from megatrain.rundir import RUN_FILE, STATE_DIR, holder, remove_leftovers
-from megatrain.runtime import train_state
+from megatrain.runtime.state import train_state
 from megatrain.train_config import TrainConfig
 
 # what decides the model and the data stream: a resumed run takes these from the run it goes on from

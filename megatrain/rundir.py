@@ -14,7 +14,7 @@ from pathlib import Path
 LOCK = ".lock"
 RUN_FILE = "run.json"  # the run's config and the identity of its data, written first
 PLAN_FILE = "plan.json"  # the plan the run took (planner.run_plan.RunPlan.to_json): a resume takes it, unsearched
-STATE_DIR = "state"  # the training state (megatrain.runtime.train_state), at the end and every save_every steps
+STATE_DIR = "state"  # the training state (megatrain.runtime.state.train_state), at the end and every save_every steps
 
 
 class RunDirectory:
@@ -108,7 +108,7 @@ LEFTOVER = re.compile(r"^\.(.+\.tmp|tokenizer)-(\d+)$")
 def remove_leftovers(d: str | Path) -> list[Path]:
     """Remove from ``d`` the temporary files and directories that writes of processes no longer alive left there
     (an export or a summary killed mid-write); returns them."""
-    from megatrain.runtime.state_dirs import pid_alive
+    from megatrain.runtime.state.state_dirs import pid_alive
 
     gone = []
     d = Path(d)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatrain.layout import fmt_bytes
 from megatrain.rundir import STATE_DIR
-from megatrain.runtime import train_state
+from megatrain.runtime.state import train_state
 
 # a state this large or larger gets the disk's write rate measured before training (a probe file of PROBE_BYTES),
 # so the header can say how long each save stops training
@@ -70,7 +70,7 @@ def outlook(sm, out: Path, step_s: float, weights: int) -> tuple[str, float | No
 
 def save_state(sm, batches, out: Path, say) -> float:
     """Save the training state with the data order, saying so (``say``: a one-line printer) before and after, with
-    the time it took and the rate; returns the seconds. :class:`~megatrain.runtime.train_state.NoSpace` where the
+    the time it took and the rate; returns the seconds. :class:`~megatrain.runtime.state.train_state.NoSpace` where the
     disk cannot take it (nothing changed)."""
     nbytes = train_state.state_nbytes(sm.store)
     say(f"step {sm.step}: saving the training state ({fmt_bytes(nbytes)}) to {out}/{STATE_DIR}/")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from megatrain.runtime.store import peak_rss_bytes
+from megatrain.runtime.memory.store import peak_rss_bytes
 
 GiB = 1 << 30
 

@@ -19,7 +19,7 @@ from megatrain.export import save_tokenizer
 from megatrain.inputs import data_source, model_source, tokenizer_for
 from megatrain.resume import last_state
 from megatrain.rundir import PLAN_FILE, RUN_FILE, STATE_DIR, RunDirectory, StopSignals, answering_signals, write_whole
-from megatrain.runtime import train_state
+from megatrain.runtime.state import train_state
 from megatrain.saving import outlook, save_state, save_weights, weights_nbytes
 from megatrain.stages import Stages
 from megatrain.train_config import TrainConfig
@@ -94,7 +94,7 @@ STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and posit
 def _check_step_inputs(cfg: TrainConfig) -> None:
     """Refuse a step whose token tensors alone (``--batch`` x ``--seq`` tokens) would take more than a quarter of
     the host memory available, before the data is read or anything is allocated."""
-    from megatrain.runtime.store import available_host_bytes
+    from megatrain.runtime.memory.store import available_host_bytes
 
     need, free = cfg.batch * cfg.seq * STEP_INPUT_BYTES_PER_TOKEN, available_host_bytes()
     if free is not None and need > free // 4:
@@ -203,7 +203,7 @@ def _data_parallel(cfg: TrainConfig):
     check_ranks(cfg, world)
     import torch.distributed as dist
 
-    from megatrain.runtime.data_parallel import DataParallel
+    from megatrain.runtime.issue.data_parallel import DataParallel
 
     if not dist.is_initialized():
         cuda = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")

@@ -32,7 +32,7 @@ class Meter:
             torch.cuda.reset_peak_memory_stats(sm.device)
 
     def step(self, seconds: float) -> dict:
-        from megatrain.runtime.store import host_rss_bytes
+        from megatrain.runtime.memory.store import host_rss_bytes
 
         rec = {"mfu": self.flops / seconds / self.rate if seconds > 0 else 0.0} if self.cuda else {}
         rss = host_rss_bytes()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatrain.export import export_pretrained
-from megatrain.runtime import safetensors_stream, train_state
+from megatrain.runtime.state import safetensors_stream, train_state
 
 from .runtime.models import hf_config, hf_model
 

@@ -34,7 +34,7 @@ def chat_model_dir(path, dtype=torch.float32):
 def test_fine_tune_a_chat_model_and_load_the_export_with_hf(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatrain.runtime import train_state
+    from megatrain.runtime.state import train_state
 
     chat_model_dir(tmp_path / "model")
     data = tmp_path / "chat.jsonl"

@@ -244,7 +244,7 @@ def test_resume_refuses_other_data(tmp_path, capsys):
 
 
 def _state_step(run):
-    from megatrain.runtime import train_state
+    from megatrain.runtime.state import train_state
 
     return json.loads((train_state.find(run / "state") / "state.json").read_text())["step"]
 
@@ -347,7 +347,7 @@ def test_a_disk_too_small_for_the_state_is_said_before_training_and_the_weights_
 def test_a_periodic_save_the_disk_cannot_take_stops_the_run_with_the_weights_and_the_state_before(tmp_path, capsys,
                                                                                                   monkeypatch):
     from megatrain import saving
-    from megatrain.runtime import train_state
+    from megatrain.runtime.state import train_state
 
     monkeypatch.setattr(saving, "PROBE_FROM_BYTES", 0)  # the disk's rate measured, as for a state of a GB or more
     free = [1 << 40]
@@ -475,7 +475,7 @@ def test_bad_inputs_are_one_line(tmp_path, capsys, monkeypatch):
         (["--model", str(huge)], "num_hidden_layers must be a positive integer of at most 4,096, got 100,000,000"),
     ]
     # a tiny machine: the step's inputs fit a quarter of it, the default corpus's rows of 64 tokens not half of it
-    monkeypatch.setattr("megatrain.runtime.store.available_host_bytes", lambda: 200_000)
+    monkeypatch.setattr("megatrain.runtime.memory.store.available_host_bytes", lambda: 200_000)
     cases.append((["--data", str(big)], "big.txt: 0.00 GiB of data files would take about 0.0 GiB to prepare in "
                                         "memory (24 bytes per byte of data), more than half of the 0.0 GiB available: "
                                         "train with --streaming"))
@@ -500,8 +500,8 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
 
 
 def test_damaged_resume_files_are_one_line(tmp_path, capsys, monkeypatch):
-    from megatrain.runtime import train_state
-    from megatrain.runtime.state_dirs import manifest_bytes
+    from megatrain.runtime.state import train_state
+    from megatrain.runtime.state.state_dirs import manifest_bytes
 
     run = tmp_path / "run"
     assert main(["train", "--steps", "2", "--batch", "4", "--seq", "32", "--warmup", "0", "--out", str(run)]) == 0

@@ -42,7 +42,7 @@ def _one_line(capsys, want: str, code: int = 2, got: int | None = None) -> str:
 
 
 def _state(run: Path) -> Path:
-    from megatrain.runtime import train_state
+    from megatrain.runtime.state import train_state
 
     return train_state.find(run / "state")
 
@@ -98,7 +98,7 @@ def _edited(m: dict, edit) -> dict:
 def test_an_edited_manifest_is_refused_naming_what(tmp_path, run, capsys, name, edit, again, want):
     """Any edit to state.json is seen (its checksum); an edit with the checksum made again still meets each
     field's check."""
-    from megatrain.runtime.state_dirs import manifest_bytes
+    from megatrain.runtime.state.state_dirs import manifest_bytes
 
     copied = _copy(run, tmp_path / "copied")
     path = _state(copied) / "state.json"

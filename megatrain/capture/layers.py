@@ -12,7 +12,7 @@ each rotary-embedding module and HF's attention-mask builders as leaves. The tra
 
 Templates are GraphModules / modules over a copy of the model whose parameters are on the meta device, so they
 hold no weights; calling one puts views of a flat weight buffer in place of its parameters for that call
-(``runtime/templates.py``).
+(``runtime/layers/templates.py``).
 Blocks whose structure (class, parameter shapes, non-tensor attributes except ``layer_idx``) is equal share one.
 The user's model is only read.
 """
@@ -86,7 +86,7 @@ class Captured:
     packs: bool = False
     # packed rows' attention runs over their documents' offsets (capture.packed_attention) where the runtime gives them
     varlen: bool = False
-    # the router load-balancing loss HF adds to this mixture-of-experts model's loss (runtime.router_aux), if any
+    # the router load-balancing loss HF adds to this mixture-of-experts model's loss (runtime.layers.router_aux), if any
     router_aux: object | None = None
     # the experts run through capture.grouped_experts (transformers' grouped_mm experts were the model's choice)
     grouped_experts: bool = False
@@ -168,7 +168,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
         model = meta_copy(model)
         materialize_meta_buffers(model)
     blocks_name, block_list = find_blocks(model, blocks)
-    # the router loss is the runtime's (runtime.router_aux): the trace takes the forward without it (HF's would
+    # the router loss is the runtime's (runtime.layers.router_aux): the trace takes the forward without it (HF's would
     # compute it from router logits that the blocks, traced as leaves, do not record)
     routed = getattr(getattr(model, "config", None), "output_router_logits", False)
     if routed:
@@ -357,7 +357,7 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             elif moe is not None:
                 seg_shape = dataclasses.replace(shape, inter=moe.dense_inter)
             blocks_seen += 1
-        # a dense block's MLP may run over tiles of the tokens (runtime.tiling); not a mixture of experts' block
+        # a dense block's MLP may run over tiles of the tokens (runtime.layers.tiling); not a mixture of experts' block
         tiles = moe is None and isinstance(getattr(seg.template, "mlp", None), nn.Module)
         residual_mlp = tiles and cfg_dict.get("model_type") in NORM_WITH_MLP
         norm = residual_mlp and isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)

@@ -1,6 +1,6 @@
 """What capture records of a model besides its layers, for the optimizer and the loss: the parameters the HF
 Trainer applies no weight decay to, and the router load-balancing loss HF adds to a mixture of experts' loss
-(computed by megatrain.runtime.router_aux)."""
+(computed by megatrain.runtime.layers.router_aux)."""
 
 from __future__ import annotations
 

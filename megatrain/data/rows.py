@@ -44,7 +44,7 @@ BYTES_PER_TOKEN = 4 + 1 + 4 + 1  # a row's id, trained flag, position and paddin
 def _check_memory(n_rows: int, seq: int) -> None:
     """Refuse ``n_rows`` rows of ``seq`` tokens where they would take more than half the memory available (before
     they are allocated)."""
-    from megatrain.runtime.store import available_host_bytes
+    from megatrain.runtime.memory.store import available_host_bytes
 
     need, free = n_rows * seq * BYTES_PER_TOKEN, available_host_bytes()
     if free is not None and need > free // 2:

@@ -36,7 +36,7 @@ def load_records(source: str, *, split: str = "train", streaming: bool = False):
                 raise DataError(f"data directory {p} mixes file kinds {sorted(kinds)}; give one kind")
             kind = kinds.pop()
             from megatrain.data.scan import check_files
-            from megatrain.runtime.store import available_host_bytes
+            from megatrain.runtime.memory.store import available_host_bytes
 
             check_files(files, kind, streaming=streaming, available=available_host_bytes())
             extra = {"sample_by": "paragraph"} if kind == "text" else _csv_options(files[0]) if kind == "csv" else {}

@@ -50,7 +50,7 @@ class Layer:
     route_bytes_per_token: int = 0
     # forward FLOPs per token a recomputing backward leaves out: the projection whose result only the block's
     # closing residual sum reads (a dense block's MLP down projection, :data:`UNREAD_PROJECTION`), which the
-    # backward needs the input and weights of, not the product (runtime.grad_sink.outputs_unread). 0: none
+    # backward needs the input and weights of, not the product (runtime.layers.grad_sink.outputs_unread). 0: none
     unread_flops_per_token: float = 0.0
 
     @property

@@ -4,7 +4,7 @@ update, that also writes the new weights rounded to the compute dtype (what the 
 One read of 16 bytes and one write of 12 (+2) per parameter; the update is memory-bound, so the pass and the
 rounded copy in it are the whole cost.
 
-The arithmetic is the host kernel's (``runtime/cpu_adamw.c``), operation for operation: the same scalars rounded
+The arithmetic is the host kernel's (``runtime/optim/cpu_adamw.c``), operation for operation: the same scalars rounded
 to fp32, torch's lerp as one fused multiply-add, exp_avg_sq in the form torch's vector loop uses here, correctly
 rounded division and square root, and no other contraction (the kernel is compiled without fp fusion). So an
 update on the GPU leaves the bits the host's update of the same elements leaves (every element the host kernel
@@ -68,7 +68,7 @@ def adamw_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     """One AdamW update in place of contiguous fp32 ``master``, ``exp_avg``, ``exp_avg_sq`` from ``grad``
     (divided by the 0-dim fp32 ``grad_scale`` if given; a non-finite ``grad_scale`` leaves all three as they are);
     ``step`` counts this update (1 for the first). ``out``: written with the new master in its dtype. ``v_fma``: the
-    form of exp_avg_sq's update torch's fused CPU AdamW takes here (``runtime.cpu_adamw.v_fma``), which this
+    form of exp_avg_sq's update torch's fused CPU AdamW takes here (``runtime.optim.cpu_adamw.v_fma``), which this
     update takes too."""
     n = master.numel()
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):

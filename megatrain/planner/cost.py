@@ -292,7 +292,7 @@ def defers_moments(cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> bool:
     """Whether the host update ``op`` -- or the store of one part of a split update -- is modelled as writing the
     masters alone, the moments left for the host after the update pass (where the spec gives that pass's rate):
     with clipping, a layer whose gradient has a host buffer of its own from the backward on (the streaming
-    executor defers exactly the updates whose buffer no later op of the step writes: runtime.streams.
+    executor defers exactly the updates whose buffer no later op of the step writes: runtime.issue.streams.
     deferrable_opts; a kept gradient's buffer may be shared in turn, and a split layer's kept gradient has none, so
     those are counted in full). The moments pass itself, 20 bytes a parameter on the host while the GPU runs the
     next forward and backward, is not modelled."""

@@ -111,26 +111,26 @@ def test_memory_by_op_reports_the_ops_above_the_plan(tmp_path, capsys):
     # the allocator's snapshot after the op with the most allocated after it: live blocks by the innermost frame in
     # megatrain's code (else the innermost; none recorded: before recording); freed blocks left out
     frame = lambda f, line, name: {"filename": f, "line": line, "name": name}  # noqa: E731
-    fit = [frame("/x/torch/nn/functional.py", 9, "linear"), frame("/r/megatrain/runtime/device.py", 70, "fit")]
+    fit = [frame("/x/torch/nn/functional.py", 9, "linear"), frame("/r/megatrain/runtime/memory/device.py", 70, "fit")]
     snapshot = {"segments": [{"blocks": [
         {"state": "active_allocated", "size": 2 * gib, "frames": fit},
         {"state": "active_allocated", "size": gib // 2, "history": [{"frames": fit[1:]}]},
         {"state": "inactive", "size": 4 * gib, "frames": fit},
-        {"state": "active_allocated", "size": gib, "frames": [frame("/r/megatrain/runtime/probe.py", 35, "_measure")]},
+        {"state": "active_allocated", "size": gib, "frames": [frame("/r/megatrain/runtime/layers/probe.py", 35, "_measure")]},
         {"state": "active_allocated", "size": gib // 4, "frames": []}]}]}
     write_memory_by_op(str(tmp_path / "m.json"), ops, planned_reserved=6 * gib + 1, planned_peak=4 * gib,
                        budget=8 * gib, held={"op": "BWD L3 m0", "bytes": 3 * gib, "snapshot": snapshot})
     rec = json.loads((tmp_path / "m.json").read_text())
     assert [o["op"] for o in rec["ops"]] == [o for o, _, _ in ops] and rec["ops"][2]["most"] == 9 * gib
     assert rec["held_after"] == "BWD L3 m0" and rec["held_blocks"] == [
-        {"where": "runtime/device.py:70 fit", "bytes": 2.5 * gib, "blocks": 2},
-        {"where": "runtime/probe.py:35 _measure", "bytes": gib, "blocks": 1},
+        {"where": "runtime/memory/device.py:70 fit", "bytes": 2.5 * gib, "blocks": 2},
+        {"where": "runtime/layers/probe.py:35 _measure", "bytes": gib, "blocks": 1},
         {"where": "(allocated before recording)", "bytes": gib // 4, "blocks": 1}]
     out = capsys.readouterr().out
     assert "the most allocated 9.00 GiB at 'BWD L3 m0'" in out and "2 ops above the plan" in out
     listed = out.strip().splitlines()[1:3]
     assert [line.split("GiB  ")[1] for line in listed] == ["BWD L3 m0", "LOAD_W L2"]  # FWD L4 m1: within the plan
-    assert "held after 'BWD L3 m0' (3.00 GiB)" in out and "2.50 GiB      2 blocks  runtime/device.py:70 fit" in out
+    assert "held after 'BWD L3 m0' (3.00 GiB)" in out and "2.50 GiB      2 blocks  runtime/memory/device.py:70 fit" in out
     proc = run([os.path.join(ROOT, "benchmarks", "throughput.py"), "--preset", "tiny", "--device", "cpu",
                 "--memory-by-op", str(tmp_path / "x.json")])
     assert proc.returncode == 2 and "--memory-by-op" in proc.stderr and "needs --device cuda" in proc.stderr

@@ -75,7 +75,7 @@ def test_100m_llama_streamed_matches_resident_bf16_training():
 def test_skipping_the_unread_down_projection_trains_bit_for_bit_like_the_full_recompute():
     """With the Triton kernels and the stream executor: the recompute's skipped down projection
     (grad_sink.outputs_unread) leaves losses and masters bit-identical to recomputing it, step after step."""
-    from megatrain.runtime import grad_sink
+    from megatrain.runtime.layers import grad_sink
 
     model = hf_model("qwen2", hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=2, vocab_size=32000, max_position_embeddings=1024)

@@ -81,7 +81,7 @@ def test_gradient_placements_on_streams_train_bit_for_bit_alike(gpu_opt_every, c
     weights, steps overlapping (the norms are taken by the same kernel on the same gradients either way).
     ``chunk``: kept gradients pass through the host in parts of that many elements (each layer several)."""
     import megatrain.planner.cost as cost
-    import megatrain.runtime.optim as optim
+    import megatrain.runtime.optim.adamw as optim
 
     if chunk is not None:
         for mod in (cost, optim):
@@ -218,7 +218,7 @@ def test_split_updates_train_bit_for_bit_like_host_updates(defer):
     the masters, moments and step counts of every update on the host (each parameter of this model a multiple of
     16 elements, so the host kernel computes every element itself), with the split updates' moments computed on
     the host after the update pass (their parts storing the masters alone) or stored from the GPU."""
-    from megatrain.runtime import cpu_adamw
+    from megatrain.runtime.optim import cpu_adamw
 
     if not cpu_adamw.available():
         pytest.skip("no C compiler to build the host kernel")

@@ -4,7 +4,7 @@ fp32 temporary of the whole layer from the caching allocator (the head of a 7B m
 import pytest
 import torch
 
-from megatrain.runtime.device import DeviceState
+from megatrain.runtime.memory.device import DeviceState
 
 pytestmark = pytest.mark.gpu
 

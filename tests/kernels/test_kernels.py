@@ -168,7 +168,7 @@ def test_adamw_matches_torch_adamw_over_steps(scaled):
     """Three updates of a block of 5,000 parameters (the last program partly masked), from a non-zero state,
     against torch.optim.AdamW (per-tensor loop) and the reference; the 16-bit copy is the new master rounded."""
     from megatrain.kernels import adamw_step
-    from megatrain.runtime import cpu_adamw
+    from megatrain.runtime.optim import cpu_adamw
 
     n, lr, betas, eps, wd = 5000, 1e-2, (0.9, 0.95), 1e-8, 0.1
     master, grads = rand(n, dtype=torch.float32), [rand(n, dtype=torch.float32, seed=s) for s in (1, 2, 3)]
@@ -200,11 +200,11 @@ def test_adamw_matches_torch_adamw_over_steps(scaled):
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # torch's lerp from the moment, and back from the gradient
 @pytest.mark.parametrize("scaled", [False, True])
 def test_adamw_gives_the_host_kernels_bits(beta1, scaled):
-    """Three updates on the device against megatrain's host kernel (runtime/cpu_adamw.c, torch's fused CPU AdamW
+    """Three updates on the device against megatrain's host kernel (runtime/optim/cpu_adamw.c, torch's fused CPU AdamW
     arithmetic) on the same numbers: master, moments and the 16-bit copy equal bit for bit (5,008 elements, a
     multiple of the width torch's vector loop takes; moments spanning many magnitudes, tiny ones included)."""
     from megatrain.kernels import adamw_step
-    from megatrain.runtime import cpu_adamw
+    from megatrain.runtime.optim import cpu_adamw
 
     if not cpu_adamw.available():
         pytest.skip("no C compiler to build the host kernel")
@@ -234,7 +234,7 @@ def test_adamw_with_a_non_finite_scale_changes_nothing(bad):
     """A step whose loss or gradient norm is not finite passes a non-finite scale: master and moments keep their
     bits (the gradient here is non-finite too), and the 16-bit copy is the unchanged master rounded."""
     from megatrain.kernels import adamw_step
-    from megatrain.runtime import cpu_adamw
+    from megatrain.runtime.optim import cpu_adamw
 
     n = 3000
     state = [rand(n, dtype=torch.float32, seed=s) for s in (1, 2)] + [rand(n, dtype=torch.float32, seed=3).abs()]

@@ -161,7 +161,7 @@ def test_the_gradient_placements_the_search_picks_verify_fit_and_are_what_the_st
     import torch
 
     from megatrain.planner.cost import host_floor, slot_params
-    from megatrain.runtime.store import GradBuffers, grad_host_dtype
+    from megatrain.runtime.memory.store import GradBuffers, grad_host_dtype
 
     graph = data.draw(graphs(max_layers=16))
     seq = 128

@@ -1,4 +1,4 @@
-"""A stand-in for ``megatrain.runtime.cuda_api.TorchCuda`` that runs the stream issuer on the CPU.
+"""A stand-in for ``megatrain.runtime.issue.cuda_api.TorchCuda`` that runs the stream issuer on the CPU.
 
 Work runs when it is issued (so results are those of program order); what the fake keeps is what a GPU would
 guarantee about order. Each stream has a vector clock (stream -> position): recording an event advances the

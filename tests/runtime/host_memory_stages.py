@@ -39,8 +39,8 @@ def main(work: str) -> None:
 
     import megatrain
     from megatrain.export import EXPORT_HOST_BYTES, export_pretrained
-    from megatrain.runtime import train_state
-    from megatrain.runtime.safetensors_stream import CHUNK_BYTES
+    from megatrain.runtime.state import train_state
+    from megatrain.runtime.state.safetensors_stream import CHUNK_BYTES
 
     from tests.data.tokenizers import chatml_tokenizer
 

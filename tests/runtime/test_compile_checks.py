@@ -10,7 +10,7 @@ import megatrain
 from megatrain import compiler
 from megatrain.capture import capture
 from megatrain.planner.hardware import HOST_MARGIN_SHARE, PRESETS
-from megatrain.runtime.store import available_host_bytes, store_nbytes
+from megatrain.runtime.memory.store import available_host_bytes, store_nbytes
 
 from .models import hf_config, hf_model
 
@@ -175,9 +175,9 @@ def test_batches_of_the_wrong_dtype_are_refused_before_running():
 def test_progress_counts_every_parameter_once(tmp_path, monkeypatch):
     """The progress bars compile() and load_state() show (on a terminal) advance by each layer's parameters: the
     store's allocation, the seeded initializer, a checkpoint's tensors and a training state each count all."""
-    from megatrain.runtime import train_state
-    from megatrain.runtime.init import init_seeded
-    from megatrain.runtime.store import HostStore
+    from megatrain.runtime.state import train_state
+    from megatrain.runtime.state.init import init_seeded
+    from megatrain.runtime.memory.store import HostStore
 
     model = hf_model("llama")
     cap = capture(model)

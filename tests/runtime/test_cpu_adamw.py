@@ -1,4 +1,4 @@
-"""megatrain's host AdamW kernel (runtime/cpu_adamw.c) against torch's fused CPU AdamW, bit for bit: every row,
+"""megatrain's host AdamW kernel (runtime/optim/cpu_adamw.c) against torch's fused CPU AdamW, bit for bit: every row,
 several steps, sizes with and without a remainder past the vector width, with and without a clip factor and weight
 decay; the split into a master-only pass and a moments-only pass leaves what one full pass leaves; and a training
 run whose host updates use it ends with the same bits as one using torch's kernel."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.runtime import cpu_adamw
+from megatrain.runtime.optim import cpu_adamw
 
 from .models import hf_model
 

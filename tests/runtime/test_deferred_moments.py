@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatrain.ir import OpKind, Stream
-from megatrain.runtime import cpu_adamw
-from megatrain.runtime.streams import StreamExecutor, deferrable_opts
+from megatrain.runtime.optim import cpu_adamw
+from megatrain.runtime.issue.streams import StreamExecutor, deferrable_opts
 
 from .fake_cuda import FakeCuda
 from .models import compile_cpu, hf_model
@@ -134,7 +134,7 @@ def test_a_state_load_waits_for_an_earlier_steps_split_moments():
 def test_a_split_layers_moments_wait_for_its_state_loads(monkeypatch):
     """The host computes a split layer's moments only once every part's state load has read the old ones (their
     events synchronized first), and marks them done even when computing them fails."""
-    from megatrain.runtime import update_ops
+    from megatrain.runtime.ops import update as update_ops
 
     class Event:
         def __init__(self):

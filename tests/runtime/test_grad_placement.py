@@ -123,8 +123,8 @@ def test_bf16_host_gradients_are_the_fp32_sums_rounded_once(kept):
 def test_bf16_gradients_of_a_layer_larger_than_a_chunk_are_read_back_a_chunk_at_a_time(monkeypatch):
     """A host update reads a bf16 gradient back into fp32 HOST_UPDATE_CHUNK elements at a time: with a chunk
     smaller than the layers, the same weights as a whole-layer read-back."""
-    import megatrain.runtime.optim as optim
-    import megatrain.runtime.store as store
+    import megatrain.runtime.optim.adamw as optim
+    import megatrain.runtime.memory.store as store
 
     model = hf_model("llama")
     data = batches(n_steps=2)
@@ -148,8 +148,8 @@ def test_kept_gradients_pass_through_the_host_in_parts(monkeypatch, family, grad
     each part its own STORE_G and OPT: the host buffers are two parts instead of two of the largest layers, and
     the weights are bit for bit those of whole-layer updates (fp32 gradients), and of whole-layer bf16 ones."""
     import megatrain.planner.cost as cost
-    import megatrain.runtime.optim as optim
-    import megatrain.runtime.store as store
+    import megatrain.runtime.optim.adamw as optim
+    import megatrain.runtime.memory.store as store
     from megatrain.ir import OpKind
 
     model, data = hf_model(family), batches(n_steps=2)

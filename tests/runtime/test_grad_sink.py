@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.runtime import grad_sink
-from megatrain.runtime.grad_sink import GradSink, SinkLinear, sink_to
+from megatrain.runtime.layers import grad_sink
+from megatrain.runtime.layers.grad_sink import GradSink, SinkLinear, sink_to
 
 from .models import compile_cpu, hf_model
 from .test_parity import OPT, batches

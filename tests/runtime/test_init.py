@@ -34,7 +34,7 @@ def test_seeded_init_is_deterministic_per_layer_and_follows_the_architecture():
 def test_seeded_init_writes_the_store_in_place_with_the_values_of_whole_modules(family, monkeypatch):
     """Each fp32 parameter is initialized as a view of the store (no second copy of a large embedding), with the
     values the initializer gives a module materialized on its own under the same seed (the reference below)."""
-    from megatrain.runtime import init as init_mod
+    from megatrain.runtime.state import init as init_mod
 
     model = meta_model(family)
     ptrs = set()

@@ -46,7 +46,7 @@ def test_kernels_on_the_cpu_need_the_interpreter(monkeypatch):
 
 def test_rope_reads_half_of_cos_and_sin_only_where_the_rotary_module_repeats_them():
     from megatrain.capture import capture
-    from megatrain.runtime.kernel_rewrite import rotary_halves_equal
+    from megatrain.runtime.layers.kernel_rewrite import rotary_halves_equal
 
     model = hf_model("llama")
     captured = capture(model)
@@ -90,7 +90,7 @@ def test_a_saved_forward_of_the_kernel_mlp_keeps_gate_and_up_but_not_their_produ
     MLP without it, and keeps T x intermediate elements less for its backward."""
     from torch import nn
 
-    from megatrain.runtime.kernel_rewrite import KernelSwiGLUMLP, _swiglu_replacement, keep_less
+    from megatrain.runtime.layers.kernel_rewrite import KernelSwiGLUMLP, _swiglu_replacement, keep_less
 
     torch.manual_seed(0)
     H, inter, T = 16, 40, 12
@@ -121,7 +121,7 @@ def test_saved_layers_with_kernels_train_as_recomputing_layers_do(lean, monkeypa
     down projection's weight gradient through the sink): the step of every block recomputed. The plan is made
     lean here (the planner would not: everything fits); the measurement sees the product missing."""
     from megatrain.planner import search
-    from megatrain.runtime import kernel_rewrite
+    from megatrain.runtime.layers import kernel_rewrite
 
     choose = search.with_saved_acts
     fused = kernel_rewrite._SwiGLUDownFunction.apply

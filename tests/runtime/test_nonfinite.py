@@ -9,7 +9,7 @@ import torch
 
 import megatrain
 from megatrain.api import NonFiniteStepError
-from megatrain.runtime import train_state
+from megatrain.runtime.state import train_state
 
 from .models import hf_model
 

@@ -12,7 +12,7 @@ import megatrain
 from megatrain.capture import CaptureError
 from megatrain.capture.params import no_decay_names
 from megatrain.runtime.optim import lr_at
-from megatrain.runtime.optim_config import SCHEDULES
+from megatrain.runtime.optim.config import SCHEDULES
 
 from .models import FAMILIES, TinyGPT, compile_cpu, hf_model
 from .test_parity import OPT, batches, check, reference_train
@@ -180,7 +180,7 @@ def test_a_model_with_nothing_to_train_is_refused():
 def test_a_state_saved_with_other_layers_frozen_is_refused_in_one_line(tmp_path):
     """A frozen layer's saved state is its master weights alone: resuming it where the layer trains (or the other
     way round) is refused, naming the frozen layers, before anything is read."""
-    from megatrain.runtime import train_state
+    from megatrain.runtime.state import train_state
 
     data = batches(n_steps=2)
     sm = compile_cpu(_frozen_qwen2(), optim=OPT, n_mb=3)

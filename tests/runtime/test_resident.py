@@ -114,7 +114,7 @@ def test_a_step_without_its_set_up_is_refused():
     cont = sm.schedule_for(6, 12)
     assert cont.config.resident_opt
     ids, mask, labels = batches(n_steps=1)[0]
-    from megatrain.runtime.executor import MicroBatch
+    from megatrain.runtime.issue.executor import MicroBatch
 
     nxt = torch.full_like(labels, -100)
     nxt[:, :-1] = labels[:, 1:]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.runtime import train_state
+from megatrain.runtime.state import train_state
 
 from .models import hf_model
 
@@ -164,7 +164,7 @@ def test_partial_saves_of_dead_processes_are_removed_and_live_ones_kept(tmp_path
 def test_a_hand_edited_manifest_is_refused_in_one_line(tmp_path, edit, msg):
     """Edited, a manifest no longer matches its checksum; edited with the checksum made again, each field is
     still checked."""
-    from megatrain.runtime.state_dirs import manifest_bytes
+    from megatrain.runtime.state.state_dirs import manifest_bytes
 
     sm = _model()
     d = sm.save_state(tmp_path / "s")

@@ -13,7 +13,7 @@ import torch
 
 from megatrain.ir import SLOT_POOL, OpKind, Stream, queue_of
 from megatrain.layout import OPT_STATE_ROWS
-from megatrain.runtime.streams import StreamExecutor
+from megatrain.runtime.issue.streams import StreamExecutor
 
 from .fake_cuda import FakeCuda
 from .models import compile_cpu, hf_model
@@ -132,7 +132,7 @@ def test_stream_issuer_orders_every_op_after_its_inputs(name):
 def test_the_order_check_catches_a_missing_wait(monkeypatch, skip):
     """The issuer with its waits on dependencies' events, or its waits for the step before, taken out: the check
     finds ops that could start too soon."""
-    from megatrain.runtime import step_order, streams
+    from megatrain.runtime.issue import step_order, streams
 
     if skip == "dependencies":
         class NoWaits:
@@ -225,7 +225,7 @@ def test_without_clipping_ops_the_worker_issues_keep_their_queue_order(monkeypat
     reads is issued by the worker after that update, and so is the backward op that rewrites the store's gradient
     slot; the ops this thread issues after them that rewrite their slots wait for those issues. Trains exactly as
     program order; with those waits taken out it does not."""
-    from megatrain.runtime import step_order
+    from megatrain.runtime.issue import step_order
 
     model, data = hf_model("qwen2"), batches(n_steps=3)
     opt = dataclasses.replace(OPT, max_grad_norm=None)
@@ -347,7 +347,7 @@ def test_a_marked_steps_timeline_is_its_own_after_the_next_step_ran():
 def test_a_drain_while_a_step_is_issued_leaves_it_nothing_of_the_step_before_to_wait_for():
     """A drain after a step's begin (a device buffer replaced before its first op) forgets the step before; the
     current step's carried dependencies on it go too, instead of pointing at a step no longer kept."""
-    from megatrain.runtime.step_order import Issued, StepOrder
+    from megatrain.runtime.issue.step_order import Issued, StepOrder
 
     prev_s, next_s = object(), object()
     op = dataclasses.make_dataclass("FakeOp", ["id"])(0)

@@ -8,8 +8,8 @@ from torch import nn
 
 from megatrain.ir import OpKind, Schedule
 from megatrain.capture import CaptureError, capture
-from megatrain.runtime.executor import ExecutionError
-from megatrain.runtime.templates import bind
+from megatrain.runtime.issue.executor import ExecutionError
+from megatrain.runtime.layers.templates import bind
 
 from .models import TinyGPT, compile_cpu, hf_model, watch_steps
 

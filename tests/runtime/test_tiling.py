@@ -9,7 +9,7 @@ import torch
 from megatrain.ir import Op, OpKind, ScheduleConfig, Stream
 from megatrain.planner.cost import matmul_and_attention_flops, workspace_nbytes
 from megatrain.planner.graph import preset
-from megatrain.runtime import tiling
+from megatrain.runtime.layers import tiling
 
 from .models import compile_cpu, hf_model, record_grads
 from .test_parity import OPT, batches

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.runtime import train_state
+from megatrain.runtime.state import train_state
 
 from .models import VOCAB, hf_model
 

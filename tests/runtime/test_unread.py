@@ -7,7 +7,6 @@ device agrees, that training is bit for bit what it is with the full recompute, 
 gradient does read is refused by the probe, and that the planner counts the skip for those blocks alone.
 """
 
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from megatrain.ir import Op, OpKind, Stream
 from megatrain.planner import cost
 from megatrain.planner.graph import from_config, preset
-from megatrain.runtime import grad_sink, probe
+from megatrain.runtime.layers import grad_sink, probe
 
 from .models import compile_cpu, hf_model
 from .test_parity import OPT, batches

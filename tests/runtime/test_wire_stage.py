@@ -7,7 +7,7 @@ import torch
 from megatrain.ir import ScheduleConfig
 from megatrain.planner.graph import preset
 from megatrain.planner.passes import build_schedule
-from megatrain.runtime.device import DeviceState
+from megatrain.runtime.memory.device import DeviceState
 
 
 def _state(dtype=torch.bfloat16, graph=None) -> DeviceState:

@@ -2,10 +2,10 @@
 
 A handler is ``handler(ex, op, st)``: ``ex`` the executor (device state, host store, optimizer, templates, and the
 issuer's copies: ``ex.to_host``, ``ex.to_device``, ``ex.keep_alive``, ``ex.non_blocking``), ``op`` the op, ``st``
-the step's :class:`~megatrain.runtime.step.StepState`. The program-order issuer calls it in program order; the
+the step's :class:`~megatrain.runtime.issue.step.StepState`. The program-order issuer calls it in program order; the
 stream issuer calls it on the op's CUDA stream (a ``cpu`` op on the optimizer worker) once the op's dependencies
 are met. Nothing else in the runtime does an op's work. This module holds the loads, copies and compute of weights
-and activations; :mod:`megatrain.runtime.update_ops` the gradients' stores and norms, the step's guard (its clip
+and activations; :mod:`megatrain.runtime.ops.update` the gradients' stores and norms, the step's guard (its clip
 factor) and the updates; :data:`HANDLERS` maps every (op kind, stream) to its handler.
 """
 
@@ -16,19 +16,17 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megatrain.ir import Op, OpKind, Stream
-from megatrain.runtime import router_aux
-from megatrain.runtime.grad_sink import GradSink, outputs_unread, sink_to
-from megatrain.runtime.kernel_rewrite import keep_less
-from megatrain.runtime.step import MicroBatch, StepState
-from megatrain.runtime.update_ops import (form_guard, load_state, store_grad_to_host, store_grad_to_state,
-                                          store_state, take_norms, update_on_device, update_on_host)
+from megatrain.ir import Op
+from megatrain.runtime.layers import router_aux
+from megatrain.runtime.layers.grad_sink import GradSink, outputs_unread, sink_to
+from megatrain.runtime.layers.kernel_rewrite import keep_less
+from megatrain.runtime.issue.step import MicroBatch, StepState
 
 IGNORE_INDEX = -100
 
 
 # ---- inputs, weights and activations --------------------------------------------------------------------------
-def load_inputs(ex, op: Op, st: StepState) -> None:
+def load_in(ex, op: Op, st: StepState) -> None:
     """The micro-batch's inputs to the device: token ids, labels, position ids (0..T-1 in every row where it has
     none), and its mask -- None where :meth:`Executor.run` found no padding and the model allows None, the packed
     documents' marker (with their offsets on the device, where the model's attention reads them) where its rows
@@ -49,13 +47,13 @@ def _host_weights(ex, layer: int, st: StepState) -> torch.Tensor:
     return ex.store.shadow(layer) if st.schedule.config.wire_bytes_per_param == 2 else ex.store.master(layer)
 
 
-def load_weights(ex, op: Op, st: StepState) -> None:
+def load_w(ex, op: Op, st: StepState) -> None:
     """LOAD_W (h2d): the layer's host weights into its weight slot."""
     src = _host_weights(ex, ex.graph.owner(op.layer), st)
     ex.dev.load_cast(ex.dev.w[op.slot("w")][: src.numel()], src, ex.non_blocking)
 
 
-def copy_kept_weights(ex, op: Op, st: StepState) -> None:
+def load_w_kept(ex, op: Op, st: StepState) -> None:
     """LOAD_W (compute): the weights the layer's device update of the step before, or the set-up's KEEP_W, left on
     the device, into its weight slot (the same values a load from the host would bring)."""
     o = ex.graph.owner(op.layer)
@@ -66,7 +64,7 @@ def copy_kept_weights(ex, op: Op, st: StepState) -> None:
     ex.dev.w[op.slot("w")][: src.numel()].copy_(src)
 
 
-def keep_weights(ex, op: Op, st: StepState) -> None:
+def keep_w(ex, op: Op, st: StepState) -> None:
     """KEEP_W (a set-up's): the layer's host weights into the device buffer its device updates keep its new weights
     in, which the steps' compute-stream LOAD_W copies."""
     src = _host_weights(ex, op.layer, st)
@@ -83,7 +81,7 @@ def load_act(ex, op: Op, st: StepState) -> None:
 
 
 # ---- compute -------------------------------------------------------------------------------------------------
-def forward(ex, op: Op, st: StepState) -> None:
+def fwd(ex, op: Op, st: StepState) -> None:
     """The layer's forward for one micro-batch, without autograd; a layer in ``saved_acts`` keeps what its backward
     needs instead (:func:`_forward_saved`)."""
     ex.rng.seed(op.layer, op.mb)
@@ -177,13 +175,13 @@ def loss(ex, op: Op, st: StepState) -> None:
     st.act[op.slot("x")] = dx
 
 
-def losses_out(ex, op: Op, st: StepState) -> None:
+def loss_out(ex, op: Op, st: StepState) -> None:
     """After the step's last LOSS (or EVAL): every micro-batch's loss sum on its way to the host (the issuer's
     copy; program order reads them at the step's end)."""
     ex.losses_to_host(st)
 
 
-def evaluate(ex, op: Op, st: StepState) -> None:
+def eval_loss(ex, op: Op, st: StepState) -> None:
     """An evaluation's head and loss for one micro-batch: the loss sum alone, the logits formed a chunk of
     ``LOSS_CHUNK_TOKENS`` tokens at a time (no more of them exist at once than the plan counts)."""
     from megatrain.layout import LOSS_CHUNK_TOKENS
@@ -203,7 +201,7 @@ def evaluate(ex, op: Op, st: StepState) -> None:
 
 def _fused_loss(ex, op: Op, st: StepState) -> None:
     from megatrain.kernels.linear_ce import linear_cross_entropy_forward
-    from megatrain.runtime.templates import bind
+    from megatrain.runtime.layers.templates import bind
 
     seg = ex.captured.segments[op.layer]
     spec = ex.head_loss
@@ -221,7 +219,7 @@ def _fused_loss(ex, op: Op, st: StepState) -> None:
     st.act[op.slot("x")] = dh.view_as(x)
 
 
-def backward(ex, op: Op, st: StepState) -> None:
+def bwd(ex, op: Op, st: StepState) -> None:
     """The layer's backward for one micro-batch (its forward run again from the checkpoint first, unless it kept its
     activations): weight gradients accumulated in the gradient slot, the input's gradient in place of the input."""
     ex.rng.seed(op.layer, op.mb)
@@ -310,26 +308,3 @@ class WeightRef:
 
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.as_strided(self.shape, self.stride, flat.storage_offset() + self.offset)
-
-
-HANDLERS = {
-    (OpKind.LOAD_IN, Stream.H2D): load_inputs,
-    (OpKind.LOAD_W, Stream.H2D): load_weights,
-    (OpKind.LOAD_W, Stream.COMPUTE): copy_kept_weights,
-    (OpKind.KEEP_W, Stream.H2D): keep_weights,
-    (OpKind.FWD, Stream.COMPUTE): forward,
-    (OpKind.LOSS, Stream.COMPUTE): loss,
-    (OpKind.EVAL, Stream.COMPUTE): evaluate,
-    (OpKind.BWD, Stream.COMPUTE): backward,
-    (OpKind.SAVE_ACT, Stream.D2H): save_act,
-    (OpKind.LOAD_ACT, Stream.H2D): load_act,
-    (OpKind.STORE_G, Stream.D2H): store_grad_to_host,
-    (OpKind.STORE_G, Stream.COMPUTE): store_grad_to_state,
-    (OpKind.NORM, Stream.COMPUTE): take_norms,
-    (OpKind.OPT, Stream.CPU): update_on_host,
-    (OpKind.OPT, Stream.COMPUTE): update_on_device,
-    (OpKind.LOAD_OPT, Stream.H2D): load_state,
-    (OpKind.STORE_OPT, Stream.D2H): store_state,
-    (OpKind.GUARD, Stream.COMPUTE): form_guard,
-    (OpKind.LOSS_OUT, Stream.D2H): losses_out,
-}

@@ -1,4 +1,4 @@
-"""Where training states live on disk (see :mod:`megatrain.runtime.train_state`): the names of a state's files and
+"""Where training states live on disk (see :mod:`megatrain.runtime.state.train_state`): the names of a state's files and
 directories, which state a directory's pointer file or, failing it, its newest complete state makes current, and
 the partial directories of saves that died."""
 

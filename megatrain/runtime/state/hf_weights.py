@@ -44,7 +44,7 @@ def checkpoint_plan(captured: Captured, directory: str | Path) -> tuple[list[Pat
     that is a parameter, or (parameter, expert, first row) for one expert's matrix of a parameter that holds every
     expert's (a checkpoint that stores experts one by one, as HF's save_pretrained writes MoE models: transformers'
     conversion mapping for the model type says which)."""
-    from megatrain.runtime.safetensors_stream import read_header
+    from megatrain.runtime.state.safetensors_stream import read_header
 
     d = Path(directory)
     index = d / "model.safetensors.index.json"

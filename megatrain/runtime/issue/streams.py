@@ -7,9 +7,9 @@ host block) go to one worker thread, which first waits for the events of the GPU
 depends on a ``cpu`` op makes the host wait for that worker task before issuing it (the next step's weight load), or
 hands the op to the worker to issue after it. Steps overlap without a barrier: what one step's schedule cannot say
 about the steps before it, the dependencies the planner carries from one step to the next do (verified pairs of
-schedules; :class:`~megatrain.runtime.step_order.StepOrder` turns them into waits and fences any other pair), or,
+schedules; :class:`~megatrain.runtime.issue.step_order.StepOrder` turns them into waits and fences any other pair), or,
 with ``sync_between_steps``, the whole device is synchronized before a step. Every op is timed
-(:mod:`megatrain.runtime.timing`). CUDA is reached through ``cuda`` (:mod:`megatrain.runtime.cuda_api`), which the
+(:mod:`megatrain.runtime.issue.timing`). CUDA is reached through ``cuda`` (:mod:`megatrain.runtime.issue.cuda_api`), which the
 tests replace with a fake that checks the order on the CPU.
 """
 
@@ -21,14 +21,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from megatrain.ir import Op, OpKind, Schedule, Stream, queue_of
-from megatrain.runtime import ops, update_ops
-from megatrain.runtime.cuda_api import TORCH_CUDA
-from megatrain.runtime.executor import Executor
+from megatrain.runtime.ops import HANDLERS
+from megatrain.runtime.ops import update as update_ops
+from megatrain.runtime.issue.cuda_api import TORCH_CUDA
+from megatrain.runtime.issue.executor import Executor
 from megatrain.runtime.optim import lr_at
-from megatrain.runtime.step import MicroBatch, StepOutput, StepState
-from megatrain.runtime.step_order import Issued, PrevDeps, StepOrder, Successions
-from megatrain.runtime.stream_copies import CheckpointBuffers, StreamCopies
-from megatrain.runtime.timing import OpTimer
+from megatrain.runtime.issue.step import MicroBatch, StepOutput, StepState
+from megatrain.runtime.issue.step_order import Issued, PrevDeps, StepOrder, Successions
+from megatrain.runtime.issue.stream_copies import CheckpointBuffers, StreamCopies
+from megatrain.runtime.issue.timing import OpTimer
 
 
 class _Step(NamedTuple):
@@ -71,7 +72,7 @@ class StreamExecutor(StreamCopies, Executor):
     # waits for) and its moments are computed after the step's update pass, from the gradient still in the host
     # buffer (:func:`deferrable_opts`), by the worker while the GPU runs the next forward and backward; the first
     # gradient store into that buffer waits for them. The pass behind the backward moves 20 bytes a parameter
-    # through the host's DRAM instead of 28; the results are bit-identical (runtime/cpu_adamw.c). A split update
+    # through the host's DRAM instead of 28; the results are bit-identical (runtime/optim/cpu_adamw.c). A split update
     # whose gradient comes from such a buffer likewise stores its new masters alone (4 bytes a parameter back over
     # PCIe instead of 12); the worker computes its moments there after the step's updates (after the state loads
     # that read the old ones), in the arithmetic of the GPU's kernel, and the next step's state loads of the layer
@@ -239,7 +240,7 @@ class StreamExecutor(StreamCopies, Executor):
         # on the step before, what it carries over (its tasks as a rule long done)
         later = [d for d in op.deps if d in self.futures]
         prev = self.order.on_prev(op)
-        handler = ops.HANDLERS[(op.kind, op.stream)]
+        handler = HANDLERS[(op.kind, op.stream)]
         # this step's, as they are now: the worker may issue one of its ops after the next step's run began
         ctx = _Step(self.issued, self.tags, self.timer.records())
         events = ctx.issued.events

@@ -30,7 +30,7 @@ class StepOutput:
 
 @dataclass
 class StepState:
-    """One step's data, passed to every op handler (``runtime/ops.py``). Activation slots are the keys of ``act``
+    """One step's data, passed to every op handler (``runtime/ops/compute.py``). Activation slots are the keys of ``act``
     (the schedule's activation slot indices: tensors are made fresh, the caching allocator recycles them)."""
 
     schedule: Schedule
@@ -47,12 +47,12 @@ class StepState:
     loss_sums: list = field(default_factory=list)  # per mb: its cross-entropy sum (a device tensor once computed)
     param_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> its gradient's L2 norm
     tied_parts: dict[int, int] = field(default_factory=dict)  # owner -> parts of its tied gradient summed so far
-    # per mb, where the model has a router loss: its routers' sums over the layers run so far (runtime.router_aux)
+    # per mb, where the model has a router loss: its routers' sums over the layers run so far (runtime.layers.router_aux)
     aux: list | None = None
     # its host OPTs that write the masters alone, their moments computed after the update pass (the streaming
     # executor's defer_moments); decided when the step is issued, so a task the worker runs late sees its own step's
     deferred_moments: frozenset[int] = frozenset()
-    # made by the step's GUARD op (update_ops.guard), on the device: the factor updates scale the gradient by (the
+    # made by the step's GUARD op (ops.update.form_guard), on the device: the factor updates scale the gradient by (the
     # clip factor, or 1; NaN where the loss or the norm is not finite), and (global norm or 0, the step's loss,
     # factor)
     guard: torch.Tensor | None = None

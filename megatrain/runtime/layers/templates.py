@@ -10,8 +10,8 @@ from torch.fx.node import Node, map_aggregate
 
 from megatrain.capture import Captured, Segment
 from megatrain.layout import UNREAD_PROJECTION
-from megatrain.runtime import grad_sink, router_aux, tiling
-from megatrain.runtime.grad_sink import SinkLinear
+from megatrain.runtime.layers import grad_sink, router_aux, tiling
+from megatrain.runtime.layers.grad_sink import SinkLinear
 
 
 def bind(seg: Segment, flat: torch.Tensor) -> dict[str, torch.Tensor]:

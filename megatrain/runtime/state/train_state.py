@@ -31,11 +31,11 @@ import torch
 
 from megatrain.capture import Captured
 from megatrain.rundir import flush_to_disk
-from megatrain.runtime.safetensors_stream import CHUNK_BYTES
-from megatrain.runtime.state_dirs import (FORMAT, LATEST, MANIFEST, STEP_DIR, VERSION, find, is_state_root,
+from megatrain.runtime.state.safetensors_stream import CHUNK_BYTES
+from megatrain.runtime.state.state_dirs import (FORMAT, LATEST, MANIFEST, STEP_DIR, VERSION, find, is_state_root,
                                           layer_file, layer_nbytes, legacy_siblings, load_manifest, manifest_bytes,
                                           pid_alive, remove_stale)
-from megatrain.runtime.store import ROWS, HostStore
+from megatrain.runtime.memory.store import ROWS, HostStore
 
 KEPT_ROWS = ROWS[:3]  # master, exp_avg, exp_avg_sq
 _CHUNK = CHUNK_BYTES  # bytes per write / read / CRC call: CRC-32 runs at ~2.3 GB/s a thread, releasing the GIL
@@ -328,7 +328,7 @@ def load(store: HostStore, directory: str | Path, progress: Callable[[int], None
 
 class _MasterRows:
     """One parameter's fp32 master weights in a layer file, read a slice at a time into one reused buffer (a
-    :class:`~megatrain.runtime.safetensors_stream.Source`: each slice is valid until the next is read)."""
+    :class:`~megatrain.runtime.state.safetensors_stream.Source`: each slice is valid until the next is read)."""
 
     def __init__(self, path: Path, offset: int, shape: tuple[int, ...], buf: torch.Tensor):
         self.path, self.offset, self.shape, self.buf = path, offset, tuple(shape), buf

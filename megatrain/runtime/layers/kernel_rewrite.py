@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.capture import Captured
-from megatrain.runtime.grad_sink import param_grads
+from megatrain.runtime.layers.grad_sink import param_grads
 
 
 class KernelRMSNorm(nn.Module):

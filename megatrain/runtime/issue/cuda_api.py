@@ -1,6 +1,6 @@
 """What the stream issuer asks of CUDA, in one place: streams, events, the current stream, pinned host memory.
 
-:class:`~megatrain.runtime.streams.StreamExecutor` and its timer use nothing of ``torch.cuda`` but this; the tests
+:class:`~megatrain.runtime.issue.streams.StreamExecutor` and its timer use nothing of ``torch.cuda`` but this; the tests
 hand the issuer a fake of the same shape that runs on the CPU and records what was issued on which stream after
 which waits (tests/runtime/fake_cuda.py), so the issuer's ordering is checked without a GPU.
 """
@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from megatrain.runtime.store import pinned_empty
+from megatrain.runtime.memory.store import pinned_empty
 
 
 class TorchCuda:

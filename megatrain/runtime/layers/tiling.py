@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatrain.layout import NORM_WITH_MLP
-from megatrain.runtime.grad_sink import SinkLinear
+from megatrain.runtime.layers.grad_sink import SinkLinear
 
 
 class TiledMLP(nn.Module):

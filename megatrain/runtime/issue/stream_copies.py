@@ -1,8 +1,8 @@
 """The copies the stream issuer's handlers and steps make, each on the stream that keeps it off the critical path.
 
-A mixin of :class:`~megatrain.runtime.streams.StreamExecutor`: it uses ``self.cuda`` (a
-:class:`~megatrain.runtime.cuda_api.TorchCuda` or a fake), ``self.streams``, ``self.device``, ``self.order`` (its
-:class:`~megatrain.runtime.step_order.StepOrder`), ``self.steps_issued``, ``self.timer`` and
+A mixin of :class:`~megatrain.runtime.issue.streams.StreamExecutor`: it uses ``self.cuda`` (a
+:class:`~megatrain.runtime.issue.cuda_api.TorchCuda` or a fake), ``self.streams``, ``self.device``, ``self.order`` (its
+:class:`~megatrain.runtime.issue.step_order.StepOrder`), ``self.steps_issued``, ``self.timer`` and
 ``self.checkpoint_bufs`` (a :class:`CheckpointBuffers`).
 """
 
@@ -13,7 +13,7 @@ import threading
 import torch
 
 from megatrain.ir import Stream
-from megatrain.runtime.step import StepState
+from megatrain.runtime.issue.step import StepState
 
 
 class StreamCopies:

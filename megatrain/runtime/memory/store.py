@@ -15,8 +15,8 @@ from torch import nn
 
 from megatrain.capture import Captured
 from megatrain.layout import HOST_UPDATE_CHUNK, STORE_ROWS
-from megatrain.runtime.checkpoint import checkpoint_plan
-from megatrain.runtime.safetensors_stream import chunk_buffer, read_header, read_into
+from megatrain.runtime.state.hf_weights import checkpoint_plan
+from megatrain.runtime.state.safetensors_stream import chunk_buffer, read_header, read_into
 
 ROWS = STORE_ROWS
 
@@ -190,7 +190,7 @@ class HostStore:
         self.flats: list[torch.Tensor | None] = []  # per layer: master, exp_avg, exp_avg_sq end to end
         sizes = [seg.numel + 2 * captured.graph[seg.index].moment_params if seg.numel else 0
                  for seg in captured.segments]
-        # data parallel (``shared``: runtime.data_parallel.DataParallel): one memory for the ranks of this host
+        # data parallel (``shared``: runtime.issue.data_parallel.DataParallel): one memory for the ranks of this host
         base = shared.shared_zeros(sum(sizes)) if shared is not None else None
         if base is not None and self.pinned:
             _pin(base)
@@ -321,8 +321,8 @@ class HostStore:
     def load_safetensors(self, directory: str | Path, progress: Callable[[int], None] | None = None) -> None:
         """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index) in
         any float dtype, each tensor read straight into its place in the store a chunk at a time
-        (:func:`megatrain.runtime.safetensors_stream.read_into`): host memory holds one chunk beyond the store.
-        The checkpoint is checked first (:func:`megatrain.runtime.checkpoint.check_checkpoint`). ``progress(n)``:
+        (:func:`megatrain.runtime.state.safetensors_stream.read_into`): host memory holds one chunk beyond the store.
+        The checkpoint is checked first (:func:`megatrain.runtime.state.hf_weights.check_checkpoint`). ``progress(n)``:
         called with each tensor's size."""
         files, placement = checkpoint_plan(self.captured, directory)  # checked first, from the headers
         buf = chunk_buffer()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from megatrain.capture import Captured, meta_copy
-from megatrain.runtime.store import HostStore
+from megatrain.runtime.memory.store import HostStore
 
 
 def _initializer(model: nn.Module):

@@ -8,10 +8,10 @@ import sys
 import torch
 
 from megatrain.layout import HOST_UPDATE_CHUNK
-from megatrain.runtime import cpu_adamw
-from megatrain.runtime.cpu_adamw import FULL, MASTER, MOMENTS
-from megatrain.runtime.optim_config import OptimConfig, lr_at
-from megatrain.runtime.store import ROWS, HostStore
+from megatrain.runtime.optim import cpu_adamw
+from megatrain.runtime.optim.cpu_adamw import FULL, MASTER, MOMENTS
+from megatrain.runtime.optim.config import OptimConfig, lr_at
+from megatrain.runtime.memory.store import ROWS, HostStore
 
 _SAID_TORCH_KERNEL = False  # the notice that megatrain's host kernel could not be built is printed once
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatrain.ir import Op
-from megatrain.runtime.step import StepState
+from megatrain.runtime.issue.step import StepState
 
 
 # ---- gradients -------------------------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def _complete(ex, st: StepState, owner: int, grad: torch.Tensor) -> None:
     _take_norms(ex, st, owner, grad)
 
 
-def store_grad_to_host(ex, op: Op, st: StepState) -> None:
+def store_g_to_host(ex, op: Op, st: StepState) -> None:
     """The layer's gradient (summed over the micro-batches in its slot) to its host gradient buffer, in the buffer's
     dtype (rounded on the device where that is bf16), its norms taken first unless a NORM took them; a tied
     gradient's parts are summed on the device first, and the sum goes to the host once."""
@@ -66,7 +66,7 @@ def store_grad_to_host(ex, op: Op, st: StepState) -> None:
     dst.copy_(src if dst.dtype == src.dtype else src.to(dst.dtype), non_blocking=ex.non_blocking)
 
 
-def take_norms(ex, op: Op, st: StepState) -> None:
+def norm(ex, op: Op, st: StepState) -> None:
     """NORM: the norms of a complete gradient, which then moves to its kept-gradient slot (rounded to the slot's
     dtype), where it waits for the update pass; its gradient slot is free after."""
     n = ex.graph.weight_params(op.layer)
@@ -75,7 +75,7 @@ def take_norms(ex, op: Op, st: StepState) -> None:
     ex.dev.k[op.slot("k")][:n].copy_(src)
 
 
-def store_grad_to_state(ex, op: Op, st: StepState) -> None:
+def store_g_to_slot(ex, op: Op, st: StepState) -> None:
     """A device update's gradient into the gradient row of its optimizer slot (a tied gradient's parts summed
     there)."""
     src = ex.dev.g[op.slot("g")][: ex.graph.weight_params(op.layer)]
@@ -84,13 +84,13 @@ def store_grad_to_state(ex, op: Op, st: StepState) -> None:
         _complete(ex, st, ex.graph.owner(op.layer), row)
 
 
-def form_guard(ex, op: Op, st: StepState) -> None:
-    """The step's GUARD: :func:`guard`, and its copy to the host (the issuer's)."""
-    guard(ex, st)
+def guard(ex, op: Op, st: StepState) -> None:
+    """The step's GUARD: :func:`form_guard`, and its copy to the host (the issuer's)."""
+    form_guard(ex, st)
     ex.guard_to_host(st)
 
 
-def guard(ex, st: StepState) -> None:
+def form_guard(ex, st: StepState) -> None:
     """The step's GUARD, before its first OPT (every LOSS has run; with clipping every gradient's norm is taken): on
     the device, the global gradient norm (the per-parameter norms in the model's order, as
     torch.nn.utils.clip_grad_norm_ takes it), the step's loss, and the factor device updates scale the gradient by:
@@ -116,7 +116,7 @@ def guard(ex, st: StepState) -> None:
 
 
 # ---- updates ---------------------------------------------------------------------------------------------------
-def update_on_host(ex, op: Op, st: StepState) -> None:
+def opt_on_host(ex, op: Op, st: StepState) -> None:
     """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update."""
     if not st.ok():
         return
@@ -148,7 +148,7 @@ def split_moments_on_host(ex, layer: int, h: int, st: StepState) -> None:
                               device=True)
 
 
-def update_on_device(ex, op: Op, st: StepState) -> None:
+def opt_on_device(ex, op: Op, st: StepState) -> None:
     """AdamW on the layer's optimizer slot, its new weights kept on the device in the compute dtype (written by the
     update where it can). The factor on the device stops a step that must not update (the Triton kernel); torch's
     AdamW, which would apply it, is not called for such a step (the host decides). One part of a split update:
@@ -199,7 +199,7 @@ def _part(ex, op: Op, st: StepState) -> tuple[torch.Tensor, int, int]:
     return ex.dev.part_block(op, hi - lo), lo, hi
 
 
-def load_state(ex, op: Op, st: StepState) -> None:
+def load_opt(ex, op: Op, st: StepState) -> None:
     """Master weights and moments into the optimizer slot, a row at a time (``ex.before_row``: the issuer's wait
     for that row's store by an earlier step); the gradient row is filled by the layer's STORE_G. One part of a split
     update: the part's rows, and its gradient from the layer's host buffer (unless kept on the device)."""
@@ -217,7 +217,7 @@ def load_state(ex, op: Op, st: StepState) -> None:
         block[3].copy_(grads, non_blocking=ex.non_blocking)
 
 
-def store_state(ex, op: Op, st: StepState) -> None:
+def store_opt(ex, op: Op, st: StepState) -> None:
     """Updated master weights and moments back to the host block (and the bf16 shadow, where there is one)."""
     if op.mb is None:
         return ex.store_state(op.layer, ex.dev.opt_block(op))

@@ -1,10 +1,10 @@
 """The executor: runs a Schedule op by op in program order (the synchronous issuer; CPU and plain CUDA).
 
 The ops' work is :mod:`megatrain.runtime.ops` (one handler per op kind and stream); the state that outlives a step
-is :class:`~megatrain.runtime.device.DeviceState`, a step's is :class:`~megatrain.runtime.step.StepState`. This
+is :class:`~megatrain.runtime.memory.device.DeviceState`, a step's is :class:`~megatrain.runtime.issue.step.StepState`. This
 issuer keeps, for every slot, the content it holds and how many of that content's readers have run, and refuses an
 op that reads the wrong content or overwrites content a later op still needs; the error shows the schedule around
-the failing op. :class:`~megatrain.runtime.streams.StreamExecutor` issues the same handlers on CUDA streams.
+the failing op. :class:`~megatrain.runtime.issue.streams.StreamExecutor` issues the same handlers on CUDA streams.
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from megatrain.capture.tracer import PACKED, Packed
 from megatrain.ir import (SLOT_POOL, Op, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
 from megatrain.layout import OPT_STATE_ROWS, UNREAD_PROJECTION
-from megatrain.runtime import ops, probe, router_aux
-from megatrain.runtime.device import DeviceState
-from megatrain.runtime.data_parallel import DataParallel
+from megatrain.runtime.layers import probe, router_aux
+from megatrain.runtime.ops import HANDLERS
+from megatrain.runtime.ops.compute import WeightRef
+from megatrain.runtime.memory.device import DeviceState
+from megatrain.runtime.issue.data_parallel import DataParallel
 from megatrain.runtime.optim import HostAdamW
-from megatrain.runtime.rng import StepRng
-from megatrain.runtime.step import MicroBatch, StepOutput, StepState
-from megatrain.runtime.store import HostStore, grad_host_dtype
-from megatrain.runtime.templates import LayerRunner
+from megatrain.runtime.layers.rng import StepRng
+from megatrain.runtime.issue.step import MicroBatch, StepOutput, StepState
+from megatrain.runtime.memory.store import HostStore, grad_host_dtype
+from megatrain.runtime.layers.templates import LayerRunner
 
 __all__ = ["ExecutionError", "Executor", "MicroBatch", "StepOutput"]
 
@@ -53,7 +55,7 @@ class Executor:
         self.runner = runner if runner is not None else LayerRunner(captured, self.device)
         self.head_loss = head_loss  # HeadLossSpec: the head runs as the fused linear + cross-entropy kernel
         self.dev = DeviceState(self.graph, store, self.device, compute_dtype, self._quiesce)
-        self.rng = StepRng(self.device)  # each (layer, micro-batch) draws from its own seed (runtime/rng.py)
+        self.rng = StepRng(self.device)  # each (layer, micro-batch) draws from its own seed (runtime/layers/rng.py)
         # owner layer -> (parameter name, offset, elements) of each parameter it holds that takes a gradient, in the
         # model's order (the global norm leaves frozen ones out, as clip_grad_norm_ over the model does)
         self.param_spans: dict[int, list[tuple[str, int, int]]] = {o: [] for o in store.owners()}
@@ -69,7 +71,7 @@ class Executor:
         self.bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
         # around each op, if set: a context manager (profiling labels, timing); it does not change what runs
         self.on_op: Callable[[Op], ContextManager] | None = None
-        # data parallel: the ranks whose gradients and losses each step sums (runtime.data_parallel); None: alone
+        # data parallel: the ranks whose gradients and losses each step sums (runtime.issue.data_parallel); None: alone
         self.dp: DataParallel | None = None
         self._confirm_unread()
 
@@ -109,7 +111,7 @@ class Executor:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step. ``wait_optimizer``: False
         lets an issuer that overlaps steps return before the step's updates are done (here they always are).
         ``successions``: the verified pairs of schedules and their carried dependencies
-        (:mod:`megatrain.runtime.step_order`), for an issuer that overlaps steps (here each step ends first).
+        (:mod:`megatrain.runtime.issue.step_order`), for an issuer that overlaps steps (here each step ends first).
         ``write_back``: where the step keeps optimizer states on the device (``resident_opt``), the plan's schedule
         that takes them back to the host (``RunPlan.write_back``)."""
         cfg = schedule.config
@@ -206,7 +208,7 @@ class Executor:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
 
     def _issue(self, op: Op, st: StepState) -> None:
-        ops.HANDLERS[(op.kind, op.stream)](self, op, st)
+        HANDLERS[(op.kind, op.stream)](self, op, st)
 
     def _slot_plan(self, schedule: Schedule):
         """Per op its slot contents (reads, writes), and every access of every slot in program order: (op id,
@@ -308,7 +310,7 @@ class Executor:
         for l in sorted(homes):
             op = self._write_back_ops[(l, homes[l])]
             with self.on_op(op) if self.on_op is not None else contextlib.nullcontext():
-                ops.HANDLERS[(op.kind, op.stream)](self, op, None)
+                HANDLERS[(op.kind, op.stream)](self, op, None)
         self._quiesce()
 
     def _release_resident(self) -> None:
@@ -317,7 +319,7 @@ class Executor:
         self.dev.resident.clear()
 
     def measure_saved_bytes(self, layer: int, seq_len: int, lean: bool = False) -> int:
-        """See :func:`megatrain.runtime.probe.saved_bytes`."""
+        """See :func:`megatrain.runtime.layers.probe.saved_bytes`."""
         return probe.saved_bytes(self, layer, seq_len, lean)
 
     # ---- what the handlers use, which an issuer may do its own way --------------------------------------------
@@ -339,7 +341,7 @@ class Executor:
         at the step's end)."""
 
     def guard_to_host(self, st: StepState) -> None:
-        """The step's guard (:func:`~megatrain.runtime.update_ops.guard`), just formed: how the host reads it."""
+        """The step's guard (:func:`~megatrain.runtime.ops.update.form_guard`), just formed: how the host reads it."""
         st.fetch = lambda: st.guard.detach().cpu()
 
     def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
@@ -366,8 +368,8 @@ class Executor:
         """After ``row`` of ``layer``'s host block is written (row OPT_STATE_ROWS: the shadow)."""
 
     def unpack(self, packed):
-        """The saved-tensor unpack hook of a saved forward (see ops.WeightRef)."""
-        return packed.view_of(self.bwd_weights) if isinstance(packed, ops.WeightRef) else packed
+        """The saved-tensor unpack hook of a saved forward (see ops.compute.WeightRef)."""
+        return packed.view_of(self.bwd_weights) if isinstance(packed, WeightRef) else packed
 
     # ---- step bookkeeping the streaming issuer does its own way ------------------------------------------------
     def drain(self) -> None:

@@ -12,7 +12,7 @@ from megatrain.layout import WIRE_STAGE_PARAMS
 from megatrain.ir import slot_params
 from megatrain.ir import LayerGraph
 from megatrain.layout import OPT_SLOT_ROWS
-from megatrain.runtime.store import HostStore, grad_host_dtype
+from megatrain.runtime.memory.store import HostStore, grad_host_dtype
 
 
 class DeviceState:

@@ -148,7 +148,7 @@ def outputs_unread(on: bool = True, fill: float | None = None):
     their backward needs and skip their product. The layer's output is then not its value -- nothing reads it:
     the backward differentiates it against the incoming gradient, which needs the graph and the saved inputs
     alone. Which linears qualify is decided at capture by the block's form and checked on the device by
-    :func:`megatrain.runtime.probe.unread_outputs_hold`. ``fill``: a value to fill the skipped outputs with (the
+    :func:`megatrain.runtime.layers.probe.unread_outputs_hold`. ``fill``: a value to fill the skipped outputs with (the
     probe's NaN), none by default."""
     before = getattr(_unread, "on", False), getattr(_unread, "fill", None)
     _unread.on, _unread.fill = on, fill

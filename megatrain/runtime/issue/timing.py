@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatrain.ir import Op, Schedule
-from megatrain.runtime.cuda_api import TORCH_CUDA
+from megatrain.runtime.issue.cuda_api import TORCH_CUDA
 
 
 class OpTimer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
-from megatrain.runtime.kernel_rewrite import keep_less
+from megatrain.runtime.layers.kernel_rewrite import keep_less
 
 
 def saved_bytes(ex, layer: int, seq_len: int, lean: bool = False) -> int:
@@ -70,7 +70,7 @@ def unread_outputs_hold(ex, layer: int, seq_len: int = 8) -> bool:
 
 
 def _unread_hold(ex, layer: int, seq_len: int) -> bool:
-    from megatrain.runtime.grad_sink import outputs_unread
+    from megatrain.runtime.layers.grad_sink import outputs_unread
 
     graph, device, runner = ex.graph, ex.device, ex.runner
     gen = torch.Generator(device=device).manual_seed(0)

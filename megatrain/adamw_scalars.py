@@ -9,7 +9,8 @@ import math
 
 def scalars(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> dict[str, float]:
     """The kernel's scalars for AdamW's update ``step``, in double, as torch's fused kernel forms them; the kernel
-    takes each rounded to float (as the GPU's Triton kernel does: :mod:`megatrain.kernels.adamw`, the same arithmetic)."""
+    takes each rounded to float (as the GPU's Triton kernel does: :mod:`megatrain.kernels.adamw`, the same
+    arithmetic)."""
     beta1, beta2 = betas
     return dict(decay=1 - lr * weight_decay, w1=1 - beta1, beta2=beta2, w2=1 - beta2,
                 neg_step=-(lr / (1 - beta1 ** step)), bc2_sqrt=math.sqrt(1 - beta2 ** step), eps=eps)

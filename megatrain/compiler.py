@@ -18,7 +18,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.limits import GiB
 from megatrain.runtime.state import train_state
-from megatrain.runtime.state.hf_weights import check_checkpoint
+from megatrain.runtime.state.hf_weights import check_weights_dir
 from megatrain.runtime.issue.data_parallel import DataParallel
 from megatrain.runtime.state.init import init_seeded
 from megatrain.runtime.optim import OptimConfig
@@ -73,7 +73,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
         raise ValueError("pass one of checkpoint=, init_seed= and state=")
     cap = capture(model, compute_dtype=dtype, blocks=blocks)
     if checkpoint is not None:
-        check_checkpoint(cap, checkpoint)  # names, shapes and readability, before the store takes its memory
+        check_weights_dir(cap, checkpoint)  # names, shapes and readability, before the store takes its memory
     if state is not None:
         train_state.read_manifest(cap, state)  # the same
     need = _check_host(cap, spec, opts, host_free)

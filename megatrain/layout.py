@@ -13,10 +13,10 @@ OPT_STATE_ROWS = len(STORE_ROWS)
 HOST_UPDATE_CHUNK = 1 << 26  # elements a host update reads a bf16 gradient back into fp32 at a time (256 MiB)
 # bytes a read or write of weights between the store and disk moves at a time (runtime.state.safetensors_stream)
 IO_CHUNK_BYTES = 64 << 20
-# fp32 weights bound for bf16 weight slots cross into the device through one fp32 staging buffer of this many
-# elements, a part at a time, each copied and then cast on the load's stream (runtime.memory.device.DeviceState.load_cast):
-# the part's size decides the share of the copy engine a load gets beside a split update's state loads (512 MiB
-# measured best on the H200, docs/benchmark-history.md, "Weights sent as fp32")
+# fp32 weights bound for bf16 weight slots cross into the device through one fp32 staging buffer of this many elements,
+# a part at a time, each copied and then cast on the load's stream (runtime.memory.device.DeviceState.load_cast): the
+# part's size decides the share of the copy engine a load gets beside a split update's state loads (512 MiB measured
+# best on the H200, docs/benchmark-history.md, "Weights sent as fp32")
 WIRE_STAGE_PARAMS = 1 << 27
 # an evaluation's logits are formed this many tokens at a time (fp32; runtime.ops.compute.evaluate)
 LOSS_CHUNK_TOKENS = 1024
@@ -24,9 +24,9 @@ LOSS_CHUNK_TOKENS = 1024
 # nothing else: the norm joins the MLP in its tiles (runtime.layers.tiling), so its output is not kept for the whole
 # sequence either
 NORM_WITH_MLP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# the same decoder layers end with ``residual + mlp(...)``: nothing in the layer reads the MLP's output but the sum,
-# so a backward that recomputes the forward need not form the MLP's last projection (its gradients need its input
-# and weights alone). The projection, as a template path (checked on the device: runtime.layers.probe.unread_outputs_hold)
+# the same decoder layers end with ``residual + mlp(...)``: nothing in the layer reads the MLP's output but the sum, so
+# a backward that recomputes the forward need not form the MLP's last projection (its gradients need its input and
+# weights alone). The projection, as a template path (checked on the device: runtime.layers.probe.unread_outputs_hold)
 UNREAD_PROJECTION = "mlp.down_proj"
 
 

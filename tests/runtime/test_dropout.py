@@ -1,8 +1,8 @@
 """Dropout trains exactly: a recomputed forward draws what its first forward drew (fp32, CPU).
 
 The reference is the untouched model trained by plain PyTorch (tests/runtime/test_parity.py), with forward
-pre-hooks that seed torch's generators at each layer boundary by megatrain's rule (runtime/layers/rng.py: one draw per step
-from the default generator, then a seed per layer and micro-batch). Forward, backward, clipping and AdamW are all
+pre-hooks that seed torch's generators at each layer boundary by megatrain's rule (runtime/layers/rng.py: one draw
+per step from the default generator, then a seed per layer and micro-batch). Forward, backward, clipping and AdamW are all
 plain PyTorch; the hooks only decide which masks each layer draws, and megatrain must then produce the same loss and
 the same gradients whether its backward recomputes the forward or keeps its activations.
 """

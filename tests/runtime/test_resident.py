@@ -120,7 +120,8 @@ def test_a_step_without_its_set_up_is_refused():
     nxt[:, :-1] = labels[:, 1:]
     mbs = [MicroBatch(ids[i * 3:(i + 1) * 3], mask[i * 3:(i + 1) * 3], nxt[i * 3:(i + 1) * 3]) for i in range(2)]
     denom = int((nxt != -100).sum())
-    with pytest.raises(ValueError, match=r"keeps the optimizer state of layers \[.*\] on the device, and no write-back"):
+    with pytest.raises(ValueError, match=r"keeps the optimizer state of layers \[.*\] on the device, and no "
+                                          r"write-back"):
         sm.executor.run(cont, mbs, denom)
     with pytest.raises(ValueError, match=r"expects the state of layers \[.*\] on the device.*run the plan's set-up"):
         sm.executor.run(cont, mbs, denom, write_back=sm.run_plan(cont).write_back)

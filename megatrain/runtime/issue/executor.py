@@ -1,10 +1,10 @@
 """The executor: runs a Schedule op by op in program order (the synchronous issuer; CPU and plain CUDA).
 
 The ops' work is :mod:`megatrain.runtime.ops` (one handler per op kind and stream); the state that outlives a step
-is :class:`~megatrain.runtime.memory.device.DeviceState`, a step's is :class:`~megatrain.runtime.issue.step.StepState`. This
-issuer keeps, for every slot, the content it holds and how many of that content's readers have run, and refuses an
-op that reads the wrong content or overwrites content a later op still needs; the error shows the schedule around
-the failing op. :class:`~megatrain.runtime.issue.streams.StreamExecutor` issues the same handlers on CUDA streams.
+is :class:`~megatrain.runtime.memory.device.DeviceState`, a step's is
+:class:`~megatrain.runtime.issue.step.StepState`. This issuer keeps, for every slot, the content it holds and how
+many of that content's readers have run, and refuses an op that reads the wrong content or overwrites content a
+later op still needs; the error shows the schedule around the failing op. :class:`~megatrain.runtime.issue.streams.StreamExecutor` issues the same handlers on CUDA streams.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ class StepOutput:
 
 @dataclass
 class StepState:
-    """One step's data, passed to every op handler (``runtime/ops/compute.py``). Activation slots are the keys of ``act``
-    (the schedule's activation slot indices: tensors are made fresh, the caching allocator recycles them)."""
+    """One step's data, passed to every op handler (:mod:`megatrain.runtime.ops`). Activation slots are the keys of
+    ``act`` (the schedule's activation slot indices: tensors are made fresh, the caching allocator recycles them)."""
 
     schedule: Schedule
     # on the device; each one's attention mask is None where it has no padding and the model allows None, PACKED
@@ -47,7 +47,8 @@ class StepState:
     loss_sums: list = field(default_factory=list)  # per mb: its cross-entropy sum (a device tensor once computed)
     param_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> its gradient's L2 norm
     tied_parts: dict[int, int] = field(default_factory=dict)  # owner -> parts of its tied gradient summed so far
-    # per mb, where the model has a router loss: its routers' sums over the layers run so far (runtime.layers.router_aux)
+    # per mb, where the model has a router loss: its routers' sums over the layers run so far
+    # (runtime.layers.router_aux)
     aux: list | None = None
     # its host OPTs that write the masters alone, their moments computed after the update pass (the streaming
     # executor's defer_moments); decided when the step is issued, so a task the worker runs late sees its own step's

@@ -9,8 +9,8 @@ hands the op to the worker to issue after it. Steps overlap without a barrier: w
 about the steps before it, the dependencies the planner carries from one step to the next do (verified pairs of
 schedules; :class:`~megatrain.runtime.issue.step_order.StepOrder` turns them into waits and fences any other pair), or,
 with ``sync_between_steps``, the whole device is synchronized before a step. Every op is timed
-(:mod:`megatrain.runtime.issue.timing`). CUDA is reached through ``cuda`` (:mod:`megatrain.runtime.issue.cuda_api`), which the
-tests replace with a fake that checks the order on the CPU.
+(:mod:`megatrain.runtime.issue.timing`). CUDA is reached through ``cuda``
+(:mod:`megatrain.runtime.issue.cuda_api`), which the tests replace with a fake that checks the order on the CPU.
 """
 
 from __future__ import annotations

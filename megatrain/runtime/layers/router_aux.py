@@ -15,9 +15,9 @@ its micro-batches' losses, each HF's), and each backward differentiates its laye
 ``coef / n_mb x E c / N^2`` along with its output.
 
 Whether a model has such a loss, and where its logits come from, capture records
-(:func:`megatrain.capture.params.router_aux_of`). The routers are found by the module class HF records ``router_logits`` from (``OutputRecorder``); a forward hook on
-each such module of the templates hands the logits to the list the running layer's binding gives it
-(:func:`collecting`, through ``LayerRunner.routers``).
+(:func:`megatrain.capture.params.router_aux_of`). The routers are found by the module class HF records
+``router_logits`` from (``OutputRecorder``); a forward hook on each such module of the templates hands the logits to
+the list the running layer's binding gives it (:func:`collecting`, through ``LayerRunner.routers``).
 """
 
 from __future__ import annotations

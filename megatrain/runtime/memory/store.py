@@ -319,11 +319,11 @@ class HostStore:
                 self.param_view(name).copy_(p.detach())
 
     def load_safetensors(self, directory: str | Path, progress: Callable[[int], None] | None = None) -> None:
-        """Fill the master weights from an HF-layout checkpoint (model.safetensors, or shards with an index) in
+        """Fill the master weights from an HF weights directory (model.safetensors, or shards with an index) in
         any float dtype, each tensor read straight into its place in the store a chunk at a time
         (:func:`megatrain.runtime.state.safetensors_stream.read_into`): host memory holds one chunk beyond the store.
-        The checkpoint is checked first (:func:`megatrain.runtime.state.hf_weights.check_checkpoint`). ``progress(n)``:
-        called with each tensor's size."""
+        The directory is checked first (:func:`megatrain.runtime.state.hf_weights.check_weights_dir`).
+        ``progress(n)``: called with each tensor's size."""
         files, placement = checkpoint_plan(self.captured, directory)  # checked first, from the headers
         buf = chunk_buffer()
         with self.loading():

@@ -3,8 +3,10 @@ the handlers of inputs, weights, activations and the layers' forward, loss and b
 gradients, their norms, the step's guard and the updates with their state's loads and stores."""
 
 from megatrain.ir import OpKind, Stream
-from megatrain.runtime.ops.compute import (bwd, eval_loss, fwd, keep_w, load_act, load_in, load_w, load_w_kept, loss, loss_out, save_act)
-from megatrain.runtime.ops.update import (guard, load_opt, norm, opt_on_device, opt_on_host, store_g_to_host, store_g_to_slot, store_opt)
+from megatrain.runtime.ops.compute import (bwd, eval_loss, fwd, keep_w, load_act, load_in, load_w, load_w_kept, loss,
+                                           loss_out, save_act)
+from megatrain.runtime.ops.update import (guard, load_opt, norm, opt_on_device, opt_on_host, store_g_to_host,
+                                          store_g_to_slot, store_opt)
 
 HANDLERS = {
     (OpKind.LOAD_IN, Stream.H2D): load_in,

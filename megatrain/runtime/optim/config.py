@@ -38,7 +38,7 @@ class OptimConfig:
     # one free for the thread that issues GPU work, so no update waits on a descheduled thread
     host_block: int = 0  # megatrain's host kernel: 0, each OpenMP thread takes an equal contiguous share of a pass;
     # N > 0, threads take runs of N elements as they come free (a thread the OS runs late then holds up one run)
-    host_kernel: str = "auto"  # with ``fused``, the host update's kernel: "native", megatrain's (runtime/optim/cpu_adamw.c:
+    host_kernel: str = "auto"  # with ``fused``, the host update's kernel: "native", megatrain's (cpu_adamw.c here:
     # torch's fused arithmetic, bit for bit, in one pass that does not write the gradient back, the bf16 shadow
     # written from it), built with the machine's C compiler on first use; "torch", torch's fused kernel; "auto":
     # native where it builds, else torch's (saying so once)

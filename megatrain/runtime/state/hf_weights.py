@@ -11,7 +11,7 @@ from pathlib import Path
 from megatrain.capture import Captured
 
 
-def check_checkpoint(captured: Captured, directory: str | Path) -> list[Path]:
+def check_weights_dir(captured: Captured, directory: str | Path) -> list[Path]:
     """The files of an HF-layout safetensors checkpoint for ``captured``, refused with one message naming the file
     and the problem (unreadable, a tensor the model lacks or of another shape, a parameter missing) from the
     headers alone, before any weight is read or any store allocated."""
@@ -40,7 +40,7 @@ def _conversions(model_type: str) -> tuple[list, list]:
 
 
 def checkpoint_plan(captured: Captured, directory: str | Path) -> tuple[list[Path], dict[str, tuple]]:
-    """:func:`check_checkpoint`'s files, and where each tensor goes: key -> (parameter, None, None) for a tensor
+    """:func:`check_weights_dir`'s files, and where each tensor goes: key -> (parameter, None, None) for a tensor
     that is a parameter, or (parameter, expert, first row) for one expert's matrix of a parameter that holds every
     expert's (a checkpoint that stores experts one by one, as HF's save_pretrained writes MoE models: transformers'
     conversion mapping for the model type says which)."""

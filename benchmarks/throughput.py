@@ -111,10 +111,11 @@ def main():
 
     import megatrain
     from benchmarks.peers.common import hf_config
+    from megatrain.capture.packed_attention import attention_for
 
     cfg = hf_config(args.preset, args.seq, layers=args.layers)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
     t0 = time.perf_counter()
     optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else 1.0)
     sm = megatrain.compile(model, init_seed=0, device=args.device, optim=optim,

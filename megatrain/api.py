@@ -19,7 +19,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.run_plan import plan_eval, plan_run
 from megatrain.runtime.state import train_state
-from megatrain.runtime.issue.executor import Executor, MicroBatch, StepOutput
+from megatrain.runtime.issue.executor import InOrderExecutor, MicroBatch, StepOutput
 from megatrain.runtime.layers.kernel_rewrite import can_keep_less
 from megatrain.runtime.ops.compute import IGNORE_INDEX
 from megatrain.runtime.optim import HostAdamW, OptimConfig
@@ -87,7 +87,7 @@ class StreamedModel:
 
             self.executor = StreamExecutor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         else:
-            self.executor = Executor(captured, store, self.optimizer, device, compute_dtype, head_loss)
+            self.executor = InOrderExecutor(captured, store, self.optimizer, device, compute_dtype, head_loss)
         self._schedules: dict[tuple, tuple[Schedule | None, Schedule]] = {}  # plan key -> (set-up, step)
         self._successions: Successions = {}  # (id(prev), id(next)) -> the verified pair and its carried dependencies
         self._graphs: dict[int, LayerGraph] = {}  # sequence length -> the planner's layer graph (planning_graph)

@@ -57,11 +57,12 @@ def _captured_graph(model_dir: str, on_gpu: bool):
     from transformers import AutoModelForCausalLM
 
     from megatrain.capture import capture
+    from megatrain.capture.packed_attention import attention_for
     from megatrain.inputs import model_source
 
     cfg = model_source(model_dir, 1024, 1024).config
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        meta = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
     return capture(meta, compute_dtype=torch.bfloat16 if on_gpu else torch.float32).graph
 
 
@@ -85,8 +86,8 @@ def plan(args) -> int:
     from megatrain.planner.critical import critical_path
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.graph import full_recompute
-    from megatrain.planner.request import PlanOptions
     from megatrain.planner.limits import largest_on_host
+    from megatrain.planner.request import PlanOptions
     from megatrain.planner.search import PlanError, plan
 
     try:

@@ -33,6 +33,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     from transformers import AutoModelForCausalLM
 
     import megatrain
+    from megatrain.capture.packed_attention import attention_for
     from megatrain.export import set_special_ids
 
     model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
@@ -55,7 +56,7 @@ def _prepare(cfg: TrainConfig, dp=None):
             raise DataError(f"{cfg.data or 'the default corpus'} is not the data {cfg.resume} was trained on "
                             f"({data.tokens:,} tokens now, {began.get('data_tokens', 0):,} then)")
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa",
+        meta = AutoModelForCausalLM.from_config(model.config, attn_implementation=attention_for(model.config),
                                                 trust_remote_code=cfg.trust_remote_code)
     freeze(meta, cfg.freeze_patterns())
     optim = cfg.optim_config()

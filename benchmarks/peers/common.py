@@ -84,8 +84,10 @@ def build_model(cfg, seed: int = 0, meta: bool = False):
     multi-billion-parameter model fills in seconds rather than the minutes ``normal_`` takes on the host."""
     from transformers import AutoModelForCausalLM
 
+    from megatrain.capture.packed_attention import attention_for
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
     if meta:
         return model
     model.to_empty(device="cpu")

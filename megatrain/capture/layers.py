@@ -273,7 +273,8 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     captured.mask_optional = mask_optional
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
-    captured.varlen = captured.packs and packed_attention.enable(meta_model)
+    switched = packed_attention.enable(meta_model)  # (a family with sinks takes the flash kernel packed or not)
+    captured.varlen = captured.packs and switched
     captured.grouped_experts = grouped_experts.enable(meta_model)
     return captured
 

@@ -7,8 +7,10 @@ micro-batch). Where the model's attention goes through HF's attention interface,
 ``NAME_sdpa`` or ``NAME_eager``: the model's own attention for every mask HF builds and, for a micro-batch of packed
 rows on the GPU, torch's flash attention over the documents (its variable-length form, the aten kernels that
 ``torch.nn.attention.varlen`` wraps), their offsets computed once per micro-batch on the host (:func:`doc_offsets`).
-The embedding layer's causal-mask builder then returns the :class:`~megatrain.capture.tracer.Packed` marker that
-carries them instead of building a mask (capture.tracer)."""
+The embedding layer's causal-mask builders then return the :class:`~megatrain.capture.tracer.Packed` marker that
+carries them instead of building a mask (capture.tracer); a sliding window goes to the kernel as its window. A
+family with attention sinks (GPT-OSS), which HF runs through its eager attention alone, is switched whether its rows
+are packed or not (``NAME_sinks``): the flash kernel with the sinks folded into its output (:class:`_FlashOverDocuments`)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,19 @@ from megatrain.capture.tracer import Packed
 NAME = "megatrain_packed"
 
 # families whose attention modules call HF's attention interface with (module, q, k, v, mask, dropout=, scaling=,
-# sliding_window=, ...) and take no score modifiers (soft-capping, sinks) the flash kernel lacks
+# sliding_window=, ...) and take no score modifiers (soft-capping) the flash kernel lacks
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "olmo2",
                       "granite"})
+# families with learned per-head sink logits (``s_aux``), a softmax denominator term with no value: HF runs them
+# through their eager attention alone, which holds the (heads, T, T) scores; here every causal or sliding-window
+# mask without padding goes to the flash kernel, its output scaled by the sink's share (see _FlashOverDocuments)
+SINK_FAMILIES = frozenset({"gpt_oss"})
+
+
+def attention_for(config) -> str:
+    """The attention implementation to build an HF model of ``config`` with before capture: SDPA, or eager for a
+    family with sinks (HF refuses SDPA there; the capture switches it to the flash kernel)."""
+    return "eager" if getattr(config, "model_type", None) in SINK_FAMILIES else "sdpa"
 
 
 def _flash_available() -> bool:
@@ -35,20 +47,34 @@ def _flash_available() -> bool:
 
 def enable(model: torch.nn.Module) -> bool:
     """Switch ``model`` (the captured model's own copy) from SDPA or eager attention to the same with offsets for
-    packed rows (``NAME_sdpa`` / ``NAME_eager``) where its family and torch allow; whether it was switched."""
-    cfg = model.config
-    orig = cfg._attn_implementation
-    if (getattr(cfg, "model_type", None) not in FAMILIES or orig not in ("sdpa", "eager") or not _flash_available()
+    packed rows (``NAME_sdpa`` / ``NAME_eager``; ``NAME_sinks`` for a family with attention sinks) where its family
+    and torch allow; whether it was switched."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "_attn_implementation"):  # not an HF model
+        return False
+    orig, family = cfg._attn_implementation, getattr(cfg, "model_type", None)
+    sinks = family in SINK_FAMILIES and orig == "eager"
+    if (not (family in FAMILIES or sinks) or orig not in ("sdpa", "eager") or not _flash_available()
             or getattr(cfg, "attn_logit_softcapping", None) is not None):
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    name = f"{NAME}_{orig}"
+    name = f"{NAME}_sinks" if sinks else f"{NAME}_{orig}"
     AttentionInterface.register(name, functools.partial(attention, orig))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[orig])
+    builder = ALL_MASK_ATTENTION_FUNCTIONS[orig]
+    AttentionMaskInterface.register(name, functools.partial(_causal_as_none, builder) if sinks else builder)
     cfg._attn_implementation = name
     return True
+
+
+def _causal_as_none(builder, *args, allow_is_causal_skip: bool = True, attention_mask=None, **kwargs):
+    """A mask builder that returns None for a causal (or sliding-window causal) mask without padding, which the
+    attention then applies itself (as SDPA's builder does for a causal mask), and ``builder``'s mask otherwise (HF
+    turns the skip off for packed rows it has to mask apart)."""
+    if allow_is_causal_skip and attention_mask is None:
+        return None
+    return builder(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
 def doc_offsets(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -65,62 +91,118 @@ def doc_offsets(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def attention(orig: str, module, query, key, value, attention_mask, **kwargs):
     """HF's attention interface over ``orig`` ("sdpa" or "eager"): ``query`` (b, Hq, T, D), ``key``/``value``
-    (b, Hkv, T, D); returns the output as (b, T, Hq, D) and ``orig``'s weights (none for packed rows). ``orig`` for
-    every mask but a :class:`Packed` marker with offsets."""
+    (b, Hkv, T, D); returns the output as (b, T, Hq, D) and ``orig``'s weights (none from the flash kernel).
+    ``orig`` for every mask but a :class:`Packed` marker with offsets and, in a family with sinks (``s_aux``), no
+    mask (causal, no padding); on the GPU in half precision without dropout those go to the flash kernel."""
     if orig == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as delegate
     else:  # each modeling file has its own eager attention
         delegate = sys.modules[type(module).__module__].eager_attention_forward
-    if not isinstance(attention_mask, Packed):
+    sinks, window = kwargs.get("s_aux"), kwargs.get("sliding_window")
+    packed = isinstance(attention_mask, Packed)
+    if not packed and not (sinks is not None and attention_mask is None):
         return delegate(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask.cu is None:
+    if packed and attention_mask.cu is None:
         raise ValueError("packed rows reached the attention without their document offsets")
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise ValueError(f"{NAME}: a layer with a sliding window or soft-capping was given packed rows; its mask "
-                         "builder should have built their mask")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{NAME}: a layer with soft-capping was given packed rows; its mask builder should have "
+                         "built their mask")
+    b, t = query.shape[0], query.shape[2]
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and kwargs.get("dropout", 0.0) == 0.0:
-        return _flash(query, key, value, attention_mask, kwargs.get("scaling")), None
-    # elsewhere (the CPU, fp32 on the GPU, dropout): ``orig`` with the block-diagonal causal mask of the offsets, as
-    # HF's builder for ``orig`` makes it (boolean for SDPA, additive for eager)
-    mask = block_mask(attention_mask, query.shape[0])
+        cu, longest = ((attention_mask.cu, attention_mask.max_len) if packed else
+                       (torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device), t))
+        return _flash(query, key, value, cu, longest, kwargs.get("scaling"), window, sinks), None
+    # elsewhere (the CPU, fp32 on the GPU, dropout): ``orig`` with the mask HF's builder for ``orig`` would make
+    # (boolean for SDPA, additive for eager)
+    if packed:
+        mask = block_mask(attention_mask, b, window)
+    else:
+        mask = causal_mask(t, window, query.device)[None, None].expand(b, 1, t, t)
     if orig == "eager":
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min)
     return delegate(module, query, key, value, mask, **kwargs)
 
 
-def block_mask(packed: Packed, b: int) -> torch.Tensor:
-    """The (b, 1, T, T) boolean mask of packed rows: each position sees the positions up to itself in its document."""
+def causal_mask(t: int, window: int | None, device) -> torch.Tensor:
+    """(t, t) boolean: each position sees itself and the positions before it, the last ``window`` (itself
+    included) where a sliding window is given (HF's ``sliding_window_overlay``)."""
+    i = torch.arange(t, device=device)
+    seen = i[None, :] <= i[:, None]
+    return seen if window is None else seen & (i[None, :] > i[:, None] - window)
+
+
+def block_mask(packed: Packed, b: int, window: int | None = None) -> torch.Tensor:
+    """The (b, 1, T, T) boolean mask of packed rows: each position sees the positions up to itself in its document
+    (the last ``window`` of them, where given)."""
     cu = packed.cu.long()
     n = int(cu[-1])
     t = n // b
     doc = torch.searchsorted(cu, torch.arange(n, device=cu.device), right=True).view(b, t)
-    causal = torch.ones(t, t, dtype=torch.bool, device=cu.device).tril()
-    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    return (causal_mask(t, window, cu.device) & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
 class _FlashOverDocuments(torch.autograd.Function):
     """Causal flash attention over the documents of rows laid end to end: (n, Hq, D) queries, (n, Hkv, D) keys and
-    values (grouped heads as they are), ``cu`` the documents' offsets. torch's own aten flash kernels, called
-    directly: the issuing thread pays one autograd node per call, where the library's variable-length wrapper adds
-    a Python dispatch layer each way (a host cost per layer and micro-batch that a host-bound step pays in full)."""
+    values (grouped heads as they are), ``cu`` the documents' offsets, ``window`` the keys each query sees (itself
+    included; None: all before it). torch's own aten flash kernels, called directly: the issuing thread pays one
+    autograd node per call, where the library's variable-length wrapper adds a Python dispatch layer each way (a
+    host cost per layer and micro-batch that a host-bound step pays in full).
+
+    ``sinks`` (Hq logits, or None): a softmax term per head with no value. With the kernel's output O and its
+    log-sum-exp L of the real scores, the output is O * s with s = sigmoid(L - sink). In the backward the kernel
+    is given dO * s for the output's gradient and O * s for the output it computes each row's dot(dO, O) from:
+    that dot then equals the one of the softmax that includes the sink, so the scores' gradients are exact; the
+    sink's own gradient is -sum over rows of (1 - s) dot(dOut, Out)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_len: int, scale: float | None):
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
-        ctx.max_len, ctx.scale = max_len, scale
+    def forward(ctx, q, k, v, sinks, cu, max_len: int, scale: float | None, window: int | None):
+        left, right = (None, None) if window is None else (window - 1, 0)
+        out, lse, rng, unused = kernel_forward(q, k, v, cu, max_len, scale, left, right)
+        if sinks is not None:
+            acc = torch.promote_types(q.dtype, torch.float32)  # the scaling in fp32 (fp64 stays)
+            out = (out.to(acc) * _sink_share(lse, sinks, q.shape[0]).to(acc)[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused, sinks)
+        ctx.max_len, ctx.scale, ctx.window = max_len, scale, (left, right)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        q, k, v, out, lse, cu, rng, unused, sinks = ctx.saved_tensors
+        dout, dsinks = dout.contiguous(), None
+        if sinks is not None:
+            acc = torch.promote_types(q.dtype, torch.float32)
+            share = _sink_share(lse, sinks, q.shape[0]).to(acc)
+            rows = (dout.to(acc) * out.to(acc)).sum(-1)  # (n, Hq): dot(dOut, Out)
+            dsinks = -((1 - share) * rows).sum(0).to(sinks.dtype)
+            dout = (dout.to(acc) * share[..., None]).to(q.dtype)
         with _deterministic():
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(
-                dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
-                scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+            dq, dk, dv = kernel_backward(dout, q, k, v, out, lse, cu, ctx.max_len, rng, unused, ctx.scale,
+                                         *ctx.window)
+        return dq, dk, dv, dsinks, None, None, None, None
+
+
+def kernel_forward(q, k, v, cu, max_len: int, scale, left, right):
+    """torch's causal flash kernel over documents: (output, log-sum-exp (Hq, n), rng state, unused)."""
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale, window_size_left=left,
+        window_size_right=right)
+    return out, lse, rng, unused
+
+
+def kernel_backward(dout, q, k, v, out, lse, cu, max_len: int, rng, unused, scale, left, right):
+    """Its backward: (dq, dk, dv). ``out`` serves only for each row's dot(dout, out)."""
+    return torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, rng, unused, scale=scale,
+        window_size_left=left, window_size_right=right)
+
+
+def _sink_share(lse: torch.Tensor, sinks: torch.Tensor, n: int) -> torch.Tensor:
+    """(n, Hq), in the log-sum-exp's dtype: the share of each row's softmax the real scores keep beside the head's sink logit."""
+    if lse.dim() != 2 or lse.shape[1] != n:
+        raise RuntimeError(f"the flash kernel's log-sum-exp has shape {tuple(lse.shape)}, not (heads, {n}) as the "
+                           "attention with sinks reads it")
+    return torch.sigmoid(lse.t() - sinks.to(lse.dtype)[None, :])
 
 
 _DETERMINISM = threading.Lock()
@@ -147,7 +229,7 @@ def _deterministic():
             torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
-def _flash(query, key, value, packed: Packed, scale):
+def _flash(query, key, value, cu: torch.Tensor, max_len: int, scale, window: int | None = None, sinks=None):
     b, hq, t, d = query.shape
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
-    return _FlashOverDocuments.apply(q, k, v, packed.cu, packed.max_len, scale).view(b, t, hq, d)
+    return _FlashOverDocuments.apply(q, k, v, sinks, cu, max_len, scale, window).view(b, t, hq, d)

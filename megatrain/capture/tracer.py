@@ -55,8 +55,8 @@ def leaf_function(fn):
         def bound(*a, **k):
             packed = k.get("attention_mask")
             if isinstance(packed, Packed):  # documents packed into each row, told apart by position ids
-                if packed.cu is not None and fn.__name__ == "create_causal_mask":
-                    return packed  # for the attention to read the documents' offsets from
+                if packed.cu is not None and fn.__name__ in ("create_causal_mask", "create_sliding_window_causal_mask"):
+                    return packed  # for the attention to read the documents' offsets from (and its window)
                 # restarting at each: HF's mask builders keep them apart where no mask is given
                 k = {**k, "attention_mask": None}
             elif "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:

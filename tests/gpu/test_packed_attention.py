@@ -61,7 +61,7 @@ def test_a_packed_step_through_offsets_trains_as_through_hf_masks():
                                optim=megatrain.OptimConfig(lr=1e-4))
         assert sm.captured.varlen
         if not offsets:
-            sm.executor.packed_mask = lambda position_ids: PACKED
+            sm.executor.ctx.packed_mask = lambda position_ids: PACKED
         packed_attention._flash = lambda *a: calls.append(offsets) or flash(*a)
         try:
             losses = [sm.train_step(ids, position_ids=pos).loss for _ in range(2)]

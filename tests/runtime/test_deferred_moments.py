@@ -9,11 +9,14 @@ import dataclasses
 import threading
 import time
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatrain.ir import OpKind, Stream
 from megatrain.runtime.optim import cpu_adamw
+from megatrain.runtime.issue.stream_copies import StreamCopies
 from megatrain.runtime.issue.streams import StreamExecutor, deferrable_opts
 
 from .fake_cuda import FakeCuda
@@ -116,13 +119,14 @@ def test_a_state_load_waits_for_an_earlier_steps_split_moments():
             return None
 
     ex = StreamExecutor.__new__(StreamExecutor)
-    ex.order, ex.cuda, ex.steps_issued, ex.moments_wait_s = Order(), Cuda(), 1, 0.0
+    ex.moments_wait_s = 0.0
+    copies = StreamCopies(Cuda(), torch.device("cpu"), {}, Order(), None, lambda: 1, ex._wait_moments)
     earlier, later, done = object(), object(), threading.Event()
     ex.split_moments_due = {4: (earlier, done)}
-    ex.before_row(4, 0, later)
-    ex.before_row(4, 1, earlier)
-    ex.before_row(3, 2, later)
-    waiter = threading.Thread(target=ex.before_row, args=(4, 2, later))
+    copies.before_row(4, 0, later)
+    copies.before_row(4, 1, earlier)
+    copies.before_row(3, 2, later)
+    waiter = threading.Thread(target=copies.before_row, args=(4, 2, later))
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive()
@@ -148,7 +152,7 @@ def test_a_split_layers_moments_wait_for_its_state_loads(monkeypatch):
     monkeypatch.setattr(update_ops, "split_moments_on_host",
                         lambda ex, layer, h, st: seen.append((layer, h, [e.synced for e in events.values()])))
     done, times = threading.Event(), []
-    StreamExecutor._split_moments_task(object(), 4, 2, [1, 5, 9], events, None, done, times)
+    StreamExecutor._split_moments_task(SimpleNamespace(ctx=None), 4, 2, [1, 5, 9], events, None, done, times)
     assert seen == [(4, 2, [True, True, True])] and done.is_set() and len(times) == 1
 
     def fail(*a):
@@ -157,7 +161,7 @@ def test_a_split_layers_moments_wait_for_its_state_loads(monkeypatch):
     monkeypatch.setattr(update_ops, "split_moments_on_host", fail)
     done = threading.Event()
     with pytest.raises(RuntimeError, match="boom"):
-        StreamExecutor._split_moments_task(object(), 4, 2, [1], events, None, done, [])
+        StreamExecutor._split_moments_task(SimpleNamespace(ctx=None), 4, 2, [1], events, None, done, [])
     assert done.is_set()
 
 

@@ -26,7 +26,7 @@ def _with_offsets(sm):
         cu, longest = packed_attention.doc_offsets(position_ids)
         return Packed(cu, longest)
 
-    sm.executor.packed_mask = packed
+    sm.executor.ctx.packed_mask = packed
     return sm
 
 

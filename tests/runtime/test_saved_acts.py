@@ -112,7 +112,7 @@ def test_the_saved_bytes_probe_leaves_nothing_alive(monkeypatch):
 
     sm = compile_cpu(hf_model("qwen2", tie_word_embeddings=False), saved_acts="auto")
     ex = sm.executor
-    monkeypatch.setattr(ex, "dtype", torch.bfloat16)
+    monkeypatch.setattr(ex.ctx, "dtype", torch.bfloat16)
     made = []
     to = torch.Tensor.to
 

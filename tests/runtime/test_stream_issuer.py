@@ -290,7 +290,7 @@ def test_host_checkpoints_wait_in_one_steps_buffers_reused_after_their_reloads()
     last_read: dict[int, object] = {}  # buffer -> the event after its last reload
     exact = fake.pinned_exact
     fake.pinned_exact = lambda shape, dtype: made.append(exact(shape, dtype)) or made[-1]
-    to_host, to_device = ex.to_host, ex.to_device
+    to_host, to_device = ex.copies.to_host, ex.copies.to_device
 
     def offload(t):
         host = to_host(t)
@@ -309,7 +309,7 @@ def test_host_checkpoints_wait_in_one_steps_buffers_reused_after_their_reloads()
         last_read[id(host)] = read
         return t
 
-    ex.to_host, ex.to_device = offload, reload
+    ex.copies.to_host, ex.copies.to_device = offload, reload
     for b in data:
         want, got = ref.train_step(*b), sm.train_step(*b)
         assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)

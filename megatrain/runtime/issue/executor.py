@@ -1,29 +1,32 @@
-"""The executor: runs a Schedule op by op in program order (the synchronous issuer; CPU and plain CUDA).
+"""The executor: interprets a Schedule op by op; :class:`InOrderExecutor` issues each op as it comes (the
+synchronous issuer; CPU and plain CUDA).
 
 The ops' work is :mod:`megatrain.runtime.ops` (one handler per op kind and stream); the state that outlives a step
 is :class:`~megatrain.runtime.memory.device.DeviceState`, a step's is
 :class:`~megatrain.runtime.issue.step.StepState`. This issuer keeps, for every slot, the content it holds and how
 many of that content's readers have run, and refuses an op that reads the wrong content or overwrites content a
-later op still needs; the error shows the schedule around the failing op. :class:`~megatrain.runtime.issue.streams.StreamExecutor` issues the same handlers on CUDA streams.
+later op still needs; the error shows the schedule around the failing op. How the ops are issued is the issuer's:
+a subclass implements :class:`Executor`'s abstract methods (issue an op, begin and end a step or an evaluation,
+wait for what was issued) and gives the handlers its :class:`~megatrain.runtime.ops.context.Copies`;
+:class:`~megatrain.runtime.issue.streams.StreamExecutor` issues the same handlers on CUDA streams.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from abc import ABC, abstractmethod
 from typing import Callable, ContextManager
 
 import torch
 
 from megatrain.capture import Captured
-from megatrain.capture import packed_attention
-from megatrain.capture.tracer import PACKED, Packed
 from megatrain.ir import (SLOT_POOL, Op, Schedule, format_table, initial_contents, resident_slots,
                           slot_contents)
-from megatrain.layout import OPT_STATE_ROWS, UNREAD_PROJECTION
+from megatrain.layout import UNREAD_PROJECTION
 from megatrain.runtime.layers import probe, router_aux
 from megatrain.runtime.ops import HANDLERS
-from megatrain.runtime.ops.compute import WeightRef
+from megatrain.runtime.ops.context import Copies, InOrderCopies, OpContext
 from megatrain.runtime.memory.device import DeviceState
 from megatrain.runtime.issue.data_parallel import DataParallel
 from megatrain.runtime.optim import HostAdamW
@@ -32,7 +35,7 @@ from megatrain.runtime.issue.step import MicroBatch, StepOutput, StepState
 from megatrain.runtime.memory.store import HostStore, grad_host_dtype
 from megatrain.runtime.layers.templates import LayerRunner
 
-__all__ = ["ExecutionError", "Executor", "MicroBatch", "StepOutput"]
+__all__ = ["ExecutionError", "Executor", "InOrderExecutor", "MicroBatch", "StepOutput"]
 
 
 class ExecutionError(RuntimeError):
@@ -42,11 +45,13 @@ class ExecutionError(RuntimeError):
         super().__init__(f"op '{op}': {message}\n{table}")
 
 
-class Executor:
-    non_blocking = False  # host <-> device copies: synchronous here, asynchronous on the streaming executor
+class Executor(ABC):
+    """Runs schedules over a captured model, its host store and optimizer; the issuing is the subclass's (its
+    abstract methods, below ``run``'s helpers) and so are the copies (``copies``)."""
 
     def __init__(self, captured: Captured, store: HostStore, optimizer: HostAdamW, device: torch.device,
-                 compute_dtype: torch.dtype, head_loss=None, runner: LayerRunner | None = None):
+                 compute_dtype: torch.dtype, head_loss=None, runner: LayerRunner | None = None, *,
+                 copies: Copies):
         self.captured, self.store, self.optimizer = captured, store, optimizer
         self.graph = captured.graph
         self.device, self.dtype = torch.device(device), compute_dtype
@@ -54,7 +59,7 @@ class Executor:
         # takes the first one's)
         self.runner = runner if runner is not None else LayerRunner(captured, self.device)
         self.head_loss = head_loss  # HeadLossSpec: the head runs as the fused linear + cross-entropy kernel
-        self.dev = DeviceState(self.graph, store, self.device, compute_dtype, self._quiesce)
+        self.dev = DeviceState(self.graph, store, self.device, compute_dtype, self.quiesce)
         self.rng = StepRng(self.device)  # each (layer, micro-batch) draws from its own seed (runtime/layers/rng.py)
         # owner layer -> (parameter name, offset, elements) of each parameter it holds that takes a gradient, in the
         # model's order (the global norm leaves frozen ones out, as clip_grad_norm_ over the model does)
@@ -68,12 +73,23 @@ class Executor:
         # (layer, optimizer slot) -> the STORE_OPT of a plan's write-back schedule (RunPlan.write_back) that takes
         # that state back to the host: given with each schedule that keeps states on the device
         self._write_back_ops: dict[tuple[int, int], Op] = {}
-        self.bwd_weights: torch.Tensor | None = None  # the weights a BWD of a saved layer finds its saved ones in
         # around each op, if set: a context manager (profiling labels, timing); it does not change what runs
         self.on_op: Callable[[Op], ContextManager] | None = None
-        # data parallel: the ranks whose gradients and losses each step sums (runtime.issue.data_parallel); None: alone
-        self.dp: DataParallel | None = None
+        self.copies = copies
+        # what the handlers use (runtime.ops.context)
+        self.ctx = OpContext(captured, store, optimizer, self.dev, self.runner, self.rng, copies, self.device,
+                             compute_dtype, head_loss, self.param_spans)
         self._confirm_unread()
+
+    @property
+    def dp(self) -> DataParallel | None:
+        """Data parallel: the ranks whose gradients and losses each step sums (runtime.issue.data_parallel); None
+        alone."""
+        return self.ctx.dp
+
+    @dp.setter
+    def dp(self, dp: DataParallel | None) -> None:
+        self.ctx.dp = dp
 
     def _confirm_unread(self) -> None:
         """Mark the linears whose product a recomputing backward skips (``LayerRunner.unread``) once a probe on
@@ -84,7 +100,7 @@ class Executor:
         for i, seg in enumerate(self.captured.segments):
             if not self.runner.unread(i) or id(seg.template) in checked:
                 continue
-            ok = probe.unread_outputs_hold(self, i)
+            ok = probe.unread_outputs_hold(self.ctx, i)
             checked.add(id(seg.template))
             probed = True
             self.runner.mark_unread(i, ok)
@@ -94,11 +110,6 @@ class Executor:
                               f"recomputes that projection (and the plan's model of it is short by as much)")
         if probed and self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _deferred_for(self, schedule: Schedule) -> frozenset[int]:
-        """The host OPTs of ``schedule`` that write the masters alone, their moments left for later (the streaming
-        executor's ``defer_moments``); here none: every update is one pass."""
-        return frozenset()
 
     @property
     def deferred_moments(self) -> frozenset[int]:
@@ -120,7 +131,7 @@ class Executor:
         self._take_write_back(schedule, write_back)
         self._settle_resident(schedule)
         self.dev.fit(schedule)
-        self.store.grads.fit(self.dev.slot_numels(schedule)["h"], grad_host_dtype(cfg), self._quiesce)
+        self.store.grads.fit(self.dev.slot_numels(schedule)["h"], grad_host_dtype(cfg), self.quiesce)
         tags, accesses = self._slot_plan(schedule)
         self.tags = tags  # per op id: (slot role -> content read, slot role -> content written)
         # a micro-batch without padding passes no mask where the model allows it (see Captured.mask_optional):
@@ -129,9 +140,9 @@ class Executor:
         optional = self.captured.mask_optional
         host_mbs = [mb if mb.position_ids is not None or not (optional and bool(mb.attention_mask.all()))
                     else MicroBatch(mb.input_ids, None, mb.next_labels) for mb in mbs]
-        st = StepState(schedule, host_mbs, denom, lr=self._begin_step() if cfg.train else 0.0,
+        st = StepState(schedule, host_mbs, denom, lr=self.begin_step() if cfg.train else 0.0,
                        clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs),
-                       deferred_moments=self._deferred_for(schedule) if cfg.train else frozenset())
+                       deferred_moments=self.deferred_for(schedule) if cfg.train else frozenset())
         if self.captured.router_aux is not None:
             st.aux = [router_aux.Stats() for _ in mbs]
         self.st = st
@@ -147,18 +158,18 @@ class Executor:
             # its state (with steps overlapping, the up to one tensor per activation slot a step leaves, 6 GiB for a
             # 7B model at 32K tokens, stayed allocated under the next step's forward)
             st.act.clear()
-            self.release_host_acts(st)
+            self.copies.release_host_acts(st)
             st.side.clear()
             st.saved.clear()
         if cfg.train:
-            self._end_step(st)
+            self.end_step(st)
             if self.dp is not None:  # the ranks' host updates of the shared store are all done before any loads
                 self.dp.barrier()  # a layer for the next step
         else:
-            self._end_evaluation()
+            self.end_evaluation()
         for layer, k in self._resident_slots(schedule).items():
             self.dev.resident[layer] = (k, self.store.generation)
-        sums = self._loss_values(st)
+        sums = self.copies.loss_values(st)
         if self.dp is not None:  # the step's loss: every rank's micro-batches (denom counts all of their tokens)
             sums = self.dp.gather_floats(sums)
         return StepOutput(sum(sums) / denom, sums, st.norm(), st.lr, st.ok())
@@ -201,14 +212,11 @@ class Executor:
                 contents[key] = writes[role]
             try:
                 with self.on_op(op) if self.on_op is not None else contextlib.nullcontext():
-                    self._issue(op, st)
+                    self.issue(op, st)
             except ExecutionError:
                 raise
             except Exception as e:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
-
-    def _issue(self, op: Op, st: StepState) -> None:
-        HANDLERS[(op.kind, op.stream)](self, op, st)
 
     def _slot_plan(self, schedule: Schedule):
         """Per op its slot contents (reads, writes), and every access of every slot in program order: (op id,
@@ -306,12 +314,12 @@ class Executor:
         homes = {l: k for l, (k, gen) in states.items() if gen == self.store.generation}
         if not homes:
             return
-        self._quiesce()
+        self.quiesce()
         for l in sorted(homes):
             op = self._write_back_ops[(l, homes[l])]
             with self.on_op(op) if self.on_op is not None else contextlib.nullcontext():
-                HANDLERS[(op.kind, op.stream)](self, op, None)
-        self._quiesce()
+                HANDLERS[(op.kind, op.stream)](self.ctx, op, None)
+        self.quiesce()
 
     def _release_resident(self) -> None:
         """Write every resident state back and keep none (the store's masters are about to change)."""
@@ -320,88 +328,66 @@ class Executor:
 
     def measure_saved_bytes(self, layer: int, seq_len: int, lean: bool = False) -> int:
         """See :func:`megatrain.runtime.layers.probe.saved_bytes`."""
-        return probe.saved_bytes(self, layer, seq_len, lean)
+        return probe.saved_bytes(self.ctx, layer, seq_len, lean)
 
-    # ---- what the handlers use, which an issuer may do its own way --------------------------------------------
-    def release_host_acts(self, st: StepState) -> None:
-        """The step's offloaded checkpoints not reloaded (none, unless the step stopped part way) go."""
-        st.host_act.clear()
+    # ---- the issuer: what a subclass implements ---------------------------------------------------------------
+    @abstractmethod
+    def issue(self, op: Op, st: StepState) -> None:
+        """Issue ``op`` of step ``st``: its handler (``HANDLERS``) with :attr:`ctx`, now or once what it waits for
+        is done."""
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to("cpu", copy=True)
+    @abstractmethod
+    def begin_step(self) -> float:
+        """Before a training step's ops: the optimizer's step begun; the step's learning rate."""
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return host.to(self.device)
+    @abstractmethod
+    def end_step(self, st: StepState) -> None:
+        """After every op of training step ``st`` is issued: the optimizer's step ended (``st.ok()``: applied)."""
 
-    def keep_alive(self, t: torch.Tensor) -> None:
-        """``t``, made on another stream, is used on the current one (nothing to do in program order)."""
+    @abstractmethod
+    def end_evaluation(self) -> None:
+        """After every op of an evaluation (no optimizer step) is issued."""
 
-    def losses_to_host(self, st: StepState) -> None:
-        """After the step's last LOSS (or EVAL): its loss sums on their way to the host (read in program order here,
-        at the step's end)."""
-
-    def guard_to_host(self, st: StepState) -> None:
-        """The step's guard (:func:`~megatrain.runtime.ops.update.form_guard`), just formed: how the host reads it."""
-        st.fetch = lambda: st.guard.detach().cpu()
-
-    def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
-        """Before a LOAD_OPT of step ``st`` copies ``row`` of ``layer``'s host block (nothing to wait for in
-        program order)."""
-
-    def store_state(self, layer: int, block: torch.Tensor, span: tuple[int, int] | None = None,
-                    moments: bool = True) -> None:
-        """Master weights and moments of ``block`` (an optimizer slot's) to the layer's host block, and the bf16
-        shadow, where there is one, refreshed from them. ``span``: the elements (lo, hi) of the layer ``block``
-        holds (one part of a split update; None: all). ``moments=False``: the master weights alone (the host
-        computes the moments: a split update's, deferred)."""
-        lo, hi = span if span is not None else (0, block.shape[1])
-        for r, (host, row) in enumerate(self.store.row_pairs(layer, block, lo)):
-            if moments or r == 0:
-                host.copy_(row, non_blocking=self.non_blocking)
-            self._row_stored(layer, r)
-        if self.store.shadows is not None:  # kept current whichever wire this schedule uses; rounded where the
-            # update ran, to nearest even as the host would
-            self.store.shadow(layer)[lo:hi].copy_(block[0].to(torch.bfloat16), non_blocking=self.non_blocking)
-        self._row_stored(layer, OPT_STATE_ROWS)
-
-    def _row_stored(self, layer: int, row: int) -> None:
-        """After ``row`` of ``layer``'s host block is written (row OPT_STATE_ROWS: the shadow)."""
-
-    def unpack(self, packed):
-        """The saved-tensor unpack hook of a saved forward (see ops.compute.WeightRef)."""
-        return packed.view_of(self.bwd_weights) if isinstance(packed, WeightRef) else packed
-
-    # ---- step bookkeeping the streaming issuer does its own way ------------------------------------------------
+    @abstractmethod
     def drain(self) -> None:
-        """Wait until every step's work is done (here each step's work is done when ``run`` returns)."""
+        """Return once everything issued, every step's updates included, is done."""
 
-    def _quiesce(self) -> None:
-        """Wait until no earlier op can still touch a device buffer (here every op has run by the time it returns)."""
+    @abstractmethod
+    def quiesce(self) -> None:
+        """Return once no op issued can still touch a device buffer."""
 
-    def _begin_step(self) -> float:
+    @abstractmethod
+    def deferred_for(self, schedule: Schedule) -> frozenset[int]:
+        """The host OPTs of ``schedule`` that write the masters alone, their moments left for later, and the split
+        updates' STORE_OPTs that store the masters alone (:attr:`StepState.deferred_moments`)."""
+
+
+class InOrderExecutor(Executor):
+    """Each op issued as the schedule lists it, its handler run to the end before the next (the CPU, and a plain
+    CUDA device): nothing overlaps, nothing is deferred."""
+
+    def __init__(self, captured: Captured, store: HostStore, optimizer: HostAdamW, device: torch.device,
+                 compute_dtype: torch.dtype, head_loss=None, runner: LayerRunner | None = None):
+        super().__init__(captured, store, optimizer, device, compute_dtype, head_loss, runner,
+                         copies=InOrderCopies(torch.device(device)))
+
+    def issue(self, op: Op, st: StepState) -> None:
+        HANDLERS[(op.kind, op.stream)](self.ctx, op, st)
+
+    def begin_step(self) -> float:
         return self.optimizer.begin_step()
 
-    def _end_step(self, st: StepState) -> None:
+    def end_step(self, st: StepState) -> None:
         self.optimizer.end_step(applied=st.ok())
 
-    def _end_evaluation(self) -> None:
-        """After an evaluation, which takes no optimizer step."""
+    def end_evaluation(self) -> None:
+        pass  # no optimizer step
 
-    def packed_mask(self, position_ids: torch.Tensor) -> Packed:
-        """The mask marker of a micro-batch of packed rows: with the documents' offsets, on the device, where the
-        model's attention reads them there (runtime.packed_attention); else the mask builders work them out."""
-        if not (self.captured.varlen and self.device.type == "cuda"):
-            return PACKED
-        cu, longest = packed_attention.doc_offsets(position_ids)
-        return Packed(self.input_to_device(cu), longest)
+    def drain(self) -> None:
+        pass  # each step's work is done when ``run`` returns
 
-    def input_to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """An input tensor on the compute device (a LOAD_IN op's copy); from pinned memory on a GPU, so the host
-        does not wait for the copy (a copy from pageable memory does)."""
-        if self.device.type != "cuda" or t.device.type != "cpu":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+    def quiesce(self) -> None:
+        pass  # every op has run by the time it returns
 
-    def _loss_values(self, st: StepState) -> list[float]:
-        """Each micro-batch's loss sum, as floats (waits for the losses)."""
-        return [float(t) for t in st.loss_sums]
+    def deferred_for(self, schedule: Schedule) -> frozenset[int]:
+        return frozenset()  # every update is one pass

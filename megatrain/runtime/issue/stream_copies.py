@@ -1,24 +1,37 @@
 """The copies the stream issuer's handlers and steps make, each on the stream that keeps it off the critical path.
 
-A mixin of :class:`~megatrain.runtime.issue.streams.StreamExecutor`: it uses ``self.cuda`` (a
-:class:`~megatrain.runtime.issue.cuda_api.TorchCuda` or a fake), ``self.streams``, ``self.device``, ``self.order`` (its
-:class:`~megatrain.runtime.issue.step_order.StepOrder`), ``self.steps_issued``, ``self.timer`` and
-``self.checkpoint_bufs`` (a :class:`CheckpointBuffers`).
+:class:`StreamCopies` is the :class:`~megatrain.runtime.ops.context.Copies` of
+:class:`~megatrain.runtime.issue.streams.StreamExecutor`; it owns the pinned buffers of offloaded checkpoints
+(:class:`CheckpointBuffers`) and of the step's losses.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
 from megatrain.ir import Stream
 from megatrain.runtime.issue.step import StepState
+from megatrain.runtime.ops.context import Copies
 
 
-class StreamCopies:
-    loss_host: torch.Tensor | None = None  # pinned: the step's loss sums, copied right after its last LOSS
-    loss_copied = None  # the event that marks that copy done
+class StreamCopies(Copies):
+    """``cuda``: a :class:`~megatrain.runtime.issue.cuda_api.TorchCuda` or a fake; ``streams``: the IR streams' CUDA
+    streams; ``order``: the executor's :class:`~megatrain.runtime.issue.step_order.StepOrder`; ``timer``: its
+    :class:`~megatrain.runtime.issue.timing.OpTimer`; ``steps_issued()``: the steps it issued so far;
+    ``wait_moments(layer, row, st)``: before a state load's row, the wait for moments the host still computes."""
+
+    non_blocking = True
+
+    def __init__(self, cuda, device: torch.device, streams: dict, order, timer, steps_issued: Callable[[], int],
+                 wait_moments: Callable[[int, int, StepState | None], None]):
+        self.cuda, self.device, self.streams, self.order, self.timer = cuda, device, streams, order, timer
+        self.steps_issued, self.wait_moments = steps_issued, wait_moments
+        self.checkpoint_bufs = CheckpointBuffers(cuda)  # the host buffers of offloaded checkpoints, reused
+        self.loss_host: torch.Tensor | None = None  # pinned: the step's loss sums, copied right after its last LOSS
+        self.loss_copied = None  # the event that marks that copy done
 
     def input_to_device(self, t: torch.Tensor) -> torch.Tensor:
         """An input on the device, copied from pinned memory on the stream its LOAD_IN runs on (``h2d``, where the
@@ -51,7 +64,7 @@ class StreamCopies:
         sums = torch.stack([t.float().reshape(()) for t in st.loss_sums])  # every LOSS has run: all tensors
         self.loss_copied = self._to_pinned(sums, self.loss_host, self.cuda.current_stream())
 
-    def _loss_values(self, st: StepState) -> list[float]:
+    def loss_values(self, st: StepState) -> list[float]:
         self.timer.loss_wait(self.loss_copied.synchronize)
         return self.loss_host.tolist()
 
@@ -87,15 +100,16 @@ class StreamCopies:
     def keep_alive(self, t: torch.Tensor) -> None:
         self.cuda.record_stream(t, self.cuda.current_stream())
 
-    def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
+    def before_row(self, layer: int, row: int, st: StepState | None) -> None:
         # each row after the same row's store by the step before: the load of a large layer's state starts while
         # the rest of it is still being stored
-        self.order.wait_for_rows(layer, self.cuda.current_stream(), (row,), self.steps_issued)
+        self.wait_moments(layer, row, st)
+        self.order.wait_for_rows(layer, self.cuda.current_stream(), (row,), self.steps_issued())
 
-    def _row_stored(self, layer: int, row: int) -> None:
+    def row_stored(self, layer: int, row: int) -> None:
         done = self.cuda.new_event()
         done.record()
-        self.order.row_stored(layer, row, self.steps_issued, done)
+        self.order.row_stored(layer, row, self.steps_issued(), done)
 
 
 class CheckpointBuffers:

@@ -20,6 +20,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
+import torch
+
 from megatrain.ir import Op, OpKind, Schedule, Stream, queue_of
 from megatrain.runtime.ops import HANDLERS
 from megatrain.runtime.ops import update as update_ops
@@ -28,7 +30,7 @@ from megatrain.runtime.issue.executor import Executor
 from megatrain.runtime.optim import lr_at
 from megatrain.runtime.issue.step import MicroBatch, StepOutput, StepState
 from megatrain.runtime.issue.step_order import Issued, PrevDeps, StepOrder, Successions
-from megatrain.runtime.issue.stream_copies import CheckpointBuffers, StreamCopies
+from megatrain.runtime.issue.stream_copies import StreamCopies
 from megatrain.runtime.issue.timing import OpTimer
 
 
@@ -50,8 +52,7 @@ def _timed(work, done: threading.Event, times: list) -> None:
     times.append(time.perf_counter() - t)
 
 
-class StreamExecutor(StreamCopies, Executor):
-    non_blocking = True
+class StreamExecutor(Executor):
     # Between steps: True waits for the whole device (the previous step's last transfers included) before issuing
     # the next step. False orders only what needs it, on the GPU (StepOrder); the next step's forward then runs
     # under the previous step's STORE_OPT tail (measured on the H200: faster, bit-identical results).
@@ -79,21 +80,26 @@ class StreamExecutor(StreamCopies, Executor):
     # wait for them.
     defer_moments = True
 
-    def __init__(self, *args, cuda=TORCH_CUDA, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.cuda = cuda
-        if self.device.type != "cuda" and not cuda.is_fake:
+    def __init__(self, captured, store, optimizer, device: torch.device, compute_dtype: torch.dtype, head_loss=None,
+                 runner=None, *, cuda=TORCH_CUDA):
+        self.cuda, device = cuda, torch.device(device)
+        if device.type != "cuda" and not cuda.is_fake:
             raise ValueError("the streaming executor needs a CUDA device")
-        with cuda.on_device(self.device):
+        with cuda.on_device(device):
             self.queues = {(s, split): cuda.new_stream() for s in (Stream.COMPUTE, Stream.H2D, Stream.D2H)
                            for split in (False, True)}
         self.streams = {s: self.queues[(s, False)] for s in (Stream.COMPUTE, Stream.H2D, Stream.D2H)}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-cpu")
-        self.checkpoint_bufs = CheckpointBuffers(cuda)  # the host buffers of offloaded checkpoints, reused
         self.last_opt: dict[int, Future] = {}  # owner layer -> its latest optimizer task (persists across steps)
         self.timer = OpTimer(self.streams[Stream.COMPUTE], cuda)
         self.order = StepOrder(self.timer.waited)
         self.steps_issued = 0
+        self.split_moments_due: dict[int, tuple] = {}  # split layer -> (the step that deferred its last update's
+        # moments, an event set once they are on the host): the state loads of later steps wait
+        self.moments_wait_s = 0.0  # the last step's host thread: seconds waiting for moments before a store
+        copies = StreamCopies(cuda, device, self.streams, self.order, self.timer, lambda: self.steps_issued,
+                              self._wait_moments)
+        super().__init__(captured, store, optimizer, device, compute_dtype, head_loss, runner, copies=copies)
         self.split_opt_end = None  # the end event of the last split update issued (pace_split)
         self._no_update_runs = 0  # of which no optimizer step: evaluations, steps whose loss or norm was not finite
         self._step_base = 0  # steps taken before this executor's first (set_step)
@@ -102,10 +108,7 @@ class StreamExecutor(StreamCopies, Executor):
         # part of each split update that stores its masters alone
         self.moments_due: dict[int, threading.Event] = {}  # host gradient buffer -> set once the moments of the
         # update that read it last are done (the next gradient store into it waits)
-        self.split_moments_due: dict[int, tuple] = {}  # split layer -> (the step that deferred its last update's
-        # moments, an event set once they are on the host): the state loads of later steps wait
         self.moments_s: list[float] = []  # the last step's moments tasks: host seconds each
-        self.moments_wait_s = 0.0  # the last step's host thread: seconds waiting for moments before a store
 
     # ---- step ---------------------------------------------------------------------------------------------
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
@@ -130,7 +133,11 @@ class StreamExecutor(StreamCopies, Executor):
             self.drain()
         return out
 
-    def _deferred_for(self, schedule: Schedule) -> frozenset[int]:
+    @property
+    def checkpoint_bufs(self):
+        return self.copies.checkpoint_bufs
+
+    def deferred_for(self, schedule: Schedule) -> frozenset[int]:
         """The host OPTs of ``schedule`` whose moments this executor leaves for after the update pass, and the
         split updates' STORE_OPTs that store the masters alone."""
         return self._deferral(schedule)[1]
@@ -176,16 +183,16 @@ class StreamExecutor(StreamCopies, Executor):
         self.optimizer.step_index = steps_done
         self._step_base = steps_done - self.steps_issued + self._no_update_runs
 
-    def _quiesce(self) -> None:
+    def quiesce(self) -> None:
         self.drain()
 
-    def _begin_step(self) -> float:
+    def begin_step(self) -> float:
         # the worker runs begin/end in order with the optimizer tasks of the steps before; device updates, issued
         # by this thread, use this step's lr and clip factor directly and do not wait for the worker
         self.worker.submit(self.optimizer.begin_step)
         return lr_at(self.optimizer.cfg, self._step_base + self.steps_issued - self._no_update_runs)
 
-    def _end_step(self, st: StepState) -> None:
+    def end_step(self, st: StepState) -> None:
         # the moments of the updates made without them, behind the step's updates in the worker's order, the last
         # updated first: the backward stores the last layers' gradients first
         times = self.moments_s = []
@@ -203,35 +210,34 @@ class StreamExecutor(StreamCopies, Executor):
         self.issued.tail = self.worker.submit(lambda: self.optimizer.end_step(applied=st.ok()))
         self.steps_issued += 1
 
-    def _end_evaluation(self) -> None:  # a run of its own for the ordering across runs; no optimizer step
+    def end_evaluation(self) -> None:  # a run of its own for the ordering across runs; no optimizer step
         self.steps_issued += 1
         self._no_update_runs += 1
 
     def _moments_task(self, op: Op, st: StepState, done: threading.Event, times: list) -> None:
-        _timed(lambda: update_ops.moments_on_host(self, op, st), done, times)
+        _timed(lambda: update_ops.moments_on_host(self.ctx, op, st), done, times)
 
     def _split_moments_task(self, layer: int, h: int, loads: list[int], events: dict, st: StepState,
                             done: threading.Event, times: list) -> None:
         def work():
             for i in loads:
                 events[i].synchronize()
-            update_ops.split_moments_on_host(self, layer, h, st)
+            update_ops.split_moments_on_host(self.ctx, layer, h, st)
 
         _timed(work, done, times)
 
-    def before_row(self, layer: int, row: int, st: StepState | None = None) -> None:
-        """A state load's rows after their store by the step before; its moments (rows 1 and 2), after the host
-        computed them where an earlier step's split update stored its masters alone (on the issuing thread, or in
-        the worker, which ran those tasks already: they were queued before anything of a later step's)."""
+    def _wait_moments(self, layer: int, row: int, st: StepState | None) -> None:
+        """Before a state load's moments (rows 1 and 2): wait until the host computed them where an earlier step's
+        split update stored its masters alone (on the issuing thread, or in the worker, which ran those tasks
+        already: they were queued before anything of a later step's)."""
         due = self.split_moments_due.get(layer) if row in (1, 2) else None
         if due is not None and due[0] is not st and not due[1].is_set():
             t = time.perf_counter()
             due[1].wait()
             self.moments_wait_s += time.perf_counter() - t
-        super().before_row(layer, row, st)
 
     # ---- issuing ------------------------------------------------------------------------------------------
-    def _issue(self, op: Op, st: StepState) -> None:
+    def issue(self, op: Op, st: StepState) -> None:
         with self.timer.issuing(op):
             self._issue_op(op, st)
 
@@ -242,8 +248,8 @@ class StreamExecutor(StreamCopies, Executor):
         prev = self.order.on_prev(op)
         handler = HANDLERS[(op.kind, op.stream)]
         # this step's, as they are now: the worker may issue one of its ops after the next step's run began
-        ctx = _Step(self.issued, self.tags, self.timer.records())
-        events = ctx.issued.events
+        step = _Step(self.issued, self.tags, self.timer.records())
+        events = step.issued.events
         if op.kind is OpKind.STORE_OPT and op.id in st.deferred_moments and \
                 all(o.layer != op.layer or o.kind is not OpKind.STORE_OPT for o in self._deferred):
             self._deferred.append(op)  # (its layer's first part: the moments are the layer's, after the step)
@@ -251,7 +257,7 @@ class StreamExecutor(StreamCopies, Executor):
             if op.id in st.deferred_moments:
                 self._deferred.append(op)
                 self.moments_due[op.slot("h")] = threading.Event()
-            fut = self.worker.submit(self.timer.task(op, handler, self, st, [self.futures[d] for d in later]
+            fut = self.worker.submit(self.timer.task(op, handler, self.ctx, st, [self.futures[d] for d in later]
                                                      + prev.tasks(),
                                                      lambda: [events[d] for d in op.deps if d in events]
                                                      + prev.events(op)))
@@ -271,34 +277,34 @@ class StreamExecutor(StreamCopies, Executor):
             # a GPU op that waits for an optimizer task (a gradient store into a host buffer an update still reads):
             # the worker issues it after that task, so this thread goes on issuing (the next step's forward); the
             # guard, which every update waits for, this thread issues once the task is done
-            fut = self.futures[op.id] = self.worker.submit(self._issue_gpu, op, st, handler, ctx, prev, True)
+            fut = self.futures[op.id] = self.worker.submit(self._issue_gpu, op, st, handler, step, prev, True)
             self.order.worker_issues(op, fut)
             return
         for f in [self.futures[d] for d in later] + prev.tasks():
             self.timer.waited(f)
-        self._issue_gpu(op, st, handler, ctx, prev)
+        self._issue_gpu(op, st, handler, step, prev)
 
-    def _issue_gpu(self, op: Op, st: StepState, handler, ctx: _Step, prev: PrevDeps, in_worker: bool = False) -> None:
-        """Issue a GPU op of step ``ctx`` on its queue after its dependencies' events (recorded by the issuing
+    def _issue_gpu(self, op: Op, st: StepState, handler, step: _Step, prev: PrevDeps, in_worker: bool = False) -> None:
+        """Issue a GPU op of step ``step`` on its queue after its dependencies' events (recorded by the issuing
         thread, or by the worker for the ops it issued, which run before it in the worker's order) and those of
         the ops of the step before it follows (``prev``). ``in_worker``: the optimizer worker issues it (the
         worker's pending issues are then its own earlier tasks, done)."""
         if not in_worker:
-            self.order.wait_for_pending(op, ctx.tags[op.id][1])
+            self.order.wait_for_pending(op, step.tags[op.id][1])
         stream = self._queue(op)
         for d in op.deps:
-            if d in ctx.issued.events:
-                stream.wait_event(ctx.issued.events[d])
+            if d in step.issued.events:
+                stream.wait_event(step.issued.events[d])
         for ev in prev.events(op):
             stream.wait_event(ev)
         paced = self.pace_split and self.split_queues and queue_of(op) == (Stream.H2D, True)
         if paced and self.split_opt_end is not None:
             stream.wait_event(self.split_opt_end)
         with self.cuda.on_device(self.device), self.cuda.use(stream), \
-                self.timer.on_stream(op, stream, ctx.timing) as end:
-            handler(self, op, st)
-        ctx.issued.events[op.id] = end
-        ctx.issued.last[queue_of(op)] = end
+                self.timer.on_stream(op, stream, step.timing) as end:
+            handler(self.ctx, op, st)
+        step.issued.events[op.id] = end
+        step.issued.last[queue_of(op)] = end
         if self.split_queues and queue_of(op) == (Stream.COMPUTE, True):
             self.split_opt_end = end
 

@@ -8,31 +8,31 @@ from torch.utils._pytree import tree_leaves
 from megatrain.runtime.layers.kernel_rewrite import keep_less
 
 
-def saved_bytes(ex, layer: int, seq_len: int, lean: bool = False) -> int:
-    """Bytes that ``layer``'s forward saves for its backward on ``ex``'s device with its templates (kernels or not,
+def saved_bytes(ctx, layer: int, seq_len: int, lean: bool = False) -> int:
+    """Bytes that ``layer``'s forward saves for its backward on ``ctx``'s device with its templates (kernels or not,
     whatever attention the model uses), for one sequence of ``seq_len`` tokens: activations only, not the weights
     (views of the slot), the layer's input (its checkpoint, counted apart) or the side inputs every layer shares;
     ``lean``: keeping less (``ScheduleConfig.saved_lean``). Runs the embedding and the layer once on random tokens,
     with weights copied from the host store into temporary buffers; the random generators are left as they were (a
     seeded run draws the same whether it measures or not)."""
-    with torch.random.fork_rng(devices=[ex.device] if ex.device.type == "cuda" else []):
-        return _measure(ex, layer, seq_len, lean)
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        return _measure(ctx, layer, seq_len, lean)
 
 
-def _embedded(ex, seq_len: int, first: torch.Tensor, generator=None):
+def _embedded(ctx, seq_len: int, first: torch.Tensor, generator=None):
     """The embedding layer's output and side inputs for one sequence of ``seq_len`` random tokens, with the
     embedding's weights ``first``."""
-    device = ex.device
-    ids = torch.randint(0, ex.captured.vocab_size, (1, seq_len), generator=generator, device=device)
-    mask = None if ex.captured.mask_optional else torch.ones_like(ids)
+    device = ctx.device
+    ids = torch.randint(0, ctx.captured.vocab_size, (1, seq_len), generator=generator, device=device)
+    mask = None if ctx.captured.mask_optional else torch.ones_like(ids)
     with torch.no_grad():
-        return ex.runner.run(0, first, (ids, mask, torch.arange(seq_len, device=device)[None]))
+        return ctx.runner.run(0, first, (ids, mask, torch.arange(seq_len, device=device)[None]))
 
 
-def _measure(ex, layer: int, seq_len: int, lean: bool) -> int:
-    graph, device = ex.graph, ex.device
-    h, side = _embedded(ex, seq_len, ex.store.master(graph.owner(0)).to(device, ex.dtype))
-    flat = ex.store.master(graph.owner(layer)).to(device, ex.dtype)
+def _measure(ctx, layer: int, seq_len: int, lean: bool) -> int:
+    graph, device = ctx.graph, ctx.device
+    h, side = _embedded(ctx, seq_len, ctx.store.master(graph.owner(0)).to(device, ctx.dtype))
+    flat = ctx.store.master(graph.owner(layer)).to(device, ctx.dtype)
     x = h.detach().requires_grad_()
     skip = {flat.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
     skip |= {v.untyped_storage().data_ptr() for v in tree_leaves(side) if isinstance(v, torch.Tensor)}
@@ -54,32 +54,32 @@ def _measure(ex, layer: int, seq_len: int, lean: bool) -> int:
         raise RuntimeError("the saved-bytes probe's forward is not differentiated")
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), keep_less(lean):
-        out = ex.runner.run(layer, flat, x, side, grad_views=[])
+        out = ctx.runner.run(layer, flat, x, side, grad_views=[])
     del out, held
     return sum(kept.values())
 
 
-def unread_outputs_hold(ex, layer: int, seq_len: int = 8) -> bool:
+def unread_outputs_hold(ctx, layer: int, seq_len: int = 8) -> bool:
     """Whether ``layer``'s backward gives the same gradients when its recompute skips the products of the linears
     the runner lists for it (``LayerRunner.unread``): the layer run on random tokens with random weights, its
     gradients (input and weights) taken once in full and once with those products left as NaN. They hold when
     every gradient is finite and equal to the full run's within rounding: a gradient that read a skipped output
     would be NaN. The random generators are left as they were, and the linears marked as they were."""
-    with torch.random.fork_rng(devices=[ex.device] if ex.device.type == "cuda" else []):
-        return _unread_hold(ex, layer, seq_len)
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        return _unread_hold(ctx, layer, seq_len)
 
 
-def _unread_hold(ex, layer: int, seq_len: int) -> bool:
+def _unread_hold(ctx, layer: int, seq_len: int) -> bool:
     from megatrain.runtime.layers.grad_sink import outputs_unread
 
-    graph, device, runner = ex.graph, ex.device, ex.runner
+    graph, device, runner = ctx.graph, ctx.device, ctx.runner
     gen = torch.Generator(device=device).manual_seed(0)
 
     def weights(owner: int) -> torch.Tensor:
-        n = ex.store.master(owner).numel()
-        return (torch.randn(n, generator=gen, device=device) * 0.02).to(ex.dtype)
+        n = ctx.store.master(owner).numel()
+        return (torch.randn(n, generator=gen, device=device) * 0.02).to(ctx.dtype)
 
-    h, side = _embedded(ex, seq_len, weights(graph.owner(0)), gen)
+    h, side = _embedded(ctx, seq_len, weights(graph.owner(0)), gen)
     flat = weights(graph.owner(layer))
     dy = torch.randn(h.shape, generator=gen, device=device).to(h.dtype)
 

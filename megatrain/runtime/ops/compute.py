@@ -1,8 +1,8 @@
 """What each op of a schedule does: one handler per (op kind, stream), used by both issuers.
 
-A handler is ``handler(ex, op, st)``: ``ex`` the executor (device state, host store, optimizer, templates, and the
-issuer's copies: ``ex.to_host``, ``ex.to_device``, ``ex.keep_alive``, ``ex.non_blocking``), ``op`` the op, ``st``
-the step's :class:`~megatrain.runtime.issue.step.StepState`. The program-order issuer calls it in program order; the
+A handler is ``handler(ctx, op, st)``: ``ctx`` the executor's :class:`~megatrain.runtime.ops.context.OpContext`
+(device state, host store, optimizer, templates, and the issuer's :class:`~megatrain.runtime.ops.context.Copies`),
+``op`` the op, ``st`` the step's :class:`~megatrain.runtime.issue.step.StepState`. The program-order issuer calls it in program order; the
 stream issuer calls it on the op's CUDA stream (a ``cpu`` op on the optimizer worker) once the op's dependencies
 are met. Nothing else in the runtime does an op's work. This module holds the loads, copies and compute of weights
 and activations; :mod:`megatrain.runtime.ops.update` the gradients' stores and norms, the step's guard (its clip
@@ -26,90 +26,90 @@ IGNORE_INDEX = -100
 
 
 # ---- inputs, weights and activations --------------------------------------------------------------------------
-def load_in(ex, op: Op, st: StepState) -> None:
+def load_in(ctx, op: Op, st: StepState) -> None:
     """The micro-batch's inputs to the device: token ids, labels, position ids (0..T-1 in every row where it has
     none), and its mask -- None where :meth:`Executor.run` found no padding and the model allows None, the packed
     documents' marker (with their offsets on the device, where the model's attention reads them) where its rows
     hold several."""
-    mb, put = st.mbs[op.mb], ex.input_to_device
+    mb, put = st.mbs[op.mb], ctx.copies.input_to_device
     ids = put(mb.input_ids)
     if mb.position_ids is not None:
-        pos, mask = put(mb.position_ids), ex.packed_mask(mb.position_ids)
+        pos, mask = put(mb.position_ids), ctx.packed_mask(mb.position_ids)
     else:
         pos = put(torch.arange(ids.shape[1]).unsqueeze(0)).expand(ids.shape)
         mask = put(mb.attention_mask) if isinstance(mb.attention_mask, torch.Tensor) else mb.attention_mask
     st.mbs[op.mb] = MicroBatch(ids, mask, put(mb.next_labels), pos)
 
 
-def _host_weights(ex, layer: int, st: StepState) -> torch.Tensor:
+def _host_weights(ctx, layer: int, st: StepState) -> torch.Tensor:
     """The layer's weights in the host store as the schedule sends them: the fp32 master (cast where it lands) or
     the bf16 shadow; both hold the same values in the compute dtype."""
-    return ex.store.shadow(layer) if st.schedule.config.wire_bytes_per_param == 2 else ex.store.master(layer)
+    return ctx.store.shadow(layer) if st.schedule.config.wire_bytes_per_param == 2 else ctx.store.master(layer)
 
 
-def load_w(ex, op: Op, st: StepState) -> None:
+def load_w(ctx, op: Op, st: StepState) -> None:
     """LOAD_W (h2d): the layer's host weights into its weight slot."""
-    src = _host_weights(ex, ex.graph.owner(op.layer), st)
-    ex.dev.load_cast(ex.dev.w[op.slot("w")][: src.numel()], src, ex.non_blocking)
+    src = _host_weights(ctx, ctx.graph.owner(op.layer), st)
+    ctx.dev.load_cast(ctx.dev.w[op.slot("w")][: src.numel()], src, ctx.copies.non_blocking)
 
 
-def load_w_kept(ex, op: Op, st: StepState) -> None:
+def load_w_kept(ctx, op: Op, st: StepState) -> None:
     """LOAD_W (compute): the weights the layer's device update of the step before, or the set-up's KEEP_W, left on
     the device, into its weight slot (the same values a load from the host would bring)."""
-    o = ex.graph.owner(op.layer)
-    src = ex.dev.kept_weights(o)
+    o = ctx.graph.owner(op.layer)
+    src = ctx.dev.kept_weights(o)
     if src is None:
         raise RuntimeError(f"layer {o}'s weights are not on the device, where the step expects them (its plan's "
                            f"set-up has not run since the host store changed)")
-    ex.dev.w[op.slot("w")][: src.numel()].copy_(src)
+    ctx.dev.w[op.slot("w")][: src.numel()].copy_(src)
 
 
-def keep_w(ex, op: Op, st: StepState) -> None:
+def keep_w(ctx, op: Op, st: StepState) -> None:
     """KEEP_W (a set-up's): the layer's host weights into the device buffer its device updates keep its new weights
     in, which the steps' compute-stream LOAD_W copies."""
-    src = _host_weights(ex, op.layer, st)
-    ex.dev.load_cast(ex.dev.kept_buffer(op.layer, src.numel()), src, ex.non_blocking)
-    ex.dev.keep(op.layer, None, written=True)
+    src = _host_weights(ctx, op.layer, st)
+    ctx.dev.load_cast(ctx.dev.kept_buffer(op.layer, src.numel()), src, ctx.copies.non_blocking)
+    ctx.dev.keep(op.layer, None, written=True)
 
 
-def save_act(ex, op: Op, st: StepState) -> None:
-    st.host_act[(op.layer, op.mb)] = ex.to_host(st.act[op.slot("a")])
+def save_act(ctx, op: Op, st: StepState) -> None:
+    st.host_act[(op.layer, op.mb)] = ctx.copies.to_host(st.act[op.slot("a")])
 
 
-def load_act(ex, op: Op, st: StepState) -> None:
-    st.act[op.slot("a")] = ex.to_device(st.host_act.pop((op.layer, op.mb)))
+def load_act(ctx, op: Op, st: StepState) -> None:
+    st.act[op.slot("a")] = ctx.copies.to_device(st.host_act.pop((op.layer, op.mb)))
 
 
 # ---- compute -------------------------------------------------------------------------------------------------
-def fwd(ex, op: Op, st: StepState) -> None:
+def fwd(ctx, op: Op, st: StepState) -> None:
     """The layer's forward for one micro-batch, without autograd; a layer in ``saved_acts`` keeps what its backward
     needs instead (:func:`_forward_saved`)."""
-    ex.rng.seed(op.layer, op.mb)
+    ctx.rng.seed(op.layer, op.mb)
     if op.layer in st.schedule.config.saved_acts:
-        return _forward_saved(ex, op, st)
+        return _forward_saved(ctx, op, st)
     logits: list = []
     with torch.no_grad():
         if op.layer == 0:
             mb = st.mbs[op.mb]
-            h, st.side[op.mb] = ex.runner.run(0, ex.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
+            h, st.side[op.mb] = ctx.runner.run(0, ctx.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
         else:
-            with _routers(ex, op, st, logits):
-                h = ex.runner.run(op.layer, ex.dev.weights(op), st.act[op.slot("x")], st.side[op.mb],
-                                  tile=_tile(ex, op, st))
+            with _routers(ctx, op, st, logits):
+                h = ctx.runner.run(op.layer, ctx.dev.weights(op), st.act[op.slot("x")], st.side[op.mb],
+                                  tile=_tile(ctx, op, st))
     st.act[op.slot("y")] = h
     if logits:
-        router_aux.add(st.aux[op.mb], logits, ex.captured.router_aux, _aux_mask(st, op.mb))
+        router_aux.add(st.aux[op.mb], logits, ctx.captured.router_aux, _aux_mask(st, op.mb))
 
 
-def _tile(ex, op: Op, st: StepState) -> int:
+def _tile(ctx, op: Op, st: StepState) -> int:
     """Tokens per tile of the layer's MLP in this op (0: untiled)."""
     cfg = st.schedule.config
-    return cfg.seq_tile if cfg.tiled(ex.graph[op.layer], op.layer) else 0
+    return cfg.seq_tile if cfg.tiled(ctx.graph[op.layer], op.layer) else 0
 
 
-def _routers(ex, op: Op, st: StepState, logits: list):
+def _routers(ctx, op: Op, st: StepState, logits: list):
     """Where the model has a router loss, collect the router logits of ``op``'s layer run inside into ``logits``."""
-    routers = ex.runner.routers(op.layer) if st.aux is not None else []
+    routers = ctx.runner.routers(op.layer) if st.aux is not None else []
     return router_aux.collecting(routers, logits) if routers else contextlib.nullcontext()
 
 
@@ -119,140 +119,140 @@ def _aux_mask(st: StepState, mb: int) -> torch.Tensor | None:
     return mask if isinstance(mask, torch.Tensor) else None
 
 
-def _aux_loss(ex, st: StepState, mb: int) -> torch.Tensor | float:
+def _aux_loss(ctx, st: StepState, mb: int) -> torch.Tensor | float:
     """A micro-batch's router loss as its share of the step's loss: ``coef x aux / n_mb`` (0 without one)."""
     if st.aux is None or st.aux[mb].counts is None:
         return 0.0
-    spec = ex.captured.router_aux
+    spec = ctx.captured.router_aux
     return router_aux.value(st.aux[mb], spec) * (spec.coef / len(st.mbs))
 
 
-def _aux_outputs(ex, st: StepState, op: Op, out, dy, probs) -> tuple[list, list]:
+def _aux_outputs(ctx, st: StepState, op: Op, out, dy, probs) -> tuple[list, list]:
     """The outputs a backward differentiates and their gradients: the layer's output against ``dy``, and where
     its routers ran, their probability sums against the router loss's gradient."""
     if probs is None:
         return [out], [dy]
-    spec = ex.captured.router_aux
+    spec = ctx.captured.router_aux
     return [out, probs], [dy, router_aux.probs_grad(st.aux[op.mb], spec, spec.coef, len(st.mbs))]
 
 
-def _forward_saved(ex, op: Op, st: StepState) -> None:
+def _forward_saved(ctx, op: Op, st: StepState) -> None:
     """The forward of a layer in ``saved_acts``: with autograd on, keeping what its backward needs. The weights it
     saves are views of this weight slot, which other layers overwrite before the backward: they are saved as their
     place in the layer's weights and found again in the slot the BWD reads (:class:`WeightRef`); activations stay
     as they are (on the device, until the BWD)."""
-    flat = ex.dev.weights(op)
+    flat = ctx.dev.weights(op)
     x = st.act[op.slot("x")].detach().requires_grad_()
     views: list = []
     logits: list = []
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(WeightRef.packer(flat), ex.unpack), \
-            keep_less(st.schedule.config.saved_lean), _routers(ex, op, st, logits):
-        out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(WeightRef.packer(flat), ctx.unpack), \
+            keep_less(st.schedule.config.saved_lean), _routers(ctx, op, st, logits):
+        out = ctx.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
         probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
     if logits:
-        router_aux.add(st.aux[op.mb], logits, ex.captured.router_aux, _aux_mask(st, op.mb))
+        router_aux.add(st.aux[op.mb], logits, ctx.captured.router_aux, _aux_mask(st, op.mb))
     st.saved[(op.layer, op.mb)] = (out, x, views, probs)
     st.act[op.slot("y")] = out.detach()
 
 
-def loss(ex, op: Op, st: StepState) -> None:
+def loss(ctx, op: Op, st: StepState) -> None:
     """Forward and backward of the head and the loss for one micro-batch: the loss sum, the head's gradient into its
     gradient slot, the gradient of its input in place of the input."""
-    ex.rng.seed(op.layer, op.mb)
-    if ex.head_loss is not None:
-        return _fused_loss(ex, op, st)
+    ctx.rng.seed(op.layer, op.mb)
+    if ctx.head_loss is not None:
+        return _fused_loss(ctx, op, st)
     x = st.act[op.slot("x")].detach().requires_grad_()
     views: list = []
     with torch.enable_grad():
-        logits = ex.runner.run(op.layer, ex.dev.weights(op), x, st.side[op.mb], grad_views=views)
+        logits = ctx.runner.run(op.layer, ctx.dev.weights(op), x, st.side[op.mb], grad_views=views)
         labels = st.mbs[op.mb].next_labels
         loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
-        sink = _grad_sink(ex, op)
+        sink = _grad_sink(ctx, op)
         dx, *dws = _grads(sink, loss_sum / st.denom, [x, *(v for *_, v in views)])
-    st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ex, st, op.mb)
+    st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ctx, st, op.mb)
     _accumulate(sink, views, dws)
     st.act[op.slot("x")] = dx
 
 
-def loss_out(ex, op: Op, st: StepState) -> None:
+def loss_out(ctx, op: Op, st: StepState) -> None:
     """After the step's last LOSS (or EVAL): every micro-batch's loss sum on its way to the host (the issuer's
     copy; program order reads them at the step's end)."""
-    ex.losses_to_host(st)
+    ctx.copies.losses_to_host(st)
 
 
-def eval_loss(ex, op: Op, st: StepState) -> None:
+def eval_loss(ctx, op: Op, st: StepState) -> None:
     """An evaluation's head and loss for one micro-batch: the loss sum alone, the logits formed a chunk of
     ``LOSS_CHUNK_TOKENS`` tokens at a time (no more of them exist at once than the plan counts)."""
     from megatrain.layout import LOSS_CHUNK_TOKENS
 
     x = st.act[op.slot("x")]
     labels = st.mbs[op.mb].next_labels
-    flat = ex.dev.weights(op)
+    flat = ctx.dev.weights(op)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     with torch.no_grad():
         for a in range(0, x.shape[1], max(1, LOSS_CHUNK_TOKENS // x.shape[0])):
             b = a + max(1, LOSS_CHUNK_TOKENS // x.shape[0])
-            logits = ex.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb])
+            logits = ctx.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb])
             total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels[:, a:b].reshape(-1),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
-    st.loss_sums[op.mb] = total + st.denom * _aux_loss(ex, st, op.mb)
+    st.loss_sums[op.mb] = total + st.denom * _aux_loss(ctx, st, op.mb)
 
 
-def _fused_loss(ex, op: Op, st: StepState) -> None:
+def _fused_loss(ctx, op: Op, st: StepState) -> None:
     from megatrain.kernels.linear_ce import linear_cross_entropy_forward
     from megatrain.runtime.layers.templates import bind
 
-    seg = ex.captured.segments[op.layer]
-    spec = ex.head_loss
+    seg = ctx.captured.segments[op.layer]
+    spec = ctx.head_loss
     ref = next(r for r in seg.params if r.name == spec.weight_name)
-    weight = bind(seg, ex.dev.weights(op))[spec.weight_name]  # (V, H)
-    g = ex.dev.g[op.slot("g")]
+    weight = bind(seg, ctx.dev.weights(op))[spec.weight_name]  # (V, H)
+    g = ctx.dev.g[op.slot("g")]
     if op.mb == 0:
-        g[: ex.graph.weight_params(op.layer)].zero_()
+        g[: ctx.graph.weight_params(op.layer)].zero_()
     grad_w = g[ref.offset: ref.offset + weight.numel()].view(weight.shape)
     x = st.act[op.slot("x")]
     loss_sum, dh, _ = linear_cross_entropy_forward(x.reshape(-1, x.shape[-1]), weight,
                                                    st.mbs[op.mb].next_labels.reshape(-1), st.denom,
                                                    grad_weight=grad_w, softcap=spec.softcap)
-    st.loss_sums[op.mb] = loss_sum * st.denom + st.denom * _aux_loss(ex, st, op.mb)
+    st.loss_sums[op.mb] = loss_sum * st.denom + st.denom * _aux_loss(ctx, st, op.mb)
     st.act[op.slot("x")] = dh.view_as(x)
 
 
-def bwd(ex, op: Op, st: StepState) -> None:
+def bwd(ctx, op: Op, st: StepState) -> None:
     """The layer's backward for one micro-batch (its forward run again from the checkpoint first, unless it kept its
     activations): weight gradients accumulated in the gradient slot, the input's gradient in place of the input."""
-    ex.rng.seed(op.layer, op.mb)
-    sink = _grad_sink(ex, op)
+    ctx.rng.seed(op.layer, op.mb)
+    sink = _grad_sink(ctx, op)
     if op.layer in st.schedule.config.saved_acts:
         out, x, views, probs = st.saved.pop((op.layer, op.mb))
-        ex.bwd_weights = ex.dev.weights(op)
+        ctx.bwd_weights = ctx.dev.weights(op)
         try:
-            outs, dys = _aux_outputs(ex, st, op, out, st.act[op.slot("dy")], probs)
+            outs, dys = _aux_outputs(ctx, st, op, out, st.act[op.slot("dy")], probs)
             dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)
         finally:
-            ex.bwd_weights = None
+            ctx.bwd_weights = None
         st.act[op.slot("x")] = dx
         _accumulate(sink, views, dws)
         return
-    flat = ex.dev.weights(op)
+    flat = ctx.dev.weights(op)
     dy = st.act[op.slot("dy")]
     views: list = []
     with torch.enable_grad():
         if op.layer == 0:
             mb = st.mbs[op.mb]
-            h, _ = ex.runner.run(0, flat, (mb.input_ids, mb.attention_mask, mb.position_ids), grad_views=views)
+            h, _ = ctx.runner.run(0, flat, (mb.input_ids, mb.attention_mask, mb.position_ids), grad_views=views)
             dws = _grads(sink, h, [v for *_, v in views], dy) if views else ()  # none: all frozen
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()
             logits: list = []
-            tile = _tile(ex, op, st)
+            tile = _tile(ctx, op, st)
             # untiled, the recompute skips the products nothing but the layer's output reads (the output is then
             # not its value: only differentiated against dy); tiled, each tile's forward runs again in the backward
-            with _routers(ex, op, st, logits), outputs_unread(not tile):
-                out = ex.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views, tile=tile)
+            with _routers(ctx, op, st, logits), outputs_unread(not tile):
+                out = ctx.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views, tile=tile)
             probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
-            outs, dys = _aux_outputs(ex, st, op, out, dy, probs)
+            outs, dys = _aux_outputs(ctx, st, op, out, dy, probs)
             dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)
             st.act[op.slot("x")] = dx
     _accumulate(sink, views, dws)
@@ -260,13 +260,13 @@ def bwd(ex, op: Op, st: StepState) -> None:
         st.side.pop(op.mb, None)
 
 
-def _grad_sink(ex, op: Op) -> GradSink:
+def _grad_sink(ctx, op: Op) -> GradSink:
     """Where the backward of ``op`` puts its parameter gradients: the fp32 gradient slot, which the first
     micro-batch writes instead of adding to (cleared first where the layer's parameters do not tile it)."""
-    g = ex.dev.g[op.slot("g")]
+    g = ctx.dev.g[op.slot("g")]
     first = op.mb == 0
-    numel = ex.graph.weight_params(op.layer)
-    if first and not ex.runner.tiles(op.layer, numel):  # gaps, shared or unused spans: clear, then add
+    numel = ctx.graph.weight_params(op.layer)
+    if first and not ctx.runner.tiles(op.layer, numel):  # gaps, shared or unused spans: clear, then add
         g[:numel].zero_()
         first = False
     return GradSink(g, accumulate=not first)

@@ -29,6 +29,7 @@ import statistics
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -36,9 +37,28 @@ from megatrain.cli import gpu_opt_every, grad_kept, host_checkpoints, resident_o
 from megatrain.layout import WIRE_STAGE_PARAMS
 
 
+def config_file(path: str, seq: int, layers: int | None):
+    """The HF config in ``path`` (a JSON of config fields with its model_type), with ``layers`` decoder blocks where
+    given and room for ``seq`` positions."""
+    from transformers import AutoConfig
+
+    fields = json.loads(Path(path).read_text())
+    if "model_type" not in fields:
+        raise SystemExit(f"{path}: an HF config needs its model_type")
+    if layers is not None:
+        if layers < 1:
+            raise SystemExit(f"--layers {layers}: a model needs at least one decoder block")
+        fields["num_hidden_layers"] = layers
+    fields["max_position_embeddings"] = max(fields.get("max_position_embeddings", 0), seq)
+    return AutoConfig.for_model(**fields)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-1.5b", help="a planner preset, or tiny (CPU smoke runs)")
+    ap.add_argument("--config", default=None, metavar="FILE",
+                    help="an HF config (JSON, e.g. ../shared/model-shapes/*.json) instead of a preset; --layers cuts "
+                         "it as it does a preset")
     ap.add_argument("--batch", type=int, nargs="+", default=[16], help="sequences per step; several: one run each")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=None,
@@ -113,7 +133,10 @@ def main():
     from benchmarks.peers.common import hf_config
     from megatrain.capture.packed_attention import attention_for
 
-    cfg = hf_config(args.preset, args.seq, layers=args.layers)
+    cfg = config_file(args.config, args.seq, args.layers) if args.config else hf_config(args.preset, args.seq,
+                                                                                         layers=args.layers)
+    if args.config:
+        args.preset = Path(args.config).stem
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
     t0 = time.perf_counter()

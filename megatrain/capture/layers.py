@@ -33,7 +33,7 @@ from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks
 from megatrain.capture.meta import block_buffers_as_parameters, materialize_meta_buffers, meta_copy
 from megatrain.capture.params import no_decay_names, router_aux_of
-from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, takes_positions, trace
+from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, rebind_config, takes_positions, trace
 from megatrain.ir import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
 from megatrain.planner.graph import DecoderShape, latent_attention, layer_costs, moe_block, moe_of
@@ -274,6 +274,10 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
     switched = packed_attention.enable(meta_model)  # (a family with sinks takes the flash kernel packed or not)
+    if switched:  # the mask builders were traced with the caller's config: they read the switched copy's instead
+        for n in graph.nodes:
+            if n.op == "call_function" and is_mask_builder(n.target):
+                rebind_config(n.target, meta_model.config)
     captured.varlen = captured.packs and switched
     captured.grouped_experts = grouped_experts.enable(meta_model)
     return captured

@@ -72,7 +72,7 @@ def _causal_as_none(builder, *args, allow_is_causal_skip: bool = True, attention
     """A mask builder that returns None for a causal (or sliding-window causal) mask without padding, which the
     attention then applies itself (as SDPA's builder does for a causal mask), and ``builder``'s mask otherwise (HF
     turns the skip off for packed rows it has to mask apart)."""
-    if allow_is_causal_skip and attention_mask is None:
+    if allow_is_causal_skip and (attention_mask is None or bool(attention_mask.all())):  # (as SDPA's builder reads)
         return None
     return builder(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 

@@ -68,9 +68,18 @@ def leaf_function(fn):
 
         bound.__name__ = bound.__qualname__ = fn.__name__
         bound.__module__ = __name__
+        bound.const = const  # (rebind_config)
         return proxy.tracer.create_proxy("call_function", bound, args, dyn)
 
     return stand_in
+
+
+def rebind_config(target, config) -> None:
+    """Make a recorded call of :func:`leaf_function` (a mask builder) read ``config`` where it read the traced
+    model's: the capture's own copy, whose attention implementation it switched (capture.packed_attention)."""
+    const = getattr(target, "const", None)
+    if const is not None and "config" in const:
+        const["config"] = config
 
 
 def is_mask_builder(target) -> bool:

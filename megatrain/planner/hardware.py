@@ -148,10 +148,10 @@ PRESETS: dict[str, HardwareSpec] = {
         cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25, cpu_adam_master_params_per_s=4.5e9, h2d_cpu_slowdown=0.2,
         gpu_gemm_workspace_bytes=32 << 20,
     ),
-    # H100 SXM with the same host: HBM and usable memory scaled from the datasheet; matmul rate as the H200 (same
-    # chip). Not measured here.
+    # H100 SXM with the same host: the memory a process finds on the 80 GB card (78.4 GiB after the CUDA context);
+    # matmul rate as the H200 (same chip), HBM from the datasheet.
     "h100": HardwareSpec(
-        name="h100", gpu_bytes=79 * GiB, gpu_reserved_bytes=int(3.9 * GiB),
+        name="h100", gpu_bytes=int(78.25 * GiB), gpu_reserved_bytes=int(3.9 * GiB),
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
         matmul_flops_per_s=784e12, hbm_bytes_per_s=3.0e12,
         cpu_adam_params_per_s=2.75e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,

@@ -10,7 +10,8 @@ import torch
 from megatrain.capture import packed_attention
 from megatrain.capture.tracer import Packed
 
-from ..runtime.test_moe_parity import moe_model
+from ..planner.test_moe import FAMILIES, TINY
+from ..runtime.models import VOCAB
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +20,11 @@ pytestmark = pytest.mark.gpu
 def test_sinks_on_the_flash_kernel_equal_eager_attention(window, packed):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, hq, hkv, t, d = 2, 16, 2, 512, 64
-    model = moe_model("gpt_oss")
-    attn = model.model.layers[0].self_attn.cuda()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gpt_oss", **{**TINY, "vocab_size": VOCAB, **FAMILIES["gpt_oss"], "head_dim": d,
+                                             "num_attention_heads": hq, "num_key_value_heads": hkv})
+    attn = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").model.layers[0].self_attn.cuda()
     attn.sinks = torch.nn.Parameter(torch.randn(hq, device="cuda", generator=g))
     eager = sys.modules[type(attn).__module__].eager_attention_forward
     q, k, v = (torch.randn(b, n, t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()

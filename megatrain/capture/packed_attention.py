@@ -160,8 +160,8 @@ class _FlashOverDocuments(torch.autograd.Function):
         left, right = (None, None) if window is None else (window - 1, 0)
         out, lse, rng, unused = kernel_forward(q, k, v, cu, max_len, scale, left, right)
         if sinks is not None:
-            acc = torch.promote_types(q.dtype, torch.float32)  # the scaling in fp32 (fp64 stays)
-            out = (out.to(acc) * _sink_share(lse, sinks, q.shape[0]).to(acc)[..., None]).to(q.dtype)
+            _check_lse(lse, q.shape[0])
+            out = _sink_ops(q)[0](out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused, sinks)
         ctx.max_len, ctx.scale, ctx.window = max_len, scale, (left, right)
         return out
@@ -171,11 +171,8 @@ class _FlashOverDocuments(torch.autograd.Function):
         q, k, v, out, lse, cu, rng, unused, sinks = ctx.saved_tensors
         dout, dsinks = dout.contiguous(), None
         if sinks is not None:
-            acc = torch.promote_types(q.dtype, torch.float32)
-            share = _sink_share(lse, sinks, q.shape[0]).to(acc)
-            rows = (dout.to(acc) * out.to(acc)).sum(-1)  # (n, Hq): dot(dOut, Out)
-            dsinks = -((1 - share) * rows).sum(0).to(sinks.dtype)
-            dout = (dout.to(acc) * share[..., None]).to(q.dtype)
+            dout, rows = _sink_ops(q)[1](dout, out, lse, sinks)
+            dsinks = -rows.sum(0).to(sinks.dtype)
         with _deterministic():
             dq, dk, dv = kernel_backward(dout, q, k, v, out, lse, cu, ctx.max_len, rng, unused, ctx.scale,
                                          *ctx.window)
@@ -197,12 +194,19 @@ def kernel_backward(dout, q, k, v, out, lse, cu, max_len: int, rng, unused, scal
         window_size_left=left, window_size_right=right)
 
 
-def _sink_share(lse: torch.Tensor, sinks: torch.Tensor, n: int) -> torch.Tensor:
-    """(n, Hq), in the log-sum-exp's dtype: the share of each row's softmax the real scores keep beside the head's sink logit."""
+def _check_lse(lse: torch.Tensor, n: int) -> None:
     if lse.dim() != 2 or lse.shape[1] != n:
         raise RuntimeError(f"the flash kernel's log-sum-exp has shape {tuple(lse.shape)}, not (heads, {n}) as the "
                            "attention with sinks reads it")
-    return torch.sigmoid(lse.t() - sinks.to(lse.dtype)[None, :])
+
+
+def _sink_ops(q: torch.Tensor):
+    """(scale, its backward): the Triton kernels on a GPU, their pure-torch definitions elsewhere."""
+    if q.is_cuda:
+        from megatrain.kernels import sink_scale as kernels
+        return kernels.sink_scale, kernels.sink_scale_backward
+    from megatrain.kernels import reference
+    return reference.sink_scale, reference.sink_scale_backward
 
 
 _DETERMINISM = threading.Lock()

@@ -57,3 +57,25 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     v = exp_avg_sq * b2 + (1 - b2) * g * g
     denom = v.sqrt() / math.sqrt(1 - b2 ** step) + eps
     return master * (1 - lr * weight_decay) - lr / (1 - b1 ** step) * m / denom, m, v
+
+
+def sink_share(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """(n, H): the share of each row's softmax its real scores keep beside the head's sink logit, from the
+    log-sum-exp of the real scores (H, n) and the sinks (H,); in fp32 (fp64 stays)."""
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    return torch.sigmoid(lse.to(acc).t() - sinks.to(acc)[None, :])
+
+
+def sink_scale(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output (n, H, D) of the real scores scaled to the softmax that includes the sinks."""
+    share = sink_share(lse, sinks)
+    return (out.to(share.dtype) * share[..., None]).to(out.dtype)
+
+
+def sink_scale_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the gradient ``dout`` of the scaled output ``out``: the gradient the kernel's output takes (dout x share)
+    and each row's (1 - share) dot(dout, out), (n, H), whose sum over rows, negated, is the sinks' gradient."""
+    share = sink_share(lse, sinks)
+    rows = (dout.to(share.dtype) * out.to(share.dtype)).sum(-1)
+    return (dout.to(share.dtype) * share[..., None]).to(dout.dtype), (1 - share) * rows

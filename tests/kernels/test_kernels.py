@@ -332,3 +332,23 @@ def test_kernels_past_two_to_the_31_elements():
     out = swiglu(gate, up)
     end = slice(rows * cols - 4096, rows * cols)
     assert_close(out[end], reference.swiglu(gate[end].float(), up[end].float()), bf)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("n,heads,d", [(37, 4, 16), (5, 3, 24)])
+def test_sink_scale_forward_and_backward(dtype, n, heads, d):
+    """The attention-sink row operations (kernels.sink_scale) against their pure-torch definitions; the log-sum-exp
+    as the flash kernel lays it out, (H, n), possibly a transposed view."""
+    from megatrain.kernels import sink_scale
+
+    out, dout = rand(n, heads, d, dtype=dtype, seed=1), rand(n, heads, d, dtype=dtype, seed=2)
+    lse = rand(n, heads, dtype=torch.float32, seed=3).t()
+    sinks = rand(heads, dtype=dtype, seed=4)
+    assert_close(sink_scale.sink_scale(out, lse, sinks), reference.sink_scale(out, lse, sinks), dtype)
+    got, want = sink_scale.sink_scale_backward(dout, out, lse, sinks), reference.sink_scale_backward(dout, out, lse,
+                                                                                                     sinks)
+    assert_close(got[0], want[0], dtype)
+    assert got[1].dtype == torch.float32 and got[1].shape == (n, heads)
+    assert_close(got[1], want[1], dtype, scale=4.0)
+    with pytest.raises(ValueError, match="do not match"):
+        sink_scale.sink_scale(out, lse.t(), sinks)

@@ -9,6 +9,7 @@ model with per-head norms has more of them than it has layers).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 from torch import nn
@@ -75,3 +76,15 @@ def _named(model: nn.Module, blocks, lists: dict[str, nn.ModuleList]) -> tuple[s
         raise CaptureError(f"blocks='{name}' is a {type(mod).__name__}, not a non-empty nn.ModuleList whose modules "
                            f"all have parameters; module lists with parameters: {sorted(lists) or 'none'}")
     return name, mod
+
+
+def mlp_tileable(mlp: nn.Module) -> bool:
+    """Whether a block's MLP may run over tiles of the tokens (runtime.layers.tiling): its forward takes the hidden
+    states and nothing else. Bloom's also takes the residual, and others take routing or masks, which a tiling of
+    the hidden states alone would leave whole."""
+    try:
+        params = list(inspect.signature(mlp.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: left untiled
+        return False
+    return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)

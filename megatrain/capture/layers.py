@@ -30,7 +30,7 @@ import torch.fx
 from torch import nn
 
 from megatrain.capture import grouped_experts, packed_attention
-from megatrain.capture.blocks import find_blocks
+from megatrain.capture.blocks import find_blocks, mlp_tileable
 from megatrain.capture.meta import block_buffers_as_parameters, materialize_meta_buffers, meta_copy
 from megatrain.capture.params import no_decay_names, router_aux_of
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, rebind_config, takes_positions, trace
@@ -362,8 +362,10 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             elif moe is not None:
                 seg_shape = dataclasses.replace(shape, inter=moe.dense_inter)
             blocks_seen += 1
-        # a dense block's MLP may run over tiles of the tokens (runtime.layers.tiling); not a mixture of experts' block
-        tiles = moe is None and isinstance(getattr(seg.template, "mlp", None), nn.Module)
+        # a dense block's MLP may run over tiles of the tokens (runtime.layers.tiling) where its forward takes the
+        # hidden states alone; not a mixture of experts' block
+        mlp = getattr(seg.template, "mlp", None)
+        tiles = moe is None and isinstance(mlp, nn.Module) and mlp_tileable(mlp)
         residual_mlp = tiles and cfg_dict.get("model_type") in NORM_WITH_MLP
         norm = residual_mlp and isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)
         costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm, moe=routed,

@@ -42,6 +42,8 @@ MORE_FAMILIES = {
     "opt": dict(model_type="opt", ffn_dim=96, word_embed_proj_dim=64, enable_bias=True),
     "phi": dict(model_type="phi", partial_rotary_factor=0.5),
     "stablelm": dict(model_type="stablelm", qk_layernorm=True, num_key_value_heads=4, partial_rotary_factor=0.5),
+    # ALiBi, fused query-key-value, and an MLP whose forward takes the residual too (it is not tiled)
+    "bloom": dict(model_type="bloom", bos_token_id=1, eos_token_id=2),
 }
 # each family's dropout probabilities, by config field
 DROPOUT_FIELDS = {
@@ -50,6 +52,7 @@ DROPOUT_FIELDS = {
     "opt": ("dropout", "attention_dropout"),
     "phi": ("resid_pdrop", "embd_pdrop", "attention_dropout"),
     "falcon_alibi": ("hidden_dropout", "attention_dropout"),
+    "bloom": ("hidden_dropout", "attention_dropout"),
 }
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatrain.capture.blocks import mlp_tileable
 from megatrain.layout import NORM_WITH_MLP
 from megatrain.runtime.layers.grad_sink import SinkLinear
 
@@ -74,9 +75,10 @@ def norm_joins(template: nn.Module, model_type: str | None) -> bool:
 def install(template: nn.Module, model_type: str | None = None) -> list[TiledMLP]:
     """Wrap the block template's ``mlp`` (with its post-attention norm, :func:`norm_joins`; the norm's place then
     holds an identity) in a :class:`TiledMLP`, after its parameters are bound by reference: the wrapping changes no
-    module that holds them. Returns the wrappers (none where there is no ``mlp``)."""
+    module that holds them. Returns the wrappers (none where there is no ``mlp`` or its forward takes more than the
+    hidden states: ``capture.blocks.mlp_tileable``)."""
     mlp = getattr(template, "mlp", None)
-    if not isinstance(mlp, nn.Module):
+    if not isinstance(mlp, nn.Module) or not (isinstance(mlp, TiledMLP) or mlp_tileable(mlp)):
         return []
     if not isinstance(mlp, TiledMLP):
         norm = None

@@ -31,7 +31,8 @@ from torch import nn
 
 from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks, mlp_tileable
-from megatrain.capture.meta import block_buffers_as_parameters, materialize_meta_buffers, meta_copy
+from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, materialize_meta_buffers, meta_copy,
+                                    structural_copy)
 from megatrain.capture.params import no_decay_names, router_aux_of
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, rebind_config, takes_positions, trace
 from megatrain.ir import Layer, LayerGraph
@@ -159,7 +160,11 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     (or its path), where :func:`~megatrain.capture.blocks.find_blocks` would not find it. Raises
     :class:`CaptureError` naming what was not understood."""
     hf = hasattr(model, "config") and hasattr(model, "get_output_embeddings")
-    block_buffers_as_parameters(find_blocks(model, blocks)[1])
+    if block_buffers(find_blocks(model, blocks)[1]):  # they become parameters of a copy: the caller's model is read
+        if isinstance(blocks, nn.ModuleList):
+            blocks = next((n for n, m in model.named_modules() if m is blocks), blocks)
+        model = structural_copy(model)
+        block_buffers_as_parameters(find_blocks(model, blocks)[1])
     if any(b.is_meta for b in model.buffers()):
         # built on the meta device: constants the trace computes from buffers (a scale cast to the compute dtype)
         # need their values, so a copy with its buffers rebuilt is traced

@@ -48,12 +48,45 @@ def materialize_meta_buffers(module: nn.Module) -> None:
             mod._buffers[b] = fresh._buffers[b]
 
 
+def block_buffers(block_list: nn.ModuleList) -> list[str]:
+    """Names (within the block list) of the decoder blocks' persistent floating-point buffers."""
+    out = []
+    for i, blk in enumerate(block_list):
+        persistent = set(blk.state_dict(keep_vars=True))
+        for path, mod in blk.named_modules():
+            for b, t in mod._buffers.items():
+                name = f"{path}.{b}" if path else b
+                if t is not None and t.is_floating_point() and name in persistent:
+                    out.append(f"{i}.{name}")
+    return out
+
+
+def structural_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s module tree (new module objects, their own parameter and buffer tables) holding the
+    same tensors: what the capture changes in it (buffers registered as parameters) the caller's model does not
+    see, and no weight is copied."""
+    memo: dict[int, nn.Module] = {}
+
+    def copy_of(m: nn.Module) -> nn.Module:
+        if id(m) not in memo:
+            new = memo[id(m)] = copy.copy(m)
+            new._parameters = m._parameters.copy()
+            new._buffers = m._buffers.copy()
+            new._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
+            new._modules = m._modules.copy()
+            for k, sub in m._modules.items():
+                new._modules[k] = copy_of(sub) if sub is not None else None
+        return memo[id(m)]
+
+    return copy_of(module)
+
+
 def block_buffers_as_parameters(block_list: nn.ModuleList) -> None:
     """The decoder blocks' persistent floating-point buffers (DeepSeek-V3's router bias, ``e_score_correction_bias``)
-    made frozen parameters of their blocks, in place: a checkpoint holds one per layer, and the blocks run through
-    one shared template, which binds a layer's parameters alone. As parameters they live in the store with the
-    layer's weights (4 bytes each, no moments: they do not train; the model's forward reads them as before) and
-    load, save and export under their names."""
+    made frozen parameters of their blocks, in place (on the capture's :func:`structural_copy`, never the caller's
+    model): a checkpoint holds one per layer, and the blocks run through one shared template, which binds a layer's
+    parameters alone. As parameters they live in the store with the layer's weights (4 bytes each, no moments: they
+    do not train; the model's forward reads them as before) and load, save and export under their names."""
     for blk in block_list:
         persistent = set(blk.state_dict(keep_vars=True))
         for path, mod in blk.named_modules():

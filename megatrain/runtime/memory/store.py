@@ -311,8 +311,12 @@ class HostStore:
                 view.copy_(t)
 
     def load_from_module(self, model: nn.Module) -> None:
+        """The master weights from ``model``'s parameters, and from its persistent buffers that the capture holds as
+        frozen parameters (a router's bias: ``capture.meta.block_buffers_as_parameters``)."""
+        held = self.captured.model_param_names
         with self.loading():
-            for name, p in model.named_parameters():
+            tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in held)]
+            for name, p in tensors:
                 if p.is_meta:
                     raise ValueError(f"parameter {name!r} is on the meta device: pass checkpoint= or init_seed= to "
                                      f"compile")

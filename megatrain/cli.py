@@ -194,6 +194,9 @@ def _main(argv: list[str]) -> int:
                    help="the held-out loss every N steps (default: at the end only)")
     t.add_argument("--export-dtype", choices=["bf16", "fp32", "fp16"],
                    help="dtype of the exported weights (default: the model's own)")
+    t.add_argument("--eos-token", dest="eos_token", metavar="TOKEN[,TOKEN]",
+                   help="tokens the exported model's generation stops at, besides its own end of sequence and its chat "
+                        "template's end of turn (added without this flag)")
     t.add_argument("--on-nonfinite", dest="on_nonfinite", choices=["stop", "skip"],
                    help="a step whose loss or gradient norm is not finite applies no update; then stop (default) "
                         "or skip to the next batch (stopping after 10 in a row)")

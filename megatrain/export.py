@@ -39,28 +39,64 @@ def set_special_ids(config, tok) -> None:
     config.pad_token_id = tok.pad_token_id
 
 
-def generation_config(config, tok, model_dir: Path | None):
-    """The model directory's generation_config.json if it has one, else one from the tokenizer: stop at its
-    end-of-sequence token, and at the end of a chat turn (``<|im_end|>``) where its chat template has one."""
+_PROBE_REPLY = "megatrain-probe-reply"
+
+
+def turn_end(tok) -> str | None:
+    """The special token ``tok``'s chat template ends an assistant's turn with (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``, ...): the one that follows a reply in a rendered conversation; None without a template or
+    where no special token follows the reply."""
+    if not tok.chat_template:
+        return None
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": _PROBE_REPLY}], tokenize=False)
+    except Exception:  # a template that needs more than a plain exchange (a system turn, tools): none found
+        return None
+    at = text.rfind(_PROBE_REPLY)
+    rest = text[at + len(_PROBE_REPLY):] if at >= 0 else ""
+    special = sorted(set(tok.all_special_tokens) | {t for t in tok.get_added_vocab()}, key=len, reverse=True)
+    return next((t for t in special if t and rest.startswith(t)), None)
+
+
+def stop_ids(tok, stop_tokens: tuple[str, ...] = ()) -> list[int]:
+    """Ids of ``stop_tokens`` (each one token of ``tok``'s vocabulary; ValueError naming one that is not) and of
+    the chat template's end of turn (:func:`turn_end`), where it has one."""
+    vocab = tok.get_vocab()
+    missing = [t for t in stop_tokens if t not in vocab]
+    if missing:
+        raise ValueError(f"--eos-token {', '.join(missing)}: not a token of the tokenizer's vocabulary (each must "
+                         f"be one token, e.g. <|im_end|> or <|eot_id|>)")
+    end = turn_end(tok)
+    return [vocab[t] for t in dict.fromkeys([*stop_tokens, *([end] if end else [])])]
+
+
+def generation_config(config, tok, model_dir: Path | None, stop_tokens: tuple[str, ...] = ()):
+    """The model directory's generation_config.json if it has one, else one from the tokenizer; in either, its
+    end-of-sequence ids joined by the chat template's end of turn and ``stop_tokens`` (:func:`stop_ids`): a base
+    model fine-tuned on chat data then stops where its replies ended in training."""
     from transformers import GenerationConfig
 
     if model_dir is not None and (model_dir / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(model_dir)
-    eos = [tok.eos_token_id]
-    turn_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
-    if turn_end is not None and turn_end not in eos and tok.chat_template and "<|im_end|>" in tok.chat_template:
-        eos.append(turn_end)
-    return GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=eos if len(eos) > 1 else eos[0],
-                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        gen = GenerationConfig.from_pretrained(model_dir)
+    else:
+        gen = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    eos = gen.eos_token_id
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    eos += [i for i in stop_ids(tok, stop_tokens) if i not in eos]
+    gen.eos_token_id = eos[0] if len(eos) == 1 else eos or None
+    return gen
 
 
 def export_pretrained(tensors: dict[str, "torch.Tensor | Source"], config, tok, out: str | Path,
                       dtype: torch.dtype, model_dir: Path | None = None, *,
-                      shard_bytes: int = SHARD_BYTES) -> list[Path]:
+                      shard_bytes: int = SHARD_BYTES, stop_tokens: tuple[str, ...] = ()) -> list[Path]:
     """Write an HF model directory to ``out``: ``tensors`` (parameter name -> weights, tied names once; a tensor or
     a :class:`~megatrain.runtime.state.safetensors_stream.Source` that reads its elements a slice at a time) cast to
     ``dtype`` in safetensors shards of at most ``shard_bytes`` (split and named as ``save_pretrained`` does, with its
-    index), config.json (``dtype`` recorded), the tokenizer, generation_config.json. Returns the weight files.
+    index), config.json (``dtype`` recorded), the tokenizer, generation_config.json (stopping at ``stop_tokens`` and
+    the chat template's end of turn as well: :func:`generation_config`). Returns the weight files.
 
     Each file is written tensor by tensor, a chunk at a time (:func:`megatrain.runtime.state.safetensors_stream.write`):
     the memory this takes beyond the tensors is two chunks (:data:`EXPORT_HOST_BYTES`), whatever the model's size;
@@ -84,7 +120,7 @@ def export_pretrained(tensors: dict[str, "torch.Tensor | Source"], config, tok, 
     config.dtype = dtype
     save_whole(out / "config.json", config.to_json_file)
     save_tokenizer(tok, out)
-    gen = generation_config(config, tok, model_dir)
+    gen = generation_config(config, tok, model_dir, stop_tokens)
     save_whole(out / "generation_config.json", gen.to_json_file)
     return files
 

@@ -81,7 +81,7 @@ def save_state(sm, batches, out: Path, say) -> float:
     return took
 
 
-def save_weights(sm, model, tok, out: Path, dtype) -> float:
+def save_weights(sm, model, tok, out: Path, dtype, stop_tokens: tuple[str, ...] = ()) -> float:
     """The trained weights as an HF model directory (megatrain.export) in ``dtype``: ``from_pretrained`` and
     ``AutoTokenizer`` read it unchanged; streamed from the store (megatrain.export.EXPORT_HOST_BYTES of memory).
     Returns the seconds it took."""
@@ -90,7 +90,7 @@ def save_weights(sm, model, tok, out: Path, dtype) -> float:
     t0 = time.perf_counter()
     sd = sm.state_dict()
     export_pretrained({n: sd[n] for n in sm.captured.model_param_names}, model.config, tok, out, dtype,
-                      model.directory)
+                      model.directory, stop_tokens=stop_tokens)
     return time.perf_counter() - t0
 
 
@@ -125,4 +125,4 @@ def export_run(run: str | Path, out: str | Path, dtype: str | None = None, trust
         set_special_ids(model.config, tok)
     tensors = train_state.master_sources(run / STATE_DIR)  # every file's checksum checked first
     return export_pretrained(tensors, model.config, tok, out, export_dtype(dtype or cfg.export_dtype or model.dtype),
-                             model.directory)
+                             model.directory, stop_tokens=cfg.stop_tokens())

@@ -34,12 +34,13 @@ def _prepare(cfg: TrainConfig, dp=None):
 
     import megatrain
     from megatrain.capture.packed_attention import attention_for
-    from megatrain.export import set_special_ids
+    from megatrain.export import set_special_ids, stop_ids
 
     model = model_source(cfg.model, cfg.vocab, cfg.seq, cfg.trust_remote_code)
     # (on threads of their own, so that a signal is answered while a tokenizer trains or a reader parses)
     tok, tok_from = answering_signals(tokenizer_for, model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code,
                                       cfg.streaming)
+    stop_ids(tok, cfg.stop_tokens())  # an --eos-token the vocabulary lacks: refused before anything is built
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary {model.config.vocab_size}")
     if model.weights is None:  # from scratch: its special tokens are the tokenizer's
@@ -359,7 +360,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
     if lead:  # the ranks' weights are the same
         # first: the smaller files survive a disk that fills up with the state
         with stages("export"):
-            export_s = save_weights(sm, model, tok, out, dtype)
+            export_s = save_weights(sm, model, tok, out, dtype, cfg.stop_tokens())
         print(f"step {sm.step}: weights written to {out}/ in {export_s:.1f} s "
               f"({weights_nbytes(sm, dtype) / max(export_s, 1e-9) / 1e9:.2f} GB/s)", file=sys.stderr, flush=True)
     if saved_at != sm.step and refused is None:

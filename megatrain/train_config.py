@@ -65,6 +65,8 @@ class TrainConfig:
     gpu_gib: float | None = None  # device memory the plan may fill, the allocator capped to it (default: the card's)
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     export_dtype: str | None = None  # the exported weights' dtype (bf16, fp32, fp16); None: the model's own
+    eos_token: str | None = None  # tokens the exported generation_config stops at besides its own and the chat
+    # template's end of turn, comma-separated (each one token of the vocabulary)
     seed: int = 0
     device: str | None = None  # default: cuda when present, else cpu
     out: str | None = None  # default: megatrain-runs/<UTC time>
@@ -109,6 +111,10 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers separated by a comma, e.g. 0.9,0.95, got {self.betas!r}") \
                 from None
         return b1, b2
+
+    def stop_tokens(self) -> tuple[str, ...]:
+        """``eos_token`` as a tuple of tokens."""
+        return tuple(t.strip() for t in (self.eos_token or "").split(",") if t.strip())
 
     def freeze_patterns(self) -> list[str]:
         return [p.strip() for p in (self.freeze or "").split(",") if p.strip()]

@@ -142,3 +142,34 @@ def test_an_index_that_names_a_file_outside_the_directory_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"its weight_map names '.*other/model.safetensors', which is not a file "
                                              r"in"):
             megatrain.compile(meta, checkpoint=d, device="cpu", kernels=False, streams=False)
+
+
+def test_the_export_stops_at_the_chat_templates_end_of_turn(tmp_path):
+    """A base model's tokenizer ends sequences with <|endoftext|> and its generation_config.json says so; trained on
+    ChatML replies that end with <|im_end|>, the exported generation_config stops at both (before, such a model
+    never stopped). Llama-3's end of turn is its eos already; --eos-token adds more, and one not in the vocabulary
+    is refused, naming it."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    from megatrain.export import generation_config, stop_ids, turn_end
+
+    from .data.tokenizers import CHATML, _bpe, llama3_tokenizer
+
+    base = PreTrainedTokenizerFast(tokenizer_object=_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]),
+                                   eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    base.chat_template = CHATML
+    ids = base.get_vocab()
+    assert turn_end(base) == "<|im_end|>"
+    GenerationConfig(eos_token_id=ids["<|endoftext|>"]).save_pretrained(tmp_path)
+    gen = generation_config(None, base, tmp_path)
+    assert gen.eos_token_id == [ids["<|endoftext|>"], ids["<|im_end|>"]]
+    assert generation_config(None, base, None).eos_token_id == [ids["<|endoftext|>"], ids["<|im_end|>"]]
+    llama = llama3_tokenizer()
+    eot = llama.convert_tokens_to_ids("<|eot_id|>")
+    assert turn_end(llama) == "<|eot_id|>" and generation_config(None, llama, None).eos_token_id == eot
+    header = llama.convert_tokens_to_ids("<|start_header_id|>")
+    assert generation_config(None, llama, None, ("<|start_header_id|>",)).eos_token_id == [eot, header]
+    base.chat_template = None
+    assert turn_end(base) is None and stop_ids(base) == []
+    with pytest.raises(ValueError, match="<\\|eom_id\\|>: not a token"):
+        stop_ids(llama, ("<|eom_id|>",))

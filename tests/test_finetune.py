@@ -168,3 +168,15 @@ def test_positions_past_the_models_limit_are_warned_of_once(tmp_path, capsys):
     # packed into 128: the 90-token document starts at 52 (5 + 40 + 7), so the row's end cuts it at 76 positions
     assert pack(docs, 128, 0).longest == 76 and pack(docs, 256, 0).longest == 90
     assert one_per_row(docs, 128, 0).longest == 90
+
+
+def test_an_eos_token_the_vocabulary_lacks_is_refused_before_training(tmp_path, capsys):
+    chat_model_dir(tmp_path / "model")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in CHATS))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--steps", "2", "--batch", "2",
+                 "--seq", "64", "--eos-token", "<|im_start|>,<|nope|>", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "--eos-token <|nope|>: not a token of the tokenizer's vocabulary" in err
+    assert not (out / "metrics.jsonl").exists()

@@ -137,7 +137,7 @@ def _main(argv: list[str]) -> int:
                            ("freeze", str, "parameters not to train, by name patterns separated by commas, e.g. "
                                            "'model.embed_tokens.*,model.layers.[0-3].*'"),
                            ("clip", float, "global-norm clipping threshold (1.0)"),
-                           ("mb", int, "micro-batches per step (2)"),
+                           ("mb", int, "micro-batches per step (2 where --batch is even, else 1)"),
                            ("slots", _slots, "weight slots (2; all: one per layer)"),
                            ("host_checkpoints", host_checkpoints, "layers whose checkpoints wait on the host ("
                                                                   "auto: the planner's choice of none or all on a "

@@ -44,7 +44,7 @@ class TrainConfig:
     freeze: str | None = None  # parameters not to train: comma-separated name patterns (fnmatch), e.g.
     # "model.embed_tokens.*,model.layers.[0-3].*"
     clip: float | None = 1.0  # global-norm clipping; None: off
-    mb: int = 2  # micro-batches per step
+    mb: int | None = None  # micro-batches per step; None: 2 where the batch splits in two, else 1
     slots: int | str = 2  # weight slots; "all": one per layer
     host_checkpoints: int | str = "auto"  # layers whose checkpoints wait on the host ("auto": compile()'s, the
     # planner's choice of none or all on a GPU, none on the CPU)
@@ -148,8 +148,14 @@ class TrainConfig:
             raise ValueError(f"columns must be field=column pairs separated by commas, got {self.columns!r}")
         return {a.strip(): b.strip() for a, b in pairs}
 
+    def __post_init__(self) -> None:
+        if self.mb is None and isinstance(self.batch, int) and not isinstance(self.batch, bool):
+            object.__setattr__(self, "mb", 2 if self.batch % 2 == 0 else 1)
+
     def check(self) -> None:
         self._check_types()
+        if self.mb is None:  # (a batch that is not a number: its own check names it)
+            raise ValueError(f"batch must be an integer, got {self.batch!r}")
         for name in ("steps", "batch", "mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -154,6 +154,8 @@ def test_inputs_that_would_take_the_machine_down_are_refused_in_bounded_memory(t
     ragged.write_text("prompt,completion\nHello,World\nHow,are,you\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "hello there"}\n{"text": "ok"\n{"text": "x"}\n')
     cases = [
         (["--data", str(line)], f"data file {line} line 1: a record (a line of JSON) of more than 32 MiB"),
         (["--seq", "1000000000"], "seq must be at most 16,777,216 tokens"),
@@ -163,6 +165,7 @@ def test_inputs_that_would_take_the_machine_down_are_refused_in_bounded_memory(t
                                                  "its input tensors alone"),
         (["--data", str(ragged)], f"data file {ragged} line 3: 3 cells, its header names 2 columns"),
         (["--data", str(empty)], f"data file {empty} is empty"),
+        (["--data", str(broken)], f"data file {broken} line 2: not a JSON object (Expecting ',' delimiter at column 14)"),
     ]
     out = tmp_path / "out"
     got = _peaks_gib([["train", *argv, "--out", str(out)] for argv, _ in cases], tmp_path)

@@ -46,6 +46,9 @@ def load_records(source: str, *, split: str = "train", streaming: bool = False):
             except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable data
                 if kind == "json" and len(files) > 1 and "Cast" in type(_innermost(e)).__name__:
                     raise DataError(_fields_differ(p, files)) from None
+                bad = _bad_json_line(files) if kind == "json" else None
+                if bad is not None:
+                    raise DataError(bad) from None
                 raise
         if not _in_cache(source):
             raise DataError(f"data {source} is neither a file, a directory, nor a dataset in the local HF cache "
@@ -108,6 +111,32 @@ def _fields_differ(source: Path, files: list[Path]) -> str:
     other = next((f for f in files[1:] if fields(f) != first), files[1])
     return (f"data directory {source}: its files hold records of other fields ({files[0].name}: {first}, "
             f"{other.name}: {fields(other)}); the files of one data source hold one format")[:400]
+
+
+def _bad_json_line(files: list[Path]) -> str | None:
+    """For JSON Lines files the reader refused: the first line that is not one JSON object, by file and line number
+    (the reader names a byte position); None where each line is one (a JSON file of one array: the reader's
+    message stands)."""
+    import json
+
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            first = fh.read(1)
+            while first.isspace():
+                first = fh.read(1)
+            if first == "[":  # one JSON document, not lines
+                return None
+            fh.seek(0)
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line.rstrip("\r\n"))
+                except ValueError as e:
+                    return f"data file {f} line {n}: not a JSON object ({e.msg} at column {e.colno})"
+                if not isinstance(rec, dict):
+                    return f"data file {f} line {n}: a JSON {type(rec).__name__}, not an object of fields"
+    return None
 
 
 def _why(e: BaseException) -> str:

@@ -134,7 +134,8 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
     h = hashlib.sha256()
     for a in (rows.ids, rows.train, rows.positions if rows.positions is not None else np.zeros(0)):
         h.update(np.ascontiguousarray(a).tobytes())
-    how = "packed" if packing else "one per row"
+    how = ("packed, each document whole in one row" + (f"; {rows.cut:,} longer than a row cut every {seq} tokens"
+                                                        if rows.cut else "")) if packing else "one per row"
     desc = (f"{what}: {len(examples):,} examples, {rows.tokens:,} tokens in {len(rows):,} rows of {seq} ({how})"
             + (f", {len(held):,} held out for eval" if held is not None else ""))
     longest = max(rows.longest, eval_rows.longest if eval_rows is not None else 0)
@@ -174,7 +175,7 @@ def _streamed(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, co
         eval_rows = (pack if packing else one_per_row)(held, seq, pad)
     h = hashlib.sha256(json.dumps({"stream": str(Path(data).resolve()) if Path(data).exists() else data,
                                    "sizes": _sizes(Path(data)), "seq": seq, "packing": packing}).encode())
-    how = "packed" if packing else "one per row"
+    how = "packed, each document whole in one row" if packing else "one per row"
     desc = (f"{data}: streamed, in rows of {seq} ({how}), shuffled through {BUFFER_ROWS:,} rows"
             + (f"; {len(eval_rows):,} rows of {eval_data} held out for eval" if eval_rows is not None else ""))
     return DataSource(batches, eval_rows, desc, h.hexdigest(), 0, seq)

@@ -44,7 +44,7 @@ def test_fine_tune_a_chat_model_and_load_the_export_with_hf(tmp_path, capsys):
                  "--seq", "64", "--lr", "3e-3", "--export-dtype", "bf16", "--out", str(out)]) == 0
     head = capsys.readouterr().out
     assert f"weights from {tmp_path / 'model'}, tokenizer from {tmp_path / 'model'}" in head
-    assert "24 examples" in head and "(packed)" in head
+    assert "24 examples" in head and "(packed, each document whole in one row)" in head
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert model.dtype == torch.bfloat16 and tok.eos_token == "<|im_end|>"
@@ -165,8 +165,8 @@ def test_positions_past_the_models_limit_are_warned_of_once(tmp_path, capsys):
         pos = rows.positions if rows.positions is not None else np.broadcast_to(np.arange(64), rows.ids.shape)
         want = max(int(p[m].max()) + 1 for p, m in zip(pos, rows.real))
         assert rows.longest == want == 64
-    # packed into 128: the 90-token document starts at 52 (5 + 40 + 7), so the row's end cuts it at 76 positions
-    assert pack(docs, 128, 0).longest == 76 and pack(docs, 256, 0).longest == 90
+    # packed whole into 128: the 90-token document lies in one row, all of its positions there
+    assert pack(docs, 128, 0).longest == 90 and pack(docs, 256, 0).longest == 90
     assert one_per_row(docs, 128, 0).longest == 90
 
 

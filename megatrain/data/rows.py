@@ -1,4 +1,4 @@
-"""Examples -> fixed-length rows (packed, or one per row) -> batches in a seeded order, epoch after epoch."""
+"""Examples -> fixed-length rows (packed whole, or one per row) -> batches in a seeded order, epoch after epoch."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class Rows:
     train: np.ndarray  # (N, T) bool: the token is trained on (predicted from the tokens before it)
     positions: np.ndarray | None  # (N, T) int32 packed: each document's positions from 0; None: one per row
     real: np.ndarray  # (N, T) bool: not padding
+    cut: int = 0  # documents longer than a row, cut into several (packed)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -53,29 +54,94 @@ def _check_memory(n_rows: int, seq: int) -> None:
                         f"train on a part of it" + (", or with a shorter --seq" if n_rows == 1 else ""))
 
 
+def _first_free(tree: np.ndarray, leaves: int, need: int) -> int:
+    """In a segment tree of counts over free-token values 0..leaves-1 (``tree[leaves + v]``: rows with ``v`` tokens
+    free), the least value >= ``need`` that some row has; -1 where none has."""
+    v, lo, hi = 1, 0, leaves - 1
+    if tree[1] == 0:
+        return -1
+    stack = []
+    while True:
+        if hi < need or tree[v] == 0:
+            if not stack:
+                return -1
+            v, lo, hi = stack.pop()
+            continue
+        if lo == hi:
+            return lo
+        mid = (lo + hi) // 2
+        stack.append((2 * v + 1, mid + 1, hi))
+        v, hi = 2 * v, mid
+
+
+def _count(tree: np.ndarray, leaves: int, value: int, delta: int) -> None:
+    v = leaves + value
+    while v:
+        tree[v] += delta
+        v //= 2
+
+
 def pack(docs: Documents, seq: int, pad_id: int) -> Rows:
-    """The documents one after the other, cut into rows of ``seq`` tokens; each document's positions start at 0 (a
-    document cut by a row's end goes on in the next row as a document of its own there), so each attends to itself
-    alone; a document's first token in a row is not trained on (nothing before it in that row predicts it). The
-    last row is padded."""
+    """The documents packed whole into rows of ``seq`` tokens: best fit decreasing (the longest first, each into
+    the row it leaves the fewest tokens free in, a new row where none has room), so no document of at most ``seq``
+    tokens is cut and a reply is never trained without its prompt. A document longer than a row is cut every ``seq``
+    tokens (``Rows.cut`` counts them), its last part packed as a document of its own. Each document's positions
+    start at 0 and its first token is not trained on (nothing before it in its row predicts it); the free tokens at
+    a row's end are padding, positioned as a document of their own."""
     if not len(docs):
         raise DataError("no documents to pack")
-    n_tokens = len(docs.ids)
-    n_rows = -(-n_tokens // seq)
+    starts = np.concatenate([[0], np.cumsum(docs.lengths)[:-1]]).astype(np.int64)
+    lengths = docs.lengths.astype(np.int64)
+    whole = lengths // seq
+    cut = int((lengths > seq).sum())
+    # the pieces: each document's full rows of seq tokens, then what is left of it (the whole of a shorter one)
+    n_full = int(whole.sum())
+    full_starts = (np.repeat(starts, whole) + seq * (np.arange(n_full) - np.repeat(np.cumsum(whole) - whole, whole)))
+    rest = lengths - whole * seq
+    left = rest > 0
+    p_start = np.concatenate([full_starts, (starts + whole * seq)[left]])
+    p_len = np.concatenate([np.full(n_full, seq, dtype=np.int64), rest[left]])
+    order = np.argsort(-p_len, kind="stable")
+    p_start, p_len = p_start[order], p_len[order]
+    n = len(p_len)
+    row_of = np.empty(n, dtype=np.int64)
+    off_of = np.empty(n, dtype=np.int64)
+    leaves = 1 << max(1, int(seq).bit_length())  # free-token values 0..seq
+    tree = np.zeros(2 * leaves, dtype=np.int64)
+    free_rows: dict[int, list[int]] = {}  # tokens free -> rows with that many
+    used: list[int] = []  # per row: tokens taken
+    for j in range(n):
+        need = int(p_len[j])
+        f = _first_free(tree, leaves, need) if need < seq else -1
+        if f < 0:  # a new row
+            r = len(used)
+            used.append(0)
+        else:
+            r = free_rows[f].pop()
+            _count(tree, leaves, f, -1)
+        row_of[j], off_of[j] = r, used[r]
+        used[r] += need
+        free = seq - used[r]
+        if free > 0:
+            free_rows.setdefault(free, []).append(r)
+            _count(tree, leaves, free, 1)
+    n_rows = len(used)
     _check_memory(n_rows, seq)
-    pad = n_rows * seq - n_tokens
-    starts = np.zeros(n_rows * seq, dtype=bool)
-    starts[np.concatenate([[0], np.cumsum(docs.lengths)[:-1]])] = True
-    if pad:
-        starts[n_tokens] = True  # the padding is a document of its own
-    starts = starts.reshape(n_rows, seq)
-    starts[:, 0] = True
-    idx = np.broadcast_to(np.arange(seq, dtype=np.int32), (n_rows, seq))
-    last_start = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)  # each token's document start
-    ids = np.concatenate([docs.ids, np.full(pad, pad_id, dtype=np.int32)]).reshape(n_rows, seq)
-    train = np.concatenate([docs.train, np.zeros(pad, dtype=bool)]).reshape(n_rows, seq) & ~starts
-    real = np.concatenate([np.ones(n_tokens, dtype=bool), np.zeros(pad, dtype=bool)]).reshape(n_rows, seq)
-    return Rows(ids, train, (idx - last_start).astype(np.int32), real)
+    total = int(p_len.sum())
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(p_len) - p_len, p_len)
+    src = np.repeat(p_start, p_len) + within
+    dst = np.repeat(row_of * seq + off_of, p_len) + within
+    ids = np.full(n_rows * seq, pad_id, dtype=np.int32)
+    train = np.zeros(n_rows * seq, dtype=bool)
+    real = np.zeros(n_rows * seq, dtype=bool)
+    ids[dst], train[dst], real[dst] = docs.ids[src], docs.train[src] & (within > 0), True
+    positions = np.zeros(n_rows * seq, dtype=np.int32)
+    positions[dst] = within
+    ids, train, real, positions = (a.reshape(n_rows, seq) for a in (ids, train, real, positions))
+    tail = np.asarray(used, dtype=np.int64)[:, None]  # the padding after each row's documents: 0, 1, ...
+    col = np.arange(seq, dtype=np.int64)[None, :]
+    positions = np.where(col >= tail, col - tail, positions).astype(np.int32)
+    return Rows(ids, train, positions, real, cut)
 
 
 def one_per_row(docs: Documents, seq: int, pad_id: int) -> Rows:

@@ -155,15 +155,41 @@ def test_packed_rows_keep_documents_apart_and_hold_every_trained_token():
     packed, single = pack(docs, 8, 0), one_per_row(docs, 32, 0)
     assert packed.tokens == single.tokens == len(docs.ids)
     # positions restart at each document and at each row; a document's first token in a row is not trained on
-    flat_pos = packed.positions.reshape(-1)[: len(docs.ids)]
-    starts = np.flatnonzero(flat_pos == 0)
-    doc_starts = set(np.concatenate([[0], np.cumsum(docs.lengths)[:-1]]).tolist())
-    assert doc_starts <= set(starts.tolist()) and set(range(0, len(docs.ids), 8)) <= set(starts.tolist())
-    assert not packed.train.reshape(-1)[starts].any()
-    # every other token keeps the document's flag (text: all trained)
-    others = np.setdiff1d(np.arange(len(docs.ids)), starts)
-    assert packed.train.reshape(-1)[others].all()
+    starts = packed.real & (packed.positions == 0)
+    assert starts[:, 0].all() and not packed.train[starts].any()
+    # every other token keeps the document's flag (text: all trained): the longer documents are cut every 8 tokens
+    assert packed.train.sum() == len(docs.ids) - starts.sum() and packed.cut == sum(int(n) > 8 for n in docs.lengths)
     assert single.train.sum() == len(docs.ids) - len(docs)
+
+
+def test_packing_keeps_every_document_whole_in_one_row():
+    """Best fit decreasing: each document of at most a row's tokens lies whole in one row, positions 0.. and its
+    tokens and flags as they were, trained exactly where it is trained alone in a row of its own; the rows are
+    full but for the least padding the order allows; a longer document is cut every row's length."""
+    rng = np.random.default_rng(0)
+    seq, lengths = 64, rng.integers(1, 65, size=300).tolist() + [64, 150]
+    ids = rng.integers(3, 900, size=sum(lengths)).astype(np.int32)
+    train = rng.random(len(ids)) < 0.7
+    rows = pack(Documents(ids, train, np.asarray(lengths, dtype=np.int64)), seq, 0)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+    want = {(s, n) for s, n in zip(starts[:-1], lengths[:-1])} | {(starts[-1], 64), (starts[-1] + 64, 64),
+                                                                   (starts[-1] + 128, 22)}
+    by_tokens = {ids[s: s + n].tobytes(): (s, n) for s, n in want}
+    found = set()
+    for r in range(len(rows)):
+        pos, real = rows.positions[r], rows.real[r]
+        for b in [k for k in range(seq) if real[k] and pos[k] == 0]:
+            end = b + 1
+            while end < seq and real[end] and pos[end] == end - b:
+                end += 1
+            s, n = by_tokens[rows.ids[r, b:end].tobytes()]  # a whole document (or part of the long one)
+            assert n == end - b and np.array_equal(rows.train[r, b:end], train[s: s + n] & (np.arange(n) > 0))
+            found.add((s, n))
+    assert found == want and rows.cut == 1 and rows.tokens == sum(lengths)
+    assert len(rows) <= 1.05 * -(-sum(lengths) // seq)  # nearly full rows (here 170 for at least 164)
+    short = Documents(ids[: starts[-1]], train[: starts[-1]], np.asarray(lengths[:-1], dtype=np.int64))
+    whole = pack(short, seq, 0)
+    assert whole.cut == 0 and whole.train.sum() == one_per_row(short, seq, 0).train.sum()
 
 
 def test_a_template_that_renders_the_last_reply_otherwise_trains_each_reply_as_the_conversation_renders_it():

@@ -4,6 +4,7 @@ loss and gradients (fp32, CPU)."""
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,3 +106,30 @@ def test_families_that_cannot_take_offsets_keep_the_mask_builders():
     """Gemma-2 soft-caps its scores (the flash kernel cannot): its packed rows keep HF's masks."""
     assert not compile_cpu(hf_model("gemma2"), n_mb=1).captured.varlen
     assert compile_cpu(hf_model("qwen2"), n_mb=1).captured.varlen
+
+
+def test_rows_packed_whole_train_as_the_documents_one_per_row():
+    """The data path's packing (best fit decreasing, every document whole in one row): a step over the packed rows
+    has the loss and gradients of a step over the same documents one per row, padded (fp32, CPU). Packing that cut
+    documents at row ends trained their continuations without what came before."""
+    from megatrain.data import Documents, one_per_row, pack
+    from megatrain.data.formats import Example
+    from megatrain.data.rows import rows_batch
+
+    g = torch.Generator().manual_seed(2)
+    lengths = [11, 5, 14, 3, 9, 16, 7, 12]
+    docs = Documents.of([Example(torch.randint(3, 97, (n,), generator=g).tolist(), [True] * n) for n in lengths])
+    steps = []
+    for rows in (pack(docs, 16, 0), one_per_row(docs, 16, 0)):
+        assert rows.tokens == sum(lengths)
+        b = rows_batch(rows, np.arange(len(rows)), len(rows) + len(rows) % 2)
+        sm = compile_cpu(hf_model("llama"), optim=NO_CLIP, n_mb=1 if len(rows) % 2 else 2)
+        grads = record_grads(sm)
+        st = sm.train_step(b["input_ids"], b["attention_mask"], b["labels"], position_ids=b["position_ids"])
+        steps.append((st, grads))
+    (packed, g_packed), (single, g_single) = steps
+    assert len(pack(docs, 16, 0)) < len(lengths) and packed.tokens == single.tokens == sum(n - 1 for n in lengths)
+    assert packed.loss == pytest.approx(single.loss, rel=1e-6)
+    for n, a in g_packed.items():
+        b = g_single[n]
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()) + 1e-12, n

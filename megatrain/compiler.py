@@ -72,6 +72,8 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if sum(x is not None for x in (checkpoint, init_seed, state)) > 1:
         raise ValueError("pass one of checkpoint=, init_seed= and state=")
     cap = capture(model, compute_dtype=dtype, blocks=blocks)
+    if dev.type == "cuda" and cap.unfused_attention:
+        warnings.warn(cap.unfused_attention, stacklevel=2)
     if checkpoint is not None:
         check_weights_dir(cap, checkpoint)  # names, shapes and readability, before the store takes its memory
     if state is not None:

@@ -91,6 +91,9 @@ class Captured:
     router_aux: object | None = None
     # the experts run through capture.grouped_experts (transformers' grouped_mm experts were the model's choice)
     grouped_experts: bool = False
+    # where the model's attention holds a (heads, T, T) matrix of scores on the GPU (HF's eager attention, which this
+    # family's variant needs: soft-capping, ...): one line saying so and what to set; None where a fused kernel runs
+    unfused_attention: str | None = None
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
@@ -284,6 +287,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
             if n.op == "call_function" and is_mask_builder(n.target):
                 rebind_config(n.target, meta_model.config)
     captured.varlen = captured.packs and switched
+    captured.unfused_attention = packed_attention.unfused(meta_model)
     captured.grouped_experts = grouped_experts.enable(meta_model)
     return captured
 

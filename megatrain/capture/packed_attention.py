@@ -41,6 +41,21 @@ def attention_for(config) -> str:
     return "eager" if getattr(config, "model_type", None) in SINK_FAMILIES else "sdpa"
 
 
+def unfused(model: torch.nn.Module) -> str | None:
+    """Where ``model`` (the capture's copy, after :func:`enable`) runs HF's eager attention, which holds each layer's
+    (heads, T, T) scores: one line naming the family, why, and what to set; None where SDPA's or the flash kernel
+    runs it."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "_attn_implementation", None) not in ("eager", f"{NAME}_eager"):
+        return None  # (NAME_eager: eager for every mask but packed rows' offsets)
+    family = getattr(cfg, "model_type", type(model).__name__)
+    why = ("its attention logits are soft-capped, which no fused kernel here takes"
+           if getattr(cfg, "attn_logit_softcapping", None) is not None else "it was built with eager attention")
+    return (f"{family}: {why}, so each layer's attention holds a (heads, T, T) matrix of scores on the GPU "
+            f"(memory and time grow with T squared); build the model with attn_implementation='sdpa' where its "
+            f"family allows it, or keep sequences short")
+
+
 def _flash_available() -> bool:
     return hasattr(torch.ops.aten, "_flash_attention_forward") and hasattr(torch.ops.aten, "_flash_attention_backward")
 

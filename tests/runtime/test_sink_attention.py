@@ -108,3 +108,24 @@ def test_packed_rows_with_a_sliding_window_keep_their_documents_and_window():
         doc = torch.searchsorted(cu.long(), r * 8 + i, right=True)
         want = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3)
         assert torch.equal(m[r], want)
+
+
+def test_a_model_left_on_eager_attention_is_named_in_one_line():
+    """Where no fused kernel takes a family's attention (Gemma 2's soft-capping, or a model built eager) the capture
+    says so in one line (compile() warns with it on a GPU); so does Llama built eager (the flash path takes its
+    packed rows alone); built with SDPA it is not named, nor is GPT-OSS, which takes the flash kernel with sinks."""
+    from megatrain.capture import capture
+
+    from .models import hf_model
+
+    gemma = capture(hf_model("gemma2")).unfused_attention
+    assert gemma is not None and gemma.startswith("gemma2: its attention logits are soft-capped") and "\n" not in gemma
+    assert capture(moe_model("gpt_oss")).unfused_attention is None
+    llama = capture(hf_model("llama")).unfused_attention
+    assert llama is not None and llama.startswith("llama: it was built with eager attention")
+    from transformers import AutoModelForCausalLM
+
+    from .models import hf_config
+
+    assert capture(AutoModelForCausalLM.from_config(hf_config("llama"), attn_implementation="sdpa")
+                   ).unfused_attention is None

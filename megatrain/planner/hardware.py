@@ -158,8 +158,8 @@ PRESETS: dict[str, HardwareSpec] = {
 }
 # H100 SXM on the same host: the H200's host, link and issue figures and its streamed matmul rate (the same chip);
 # the memory a process finds on the 80 GB card (78.4 GiB after the CUDA context) and the datasheet's HBM rate. A
-# preset without the host's figures planned 16 micro-batches where 4 are faster (docs/benchmarks.md, "Old tree
-# against new").
+# preset without the host's figures planned 16 micro-batches where 4 are faster (docs/benchmark-history.md, "The
+# same comparison a lease later").
 PRESETS["h100"] = dataclasses.replace(PRESETS["h200"], name="h100", gpu_bytes=int(78.25 * GiB),
                                       hbm_bytes_per_s=3.35e12)
 

@@ -51,6 +51,7 @@ def _prepare(cfg: TrainConfig, dp=None):
                                                  eval_data=cfg.eval_data, eval_split=cfg.eval_split,
                                                  streaming=cfg.streaming))
     _warn_positions(model, data, cfg)
+    _warn_repeats(data, cfg)
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
         if began.get("data_sha256") != data.digest:
@@ -117,6 +118,23 @@ def _warn_positions(model, data, cfg: TrainConfig) -> None:
     print(f"megatrain train: warning: {what}, past the model's max_position_embeddings ({limit:,}): positions its "
           f"weights were not trained on (lower --seq, or give its config.json a rope_scaling to extend them)",
           file=sys.stderr, flush=True)
+
+
+def _warn_repeats(data, cfg: TrainConfig) -> None:
+    """One line on stderr where the data is small for the run: a batch larger than its rows (each batch then holds
+    some rows twice), or steps that go over it more than ten times (a fine-tuning recipe counts epochs)."""
+    rows = getattr(data.batches, "rows", None)  # (a streamed source's size is not known before it is read)
+    if rows is None or not len(rows):
+        return
+    n, epochs = len(rows), cfg.steps * cfg.batch / len(rows)
+    if cfg.batch > n:
+        print(f"megatrain train: warning: --batch {cfg.batch:,} is more than the data's {n:,} rows: each batch holds "
+              f"rows more than once ({epochs:,.0f} passes over the data in {cfg.steps:,} steps)", file=sys.stderr,
+              flush=True)
+    elif epochs > 10:
+        print(f"megatrain train: warning: {cfg.steps:,} steps of {cfg.batch:,} rows go over the data's {n:,} rows "
+              f"{epochs:,.0f} times (--steps {max(1, round(3 * n / cfg.batch)):,} is about 3 epochs)",
+              file=sys.stderr, flush=True)
 
 
 def freeze(model, patterns: list[str]) -> int:

@@ -624,3 +624,20 @@ def test_two_data_parallel_processes_train_as_one(tmp_path, capsys):
     assert main(["train", "--gpus", "2", *base, "--batch", "3", "--mb", "1", "--out", str(tmp_path / "x")]) == 2
     assert "2 data-parallel ranks: --batch (3) and --mb (1) must be multiples of 2" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_data_too_small_for_the_run_is_warned_of(tmp_path, capsys):
+    """A batch larger than the data's rows, or steps that go over the data more than ten times: one warning line
+    each, naming the counts (the run goes on); a run within both says nothing."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"hello world number {i} with some words"}) for i in range(30)))
+    base = ["train", "--data", str(data), "--seq", "32", "--vocab", "300"]
+    for i, (extra, want) in enumerate([
+            (["--steps", "2", "--batch", "16"], "--batch 16 is more than the data's 9 rows: each batch holds rows "
+                                                "more than once (4 passes over the data in 2 steps)"),
+            (["--steps", "12", "--batch", "8"], "12 steps of 8 rows go over the data's 9 rows 11 times (--steps 3 "
+                                                "is about 3 epochs)"),
+            (["--steps", "2", "--batch", "4"], None)]):
+        assert main([*base, *extra, "--out", str(tmp_path / str(i))]) == 0
+        warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        assert warned == ([] if want is None else [f"megatrain train: warning: {want}"]), warned

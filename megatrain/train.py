@@ -50,8 +50,8 @@ def _prepare(cfg: TrainConfig, dp=None):
                                                  columns=cfg.column_map(), packing=cfg.packing,
                                                  eval_data=cfg.eval_data, eval_split=cfg.eval_split,
                                                  streaming=cfg.streaming))
-    _warn_positions(model, data, cfg)
-    _warn_repeats(data, cfg)
+    report.warn_positions(model, data, cfg)
+    report.warn_repeats(data, cfg)
     if cfg.resume:
         began = json.loads((Path(cfg.resume) / RUN_FILE).read_text())
         if began.get("data_sha256") != data.digest:
@@ -104,37 +104,6 @@ def _check_step_inputs(cfg: TrainConfig) -> None:
         raise ValueError(f"a step of --batch {cfg.batch:,} x --seq {cfg.seq:,} tokens takes {need / 2**30:.1f} GiB as "
                          f"its input tensors alone, more than a quarter of the {free / 2**30:.1f} GiB of host memory "
                          f"available: a smaller --batch (or more steps)")
-
-
-def _warn_positions(model, data, cfg: TrainConfig) -> None:
-    """One line on stderr where a model with weights would see positions past its config's
-    ``max_position_embeddings``: ones its weights were not trained on (a run may mean to extend its context; it is
-    not refused)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if model.weights is None or not limit or data.longest <= limit:
-        return
-    what = (f"rows of {cfg.seq:,} tokens, streamed, may hold a document of up to {cfg.seq:,} positions"
-            if cfg.streaming else f"the longest document takes {data.longest:,} positions in a row of {cfg.seq:,}")
-    print(f"megatrain train: warning: {what}, past the model's max_position_embeddings ({limit:,}): positions its "
-          f"weights were not trained on (lower --seq, or give its config.json a rope_scaling to extend them)",
-          file=sys.stderr, flush=True)
-
-
-def _warn_repeats(data, cfg: TrainConfig) -> None:
-    """One line on stderr where the data is small for the run: a batch larger than its rows (each batch then holds
-    some rows twice), or steps that go over it more than ten times (a fine-tuning recipe counts epochs)."""
-    rows = getattr(data.batches, "rows", None)  # (a streamed source's size is not known before it is read)
-    if rows is None or not len(rows):
-        return
-    n, epochs = len(rows), cfg.steps * cfg.batch / len(rows)
-    if cfg.batch > n:
-        print(f"megatrain train: warning: --batch {cfg.batch:,} is more than the data's {n:,} rows: each batch holds "
-              f"rows more than once ({epochs:,.0f} passes over the data in {cfg.steps:,} steps)", file=sys.stderr,
-              flush=True)
-    elif epochs > 10:
-        print(f"megatrain train: warning: {cfg.steps:,} steps of {cfg.batch:,} rows go over the data's {n:,} rows "
-              f"{epochs:,.0f} times (--steps {max(1, round(3 * n / cfg.batch)):,} is about 3 epochs)",
-              file=sys.stderr, flush=True)
 
 
 def freeze(model, patterns: list[str]) -> int:

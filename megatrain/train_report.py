@@ -4,6 +4,7 @@ frozen parameters, and per step the figures besides the loss (model FLOPs utiliz
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -128,3 +129,34 @@ def frozen_text(sm) -> str:
     names = sm.captured.model_param_names
     n = sum(math.prod(names[p][2]) for p in sm.captured.frozen)
     return f"{len(sm.captured.frozen)} parameters frozen ({n / 1e6:.2f}M weights)"
+
+
+def warn_positions(model, data, cfg: TrainConfig) -> None:
+    """One line on stderr where a model with weights would see positions past its config's
+    ``max_position_embeddings``: ones its weights were not trained on (a run may mean to extend its context; it is
+    not refused)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if model.weights is None or not limit or data.longest <= limit:
+        return
+    what = (f"rows of {cfg.seq:,} tokens, streamed, may hold a document of up to {cfg.seq:,} positions"
+            if cfg.streaming else f"the longest document takes {data.longest:,} positions in a row of {cfg.seq:,}")
+    print(f"megatrain train: warning: {what}, past the model's max_position_embeddings ({limit:,}): positions its "
+          f"weights were not trained on (lower --seq, or give its config.json a rope_scaling to extend them)",
+          file=sys.stderr, flush=True)
+
+
+def warn_repeats(data, cfg: TrainConfig) -> None:
+    """One line on stderr where the data is small for the run: a batch larger than its rows (each batch then holds
+    some rows twice), or steps that go over it more than ten times (a fine-tuning recipe counts epochs)."""
+    rows = getattr(data.batches, "rows", None)  # (a streamed source's size is not known before it is read)
+    if rows is None or not len(rows):
+        return
+    n, epochs = len(rows), cfg.steps * cfg.batch / len(rows)
+    if cfg.batch > n:
+        print(f"megatrain train: warning: --batch {cfg.batch:,} is more than the data's {n:,} rows: each batch holds "
+              f"rows more than once ({epochs:,.0f} passes over the data in {cfg.steps:,} steps)", file=sys.stderr,
+              flush=True)
+    elif epochs > 10:
+        print(f"megatrain train: warning: {cfg.steps:,} steps of {cfg.batch:,} rows go over the data's {n:,} rows "
+              f"{epochs:,.0f} times (--steps {max(1, round(3 * n / cfg.batch)):,} is about 3 epochs)",
+              file=sys.stderr, flush=True)

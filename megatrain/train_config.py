@@ -153,9 +153,7 @@ class TrainConfig:
             object.__setattr__(self, "mb", 2 if self.batch % 2 == 0 else 1)
 
     def check(self) -> None:
-        self._check_types()
-        if self.mb is None:  # (a batch that is not a number: its own check names it)
-            raise ValueError(f"batch must be an integer, got {self.batch!r}")
+        self._check_types()  # (mb is None only where batch is not an integer, which this names)
         for name in ("steps", "batch", "mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

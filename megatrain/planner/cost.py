@@ -330,7 +330,8 @@ def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     them exist at once), cuBLAS's workspaces, and what the caching allocator may add to the long-held buffers
     (:data:`ALLOC_SLACK_BYTES` each, for the slots and kept weights of a MiB or more)."""
     cfg = schedule.config
-    work = max((workspace_nbytes(graph, cfg, op) for op in schedule.ops), default=0)
+    kinds = {(op.kind, op.layer): op for op in schedule.ops}  # (an op's working set is its kind's and layer's)
+    work = max((workspace_nbytes(graph, cfg, op) for op in kinds.values()), default=0)
     kept = [graph[l].params * COMPUTE_BYTES for l in cfg.gpu_opt]  # one buffer per device-updated layer
     saved = sum(saved_nbytes(graph, cfg, l) for l in cfg.saved_acts) * cfg.n_mb
     sizes = slot_sizes(graph, schedule)

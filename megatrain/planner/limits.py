@@ -11,7 +11,8 @@ from megatrain.ir import LayerGraph, Op, OpKind, Schedule, ScheduleConfig, Strea
 from megatrain.layout import STORE_BYTES_PER_PARAM, fmt_bytes, store_bytes
 from megatrain.planner.checks import PlanError
 from megatrain.planner.choices import tile_choices
-from megatrain.planner.cost import checkpoint_nbytes, gemm_workspace_nbytes, host_memory, slot_nbytes, workspace_nbytes
+from megatrain.planner.cost import (COMPUTE_BYTES, OPT_SLOT_BYTES, checkpoint_nbytes, gemm_workspace_nbytes,
+                                    host_memory, slot_nbytes, workspace_nbytes)
 from megatrain.planner.hardware import HardwareSpec
 
 GiB = 1 << 30
@@ -28,14 +29,18 @@ def margin_note(spec: HardwareSpec) -> str:
 
 def min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     """What any schedule with ``cfg`` needs at least: a weight and a gradient slot for the largest layer, the
-    other slots for the smallest, one mb's activations in and out, and the largest working set."""
+    other slots for the smallest, one mb's activations in and out, the largest working set, the new weights every
+    device update keeps, and an optimizer slot of its own for each layer whose state stays on the device (or the
+    largest optimizer slot, where that is more). Cheap: no schedule is built, so the search refuses with it first."""
     size = slot_nbytes(graph, cfg)
+    kept = sum(graph[l].params for l in cfg.gpu_opt) * COMPUTE_BYTES
+    opt = max(sum(graph[l].params for l in cfg.resident_opt) * OPT_SLOT_BYTES, size["o"])
     smallest = min(graph.weight_params(i) for i in range(len(graph)))
     last = len(graph) - 1  # the head runs the LOSS, the layers before it FWD and BWD
     work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
                for l in range(len(graph)) for k in ((OpKind.LOSS,) if l == last else (OpKind.FWD, OpKind.BWD)))
     others = (cfg.weight_slots - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
-    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work + cfg.gemm_workspace_bytes
+    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work + cfg.gemm_workspace_bytes + kept + opt
 
 
 def check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, budget: int) -> None:

@@ -303,15 +303,22 @@ def build_schedule(graph: LayerGraph, cfg: ScheduleConfig, *, verify_each: bool 
             s = p(s, graph)
         s = Schedule(tuple(finalize(list(s.ops))), cfg, s.provenance + (f"finalize: {len(s.ops)} ops",))
     else:
-        step = build_schedule(graph, replace(cfg, n_steps=1), verify_each=False)
-        setup = setup_schedule(graph, step)
-        run = unroll(setup, step, graph, cfg.n_steps)  # (its provenance: the set-up's or the step's, and the joins)
-        s = Schedule(run.ops, cfg, run.provenance if setup is None else step.provenance + run.provenance)
+        s = repeat(graph, build_schedule(graph, replace(cfg, n_steps=1), verify_each=False), cfg.n_steps)
     if verify_each if verify_each is not None else os.environ.get("MEGATRAIN_VERIFY") == "1":
         from megatrain.planner.verify import verify
 
         verify(s, graph)
     return s
+
+
+def repeat(graph: LayerGraph, step: Schedule, n_steps: int) -> Schedule:
+    """The first ``n_steps`` steps of a run of the one-step ``step``: its set-up, then the step again and again, as
+    :func:`build_schedule` makes them for a config of that many steps (a search decides on one step's schedule,
+    then times the run)."""
+    setup = setup_schedule(graph, step)
+    run = unroll(setup, step, graph, n_steps)  # (its provenance: the set-up's or the step's, and the joins)
+    return Schedule(run.ops, replace(step.config, n_steps=n_steps),
+                    run.provenance if setup is None else step.provenance + run.provenance)
 
 
 def setup_schedule(graph: LayerGraph, step: Schedule) -> Schedule | None:

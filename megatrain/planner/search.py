@@ -6,25 +6,30 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.planner.checks import PlanError
+from megatrain.planner.descent import descend
 from megatrain.planner.choices import (GRAD_HOST_BYTES, LONG_SEQ, SPLIT_TRIED, check_resident, choose_grad_kept,
                                        device_update_sets, resident_sets, saved_act_layers, split_eligible, split_sets,
                                        spread, tile_choices, with_saved_acts, with_split)
-from megatrain.planner.cost import gemm_workspace_nbytes, host_floor, host_memory
+from megatrain.planner.cost import device_memory, gemm_workspace_nbytes, host_floor, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.limits import (FLOOR_NOTE, check_request, gib, margin_refusal, min_device_nbytes,
                                       no_fit_message)
 from megatrain.planner.hardware import HardwareSpec
-from megatrain.planner.passes import build_schedule, relabel_saved
+from megatrain.planner.passes import build_schedule, relabel_saved, repeat
 from megatrain.planner.simulate import Bound, Timeline, bound, simulate
 from megatrain.planner.verify import check_memory, verify
 
 MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
 MB_CHOICES = 4  # micro-batch sizes tried (the largest ones that fit the token limit)
+# the orders the candidates are tried in: a coordinate descent over their decisions (megatrain.planner.descent), or
+# every one (the reference the descent is tested against)
+ORDERS = ("descent", "exhaustive")
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Plan:
     tokens: int
     tried: list[tuple[ScheduleConfig, str]] = field(default_factory=list)  # every candidate and its outcome
     margin_taken: str | None = None  # where a faster plan was refused for the host margin alone: in words
+    n_candidates: int = 0  # candidates the search could have tried (before the split updates' round); ``tried``
+    # holds those it did
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,47 +111,70 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
 
 
 def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
-         cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None, tuple | None]:
+         cutoff: tuple[bool, float] | None, cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None,
+                                                                             tuple | None, float | None]:
     """One candidate of :func:`plan`: its config with the kept gradients and saved activations chosen, the outcome,
     its rank (None where it cannot run), and for a candidate refused only because it would take some of the host
-    margin (``HardwareSpec.host_margin``), the rank it would have had (else None). Checks what is cheap first,
+    margin (``HardwareSpec.host_margin``), the rank it would have had (else None), and where it does not fit, by
+    how much: the memory it needs over what there is (of the host, or the device budget; inf: a choice it cannot
+    take; else None), which leads a descent that starts where nothing fits towards a fit. Checks what is cheap first,
     builds the schedule (once, twice with kept gradients), checks it against the device budget and the host
-    memory, and simulates it. Module level, so that worker processes can run it."""
+    memory, and simulates it. ``cutoff``: (bf16 host gradients, seconds) of the best candidate so far, plus the
+    share :func:`rank` counts as equally fast: a candidate that cannot rank before it (bf16 gradients where the best
+    has fp32 ones, or a bound on its step, :func:`~megatrain.planner.simulate.bound`, above the seconds) is refused
+    without its simulation. Module level, so that worker processes can run it."""
+    if cutoff is not None and (cfg.grad_host_bytes != 4) > cutoff[0]:
+        return cfg, "bf16 host gradients, where a plan with fp32 ones runs (not built)", None, None, None
     limit = spec.host_plan_bytes
-    host = sum(host_floor(graph, cfg).values())
+    host, need = sum(host_floor(graph, cfg).values()), min_device_nbytes(graph, cfg)
+    over = max(host / spec.host_bytes, need / budget)  # (both: a descent moves towards fitting both)
     if host > spec.host_bytes:
-        return cfg, f"host memory {gib(host)} > {gib(limit)} {FLOOR_NOTE}", None, None
-    need = min_device_nbytes(graph, cfg)
+        return cfg, f"host memory {gib(host)} > {gib(limit)} {FLOOR_NOTE}", None, None, over
     if need > budget:
-        return cfg, f"device memory >= {gib(need)} > budget {gib(budget)}", None, None
+        return cfg, f"device memory >= {gib(need)} > budget {gib(budget)}", None, None, over
+    steps, cfg = cfg.n_steps, replace(cfg, n_steps=1)  # decided and checked on one step's schedule
     try:  # a count of kept gradients or saved layers this candidate cannot take
         base = choose_grad_kept(graph, cfg, grad_kept)  # its ops, for every choice of saved activations
         cfg = base.config
         host = sum(host_memory(graph, base).values())
         if host > spec.host_bytes:
-            return cfg, f"host memory {gib(host)} > {gib(limit)}", None, None
+            return replace(cfg, n_steps=steps), f"host memory {gib(host)} > {gib(limit)}", None, None, \
+                host / spec.host_bytes
         cfg = with_saved_acts(graph, cfg, saved_acts, base)
     except (PlanError, ValueError) as e:
-        return cfg, str(e), None, None
+        return replace(cfg, n_steps=steps), str(e), None, None, math.inf
     s = relabel_saved(base, cfg)
     try:
-        check_memory(s, graph, spec)
+        check_memory(s, graph, spec)  # (each step of a run holds what one does)
     except ValueError as e:
-        return cfg, str(e), None, None
+        return replace(cfg, n_steps=steps), str(e), None, None, device_memory(graph, s).total_nbytes / budget
+    s = repeat(graph, s, steps)
+    cfg = s.config
+    if cutoff is not None and (low := bound(s, graph, spec).step_s) > cutoff[1]:
+        return cfg, f"bound {low:.4f} s/step > {cutoff[1]:.4f}, the best so far's (not simulated)", None, None, None
     tl = simulate(s, graph, spec)
     # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
     key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
            cfg.weight_slots, host)
     if host > limit:
         return cfg, (f"host memory {gib(host)} > {gib(limit)} (of {gib(spec.host_bytes)}, "
-                     f"{gib(spec.host_margin)} left free; {tl.step_s:.4f} s/step)"), None, key
-    return cfg, f"{tl.step_s:.4f} s/step", key, None
+                     f"{gib(spec.host_margin)} left free; {tl.step_s:.4f} s/step)"), None, key, host / limit
+    return cfg, f"{tl.step_s:.4f} s/step", key, None, None
 
 
 # Plans whose simulated steady step is within this share of the fastest one's count as equally fast; among them the
 # one needing the least host memory is taken (host memory is what bounds the model a machine trains, and a plan
 # that leaves it free leaves room for the rest of the process)
 HOST_LEAN_SLACK = 0.01
+
+
+def _cutoff(outcomes: list) -> tuple[bool, float] | None:
+    """:func:`_try`'s cutoff for the best of ``outcomes`` (None: none runs)."""
+    keys = [o[2] for o in outcomes if o[2] is not None]
+    if not keys:
+        return None
+    top = min(keys)  # (bf16 host gradients, steady seconds, ...): the fastest of the preferred dtype
+    return top[0], top[1] * (1 + HOST_LEAN_SLACK)
 
 
 def rank(keys: list[tuple | None]) -> list[int]:
@@ -189,16 +219,19 @@ def _refine_split(graph: LayerGraph, outcomes: list, split: list[tuple[ScheduleC
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
          clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", grad_kept: int | str = "auto",
-         split_opt: int | str = 0, opt_part: int | None = None, workers: int = 1,
-         progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
+         split_opt: int | str = 0, opt_part: int | None = None, workers: int = 1, order: str = "descent",
+         prune: bool = True, progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, the leanest on host memory among those within
     :data:`HOST_LEAN_SLACK` of it, then time over ``n_steps`` steps, then the order of :func:`candidates`) among
     :func:`candidates` that verifies and fits the device budget and the host, each with the saved activations
     ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises :class:`PlanError` before building anything when
     nothing can fit.
 
-    Each candidate is built once, checked against the memory budget and simulated (:func:`_try`); the full
-    verification then runs on the fastest, and on the next where one fails it. ``workers`` > 1 spreads the
+    Each candidate tried is built once, checked against the memory budget and simulated (:func:`_try`); the full
+    verification then runs on the fastest, and on the next where one fails it. ``order``: "descent" tries the
+    candidates a coordinate descent over their decisions reaches (:func:`~megatrain.planner.descent.descend`; all
+    of them where it finds none that runs), "exhaustive" every one. ``prune``: a candidate that cannot rank first
+    by its bound is not simulated (see :func:`_try`'s cutoff; the choice is the same). ``workers`` > 1 spreads the
     candidates over that many processes (the answer is the same); ``progress(done, total)`` is called as they
     finish."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
@@ -229,22 +262,47 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         if not able:
             raise refused
         configs = able
+    if order not in ORDERS:
+        raise PlanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept)
-    outcomes = []
+    results: dict[int, tuple] = {}  # config index -> its outcome
     with contextlib.ExitStack() as stack:
         run = map  # in the order of the configs either way
         if workers > 1 and len(configs) > 1:
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(configs))))
             run = lambda f, cs: pool.map(f, cs, chunksize=max(1, len(cs) // (8 * workers)))  # noqa: E731
-        for out in run(job, configs):
-            outcomes.append(out)
-            if progress is not None:
-                progress(len(outcomes), len(configs))
+
+        def evaluate(indices: list[int]) -> None:
+            total = len(results) + len(indices)
+            cut = _cutoff(list(results.values())) if prune else None
+            for i, out in zip(indices, run(functools.partial(job, cut), [configs[i] for i in indices])):
+                results[i] = out
+                if progress is not None:
+                    progress(len(results), total)
+
+        def best(indices: list[int]) -> int | None:  # the best runnable, else the nearest to a fit (None: none)
+            done = [i for i in indices if i in results]
+            first = rank([results[i][2] for i in done])
+            if first:
+                return done[first[0]]
+            near = [(results[i][4], i) for i in done if results[i][4] is not None]
+            return min(near)[1] if near else None
+
+        if order == "descent":
+            descend(configs, evaluate, best)
+        if not rank([o[2] for o in results.values()]):  # every candidate: the exhaustive order, or a descent that
+            rest = [i for i in range(len(configs)) if i not in results]  # found none to run (a refusal names all)
+            batch = 16 * workers if prune else len(rest) or 1  # (pruning sets its cutoff between batches)
+            for k in range(0, len(rest), batch):
+                evaluate(rest[k:k + batch])
+        done = sorted(results)
+        outcomes = [results[i] for i in done]
         if split_opt == "auto" and clip:  # the fastest few again, a share of their host updates split to the device
-            best = [configs[i] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
+            best = [configs[done[i]] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
             split = [(c, layers) for c in best for layers in split_sets(graph, c, "auto")]
-            outcomes += run(job, [with_split(graph, c, layers, opt_part) for c, layers in split])
-            outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(job, cs)))
+            whole = functools.partial(job, None)  # (each simulated: the refinement compares them)
+            outcomes += run(whole, [with_split(graph, c, layers, opt_part) for c, layers in split])
+            outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
     for i in rank([o[2] for o in outcomes]):
         cfg = outcomes[i][0]
@@ -255,6 +313,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             tried[i] = (cfg, str(e))
             continue
         tl = simulate(s, graph, spec)
-        return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, margin_refusal(outcomes, tl, spec))
+        return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, margin_refusal(outcomes, tl, spec),
+                    len(configs))
     raise PlanError(no_fit_message([why for _, why in tried], spec, budget=budget,
                                    bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16"))

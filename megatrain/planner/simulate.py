@@ -207,9 +207,12 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
     cfg = schedule.config
     ops = schedule.ops
     n = len(ops)
-    queues = {q: [op for op in ops if queue_of(op) == q] for q in QUEUES}
+    queue = [queue_of(op) for op in ops]
+    queues: dict[Queue, list[Op]] = {q: [] for q in QUEUES}
+    for op, q in zip(ops, queue):
+        queues[q].append(op)
     # a split queue's op also waits for what its stream's own queue issued before it (issue_preds)
-    across = [tuple(p for p in pp if queue_of(ops[p]) != queue_of(op)) for op, pp in zip(ops, issue_preds(ops))]
+    across = [tuple(p for p in pp if queue[p] != queue[op.id]) for op, pp in zip(ops, issue_preds(ops))]
     head = dict.fromkeys(QUEUES, 0)
     start = [0.0] * n
     end: list[float | None] = [None] * n
@@ -225,6 +228,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
             a[0].id == d and a[1] <= (1 - row) * a[2] * (1 + 1e-9) for q, a in active.items() if q[0] is Stream.D2H)
 
     blocked: dict[Queue, int] = {}  # queue -> a dependency its next op was last found waiting for
+    rates: dict[frozenset, dict[Queue, float]] = {}
     while finished < n:
         progress = True
         while progress:
@@ -257,7 +261,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
                 raise AssertionError("simulation stalled with ops left (dependencies point forward?)")
             break
         waiting = {q for q, a in active.items() if a[1] <= 1e-12 * a[2]}  # a load done before its store
-        rate = _rates(spec, [q for q in active if q not in waiting])
+        running = frozenset(q for q in active if q not in waiting)
+        rate = rates.get(running)
+        if rate is None:  # (a queue's rate depends on which queues run alone: few sets recur all along)
+            rate = rates[running] = _rates(spec, list(running))
         # next event: an op ends, or a state store finishes its first row (a load may be waiting for it); a load
         # done before its store waits for the store's end
         dt = min([a[1] / rate[q] for q, a in active.items() if q not in waiting]

@@ -66,32 +66,32 @@ def descend(configs: list[ScheduleConfig], evaluate: Callable[[list[int]], None]
         by_mb.setdefault(p[0], []).append(p)
     seeds = list(dict.fromkeys(at[leanest(ps, on)] for ps in by_mb.values() for on in ("device", "host")))
     run(seeds)
-    start = best(seeds)
-    # the best seed first; then, from the best point found for each other micro-batch count, a descent of its own
-    # (micro-batches trade device memory with every other decision: a count's best may lie where one line from the
-    # first descent's answer does not reach)
-    starts = [start] if start is not None else []
-    descended: set[int] = set()
+    # the best seed first, then the other of its micro-batch count (lean on the device and lean on the host lead
+    # to different local bests where memory is tight); after the first, a descent from the best point found for
+    # each other micro-batch count (micro-batches trade device memory with every other decision: a count's best may lie where one line
+    # from the first answer does not reach)
+    first = best(seeds)
+    starts = [] if first is None else [first, *(i for i in seeds if i != first and configs[i].n_mb ==
+                                                 configs[first].n_mb)]
+    others_added = False
+    centres: set[int] = set()  # every centre so far: a descent that reaches one goes where that one went
     while starts:
-        centre = starts.pop()
-        visited = {centre}  # (rank's host-lean rule compares within a set, so a centre could come round again)
+        centre = starts.pop(0)
+        if centre in centres:
+            continue
         while True:
-            p = point(configs[centre])
-            line = line_of(at, p)
+            centres.add(centre)
+            line = line_of(at, point(configs[centre]))
             run(line)
             nxt = best([centre, *line])
-            if nxt is None or nxt in visited:
+            if nxt is None or nxt in centres:
                 break
             centre = nxt
-            visited.add(centre)
-        if not descended:
-            descended.add(configs[centre].n_mb)
-            for m in by_mb:
-                if m != configs[centre].n_mb:
-                    b = best([i for i in tried if configs[i].n_mb == m])
-                    if b is not None:
-                        starts.append(b)
-        descended.add(configs[centre].n_mb)
+        if not others_added:
+            others_added = True
+            top = best(list(tried))
+            starts += [b for m in by_mb if top is not None and m != configs[top].n_mb
+                       if (b := best([i for i in tried if configs[i].n_mb == m])) is not None]
 
 
 # decisions a line changes together (positions in DECISIONS): the device updates and the weight slots trade the

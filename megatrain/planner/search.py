@@ -152,7 +152,7 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     cfg = s.config
     if cutoff is not None and (low := bound(s, graph, spec).step_s) > cutoff[1]:
         return cfg, f"bound {low:.4f} s/step > {cutoff[1]:.4f}, the best so far's (not simulated)", None, None, None
-    tl = simulate(s, graph, spec)
+    tl = simulate(s, graph, spec, curve=False)
     # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
     key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
            cfg.weight_slots, host)
@@ -301,7 +301,8 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             best = [configs[done[i]] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
             split = [(c, layers) for c in best for layers in split_sets(graph, c, "auto")]
             whole = functools.partial(job, None)  # (each simulated: the refinement compares them)
-            outcomes += run(whole, [with_split(graph, c, layers, opt_part) for c, layers in split])
+            outcomes += run(functools.partial(job, _cutoff(outcomes) if prune else None),
+                            [with_split(graph, c, layers, opt_part) for c, layers in split])
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
     for i in rank([o[2] for o in outcomes]):

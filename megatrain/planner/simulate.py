@@ -203,7 +203,9 @@ def _rates(spec: HardwareSpec, running: list[Queue]) -> dict[Queue, float]:
     return out
 
 
-def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timeline:
+def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve: bool = True) -> Timeline:
+    """The schedule's ops timed on ``spec`` (see the module's docstring); ``curve``: with the device memory over
+    time (:func:`memory_curve`; without, ``Timeline.memory`` is empty: a search compares steps, not peaks)."""
     cfg = schedule.config
     ops = schedule.ops
     n = len(ops)
@@ -289,7 +291,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Timel
     mem = device_memory(graph, schedule)
     return Timeline(
         source="simulated", ops=ops, start_s=start, end_s=end_s,
-        memory=memory_curve(schedule, graph, start, end_s),
+        memory=memory_curve(schedule, graph, start, end_s) if curve else [],
         reserved_nbytes=mem.total_nbytes, host_nbytes=sum(host_memory(graph, schedule).values()), n_steps=cfg.n_steps,
     )
 

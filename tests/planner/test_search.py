@@ -74,8 +74,12 @@ def test_worker_processes_give_the_same_plan_and_report_progress():
     assert plans[1].schedule.to_text() == plans[2].schedule.to_text()
     assert plans[1].tried == plans[2].tried
     n = len(plans[1].tried)
-    for w in (1, 2):
-        assert calls[w] == [(i, n) for i in range(1, n + 1)]
+    for w in (1, 2):  # one call per candidate tried; the total is what the descent has reached so far
+        assert [d for d, _ in calls[w]] == list(range(1, n + 1)) and calls[w][-1] == (n, n)
+        assert all(d <= t for d, t in calls[w]) and [t for _, t in calls[w]] == sorted(t for _, t in calls[w])
+    every = []
+    p = plan(G, SPEC, **REQUEST, order="exhaustive", prune=False, progress=lambda d, t: every.append((d, t)), **FIXED)
+    assert every == [(i, p.n_candidates) for i in range(1, p.n_candidates + 1)] and len(p.tried) == p.n_candidates
     with pytest.raises(search.PlanError, match="workers must be a positive integer"):
         plan(G, SPEC, **REQUEST, workers=0, **FIXED)
 
@@ -142,7 +146,8 @@ def test_cublas_workspaces_are_counted_within_the_budget():
     assert p.timeline.peak_nbytes <= mem.total_nbytes
     with pytest.raises(search.PlanError, match=r"cuBLAS workspaces 0.06 GiB"):
         plan(G, spec, **REQUEST, budget_bytes=min_device_nbytes(
-            G, dataclasses.replace(p.schedule.config, weight_slots=1, grad_slots=1)) // 4, **FIXED)
+            G, dataclasses.replace(p.schedule.config, weight_slots=1, grad_slots=1, gpu_opt=(), resident_opt=(),
+                                   grad_kept=(), split_opt=())) // 4, **FIXED)
 
 
 def test_each_long_held_buffer_of_a_mib_or_more_counts_the_allocators_rounding():
@@ -187,3 +192,32 @@ def test_a_faster_plan_that_would_take_the_host_margin_gives_way_and_says_so():
         f"more than the {(need - 1) / GiB:.2f} GiB a plan may take (0.00 GiB of the {(need + 1) / GiB:.2f} GiB left "
         f"free for what no plan counts): the fastest that leaves it is taken, {p.timeline.steady_step_s:.3f} s/step")
     assert any("left free;" in why for _, why in p.tried)
+
+
+@pytest.mark.parametrize("budget_gib, fixed", [(None, {}), (4, {}), (None, dict(n_mb=1)), (2.5, dict(wire_bytes=2))])
+def test_the_descent_chooses_what_trying_every_candidate_chooses(budget_gib, fixed):
+    """The default order (a coordinate descent over the decisions) against every candidate tried, unpruned, on the
+    cut graph with every decision searched but the ones ``fixed``: the same plan, from fewer candidates."""
+    budget = SPEC.budget_bytes if budget_gib is None else int(budget_gib * GiB)
+    kw = dict(REQUEST, budget_bytes=budget, gpu_opt_every=None, **fixed)
+    fast = plan(G, SPEC, **kw)
+    every = plan(G, SPEC, order="exhaustive", prune=False, **kw)
+    assert fast.schedule.to_text() == every.schedule.to_text()
+    assert len(fast.tried) < len(every.tried) == every.n_candidates == fast.n_candidates
+
+
+def test_no_order_but_the_two():
+    with pytest.raises(search.PlanError, match="order must be one of descent, exhaustive"):
+        plan(G, SPEC, **REQUEST, order="random", **FIXED)
+
+
+def test_a_descent_that_starts_where_nothing_fits_moves_towards_a_fit():
+    """Where the leanest candidates on the device do not fit the host (bf16 on the wire needs a host shadow) and
+    those that fit the host do not fit the device, the descent still reaches the plan every candidate finds."""
+    lean = plan(G, SPEC, **REQUEST, wire_bytes=2, n_mb=2, gpu_opt_every=0, host_checkpoints=len(G) - 2)
+    host = sum(host_memory(G, lean.schedule).values())
+    spec = dataclasses.replace(SPEC, host_bytes=host - (1 << 20), host_margin_bytes=0)  # that one no longer fits
+    kw = dict(REQUEST, n_mb=2, gpu_opt_every=0)
+    fast, every = plan(G, spec, **kw), plan(G, spec, order="exhaustive", prune=False, **kw)
+    assert fast.schedule.to_text() == every.schedule.to_text()
+    assert sum(host_memory(G, fast.schedule).values()) <= spec.host_bytes

@@ -176,7 +176,7 @@ class _FlashOverDocuments(torch.autograd.Function):
         out, lse, rng, unused = kernel_forward(q, k, v, cu, max_len, scale, left, right)
         if sinks is not None:
             _check_lse(lse, q.shape[0])
-            out = _sink_ops(q)[0](out, lse, sinks)
+            out = _sink_ops(q)[0](out.contiguous(), lse, sinks)  # (the kernel's out follows q's strides)
         ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused, sinks)
         ctx.max_len, ctx.scale, ctx.window = max_len, scale, (left, right)
         return out

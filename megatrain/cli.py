@@ -266,6 +266,10 @@ def _main(argv: list[str]) -> int:
                    help="gradients on the host in fp32 (default), or allow bf16 where no plan with fp32 fits")
     p.add_argument("--steps", type=int, default=3, help="steps to simulate (default 3)")
     p.add_argument("--jobs", type=int, help="processes the search runs on (default: one per CPU core)")
+    p.add_argument("--search", choices=["descent", "exhaustive"], default="descent",
+                   help="descent (default): a coordinate descent over the decisions, candidates pruned by a floor "
+                        "under their compute; exhaustive: every candidate built and simulated (the reference, "
+                        "minutes for a 70B shape)")
     p.add_argument("--out", default="megatrain-plan", help="directory for the PNG, trace and schedule dumps")
     p.add_argument("--table", action="store_true", help="print every op with its simulated times")
     p.set_defaults(fn=plan_command.plan)

@@ -128,7 +128,8 @@ def plan(args) -> int:
                 bar.update(done - bar.n)
 
             p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
-                     n_steps=args.steps, workers=jobs, progress=progress, **fixed)
+                     n_steps=args.steps, workers=jobs, progress=progress, order=args.search,
+                     prune=args.search != "exhaustive", **fixed)
         searched_s = time.perf_counter() - t0
     except (PlanError, ValueError) as e:
         print(f"megatrain plan: {e}", file=sys.stderr)
@@ -194,7 +195,9 @@ def plan(args) -> int:
         f"{sum(host.values()) / graph.n_params:.2f} bytes per parameter all in"
         + (f"; {p.margin_taken}" if p.margin_taken else ""),
         f"largest    {largest}",
-        f"searched   {_n(len(p.tried), 'candidate plan')} in {searched_s:.1f} s ({on})",
+        f"searched   {p.n_searched} of {_n(p.n_candidates, 'candidate plan')} ({args.search})"
+        + (f" and {_n(len(p.tried) - p.n_searched, 'candidate')} with split updates" if len(p.tried) > p.n_searched
+           else "") + f" in {searched_s:.1f} s ({on})",
         f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
     ]
     print("\n".join(lines))

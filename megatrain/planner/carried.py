@@ -98,6 +98,13 @@ def unroll(setup: Schedule | None, step: Schedule, graph: LayerGraph, n_steps: i
     ``step`` again and again -- as one schedule, each joined with what it carries over from the one before: what
     the simulator times for a run and the verifier checks."""
     s = step if setup is None else join(setup, step, carried_deps(setup, step, graph))
+    last = None  # (the carried dependencies of the step before, the first op id of the step they point into)
     for _ in range(n_steps - 1):
-        s = join(s, step, carried_deps(s, step, graph))
+        begin = len(s.ops) - len(step.ops)  # the last step's first op
+        if last is None:
+            carried = carried_deps(s, step, graph)
+        else:  # the steps are one schedule again: a step carries from the one before what the one before carried
+            carried = tuple(tuple(d + len(step.ops) if d >= last[1] else d for d in deps) for deps in last[0])
+        last = (carried, begin)
+        s = join(s, step, carried)
     return s

@@ -1,15 +1,15 @@
-"""The search's default order: coordinate descent over the candidates' decisions instead of trying every one.
+"""The search's default order: a coordinate descent over the candidates' decisions instead of trying every one.
 
-A candidate is a point on a grid of decisions (micro-batches, weight slots, wire dtype, host checkpoints, device
-updates, host gradient dtype, gradient slots, MLP tiles; see :func:`megatrain.planner.search.candidates`). From the
-leanest candidate of each micro-batch count, every value of one decision is tried with the others held, the best
-point found so far becomes the centre, and that repeats until no decision's line holds a better point. Most of the
-grid is never built: the 7B shape at 32,768 tokens has 1,104 candidates, of which a descent tries about a tenth.
-
-Descent finds a local best; the decisions interact through the device memory, which the search's own "auto"
-choices (kept gradients, saved activations) fill whatever the point, so the landscape is smooth along each line.
-Its choice is checked against the exhaustive order (``order="exhaustive"``) by the planner's tests and on the
-shapes docs/planner.md names."""
+A candidate is a point on a grid of decisions (micro-batches, device updates, weight slots, wire dtype, host
+checkpoints, gradient slots, MLP tiles, host gradient dtype; see :func:`megatrain.planner.search.candidates`). From
+a centre every point that differs in one decision is tried, the best becomes the centre, until it stays
+(:func:`descend` says where the descents start). The decisions interact through the device memory: the search's own
+"auto" choices (kept gradients, saved activations) fill what a point leaves, which smooths each line, but where
+memory is tight a better point can differ in several decisions at once; the device updates and the weight slots
+are therefore one line, and each checkpoint placement is descended on its own. The exhaustive order
+(``order="exhaustive"``) is the reference: the planner's tests compare the two, and docs/benchmarks.md ("Plan
+search time") on the shapes it names.
+"""
 
 from __future__ import annotations
 
@@ -30,20 +30,26 @@ def point(cfg: ScheduleConfig) -> tuple:
 
 def leanest(points: list[tuple], on: str) -> tuple:
     """Of ``points`` (sharing their micro-batches), the one likely to need the least memory ``on`` "device" (no
-    device updates, the fewest slots, bf16 on the wire, the most checkpoints on the host, the shortest tiles) or
-    on the "host" (the same but the wire in fp32, which needs no bf16 shadow there, and every checkpoint on the
-    device). Long sequences fit only between the two; the descent takes it from both."""
-    host = on == "host"
+    device updates, the fewest slots, bf16 on the wire, the most checkpoints on the host, the shortest tiles), on
+    the "host" (the same but the wire in fp32, which needs no bf16 shadow there, and every checkpoint on the
+    device), or on "both": the device's but with the fp32 wire (the checkpoints on the host, no shadow). Where
+    memory is tight the fits lie between them; the descent starts from each."""
+    host, wire_up = on == "host", on in ("host", "both")
 
     def need(p: tuple) -> tuple:
         _, (gpu_opt, _), slots, wire, host_ckpt, gslots, tile, grad = p
-        return (len(gpu_opt), -wire if host else wire, host_ckpt if host else -host_ckpt, grad, slots, gslots,
+        return (len(gpu_opt), -wire if wire_up else wire, host_ckpt if host else -host_ckpt, grad, slots, gslots,
                 tile or 1 << 62)
     return min(points, key=need)
 
 
+# the seeds of each micro-batch count (see leanest)
+LEAN = ("device", "both", "host")
+HOST_CKPT = DECISIONS.index("host_checkpoints")
+
+
 def descend(configs: list[ScheduleConfig], evaluate: Callable[[list[int]], None],
-            best: Callable[[list[int]], int | None]) -> None:
+            best: Callable[[list[int]], int | None], near: Callable[[int, int], bool] = lambda a, b: True) -> None:
     """Run the descent over ``configs``: ``evaluate(indices)`` tries those configs (the caller keeps the outcomes;
     each index is passed once), ``best(indices)`` is the best runnable of those tried, or where none runs the one
     nearest to fitting (the leanest on the device can be too much for the host: a descent from it moves towards
@@ -64,34 +70,40 @@ def descend(configs: list[ScheduleConfig], evaluate: Callable[[list[int]], None]
     by_mb: dict[int, list[tuple]] = {}
     for p in at:
         by_mb.setdefault(p[0], []).append(p)
-    seeds = list(dict.fromkeys(at[leanest(ps, on)] for ps in by_mb.values() for on in ("device", "host")))
+    seeds = list(dict.fromkeys(at[leanest(ps, on)] for ps in by_mb.values() for on in LEAN))
     run(seeds)
-    # the best seed first, then the other of its micro-batch count (lean on the device and lean on the host lead
-    # to different local bests where memory is tight); after the first, a descent from the best point found for
-    # each other micro-batch count (micro-batches trade device memory with every other decision: a count's best may lie where one line
-    # from the first answer does not reach)
-    first = best(seeds)
-    starts = [] if first is None else [first, *(i for i in seeds if i != first and configs[i].n_mb ==
-                                                 configs[first].n_mb)]
-    others_added = False
-    centres: set[int] = set()  # every centre so far: a descent that reaches one goes where that one went
+    # Where the checkpoints go all to the device or all to the host, the two placements are two regimes (on the
+    # host they free the device memory that device updates and slots then take: a better point may differ in all
+    # three at once), each descended with its placement held, from its best seed; long sequences, whose placements
+    # range between, descend from the best seed and then from the other seeds of its micro-batch count. After
+    # those, a descent from the best point found for each other micro-batch count (they trade device memory with
+    # every other decision too).
+    placements = sorted({p[HOST_CKPT] for p in at})
+    starts: list[tuple[int, int | None]] = []
+    if len(placements) <= 2:
+        starts = [(b, h) for h in placements
+                  if (b := best([i for i in seeds if configs[i].host_checkpoints == h])) is not None]
+    elif (first := best(seeds)) is not None:
+        starts = [(first, None), *((i, None) for i in seeds if i != first and configs[i].n_mb == configs[first].n_mb)]
+    centres: set[tuple] = set()  # (centre, placement held): where a descent reaches one it stops
     while starts:
-        centre = starts.pop(0)
-        if centre in centres:
-            continue
-        while True:
-            centres.add(centre)
-            line = line_of(at, point(configs[centre]))
+        centre, held = starts.pop(0)
+        while (centre, held) not in centres:
+            centres.add((centre, held))
+            line = [i for i in line_of(at, point(configs[centre]))
+                    if held is None or configs[i].host_checkpoints == held]
             run(line)
             nxt = best([centre, *line])
-            if nxt is None or nxt in centres:
+            if nxt is None:
                 break
             centre = nxt
-        if not others_added:
-            others_added = True
-            top = best(list(tried))
-            starts += [b for m in by_mb if top is not None and m != configs[top].n_mb
-                       if (b := best([i for i in tried if configs[i].n_mb == m])) is not None]
+        if (held, "m") in centres:
+            continue
+        centres.add((held, "m"))  # then, once per placement, from the best of each other micro-batch count
+        here = [i for i in tried if held is None or configs[i].host_checkpoints == held]
+        if (top := best(here)) is not None:
+            starts += [(b, held) for m in by_mb if m != configs[top].n_mb
+                       if (b := best([i for i in here if configs[i].n_mb == m])) is not None and near(b, top)]
 
 
 # decisions a line changes together (positions in DECISIONS): the device updates and the weight slots trade the

@@ -39,8 +39,10 @@ def min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     last = len(graph) - 1  # the head runs the LOSS, the layers before it FWD and BWD
     work = max(workspace_nbytes(graph, cfg, Op(0, k, Stream.COMPUTE, 0, l, 0))
                for l in range(len(graph)) for k in ((OpKind.LOSS,) if l == last else (OpKind.FWD, OpKind.BWD)))
-    others = (cfg.weight_slots - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
-    return size["w"] + size["g"] + smallest * others + 2 * size["a"] + work + cfg.gemm_workspace_bytes + kept + opt
+    owners = len({graph.owner(l) for l in range(len(graph))})  # (a tied head loads its owner's weights)
+    others = (min(cfg.weight_slots, owners) - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
+    acts = 2 if len(graph) > 2 else 1  # a micro-batch's activations in and out (the head reads the embedding's alone)
+    return size["w"] + size["g"] + smallest * others + acts * size["a"] + work + cfg.gemm_workspace_bytes + kept + opt
 
 
 def check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, budget: int) -> None:

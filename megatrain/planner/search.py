@@ -22,7 +22,7 @@ from megatrain.planner.limits import (FLOOR_NOTE, check_request, gib, margin_ref
                                       no_fit_message)
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved, repeat
-from megatrain.planner.simulate import Bound, Timeline, bound, simulate
+from megatrain.planner.simulate import Bound, Timeline, bound, compute_floor, simulate
 from megatrain.planner.verify import check_memory, verify
 
 MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
@@ -42,8 +42,8 @@ class Plan:
     tokens: int
     tried: list[tuple[ScheduleConfig, str]] = field(default_factory=list)  # every candidate and its outcome
     margin_taken: str | None = None  # where a faster plan was refused for the host margin alone: in words
-    n_candidates: int = 0  # candidates the search could have tried (before the split updates' round); ``tried``
-    # holds those it did
+    n_candidates: int = 0  # candidates the search could have tried (before the split updates' round)
+    n_searched: int = 0  # of them, those it tried (``tried`` holds them, then the split updates' round)
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,6 +110,25 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     ]
 
 
+def _screen(graph: LayerGraph, spec: HardwareSpec, budget: int, cutoff: tuple[bool, float] | None,
+            cfg: ScheduleConfig) -> tuple | None:
+    """:func:`_try`'s checks that build nothing (its outcome where one refuses ``cfg``, else None): the search runs
+    them in its own process and sends a worker only what it must build."""
+    if cutoff is not None and (cfg.grad_host_bytes != 4) > cutoff[0]:
+        return cfg, "bf16 host gradients, where a plan with fp32 ones runs (not built)", None, None, None
+    host, need = sum(host_floor(graph, cfg).values()), min_device_nbytes(graph, cfg)
+    over = max(host / spec.host_bytes, need / budget)  # (both: a descent moves towards fitting both)
+    if host > spec.host_bytes:
+        return cfg, f"host memory {gib(host)} > {gib(spec.host_plan_bytes)} {FLOOR_NOTE}", None, None, over
+    if need > budget:
+        return cfg, f"device memory >= {gib(need)} > budget {gib(budget)}", None, None, over
+    if cutoff is not None and (cfg.grad_host_bytes != 4) == cutoff[0] and \
+            (floor := compute_floor(graph, cfg, spec, budget - need)) > cutoff[1]:
+        return cfg, f"compute floor {floor:.4f} s/step > {cutoff[1]:.4f}, the best so far's (not built)", None, \
+            None, None
+    return None
+
+
 def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
          cutoff: tuple[bool, float] | None, cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None,
                                                                              tuple | None, float | None]:
@@ -117,21 +136,18 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     its rank (None where it cannot run), and for a candidate refused only because it would take some of the host
     margin (``HardwareSpec.host_margin``), the rank it would have had (else None), and where it does not fit, by
     how much: the memory it needs over what there is (of the host, or the device budget; inf: a choice it cannot
-    take; else None), which leads a descent that starts where nothing fits towards a fit. Checks what is cheap first,
-    builds the schedule (once, twice with kept gradients), checks it against the device budget and the host
-    memory, and simulates it. ``cutoff``: (bf16 host gradients, seconds) of the best candidate so far, plus the
-    share :func:`rank` counts as equally fast: a candidate that cannot rank before it (bf16 gradients where the best
-    has fp32 ones, or a bound on its step, :func:`~megatrain.planner.simulate.bound`, above the seconds) is refused
-    without its simulation. Module level, so that worker processes can run it."""
-    if cutoff is not None and (cfg.grad_host_bytes != 4) > cutoff[0]:
-        return cfg, "bf16 host gradients, where a plan with fp32 ones runs (not built)", None, None, None
+    take; else None), which leads a descent that starts where nothing fits towards a fit. Checks what is cheap
+    first (:func:`_screen`), builds the schedule (once, twice with kept gradients), checks it against the device
+    budget and the host memory, and simulates it. ``cutoff``: (bf16 host gradients, seconds) of the k-th best
+    candidate so far, plus the share :func:`rank` counts as equally fast: a candidate that cannot rank before it
+    (bf16 gradients where it has fp32 ones, or a floor under its step's compute above the seconds,
+    :func:`~megatrain.planner.simulate.compute_floor`) is refused without being built. (The bound on a built
+    schedule, :func:`~megatrain.planner.simulate.bound`, costs about what its simulation does: no use for pruning.)
+    Module level, so that worker processes can run it."""
+    refused = _screen(graph, spec, budget, cutoff, cfg)
+    if refused is not None:
+        return refused
     limit = spec.host_plan_bytes
-    host, need = sum(host_floor(graph, cfg).values()), min_device_nbytes(graph, cfg)
-    over = max(host / spec.host_bytes, need / budget)  # (both: a descent moves towards fitting both)
-    if host > spec.host_bytes:
-        return cfg, f"host memory {gib(host)} > {gib(limit)} {FLOOR_NOTE}", None, None, over
-    if need > budget:
-        return cfg, f"device memory >= {gib(need)} > budget {gib(budget)}", None, None, over
     steps, cfg = cfg.n_steps, replace(cfg, n_steps=1)  # decided and checked on one step's schedule
     try:  # a count of kept gradients or saved layers this candidate cannot take
         base = choose_grad_kept(graph, cfg, grad_kept)  # its ops, for every choice of saved activations
@@ -150,8 +166,6 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
         return replace(cfg, n_steps=steps), str(e), None, None, device_memory(graph, s).total_nbytes / budget
     s = repeat(graph, s, steps)
     cfg = s.config
-    if cutoff is not None and (low := bound(s, graph, spec).step_s) > cutoff[1]:
-        return cfg, f"bound {low:.4f} s/step > {cutoff[1]:.4f}, the best so far's (not simulated)", None, None, None
     tl = simulate(s, graph, spec, curve=False)
     # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
     key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
@@ -162,19 +176,24 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     return cfg, f"{tl.step_s:.4f} s/step", key, None, None
 
 
+# A micro-batch count whose best point after the first descents is more than this share slower than the best one's
+# gets no descent of its own (each of a long micro-batch count's lines builds schedules of many more ops)
+RESTART_SLACK = 0.05
+
 # Plans whose simulated steady step is within this share of the fastest one's count as equally fast; among them the
 # one needing the least host memory is taken (host memory is what bounds the model a machine trains, and a plan
 # that leaves it free leaves room for the rest of the process)
 HOST_LEAN_SLACK = 0.01
 
 
-def _cutoff(outcomes: list) -> tuple[bool, float] | None:
-    """:func:`_try`'s cutoff for the best of ``outcomes`` (None: none runs)."""
-    keys = [o[2] for o in outcomes if o[2] is not None]
-    if not keys:
+def _cutoff(outcomes: list, k: int) -> tuple[bool, float] | None:
+    """:func:`_try`'s cutoff from ``outcomes``: the ``k``-th best key's gradient dtype and seconds (plus
+    :data:`HOST_LEAN_SLACK`), so that a candidate it refuses can be neither the best nor one of the ``k`` best the
+    split updates start from (None: fewer than ``k`` run)."""
+    keys = sorted(o[2] for o in outcomes if o[2] is not None)  # (bf16 host gradients, steady seconds, ...)
+    if len(keys) < k:
         return None
-    top = min(keys)  # (bf16 host gradients, steady seconds, ...): the fastest of the preferred dtype
-    return top[0], top[1] * (1 + HOST_LEAN_SLACK)
+    return keys[k - 1][0], keys[k - 1][1] * (1 + HOST_LEAN_SLACK)
 
 
 def rank(keys: list[tuple | None]) -> list[int]:
@@ -265,17 +284,28 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     if order not in ORDERS:
         raise PlanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept)
+    keep = SPLIT_TRIED if split_opt == "auto" and clip else 1  # the best candidates pruning must leave
     results: dict[int, tuple] = {}  # config index -> its outcome
     with contextlib.ExitStack() as stack:
         run = map  # in the order of the configs either way
         if workers > 1 and len(configs) > 1:
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(configs))))
-            run = lambda f, cs: pool.map(f, cs, chunksize=max(1, len(cs) // (8 * workers)))  # noqa: E731
+            run = lambda f, cs: pool.map(f, cs, chunksize=1)  # noqa: E731 - (a line mixes refusals of a
+            # millisecond with builds of a second: one at a time keeps both processes busy)
 
         def evaluate(indices: list[int]) -> None:
             total = len(results) + len(indices)
-            cut = _cutoff(list(results.values())) if prune else None
-            for i, out in zip(indices, run(functools.partial(job, cut), [configs[i] for i in indices])):
+            cut = _cutoff(list(results.values()), keep) if prune else None
+            build = []
+            for i in indices:
+                out = _screen(graph, spec, budget, cut, configs[i])
+                if out is None:
+                    build.append(i)
+                    continue
+                results[i] = out
+                if progress is not None:
+                    progress(len(results), total)
+            for i, out in zip(build, run(functools.partial(job, cut), [configs[i] for i in build])):
                 results[i] = out
                 if progress is not None:
                     progress(len(results), total)
@@ -288,8 +318,12 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             near = [(results[i][4], i) for i in done if results[i][4] is not None]
             return min(near)[1] if near else None
 
+        def near(i: int, top: int) -> bool:  # worth a descent of its own: within RESTART_SLACK of the best
+            a, b = results[i][2], results[top][2]
+            return b is None or a is not None and a[0] == b[0] and a[1] <= b[1] * (1 + RESTART_SLACK)
+
         if order == "descent":
-            descend(configs, evaluate, best)
+            descend(configs, evaluate, best, near)
         if not rank([o[2] for o in results.values()]):  # every candidate: the exhaustive order, or a descent that
             rest = [i for i in range(len(configs)) if i not in results]  # found none to run (a refusal names all)
             batch = 16 * workers if prune else len(rest) or 1  # (pruning sets its cutoff between batches)
@@ -301,8 +335,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             best = [configs[done[i]] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
             split = [(c, layers) for c in best for layers in split_sets(graph, c, "auto")]
             whole = functools.partial(job, None)  # (each simulated: the refinement compares them)
-            outcomes += run(functools.partial(job, _cutoff(outcomes) if prune else None),
-                            [with_split(graph, c, layers, opt_part) for c, layers in split])
+            outcomes += run(whole, [with_split(graph, c, layers, opt_part) for c, layers in split])
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
     for i in rank([o[2] for o in outcomes]):
@@ -315,6 +348,6 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             continue
         tl = simulate(s, graph, spec)
         return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, margin_refusal(outcomes, tl, spec),
-                    len(configs))
+                    len(configs), len(done))
     raise PlanError(no_fit_message([why for _, why in tried], spec, budget=budget,
                                    bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16"))

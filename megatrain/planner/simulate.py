@@ -12,10 +12,10 @@ stored the first row, and ends no earlier than that store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, Stream, Timeline, issue_preds,
-                          queue_of, resident_slots)
+from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, ScheduleConfig, Stream,
+                          Timeline, issue_preds, queue_of, resident_slots)
 from megatrain.layout import OPT_STATE_ROWS
 from megatrain.planner.cost import (POOLS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
                                     transfer_nbytes, workspace_nbytes)
@@ -72,6 +72,35 @@ class Bound:
     @property
     def makespan_s(self) -> float:
         return max(max(self.busy_s.values()), self.critical_path_s)
+
+
+def compute_floor(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, spare: int) -> float:
+    """A floor under the compute of one step of ``cfg``, without its schedule: each micro-batch's forward through
+    every layer, the loss, and every backward recomputing its forward but where activations kept in ``spare``
+    device bytes would spare that (the most seconds saved per byte first, each layer's counted at its lean size
+    and its whole saving, a part of a layer as that part): the search refuses a candidate whose floor is above
+    the best step found so far before building it."""
+    last = len(graph) - 1
+    unsaved, saved = replace(cfg, saved_acts=()), replace(cfg, saved_acts=tuple(range(len(graph))), saved_lean=False)
+    total, gains = 0.0, []
+    for l in range(len(graph)):
+        if l == last:
+            total += duration_s(graph, cfg, spec, Op(0, OpKind.LOSS, Stream.COMPUTE, 0, l, 0))
+            continue
+        fwd, bwd = (Op(0, k, Stream.COMPUTE, 0, l, 0) for k in (OpKind.FWD, OpKind.BWD))
+        total += duration_s(graph, unsaved, spec, fwd) + duration_s(graph, unsaved, spec, bwd)
+        if l > cfg.host_checkpoints and graph[l].saved_bytes_per_token > 0:
+            gain = duration_s(graph, unsaved, spec, bwd) - duration_s(graph, saved, spec, bwd)
+            gains.append((gain * cfg.n_mb, graph[l].saved_bytes(True) * cfg.mb_tokens * cfg.n_mb))
+    total *= cfg.n_mb
+    room = max(spare, 0)
+    for gain, nbytes in sorted(gains, key=lambda g: -g[0] / max(g[1], 1)):
+        part = 1.0 if nbytes <= room else room / nbytes
+        total -= gain * part
+        room -= nbytes * part
+        if room <= 0:
+            break
+    return total
 
 
 def same_state(load: Op, dep: Op) -> bool:

@@ -6,7 +6,7 @@ import pytest
 from dataclasses import replace
 
 from megatrain.ir import OpKind, Schedule, Stream
-from megatrain.planner.carried import carried_deps, join
+from megatrain.planner.carried import carried_deps, join, unroll
 from megatrain.planner.passes import build_schedule, setup_schedule
 from megatrain.planner.verify import ScheduleError, verify
 
@@ -110,3 +110,16 @@ def test_split_parts_wait_once_per_layer_and_queue():
         last_store = max(op.id for op in steady.ops if op.kind is OpKind.STORE_OPT and op.layer == layer)
         assert len(loads) > 1 and last_store in carried[loads[0].id]
         assert all(last_store not in carried[op.id] for op in loads[1:])
+
+
+@pytest.mark.parametrize("kw", [{}, dict(gpu_opt=(1, 3), resident_opt=(1, 3)), dict(gpu_opt=(2,), split_opt=(1, 3),
+                                                                                   opt_part=1000, weight_slots=3)])
+def test_a_run_s_later_steps_carry_what_its_second_carried(kw):
+    """unroll() computes what a step carries over from the one before for the first two joins and shifts the second's
+    onto the later steps (the steps are the same schedule again): the same run as computing each join's anew."""
+    setup, step = _pair(**kw)
+    run = unroll(setup, step, G, 4)
+    s = step if setup is None else join(setup, step, carried_deps(setup, step, G))
+    for _ in range(3):
+        s = join(s, step, carried_deps(s, step, G))
+    assert run.ops == s.ops and run.config == s.config

@@ -108,7 +108,7 @@ def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
         in capsys.readouterr().err
     assert main([*one, "--host-gib", "1500", "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert "host 1500 GiB" in out and "1 micro-batch x 16384 tokens" in out and "1 candidate plan in" in out
+    assert "host 1500 GiB" in out and "1 micro-batch x 16384 tokens" in out and "searched   1 of 1 candidate plan (descent) in" in out
     # the device holds 31 layers' gradients until their update (the embedding's, 29 blocks', and past the blocks that
     # no longer fit the final norm's); the other 52 have host buffers of their own
     assert re.search(r"^gradients  31 layers' \(26\.70B params\) kept on the GPU until their update in fp32 "
@@ -257,8 +257,9 @@ def test_compile_and_megatrain_plan_choose_the_same_plan(tmp_path, capsys):
                      "--out", str(tmp_path / f"plan-{every}")]) == 0
         cli = json.loads((tmp_path / f"plan-{every}" / "schedule.json").read_text())["config"]
         assert {**cli, "n_steps": 1} == mine.to_dict()
-        searched = int(re.search(r"searched\s+(\d+) candidate plan", capsys.readouterr().out).group(1))
-        assert searched > 1 if every == "auto" else searched == 1  # with a choice to make, the same one made
+        searched, of = map(int, re.search(r"searched\s+(\d+) of (\d+) candidate plan", capsys.readouterr().out)
+                           .groups())
+        assert searched > 1 if every == "auto" else searched == of == 1  # with a choice to make, the same one made
 
 
 DENSE = dict(model_type="llama", hidden_size=12288, num_attention_heads=96, num_key_value_heads=8,

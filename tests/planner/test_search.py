@@ -194,8 +194,9 @@ def test_a_faster_plan_that_would_take_the_host_margin_gives_way_and_says_so():
     assert any("left free;" in why for _, why in p.tried)
 
 
-@pytest.mark.parametrize("budget_gib, fixed, prunes", [(None, {}, True), (4, dict(split_opt="auto"), True),
-                                                       (None, dict(n_mb=1), False), (2.5, dict(wire_bytes=2), True)])
+@pytest.mark.parametrize("budget_gib, fixed, prunes", [(None, dict(wire_bytes=4), True),
+                                                       (4, dict(split_opt="auto"), True), (None, dict(n_mb=1), False),
+                                                       (2.5, dict(wire_bytes=2), True)])
 def test_the_descent_and_pruning_choose_what_trying_every_candidate_chooses(budget_gib, fixed, prunes):
     """The default order (a coordinate descent over the decisions, pruned by the compute floor) and every candidate
     tried pruned, against every candidate tried in full, on the cut graph with every decision searched but the ones

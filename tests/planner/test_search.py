@@ -194,10 +194,9 @@ def test_a_faster_plan_that_would_take_the_host_margin_gives_way_and_says_so():
     assert any("left free;" in why for _, why in p.tried)
 
 
-@pytest.mark.parametrize("budget_gib, fixed, prunes", [(None, dict(wire_bytes=4), True),
-                                                       (4, dict(split_opt="auto"), True), (None, dict(n_mb=1), False),
-                                                       (2.5, dict(wire_bytes=2), True)])
-def test_the_descent_and_pruning_choose_what_trying_every_candidate_chooses(budget_gib, fixed, prunes):
+@pytest.mark.parametrize("budget_gib, fixed", [(None, dict(wire_bytes=4)), (4, dict(split_opt="auto")),
+                                               (2.5, dict(wire_bytes=2))])
+def test_the_descent_and_pruning_choose_what_trying_every_candidate_chooses(budget_gib, fixed):
     """The default order (a coordinate descent over the decisions, pruned by the compute floor) and every candidate
     tried pruned, against every candidate tried in full, on the cut graph with every decision searched but the ones
     ``fixed``: the same plan, the descent from no more candidates, pruning leaving some unbuilt."""
@@ -208,8 +207,7 @@ def test_the_descent_and_pruning_choose_what_trying_every_candidate_chooses(budg
     fast = plan(G, SPEC, **kw)
     assert fast.schedule.to_text() == pruned.schedule.to_text() == every.schedule.to_text()
     assert len(fast.tried) <= len(pruned.tried) == len(every.tried) and fast.n_candidates == every.n_candidates
-    # (with one micro-batch no candidate's compute is slower than the best's by the floor alone)
-    assert any(why.startswith("compute floor") for _, why in pruned.tried) == prunes
+    assert any(why.startswith("compute floor") for _, why in pruned.tried)
     assert not any(why.startswith("compute floor") for _, why in every.tried)
 
 

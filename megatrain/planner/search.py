@@ -332,8 +332,8 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         done = sorted(results)
         outcomes = [results[i] for i in done]
         if split_opt == "auto" and clip:  # the fastest few again, a share of their host updates split to the device
-            best = [configs[done[i]] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
-            split = [(c, layers) for c in best for layers in split_sets(graph, c, "auto")]
+            bases = [configs[done[i]] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
+            split = [(c, layers) for c in bases for layers in split_sets(graph, c, "auto")]
             whole = functools.partial(job, None)  # (each simulated: the refinement compares them)
             outcomes += run(whole, [with_split(graph, c, layers, opt_part) for c, layers in split])
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))

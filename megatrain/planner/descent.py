@@ -50,14 +50,12 @@ HOST_CKPT = DECISIONS.index("host_checkpoints")
 
 def descend(configs: list[ScheduleConfig], evaluate: Callable[[list[int]], None],
             best: Callable[[list[int]], int | None], near: Callable[[int, int], bool] = lambda a, b: True) -> None:
-    """Run the descent over ``configs``: ``evaluate(indices)`` tries those configs (the caller keeps the outcomes;
-    each index is passed once), ``best(indices)`` is the best runnable of those tried, or where none runs the one
-    nearest to fitting (the leanest on the device can be too much for the host: a descent from it moves towards
-    the fits; None: none of them can ever run). The first descent starts from the best of the leanest configs of
-    each micro-batch count (:func:`leanest`), then one from the best found for each other count, each to its own
-    local best: from a centre, every
+    """Run the descents over ``configs``: ``evaluate(indices)`` tries those configs (the caller keeps the
+    outcomes; each index is passed once), ``best(indices)`` is the best runnable of those tried, or where none runs
+    the one nearest to fitting (a descent from it moves towards the fits; None: none of them can ever run), and
+    ``near(i, top)`` whether a micro-batch count's best ``i`` is worth a descent of its own. From a centre, every
     point that differs from it in one decision is tried (one batch, so a pool of workers shares it), and the best
-    of them and the centre is the next centre, until the centre stays."""
+    of them and the centre is the next centre, until the centre stays. Where the descents start: below."""
     at = {point(c): i for i, c in enumerate(configs)}
     tried: set[int] = set()
 
@@ -85,7 +83,8 @@ def descend(configs: list[ScheduleConfig], evaluate: Callable[[list[int]], None]
                   if (b := best([i for i in seeds if configs[i].host_checkpoints == h])) is not None]
     elif (first := best(seeds)) is not None:
         starts = [(first, None), *((i, None) for i in seeds if i != first and configs[i].n_mb == configs[first].n_mb)]
-    centres: set[tuple] = set()  # (centre, placement held): where a descent reaches one it stops
+    centres: set[tuple[int, int | None]] = set()  # (centre, placement held): where a descent reaches one it stops
+    restarted: set[int | None] = set()  # placements whose other micro-batch counts have had their descents
     while starts:
         centre, held = starts.pop(0)
         while (centre, held) not in centres:
@@ -97,9 +96,9 @@ def descend(configs: list[ScheduleConfig], evaluate: Callable[[list[int]], None]
             if nxt is None:
                 break
             centre = nxt
-        if (held, "m") in centres:
+        if held in restarted:
             continue
-        centres.add((held, "m"))  # then, once per placement, from the best of each other micro-batch count
+        restarted.add(held)  # then, once per placement, from the best of each other micro-batch count
         here = [i for i in tried if held is None or configs[i].host_checkpoints == held]
         if (top := best(here)) is not None:
             starts += [(b, held) for m in by_mb if m != configs[top].n_mb

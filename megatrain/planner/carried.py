@@ -86,8 +86,8 @@ def join(prev: Schedule, nxt: Schedule, carried: Carried) -> Schedule:
     (``ScheduleConfig.setup``), which is no step of its own, ``nxt``'s: the set-up's ops are its first step's
     first."""
     n, steps = len(prev.ops), 0 if prev.config.setup else prev.config.n_steps
-    ops = list(prev.ops) + [replace(op, id=op.id + n, step=op.step + steps,
-                                    deps=tuple(carried[op.id]) + tuple(d + n for d in op.deps)) for op in nxt.ops]
+    ops = list(prev.ops) + [Op(op.id + n, op.kind, op.stream, op.step + steps, op.layer, op.mb, op.slots,
+                               (*carried[op.id], *(d + n for d in op.deps))) for op in nxt.ops]
     cfg = replace(nxt.config if prev.config.setup else prev.config, n_steps=steps + nxt.config.n_steps)
     return Schedule(tuple(ops), cfg, prev.provenance + (f"join: {len(nxt.ops)} ops of a next step, "
                                                         f"{sum(map(len, carried))} dependencies on the step before",))

@@ -44,10 +44,11 @@ def finalize(ops: list[Op]) -> list[Op]:
     """Renumber so ``id == position``; drop duplicate deps and deps implied by issue order (an earlier op on the same
     queue, or, for an op on a split queue, on its stream's own queue: ``ir.issue_preds``)."""
     new_id = {op.id: i for i, op in enumerate(ops)}
+    queues = [queue_of(op) for op in ops]
     out = []
     for i, op in enumerate(ops):
-        q = queue_of(op)
-        deps = sorted({new_id[d] for d in op.deps if queue_of(ops[new_id[d]]) not in (q, (op.stream, False))})
+        same = (queues[i], (op.stream, False))
+        deps = sorted({j for j in map(new_id.__getitem__, op.deps) if queues[j] not in same})
         bad = [d for d in deps if d >= i]
         if bad:
             raise AssertionError(f"pass produced a forward dependency: op {op} on {bad}")

@@ -22,7 +22,7 @@ from megatrain.planner.limits import (FLOOR_NOTE, check_request, gib, margin_ref
                                       no_fit_message)
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved, repeat
-from megatrain.planner.simulate import Bound, Timeline, bound, compute_floor, simulate
+from megatrain.planner.simulate import Bound, Slower, Timeline, bound, compute_floor, simulate
 from megatrain.planner.verify import check_memory, verify
 
 MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
@@ -141,7 +141,8 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     budget and the host memory, and simulates it. ``cutoff``: (bf16 host gradients, seconds) of the k-th best
     candidate so far, plus the share :func:`rank` counts as equally fast: a candidate that cannot rank before it
     (bf16 gradients where it has fp32 ones, or a floor under its step's compute above the seconds,
-    :func:`~megatrain.planner.simulate.compute_floor`) is refused without being built. (The bound on a built
+    :func:`~megatrain.planner.simulate.compute_floor`) is refused without being built, and one built is simulated
+    only until its steady step is known to be longer (``simulate``'s ``give_up_s``). (The bound on a built
     schedule, :func:`~megatrain.planner.simulate.bound`, costs about what its simulation does: no use for pruning.)
     Module level, so that worker processes can run it."""
     refused = _screen(graph, spec, budget, cutoff, cfg)
@@ -166,7 +167,11 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
         return replace(cfg, n_steps=steps), str(e), None, None, device_memory(graph, s).total_nbytes / budget
     s = repeat(graph, s, steps)
     cfg = s.config
-    tl = simulate(s, graph, spec, curve=False)
+    try:  # (one that cannot rank before the cutoff's is not simulated to its end)
+        tl = simulate(s, graph, spec, curve=False, give_up_s=cutoff[1] if cutoff is not None and (
+            cfg.grad_host_bytes != 4) == cutoff[0] else None)
+    except Slower as e:
+        return cfg, f"{e}, the best so far's (not simulated to its end)", None, None, None
     # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
     key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
            cfg.weight_slots, host)

@@ -232,12 +232,24 @@ def _rates(spec: HardwareSpec, running: list[Queue]) -> dict[Queue, float]:
     return out
 
 
-def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve: bool = True) -> Timeline:
+class Slower(Exception):
+    """:func:`simulate` stopped early: the schedule's steady step is certainly longer than its ``give_up_s``."""
+
+
+def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve: bool = True,
+             give_up_s: float | None = None) -> Timeline:
     """The schedule's ops timed on ``spec`` (see the module's docstring); ``curve``: with the device memory over
-    time (:func:`memory_curve`; without, ``Timeline.memory`` is empty: a search compares steps, not peaks)."""
+    time (:func:`memory_curve`; without, ``Timeline.memory`` is empty: a search compares steps, not peaks).
+    ``give_up_s``: raise :class:`Slower` as soon as the steady step (``Timeline.steady_step_s``, three steps or
+    more) is known to exceed it: the first step has ended and the second-to-last is still running that long after."""
     cfg = schedule.config
     ops = schedule.ops
     n = len(ops)
+    watch = give_up_s is not None and cfg.n_steps >= 3
+    left = [0] * cfg.n_steps  # ops of each step not yet ended
+    for op in ops:
+        left[op.step] += 1
+    first_end = 0.0  # when the first step ended (once it has)
     queue = [queue_of(op) for op in ops]
     queues: dict[Queue, list[Op]] = {q: [] for q in QUEUES}
     for op, q in zip(ops, queue):
@@ -284,6 +296,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
                 if units <= 0:
                     end[op.id] = t
                     finished += 1
+                    left[op.step] -= 1
                 else:
                     active[q] = [op, float(units), float(units)]
                 progress = True
@@ -302,6 +315,12 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
                  + [(a[1] - (1 - row) * a[2]) / rate[q] for q, a in active.items()
                     if a[0].kind is OpKind.STORE_OPT and a[1] > (1 - row) * a[2] * (1 + 1e-9)])
         t += dt
+        # (the second-to-last step ends at t or later while any of its ops is left, this event's included)
+        if watch and not left[0]:
+            if not first_end:
+                first_end = max(e for op, e in zip(ops, end) if op.step == 0)
+            if left[-2] and (t - first_end) / (cfg.n_steps - 2) > give_up_s:
+                raise Slower(f"steady step over {give_up_s:.4f} s (stopped at {t:.4f} s)")
         for q in list(active):
             a = active[q]
             if q not in waiting:
@@ -309,12 +328,14 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
             if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps if same_state(a[0], ops[d])):
                 end[a[0].id] = t
                 finished += 1
+                left[a[0].step] -= 1
                 del active[q]
         for q in list(active):  # a load that waited for its store, which ended just now
             a = active[q]
             if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps):
                 end[a[0].id] = t
                 finished += 1
+                left[a[0].step] -= 1
                 del active[q]
     end_s = [float(e) for e in end]
     mem = device_memory(graph, schedule)

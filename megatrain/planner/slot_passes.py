@@ -232,8 +232,9 @@ def _allocate(ops: list[Op], uses: Callable[[Op], list[tuple[str, tuple, bool]]]
         for _, key, _ in u:
             if last_user[key] == op.id and key in slot_of:
                 free.append(slot_of.pop(key))
-        deps = tuple(dict.fromkeys((*op.deps, *(d for d in deps if d != op.id))))
-        out.append(edit(op, slots=op.slots + tuple(roles), deps=deps))
+        if deps:
+            deps = tuple(dict.fromkeys((*op.deps, *(d for d in deps if d != op.id))))
+        out.append(Op(op.id, op.kind, op.stream, op.step, op.layer, op.mb, op.slots + tuple(roles), deps or op.deps))
     return out, len(used)
 
 

@@ -192,3 +192,22 @@ def test_attention_is_charged_at_its_own_rate_with_a_backward_of_two_and_a_half_
     assert duration_s(g, saved, spec, bwd) == pytest.approx(1000 * (2 * 1e3 / 1e9 + 2.5 * 500 / 0.5e9))
     no_rate = dc.replace(spec, attn_flops_per_s=0.0)  # 0: attention at the matmul rate
     assert duration_s(g, cfg, no_rate, fwd) == pytest.approx(1000 * 1.5e3 / 1e9)
+
+
+def test_a_simulation_given_up_only_once_its_steady_step_is_certainly_longer():
+    from megatrain.planner.passes import repeat
+    from megatrain.planner.simulate import Slower
+
+    g = two_layer_graph()
+    s = repeat(g, build_schedule(g, config(g, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2)), 3)
+    full = simulate(s, g, SPEC, curve=False)
+    steady = full.steady_step_s  # about 2 s: the two host updates
+    assert steady == pytest.approx(2.0, rel=0.05)
+    # a limit at or above the steady step changes nothing
+    same = simulate(s, g, SPEC, curve=False, give_up_s=steady)
+    assert same.end_s == full.end_s
+    with pytest.raises(Slower, match="steady step over"):
+        simulate(s, g, SPEC, curve=False, give_up_s=steady * 0.99)
+    # two steps have no steady step to give up on: the limit is ignored
+    two = repeat(g, build_schedule(g, config(g, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2)), 2)
+    assert simulate(two, g, SPEC, curve=False, give_up_s=1e-9).end_s == simulate(two, g, SPEC, curve=False).end_s

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from megatrain.cli import gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile, split_opt
+from megatrain.cli import (gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile, speculate,
+                           split_opt)
 from megatrain.layout import WIRE_STAGE_PARAMS
 
 
@@ -76,6 +77,11 @@ def main():
     ap.add_argument("--split-opt", type=split_opt, default=0,
                     help="host-updated layers whose update runs on the GPU after the backward, state streamed in "
                          "parts (0: none; auto: the planner's choice)")
+    ap.add_argument("--speculate", type=speculate, default="auto", metavar="N|auto|off",
+                    help="host updates made before the step's global norm (the planner's --speculate)")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="the clipping threshold (1.0); a large one keeps exact clipping with no step clipped, a tiny "
+                         "one clips every step")
     ap.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="weights on the wire")
     ap.add_argument("--saved-acts", type=saved_acts, default="auto",
                     help="layers that keep their activations, no recompute (auto: as many as fit; 0: none)")
@@ -140,7 +146,7 @@ def main():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
     t0 = time.perf_counter()
-    optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else 1.0)
+    optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else args.max_grad_norm)
     sm = megatrain.compile(model, init_seed=0, device=args.device, optim=optim,
                            streams=not args.sync and args.device != "cpu",
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
@@ -148,7 +154,7 @@ def main():
                            wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt,
                            grad_kept=args.grad_kept, grad_host_dtype=args.grad_host_dtype,
                            seq_tile=args.seq_tile, host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib,
-                           split_opt=args.split_opt)
+                           split_opt=args.split_opt, speculate=args.speculate)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
@@ -159,7 +165,7 @@ def main():
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
             "saved_acts": args.saved_acts, "resident_opt": args.resident_opt, "grad_kept": args.grad_kept,
             "grad_host_dtype": args.grad_host_dtype, "host_checkpoints": args.host_checkpoints,
-            "seq_tile": args.seq_tile, "split_opt": args.split_opt}
+            "seq_tile": args.seq_tile, "split_opt": args.split_opt, "speculate": sm.plan_options.speculate}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         data = variant.pop("data", args.data)
@@ -177,7 +183,8 @@ def main():
         stage = variant.pop("stage_params", WIRE_STAGE_PARAMS)
         if stage != sm.executor.dev.stage_params:  # (nothing in flight since the wait above)
             sm.executor.dev.stage_params, sm.executor.dev.stage = stage, None
-        sm.optimizer.cfg = replace(optim, max_grad_norm=1.0 if clip else None)
+        max_norm = variant.pop("max_grad_norm", args.max_grad_norm)
+        sm.optimizer.cfg = replace(optim, max_grad_norm=max_norm if clip else None)
         sm.optimizer.native = variant.pop("host_native", native_default)
         sm.optimizer.block = variant.pop("host_block", optim.host_block)
         overrides = {**base, **variant}
@@ -301,7 +308,8 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "split": ("split_opt", split_opt), "split_queues": ("split_queues", lambda v: bool(int(v))),
                 "pace": ("pace_split", lambda v: bool(int(v))),
                 "host_kernel": ("host_native", host_kernel), "defer": ("defer_moments", lambda v: bool(int(v))),
-                "stage": ("stage_params", int), "host_block": ("host_block", int)}
+                "stage": ("stage_params", int), "host_block": ("host_block", int), "spec": ("speculate", speculate),
+                "max_norm": ("max_grad_norm", float)}
 
 
 def parse_variant(text: str) -> dict:
@@ -319,6 +327,7 @@ def parse_variant(text: str) -> dict:
 def print_table(results: list[dict]) -> None:
     cols = [("data", "data", "{}"), ("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"),
             ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"), ("split", "split_opt", "{}"),
+            ("spec", "speculate", "{}"), ("max norm", "max_grad_norm", "{:g}"), ("clipped", "clipped_steps", "{}"),
             ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"), ("paced", "pace_split", "{}"),
             ("host kernel", "host_kernel", "{}"), ("deferred", "defer_moments", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),
@@ -330,7 +339,7 @@ def print_table(results: list[dict]) -> None:
             ("bound/meas", "efficiency_bound_over_measured", "{:.2f}"),
             ("bound/med", "efficiency_bound_over_median", "{:.2f}"), ("GPU GiB", "gpu_peak_gib", "{:.1f}"),
             ("host GiB", "host_rss_gib", "{:.1f}")]
-    rows = [[fmt.format(len(r.get(key, ())) if key in ("gpu_opt", "saved_acts", "resident_opt", "split_opt")
+    rows = [[fmt.format(len(r.get(key, ())) if key in ("gpu_opt", "saved_acts", "resident_opt", "split_opt", "speculate")
                         else r[key])
              + (" lean" if key == "saved_acts" and r.get("saved_lean") else "") for _, key, fmt in cols]
             for r in results]
@@ -372,7 +381,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
 
     tokens = batch * args.seq
     gen = torch.Generator().manual_seed(0)
-    times, losses, done = [], [], []
+    times, losses, done, norms = [], [], [], []
     cuda = torch.device(args.device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -410,6 +419,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
             st = sm.train_step(ids, **overrides)
         times.append(time.perf_counter() - t)
         losses.append(st.loss)
+        norms.append(st.grad_norm)
         # when the optimizer worker gets past this step's updates (it runs its tasks in order): the step's end
         done.append(worker.submit(time.perf_counter) if worker is not None else time.perf_counter())
         sm.executor.on_op = None
@@ -455,13 +465,17 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "planned_host_gib": sum(host_memory(graph, sched).values()) / (1 << 30),
         "planned_host_bytes_per_param": sum(host_memory(graph, sched).values()) / n,
         "saved_lean": c.saved_lean, "seq_tile": c.seq_tile, "split_opt": list(c.split_opt), "opt_part": c.opt_part,
+        "speculate": list(c.speculate), "max_grad_norm": sm.optimizer.cfg.max_grad_norm,
         # the simulator's device memory in use at its peak, for the measured peak below
         "planned_gpu_peak_gib": planned_peak / (1 << 30),
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
         "cpu_threads": sm.optimizer.threads or torch.get_num_threads(), "host_block": sm.optimizer.block,
-        "step_times_s": times, "losses": losses,
+        "step_times_s": times, "losses": losses, "grad_norms": norms,
+        # the steps the clip factor scaled (those it left alone keep the updates made before the norm)
+        "clipped_steps": sum(1 for g in norms[args.warmup:args.warmup + args.steps] if sm.optimizer.cfg.max_grad_norm is not None and g is not None
+                             and sm.optimizer.clip_factor(torch.tensor(g)) < 1),
         "cooldown_steps": args.cooldown, "step_s": step_s, "step_times_between_ends_s": per_step, "median_step_s": median_s,
         "drained_step_s": drained_s, "tokens_per_s_drained": tokens / drained_s,
         "tokens_per_s": tokens / step_s, "tokens_per_s_median": tokens / median_s,

@@ -11,7 +11,7 @@ import sys
 
 from megatrain import plan_command
 from megatrain.plan_command import (gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile,
-                                     split_opt)
+                                     speculate, split_opt)
 from megatrain.rundir import stop_at_once
 
 GiB = 1 << 30
@@ -148,6 +148,12 @@ def _main(argv: list[str]) -> int:
                            ("split_opt", split_opt, "layers updated on the host that are updated on the GPU instead "
                                                  "after the backward, state streamed in parts (0: none; auto: the "
                                                  "planner's choice; default auto on a GPU, 0 on the CPU)"),
+                           ("speculate", speculate, "host-updated layers (the last ones) whose update starts "
+                                                    "before the step's global norm, checked and made again where "
+                                                    "the step is clipped (off: none; auto: the planner's window; "
+                                                    "default auto on a GPU, off on the CPU)"),
+                           ("clip_rate", float, "the share of steps expected to be clipped, which --speculate auto "
+                                                "weighs (0.1)"),
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
                            ("saved_acts", saved_acts, "layers (the last ones) whose backward reuses the forward's "
                                                   "activations instead of recomputing them (auto: as many as fit)"),
@@ -249,6 +255,14 @@ def _main(argv: list[str]) -> int:
                         "backward, their master weights and moments streamed over PCIe in parts (with clipping); "
                         "auto: search a quarter to three quarters of them, then one more or fewer around the "
                         "fastest while that is faster; default: auto, or 0 for --hardware cpu")
+    p.add_argument("--speculate", metavar="N|auto|off",
+                   help="of the layers updated on the host, N (the last ones: their gradients come first) start "
+                        "their update before the step's global norm is known, validated once it is and made again "
+                        "where the step is clipped (with clipping; 4 bytes of host memory a parameter); auto: the "
+                        "window the host memory, the backward and --clip-rate allow; default: auto, or off for "
+                        "--hardware cpu")
+    p.add_argument("--clip-rate", type=float, default=0.1, metavar="P",
+                   help="the share of steps expected to be clipped, which --speculate auto weighs (default 0.1)")
     p.add_argument("--saved-acts", default="auto", metavar="N|auto",
                    help="layers (the last N blocks) whose forward keeps its activations on the GPU so that their "
                         "backward does not recompute it; auto (default): as many as the memory the plan leaves "

@@ -83,6 +83,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if use_streams and dev.type != "cuda":
         raise ValueError("streams=True needs a CUDA device")
     dp = _data_parallel(cap, opts, use_streams)
+    opts = _speculation(opts, optim or OptimConfig(), dp)
     store = _filled_store(model, cap, need, dev, dp, checkpoint, init_seed, state)
     if dev.type == "cuda":  # autograd's device thread takes the primary context at its first GEMM, and torch says
         # so once per thread (a warning a user could take for a fault)
@@ -100,6 +101,26 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     if state is not None:
         sm.load_state(state)
     return sm
+
+
+def _speculation(opts: PlanOptions, optim: OptimConfig, dp: DataParallel | None) -> PlanOptions:
+    """``opts`` with updates before the step's global norm (``speculate``) only where this run can make them: with
+    megatrain's host kernel (it writes the masters alone, the moments after the CHECK) in one process; "auto"
+    becomes none elsewhere, a count is refused."""
+    if not opts.speculate:
+        return opts
+    from megatrain.runtime.optim import cpu_adamw
+
+    why = ("the host kernel is torch's (OptimConfig host_kernel='torch' or fused=False)"
+           if not optim.fused or optim.host_kernel == "torch" else
+           "data parallel ranks share one store" if dp is not None else
+           "megatrain's host kernel cannot be built here (no C compiler)" if not cpu_adamw.available() else None)
+    if why is None:
+        return opts
+    if opts.speculate != "auto":
+        raise ValueError(f"speculate={opts.speculate}: updates before the step's global norm write the masters "
+                         f"alone, with megatrain's host kernel, in one process; here {why}")
+    return replace(opts, speculate=0)
 
 
 def _plan_options(plan: dict, dev: torch.device) -> PlanOptions:

@@ -33,6 +33,11 @@ gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile, host_checkpoints, 
                                 "host_checkpoints", "split_opt"))
 
 
+def speculate(value: str) -> int | str:
+    """The argparse type of --speculate: auto, off (0) or a count of layers."""
+    return 0 if value == "off" else _count_or_auto("speculate")(value)
+
+
 def _model(args):
     from megatrain.planner.graph import from_config, preset
 
@@ -82,7 +87,7 @@ def plan(args) -> int:
     from tqdm import tqdm
 
     from megatrain.planner import hardware
-    from megatrain.planner.cost import device_memory, grad_placement, host_memory
+    from megatrain.planner.cost import device_memory, grad_placement, host_memory, speculation_redo_s
     from megatrain.planner.critical import critical_path
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
     from megatrain.planner.graph import full_recompute
@@ -110,7 +115,9 @@ def plan(args) -> int:
                            split_opt=None if args.split_opt is None else split_opt(args.split_opt),
                            saved_acts=saved_acts(args.saved_acts), resident_opt=resident_opt(args.resident_opt),
                            grad_kept=grad_kept(args.grad_kept), grad_host_dtype=args.grad_host_dtype,
-                           seq_tile=auto(args.seq_tile))
+                           seq_tile=auto(args.seq_tile),
+                           speculate=None if args.speculate is None else speculate(args.speculate),
+                           clip_rate=args.clip_rate)
         # what compile() plans on that device: the hardware spec of the CPU runtime, or a GPU's
         fixed = opts.search_kwargs(args.seq, on_gpu=spec.name != "cpu")
         budget = int(args.gpu_gib * GiB) if args.gpu_gib is not None else None
@@ -168,7 +175,9 @@ def plan(args) -> int:
         + (f"; {len(cfg.saved_acts)} layers keep their activations for the backward (no recompute"
            + ("; lean: the MLP's gate x up formed again there" if cfg.saved_lean else "") + ")"
            if cfg.saved_acts else "; every backward recomputes its forward")
-        + (f"; the blocks' MLPs over {cfg.seq_tile}-token tiles" if cfg.seq_tile else ""),
+        + (f"; the blocks' MLPs over {cfg.seq_tile}-token tiles" if cfg.seq_tile else "")
+        + (f"; layers {list(cfg.speculate)} updated before the step's global norm, checked after it (a clipped "
+           f"step makes them again: +{speculation_redo_s(graph, cfg, spec):.3f} s)" if cfg.speculate else ""),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
         f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "

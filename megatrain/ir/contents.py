@@ -72,7 +72,7 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
         return {"g": ("G", st, l, n_mb)}, ({} if owner(l) != l else {"h": ("HG", st, l)})
     if k is OpKind.NORM:
         return {"g": ("G", st, l, n_mb)}, {"k": ("K", st, l)}
-    if k is OpKind.OPT and op.stream is Stream.CPU:
+    if k is OpKind.OPT and op.stream is Stream.CPU or k is OpKind.CHECK:  # (a CHECK may make the update again)
         return {"h": hg}, {}
     if split_part(op):
         return _split_contents(op, kept(l))

@@ -38,6 +38,10 @@ class OpKind(str, enum.Enum):
     # the part's new weights in bf16 into the host's shadow where there is one)
     LOSS_OUT = "LOSS_OUT"  # d2h: the step's per-micro-batch loss sums to the host, right after its last LOSS (or
     # EVAL), which it follows with every other; layer: the head's
+    CHECK = "CHECK"  # cpu: validates the layer's update made before the step's GUARD (ScheduleConfig.speculate)
+    # with a clip factor of 1: where the step's factor is not 1 the masters that update rewrote go back and the
+    # update is made again with the factor (none where the step must not update); its moments follow (reading the
+    # gradient in its host buffer)
     GUARD = "GUARD"  # compute: the step's guard, once per training step before its first OPT, which every OPT
     # follows: the global gradient norm (with clipping, after every gradient's norms), the step's loss, the factor
     # updates scale gradients by (the clip factor; NaN where the norm or the loss is not finite: no update), and
@@ -70,6 +74,7 @@ KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.LOAD_OPT: (Stream.H2D,),
     OpKind.STORE_OPT: (Stream.D2H,),
     OpKind.GUARD: (Stream.COMPUTE,),
+    OpKind.CHECK: (Stream.CPU,),
     OpKind.LOSS_OUT: (Stream.D2H,),
 }
 

@@ -13,7 +13,7 @@ from megatrain.ir.op import FORMAT_VERSION, STREAM_ORDER, IRError, Op, OpKind, S
 if TYPE_CHECKING:
     from megatrain.ir.graph import Layer
 
-TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt")  # ScheduleConfig's layer sets
+TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt", "speculate")  # ScheduleConfig's layer sets
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
 QUIET_DEFAULTS = {"saved_lean": False, "train": True, "setup": False, "write_back": False, "grad_host_bytes": 4,
                   "host_grad_slots": 2, "host_grad_part": 0, "seq_tile": 0, "opt_part": 0,
@@ -90,6 +90,13 @@ class ScheduleConfig:
     # weights go back to the host (the next step's forward loads them as a host update's)
     split_opt: tuple[int, ...] = ()
     opt_part: int = 0
+    # host-updated layers whose update starts before the step's global norm is known (with clipping): their OPT
+    # runs as soon as their gradient is on the host, with a clip factor of 1, after keeping the master weights it
+    # rewrites (the moments wait), and a CHECK after the step's GUARD validates it: where the factor is 1 nothing
+    # more (the moments follow, as every host update's may), else the kept masters go back and the update is made
+    # again with the step's factor (or not at all where the step must not update). Bit for bit what the update
+    # after the GUARD leaves; host memory for the kept masters (4 bytes a parameter)
+    speculate: tuple[int, ...] = ()
 
     def tiled(self, layer: "Layer", index: int) -> bool:
         """Whether layer ``index`` (``layer``) runs its token-wise part over tiles in this schedule."""

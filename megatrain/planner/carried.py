@@ -46,7 +46,8 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
                 since_write[key] = [op.id]
             else:
                 since_write.setdefault(key, []).append(op.id)
-        if op.kind in (OpKind.OPT, OpKind.KEEP_W):  # (a set-up's KEEP_W: the weights a device update would leave)
+        if op.kind in (OpKind.OPT, OpKind.KEEP_W, OpKind.CHECK):  # (a set-up's KEEP_W: the weights a device update
+            # would leave; the CHECK of an update made before the guard, after it on its queue, ends it)
             last_opt[op.layer] = op.id
             (kept.add if op.kind is OpKind.KEEP_W else kept.discard)(op.layer)
         elif op.kind is OpKind.STORE_OPT:

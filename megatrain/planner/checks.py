@@ -34,3 +34,18 @@ def check_split_opt(graph: LayerGraph, cfg: ScheduleConfig) -> None:
         raise ValueError(f"split_opt {list(split)} (parts of {cfg.opt_part} elements): each layer at most once, "
                          f"only with clipping, only layers that own their weights, share them with none, train and "
                          f"are not in gpu_opt (not {bad}); parts of >= 0 elements")
+
+
+def check_speculate(graph: LayerGraph, cfg: ScheduleConfig) -> None:
+    """Refuse ``speculate`` layers whose update cannot start before the step's global norm: it is for layers
+    updated on the host (not in ``gpu_opt`` or ``split_opt``) whose gradient goes to the host during the backward
+    (not in ``grad_kept``), that own their weights and share them with none and have parameters to train, with
+    clipping (without it every update follows its gradient anyway)."""
+    spec = cfg.speculate
+    bad = sorted(l for l in spec if not 0 <= l < len(graph) or graph[l].tie is not None or graph.tied_to(l)
+                 or graph[l].frozen or l in cfg.gpu_opt or l in cfg.split_opt or l in cfg.grad_kept)
+    if bad or len(set(spec)) != len(spec) or (spec and not (cfg.clip and cfg.train)):
+        raise ValueError(f"speculate {list(spec)}: each layer at most once, only with clipping, and only layers "
+                         f"updated on the host whose gradient goes to the host during the backward (not in gpu_opt, "
+                         f"split_opt or grad_kept), that own their weights, share them with none and train "
+                         f"(not {bad})")

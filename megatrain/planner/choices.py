@@ -38,11 +38,12 @@ KEPT_FILL = 0.95
 
 def grad_kept_eligible(graph: LayerGraph, cfg: ScheduleConfig) -> list[int]:
     """Layers whose gradient can stay on the device until the update pass (``ScheduleConfig.grad_kept``): updated
-    on the host, owning their weights and sharing them with none; none without clipping (each update then follows
-    its gradient)."""
+    on the host (before the step's guard: not in ``speculate``), owning their weights and sharing them with none;
+    none without clipping (each update then follows its gradient)."""
     if not (cfg.clip and cfg.train):
         return []
-    return [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l) and l not in cfg.gpu_opt]
+    return [l for l in range(len(graph)) if graph[l].tie is None and not graph.tied_to(l) and l not in cfg.gpu_opt
+            and l not in cfg.speculate]
 
 
 MAX_PARTS = 64  # parts a kept gradient passes through the host in, at most (ops per layer stay few)

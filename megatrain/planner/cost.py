@@ -267,6 +267,9 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         return max(compute_seconds(graph, cfg, spec, op),
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s,
                    spec.bwd_issue_s if k is OpKind.BWD else spec.fwd_issue_s)
+    if k is OpKind.CHECK:  # on a step the clip factor leaves alone: the factor read, the moments made after the
+        # update pass as a deferred update's are (not modelled; a clipped step's cost: speculation_redo_s)
+        return 0.0
     if loads_from_device(graph, cfg, op) or k in (OpKind.GUARD, OpKind.LOAD_IN, OpKind.LOSS_OUT):  # a device copy, a few scalars
         # (the norms' norm, the factor, their copy out; the loss sums out), or a micro-batch's inputs (at most 32 B a token: 16 MB for
         # 512K tokens, a third of a millisecond on the wire): not modelled
@@ -283,9 +286,21 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         return transfer_nbytes(graph, cfg, op, spec) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return max(op_params(graph, cfg, op) * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
+    if k is OpKind.OPT and op.layer in cfg.speculate:  # the masters kept (read 4 bytes a parameter, write 4), the
+        # new masters written alone
+        p = op_params(graph, cfg, op)
+        return p / spec.cpu_cast_params_per_s + opt_seconds(cfg, spec, p, bool(spec.cpu_adam_master_params_per_s))
     if k is OpKind.OPT:
         return opt_seconds(cfg, spec, op_params(graph, cfg, op), defers_moments(cfg, spec, op))
     raise AssertionError(k)
+
+
+def speculation_redo_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec) -> float:
+    """Host seconds a clipped step adds where updates were made before its guard (``speculate``): each such
+    layer's masters put back and its update made again (the masters alone, as before)."""
+    p = sum(graph.weight_params(l) for l in cfg.speculate)
+    return p / spec.cpu_cast_params_per_s + (opt_seconds(cfg, spec, p, bool(spec.cpu_adam_master_params_per_s))
+                                             if p else 0.0)
 
 
 def defers_moments(cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> bool:
@@ -354,6 +369,8 @@ def host_memory(graph: LayerGraph, schedule: Schedule) -> dict[str, int]:
     numels = slot_params(graph, schedule)["h"]
     out["gradients"] = sum(numels) * cfg.grad_host_bytes + (
         min(max(numels, default=0), HOST_UPDATE_CHUNK) * 4 if cfg.grad_host_bytes == 2 else 0)
+    if cfg.speculate:  # the masters an update made before the guard rewrote, kept until its CHECK
+        out["kept_masters"] = sum(graph.weight_params(l) for l in cfg.speculate) * 4
     return out
 
 

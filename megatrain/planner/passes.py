@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Op, OpKind, Schedule, ScheduleConfig, Stream, resident_slots
 from megatrain.planner.carried import unroll
-from megatrain.planner.checks import check_grad_kept, check_split_opt
+from megatrain.planner.checks import check_grad_kept, check_speculate, check_split_opt
 from megatrain.planner.cost import defers_head_store
 from megatrain.planner.op_edits import (CPU, D2H, H2D, C, Ids, add_deps, by_compute_key, compute_key, finalize,
                                         insert_after)
@@ -124,7 +124,9 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
     their state: :func:`setup_schedule`).
 
     Every OPT follows the step's GUARD (the global norm, the loss, the clip factor; ``OpKind.GUARD``): with
-    clipping after the step's last gradient norm, without it after its last LOSS. clip: after the step's last
+    clipping after the step's last gradient norm, without it after its last LOSS; except the host updates of the
+    layers in ``speculate``, each right after its gradient's store, with a CHECK after the guard that validates it
+    (after the step's other updates: on a step that is not clipped it has nothing to do). clip: after the step's last
     STORE_G (the global norm needs every gradient), in layer order 0..L-1 so the next
     step's forward can start on the first layers while the rest update. Otherwise: as soon as the layer's gradients
     (its own and a tied layer's) are stored, overlapping the backward. A device update's LOAD_OPT (master weights
@@ -165,6 +167,8 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
                          f"layer (a tied head), and have parameters to train can be updated on the device")
     split = set(cfg.split_opt)
     check_split_opt(graph, cfg)
+    check_speculate(graph, cfg)
+    spec = set(cfg.speculate)
     prev_split: dict[tuple[int, int], Op] = {}  # (layer, part) -> its STORE_OPT of the step before
     resident = set(cfg.resident_opt)
     if not resident <= on_gpu:
@@ -216,11 +220,17 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
         guard = Op(ids(), OpKind.GUARD, C, st, 0, deps=tuple(op.id for op in ends) if cfg.clip else ())
         after[(last if cfg.clip else last_loss[st]).id].append(guard)
         after[last.id].extend(kept_stores[u] for u in kept[:ahead])
+        checks = []  # the CHECKs of the updates made before the guard: after every other update of the step
         for l in owners:
             anchor = last if cfg.clip else stores[(st, l)][-1]
             deps = (tuple(op.id for op in ends) if cfg.clip else tuple(o.id for o in stores[(st, l)])) + (guard.id,)
             if l in split:
                 after[anchor.id].extend(_split_update(cfg, graph, st, l, ids, deps, stores[(st, l)], prev_split))
+                continue
+            if l in spec:  # as soon as its gradient is on the host, without the guard; checked after it
+                opt = Op(ids(), OpKind.OPT, CPU, st, l, deps=tuple(o.id for o in stores[(st, l)]))
+                after[stores[(st, l)][-1].id].append(opt)
+                checks.append(Op(ids(), OpKind.CHECK, CPU, st, l, deps=(guard.id, opt.id)))
                 continue
             if l not in on_gpu:
                 for p in cfg.parts(l, graph[l].params):
@@ -234,12 +244,15 @@ def add_optimizer(s: Schedule, graph: LayerGraph) -> Schedule:
             if l not in resident:
                 prev_store_opt[l] = Op(ids(), OpKind.STORE_OPT, D2H, st, l, deps=(opt.id,))
                 after[anchor.id].append(prev_store_opt[l])
+        after[last.id].extend(checks)
     mode = "after the step's last gradient, layer order (exact clipping)" if cfg.clip else "as gradients arrive"
     where = f"; on the device: layers {list(cfg.gpu_opt)}" if cfg.gpu_opt else ""
     if split:
         where += f"; split to the device, state streamed in parts: layers {list(cfg.split_opt)}"
     if resident:
         where += f", the state of {list(cfg.resident_opt)} staying there"
+    if spec:
+        where += f"; before the guard, checked after it: layers {list(cfg.speculate)}"
     ops = [add_deps(op, (loaded[op.id],)) if op.id in loaded else op for op in s.ops]
     return s.with_ops(insert_after(ops, after), f"add_optimizer: OPT {mode}{where}")
 

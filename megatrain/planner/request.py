@@ -49,6 +49,12 @@ class PlanOptions:
     # streamed over PCIe in parts, next to the host's updates of the others; "auto": the simulation's choice (see
     # megatrain.planner.choices.split_sets); None: the device's default (as gpu_opt_every)
     opt_part: int | None = None  # elements of one part of a split update's state (None: the planner's SPLIT_PART)
+    speculate: int | str | None = None  # of the layers updated on the host, how many (the last ones, whose
+    # gradients come first) start their update before the step's global norm is known, with clipping: validated
+    # once it is, and made again where the step is clipped (bit for bit the update after the norm; 4 bytes of host
+    # memory per parameter); 0: none; "auto": the search's window (see megatrain.planner.speculation); None: the
+    # device's default (as gpu_opt_every)
+    clip_rate: float = 0.1  # the share of steps expected to be clipped, which the search weighs "auto" speculation by
     device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
     # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),
     # as on a card of that size (a 24, 48 or 80 GB card's plan on a larger one); None: the card's, less the reserve
@@ -75,13 +81,17 @@ class PlanOptions:
         for name, zero in (("gpu_opt_every", "every update on the host"), ("saved_acts", "every backward recomputes"),
                            ("resident_opt", "every device update's state goes back to the host each step"),
                            ("grad_kept", "every gradient goes to the host during the backward"),
-                           ("split_opt", "every host-updated layer stays on the host")):
+                           ("split_opt", "every host-updated layer stays on the host"),
+                           ("speculate", "every update waits for the step's global norm")):
             v = getattr(self, name)
             if v is None and name in DEVICE_DEFAULTS:
                 continue
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}) or 'auto', got {v!r}")
         check_resident(self.gpu_opt_every, self.resident_opt)  # a PlanError, which is a ValueError
+        if isinstance(self.clip_rate, bool) or not isinstance(self.clip_rate, (int, float)) or \
+                not 0 <= self.clip_rate <= 1:
+            raise ValueError(f"clip_rate must be a share of steps in 0..1, got {self.clip_rate!r}")
         if self.opt_part is not None and (not isinstance(self.opt_part, int) or isinstance(self.opt_part, bool)
                                           or self.opt_part < 1):
             raise ValueError(f"opt_part must be a number of elements >= 1 or None, got {self.opt_part!r}")
@@ -106,13 +116,13 @@ class PlanOptions:
                     grad_slots=auto(o.grad_slots), wire_bytes={"bf16": 2, "fp32": 4, "auto": None}[o.wire],
                     host_checkpoints=host_checkpoints(o.host_checkpoints, seq_len, on_gpu),
                     gpu_opt_every=auto(o.gpu_opt_every), resident_opt=auto(o.resident_opt),
-                    seq_tile=auto(o.seq_tile))
+                    seq_tile=auto(o.seq_tile), speculate=o.speculate, clip_rate=o.clip_rate)
 
 
 # decisions whose default depends on the device: (on a GPU, on the CPU). On the H200 device updates and split
 # updates were faster at every size measured (docs/benchmark-history.md); on the CPU a "device" update is a host
 # update by another path
-DEVICE_DEFAULTS = {"gpu_opt_every": ("auto", 0), "split_opt": ("auto", 0)}
+DEVICE_DEFAULTS = {"gpu_opt_every": ("auto", 0), "split_opt": ("auto", 0), "speculate": ("auto", 0)}
 
 
 def host_checkpoints(choice: int | str, seq_len: int, on_gpu: bool) -> int | None:

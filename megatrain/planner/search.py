@@ -15,9 +15,11 @@ from megatrain.planner.checks import PlanError
 from megatrain.planner.descent import descend
 from megatrain.planner.choices import (GRAD_HOST_BYTES, LONG_SEQ, SPLIT_TRIED, check_resident, choose_grad_kept,
                                        device_update_sets, resident_sets, saved_act_layers, split_eligible, split_sets,
-                                       spread, tile_choices, with_saved_acts, with_split)
-from megatrain.planner.cost import device_memory, gemm_workspace_nbytes, host_floor, host_memory
+                                       spread, tile_choices, unsaved, with_saved_acts, with_split)
+from megatrain.planner.cost import (device_memory, gemm_workspace_nbytes, host_floor, host_memory,
+                                    speculation_redo_s)
 from megatrain.planner.graph import LayerGraph
+from megatrain.planner.speculation import with_speculation
 from megatrain.planner.limits import (FLOOR_NOTE, check_request, gib, margin_refusal, min_device_nbytes,
                                       no_fit_message)
 from megatrain.planner.hardware import HardwareSpec
@@ -130,8 +132,8 @@ def _screen(graph: LayerGraph, spec: HardwareSpec, budget: int, cutoff: tuple[bo
 
 
 def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
-         cutoff: tuple[bool, float] | None, cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None,
-                                                                             tuple | None, float | None]:
+         speculate: int | str, clip_rate: float, cutoff: tuple[bool, float] | None,
+         cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None, tuple | None, float | None]:
     """One candidate of :func:`plan`: its config with the kept gradients and saved activations chosen, the outcome,
     its rank (None where it cannot run), and for a candidate refused only because it would take some of the host
     margin (``HardwareSpec.host_margin``), the rank it would have had (else None), and where it does not fit, by
@@ -151,12 +153,19 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     limit = spec.host_plan_bytes
     steps, cfg = cfg.n_steps, replace(cfg, n_steps=1)  # decided and checked on one step's schedule
     try:  # a count of kept gradients or saved layers this candidate cannot take
+        if speculate and speculate != "auto":  # a count: the last layers, which then keep no gradient
+            cfg = with_speculation(graph, cfg, spec, speculate, 0, clip_rate)
         base = choose_grad_kept(graph, cfg, grad_kept)  # its ops, for every choice of saved activations
         cfg = base.config
         host = sum(host_memory(graph, base).values())
         if host > spec.host_bytes:
             return replace(cfg, n_steps=steps), f"host memory {gib(host)} > {gib(limit)}", None, None, \
                 host / spec.host_bytes
+        if speculate == "auto":  # (after the kept gradients, which take what the device holds)
+            cfg = with_speculation(graph, cfg, spec, speculate, max(limit - host, 0), clip_rate)
+            if cfg.speculate:
+                base = build_schedule(graph, unsaved(cfg))
+                host = sum(host_memory(graph, base).values())
         cfg = with_saved_acts(graph, cfg, saved_acts, base)
     except (PlanError, ValueError) as e:
         return replace(cfg, n_steps=steps), str(e), None, None, math.inf
@@ -172,8 +181,10 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
             cfg.grad_host_bytes != 4) == cutoff[0] else None)
     except Slower as e:
         return cfg, f"{e}, the best so far's (not simulated to its end)", None, None, None
-    # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed)
-    key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
+    # fp32 gradients wherever a plan with them fits (bf16 ones only where asked for and needed); updates made before
+    # the guard ranked with what the share of steps expected to be clipped adds
+    redo = clip_rate * speculation_redo_s(graph, cfg, spec) if cfg.speculate else 0.0
+    key = (cfg.grad_host_bytes != 4, round(tl.steady_step_s + redo, 6), tl.makespan_s, tl.reserved_nbytes, cfg.n_mb,
            cfg.weight_slots, host)
     if host > limit:
         return cfg, (f"host memory {gib(host)} > {gib(limit)} (of {gib(spec.host_bytes)}, "
@@ -189,6 +200,12 @@ RESTART_SLACK = 0.05
 # one needing the least host memory is taken (host memory is what bounds the model a machine trains, and a plan
 # that leaves it free leaves room for the rest of the process)
 HOST_LEAN_SLACK = 0.01
+
+
+def undecided(cfg: ScheduleConfig) -> ScheduleConfig:
+    """The candidate :func:`_try` made ``cfg`` from: without the kept gradients, saved activations and updates
+    before the guard it decides."""
+    return replace(cfg, grad_kept=(), host_grad_part=0, saved_acts=(), saved_lean=False, speculate=())
 
 
 def _cutoff(outcomes: list, k: int) -> tuple[bool, float] | None:
@@ -243,8 +260,9 @@ def _refine_split(graph: LayerGraph, outcomes: list, split: list[tuple[ScheduleC
 
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
          clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", grad_kept: int | str = "auto",
-         split_opt: int | str = 0, opt_part: int | None = None, workers: int = 1, order: str = "descent",
-         prune: bool = True, progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
+         split_opt: int | str = 0, opt_part: int | None = None, speculate: int | str = 0, clip_rate: float = 0.1,
+         workers: int = 1, order: str = "descent", prune: bool = True,
+         progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, the leanest on host memory among those within
     :data:`HOST_LEAN_SLACK` of it, then time over ``n_steps`` steps, then the order of :func:`candidates`) among
     :func:`candidates` that verifies and fits the device budget and the host, each with the saved activations
@@ -257,7 +275,12 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     of them where it finds none that runs), "exhaustive" every one. ``prune``: a candidate that cannot rank first
     by its bound is not simulated (see :func:`_try`'s cutoff; the choice is the same). ``workers`` > 1 spreads the
     candidates over that many processes (the answer is the same); ``progress(done, total)`` is called as they
-    finish."""
+    finish.
+
+    ``speculate``: the host updates made before the step's guard (``ScheduleConfig.speculate``; with clipping): a
+    count of layers every candidate takes, or "auto": the fastest few candidates again with the window
+    :func:`~megatrain.planner.speculation.speculation_set` gives them, ranked with ``clip_rate`` (the share of
+    steps expected to be clipped) times what a clipped step adds."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
     check_request(graph, spec, tokens, seq_len, budget)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -288,7 +311,15 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         configs = able
     if order not in ORDERS:
         raise PlanError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-    job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept)
+    if speculate != "auto" and (not isinstance(speculate, int) or isinstance(speculate, bool) or speculate < 0):
+        raise PlanError(f"speculate must be 'auto' or a count of layers >= 0, got {speculate!r}")
+    if speculate and speculate != "auto" and not clip:
+        raise PlanError(f"speculate={speculate} starts updates before the step's clip factor is known, which needs "
+                        f"clipping (without it each update follows its gradient)")
+    if isinstance(clip_rate, bool) or not isinstance(clip_rate, (int, float)) or not 0 <= clip_rate <= 1:
+        raise PlanError(f"clip_rate must be a share of steps in 0..1, got {clip_rate!r}")
+    fixed_spec = 0 if speculate == "auto" else speculate
+    job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept, fixed_spec, clip_rate)
     keep = SPLIT_TRIED if split_opt == "auto" and clip else 1  # the best candidates pruning must leave
     results: dict[int, tuple] = {}  # config index -> its outcome
     with contextlib.ExitStack() as stack:
@@ -342,6 +373,10 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             whole = functools.partial(job, None)  # (each simulated: the refinement compares them)
             outcomes += run(whole, [with_split(graph, c, layers, opt_part) for c, layers in split])
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))
+        if speculate == "auto" and clip:  # the fastest few again, their first updates before the guard
+            again = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept, "auto", clip_rate, None)
+            top = [outcomes[i][0] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
+            outcomes += run(again, [undecided(c) for c in top])
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
     for i in rank([o[2] for o in outcomes]):
         cfg = outcomes[i][0]

@@ -264,7 +264,7 @@ def _host_grad_uses(graph: LayerGraph, kept: set[int]) -> Callable[[Op], list[tu
     def uses(op: Op) -> list[tuple[str, tuple, bool]]:
         if op.kind is OpKind.STORE_G and op.stream is D2H and graph.owner(op.layer) == op.layer:
             return [("h", (op.step, op.layer, op.mb), True)]
-        if op.kind is OpKind.OPT and op.stream is CPU:
+        if op.kind is OpKind.OPT and op.stream is CPU or op.kind is OpKind.CHECK:
             return [("h", (op.step, op.layer, op.mb), False)]
         if op.kind is OpKind.LOAD_OPT and op.mb is not None and op.layer not in kept:  # a split update's part
             return [("h", (op.step, op.layer, None), False)]

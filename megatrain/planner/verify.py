@@ -13,7 +13,7 @@ from collections import defaultdict
 
 from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, initial_contents, issue_preds,
                           op_contents, queue_of, resident_slots, setup_ops)
-from megatrain.planner.checks import check_grad_kept, check_split_opt
+from megatrain.planner.checks import check_grad_kept, check_speculate, check_split_opt
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -80,6 +80,10 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         check_split_opt(graph, cfg)
     except ValueError as e:
         raise ScheduleError("split", None, str(e)) from None
+    try:
+        check_speculate(graph, cfg)
+    except ValueError as e:
+        raise ScheduleError("speculate", None, str(e)) from None
     if cfg.grad_host_bytes not in (2, 4) or cfg.host_grad_slots < 1:
         raise ScheduleError("config", None, f"grad_host_bytes must be 4 (fp32) or 2 (bf16) and host_grad_slots at "
                                             f"least 1, got {cfg.grad_host_bytes} and {cfg.host_grad_slots}")
@@ -121,6 +125,9 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
                                             f"{'a training' if cfg.train else 'an evaluation'} schedule")
         if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT) and not 1 <= op.layer <= cfg.host_checkpoints:
             raise ScheduleError("kind", op, f"only checkpoints of layers 1..{cfg.host_checkpoints} go to host")
+        if op.kind is OpKind.CHECK and op.layer not in cfg.speculate:
+            raise ScheduleError("kind", op, f"layer {op.layer}'s update waits for the guard (speculate "
+                                            f"{list(cfg.speculate)}): there is nothing to check")
         if op.kind is OpKind.OPT and graph[op.layer].tie is not None:
             raise ScheduleError("kind", op, f"layer {op.layer} has no weights of its own to optimize")
         on_gpu = op.layer in cfg.gpu_opt or split
@@ -221,6 +228,9 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                         what = f"has no {k.value} of" if split else "never optimizes"
                         raise ScheduleError("complete", None, f"step {st} {what} layer {l}"
                                                               + (f" (part {p})" if p is not None else ""))
+            if l in cfg.speculate and (OpKind.CHECK, st, l, None) not in seen:
+                raise ScheduleError("complete", None, f"step {st} never checks the update of layer {l} made before "
+                                                      f"its guard (speculate)")
             if l in cfg.gpu_opt:
                 stays = l in cfg.resident_opt
                 for k, want in ((OpKind.LOAD_OPT, not stays), (OpKind.STORE_OPT, not stays)):
@@ -247,9 +257,15 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                 raise ScheduleError("store-before-guard", guard, f"the step's guard needs every "
                                                                  f"{'gradient norm and ' if cfg.clip else ''}loss: "
                                                                  f"'{g}' may not have finished")
+        for check in (op for op in s.ops if op.step == st and op.kind is OpKind.CHECK):
+            opt = seen[(OpKind.OPT, st, check.layer, None)]
+            for before, rule in ((guard, "guard-before-check"), (opt, "opt-before-check")):
+                if not hb(before.id, check.id):
+                    raise ScheduleError(rule, check, f"it validates the update '{opt}' by the step's clip factor, "
+                                                     f"and '{before}' may not have finished")
         readers = (op for op in s.ops if op.step == st and op.kind is OpKind.OPT)
         for opt in readers:
-            if not hb(guard.id, opt.id):
+            if opt.layer not in cfg.speculate and not hb(guard.id, opt.id):
                 raise ScheduleError("guard-before-opt", opt, f"it scales its gradient by the step's clip factor, "
                                                              f"which '{guard}' may not have formed")
             for g in own:  # (of a gradient in parts, the store of the part it updates)
@@ -273,6 +289,7 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
             # (on the device, its new weights stay there; in parts, every part's update; a split update's, every
             # part's store to the host)
             last = ((OpKind.STORE_OPT, p) for p in cfg.split_parts(graph.weight_params(o))) if o in cfg.split_opt \
+                else [(OpKind.CHECK, None)] if o in cfg.speculate \
                 else ((OpKind.OPT, p) for p in cfg.parts(o, graph[o].params))
             for opt in (seen[(k, op.step - 1, o, p)] for k, p in last):
                 if not hb(opt.id, op.id):

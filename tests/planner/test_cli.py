@@ -13,6 +13,7 @@ def test_plan_cli_matches_the_hand_derived_bound_in_the_docs(tmp_path, capsys):
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
                  "--split-opt", "0",  # (the docs derive the plan of every update on the host or resident)
                  "--one-pass-updates",  # (and each host update in one pass)
+                 "--speculate", "off",  # (after the step's global norm)
                  "--gpu-opt-every", "0", "--saved-acts", "0", "--grad-kept", "0", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     doc_line = re.search(r"^bound .*$", DOCS.read_text(), re.M).group(0)
@@ -30,7 +31,7 @@ def test_plan_cli_on_a_24_gib_budget_gives_the_docs_chain_bound(tmp_path, capsys
     backward plus the host update pass that follows it."""
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--seq", "1024", "--hardware", "h200",
                  "--split-opt", "0",  # (the docs derive the plan of every update on the host or resident)
-                 "--one-pass-updates", "--gpu-gib", "24", "--mb", "8", "--slots", "2", "--wire", "fp32", "--host-checkpoints", "29",
+                 "--speculate", "off", "--one-pass-updates", "--gpu-gib", "24", "--mb", "8", "--slots", "2", "--wire", "fp32", "--host-checkpoints", "29",
                  "--gpu-opt-every", "auto", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "budget 24.0 GiB" in out and "layers [0, 1] updated on the GPU" in out

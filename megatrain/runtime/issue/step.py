@@ -53,6 +53,9 @@ class StepState:
     # its host OPTs that write the masters alone, their moments computed after the update pass (the streaming
     # executor's defer_moments); decided when the step is issued, so a task the worker runs late sees its own step's
     deferred_moments: frozenset[int] = frozenset()
+    # layers whose update made before the guard (ScheduleConfig.speculate) its CHECK undid: the step was clipped,
+    # or must not update
+    redone: list[int] = field(default_factory=list)
     # made by the step's GUARD op (ops.update.form_guard), on the device: the factor updates scale the gradient by (the
     # clip factor, or 1; NaN where the loss or the norm is not finite), and (global norm or 0, the step's loss,
     # factor)

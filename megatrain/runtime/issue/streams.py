@@ -263,7 +263,7 @@ class StreamExecutor(Executor):
                                                      + prev.events(op)))
             self.timer.record_task(op, fut)
             self.futures[op.id] = fut
-            if op.kind is OpKind.OPT:
+            if op.kind in (OpKind.OPT, OpKind.CHECK):
                 self.last_opt[op.layer] = fut
             return
         if op.kind is OpKind.STORE_G and op.stream is Stream.D2H and op.slot("h") is not None:
@@ -326,8 +326,8 @@ class StreamExecutor(Executor):
 
 
 def deferrable_opts(schedule: Schedule) -> frozenset[int]:
-    """The host OPTs of ``schedule`` whose gradient buffer no later op of their step writes: their moments can be
-    computed from it after the step's update pass (a buffer a kept gradient passes through in turn is written
+    """The host OPTs and CHECKs of ``schedule`` whose gradient buffer no later op of their step writes: their moments
+    can be computed from it after the step's update pass (a buffer a kept gradient passes through in turn is written
     again in the pass); and the STORE_OPTs of every part of a split update whose parts' state loads all read the
     gradient from such a buffer (not one kept on the device): they can store the masters alone."""
     out, written = set(), set()
@@ -344,7 +344,9 @@ def deferrable_opts(schedule: Schedule) -> frozenset[int]:
             continue
         if op.kind is OpKind.STORE_G and op.stream is Stream.D2H:
             written.add(h)
-        elif op.kind is OpKind.OPT and op.stream is Stream.CPU and h not in written:
+        elif (op.kind is OpKind.CHECK or op.kind is OpKind.OPT and op.stream is Stream.CPU
+              and op.layer not in schedule.config.speculate) and h not in written:  # (an update made before the
+            # guard writes the masters alone anyway: its CHECK makes the moments)
             out.add(op.id)
     out.update(op.id for op in schedule.ops if op.kind is OpKind.STORE_OPT and op.mb is not None
                and split_ok.get((op.step, op.layer), False))

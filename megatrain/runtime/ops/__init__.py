@@ -5,7 +5,7 @@ gradients, their norms, the step's guard and the updates with their state's load
 from megatrain.ir import OpKind, Stream
 from megatrain.runtime.ops.compute import (bwd, eval_loss, fwd, keep_w, load_act, load_in, load_w, load_w_kept, loss,
                                            loss_out, save_act)
-from megatrain.runtime.ops.update import (guard, load_opt, norm, opt_on_device, opt_on_host, store_g_to_host,
+from megatrain.runtime.ops.update import (check, guard, load_opt, norm, opt_on_device, opt_on_host, store_g_to_host,
                                           store_g_to_slot, store_opt)
 
 HANDLERS = {
@@ -27,5 +27,6 @@ HANDLERS = {
     (OpKind.LOAD_OPT, Stream.H2D): load_opt,
     (OpKind.STORE_OPT, Stream.D2H): store_opt,
     (OpKind.GUARD, Stream.COMPUTE): guard,
+    (OpKind.CHECK, Stream.CPU): check,
     (OpKind.LOSS_OUT, Stream.D2H): loss_out,
 }

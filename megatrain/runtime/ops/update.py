@@ -118,7 +118,16 @@ def form_guard(ctx, st: StepState) -> None:
 
 # ---- updates ---------------------------------------------------------------------------------------------------
 def opt_on_host(ctx, op: Op, st: StepState) -> None:
-    """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update."""
+    """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update. A
+    layer of ``speculate``: before the step's guard, with a clip factor of 1, the masters alone, after keeping
+    them (its CHECK finishes or undoes it: :func:`check`)."""
+    if op.layer in st.schedule.config.speculate:
+        if not ctx.optimizer.native or ctx.dp is not None:
+            raise AssertionError("an update before the step's guard needs megatrain's host kernel (it writes the "
+                                 "masters alone) and one process")
+        ctx.optimizer.keep_masters(op.layer)
+        ctx.optimizer.step_layer(op.layer, _host_grad(ctx, op), moments=False)
+        return
     if not st.ok():
         return
     lo, hi = st.schedule.config.part_span(op, ctx.graph.weight_params(op.layer))
@@ -127,6 +136,29 @@ def opt_on_host(ctx, op: Op, st: StepState) -> None:
         return
     ctx.optimizer.step_layer(op.layer, ctx.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi),
                             moments=op.id not in st.deferred_moments)
+
+
+def _host_grad(ctx, op: Op) -> torch.Tensor:
+    """The whole gradient of ``op``'s layer in its host buffer."""
+    return ctx.store.grads.view(op.slot("h"), ctx.graph.weight_params(op.layer))
+
+
+def check(ctx, op: Op, st: StepState) -> None:
+    """CHECK of an update made before the step's guard (:func:`opt_on_host`) with a factor of 1: where the step's
+    clip factor is 1 the masters stand; else they go back, with the step count, and (unless the step must not
+    update) the update is made again with the factor. Then the moments, with the step's factor (left for after the
+    update pass where the executor defers them: ``st.deferred_moments``). The same bits as one update after the
+    guard."""
+    opt = ctx.optimizer
+    coef = st.coef_value() if st.ok() else None
+    if coef != 1.0:
+        opt.restore_masters(op.layer)
+        st.redone.append(op.layer)
+        if coef is None:
+            return
+        opt.step_layer(op.layer, _host_grad(ctx, op), coef=coef, moments=False)
+    if op.id not in st.deferred_moments:
+        opt.step_moments(op.layer, _host_grad(ctx, op), coef=coef)
 
 
 def moments_on_host(ctx, op: Op, st: StepState) -> None:

@@ -74,6 +74,7 @@ class HostAdamW:
         self.kernel_time: dict[int, list] = {}
         self._device_opts: dict[tuple, tuple[torch.optim.AdamW, torch.nn.Parameter]] = {}  # device updates
         self._grad_scales: dict[str, torch.Tensor] = {}  # per device: the fused kernel's 1 / clip factor
+        self._kept: dict[int, list] = {}  # layer -> [its masters, its step count] before an update made early
 
     @staticmethod
     def _native_kernel(cfg: OptimConfig) -> bool:
@@ -332,6 +333,24 @@ class HostAdamW:
             opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=device)}
             self._device_opts[key] = (opt, p)
         return self._device_opts[key]
+
+    # ---- updates made before the step's global norm is known (ScheduleConfig.speculate) ------------------
+    def keep_masters(self, layer: int) -> None:
+        """Keep ``layer``'s master weights and Adam step count as they are, for :meth:`restore_masters` (one copy
+        per layer, made once and rewritten each time: the host bytes the plan counts for it)."""
+        kept = self._kept.get(layer)
+        if kept is None:
+            kept = self._kept[layer] = [torch.empty_like(self.store.master(layer)), 0]
+        kept[0].copy_(self.store.master(layer))
+        kept[1] = self.steps(layer)
+
+    def restore_masters(self, layer: int) -> None:
+        """Put back the master weights and step count :meth:`keep_masters` kept (and the bf16 shadow made from
+        them), undoing an update that wrote the masters alone."""
+        master, count = self._kept[layer]
+        self.store.master(layer).copy_(master)
+        self.store.refresh_shadow(layer)
+        self.set_steps(layer, count)
 
     def end_step(self, applied: bool = True) -> None:
         """End the step; one whose updates were not applied (its loss or gradient norm was not finite) does not

@@ -327,7 +327,7 @@ def parse_variant(text: str) -> dict:
 def print_table(results: list[dict]) -> None:
     cols = [("data", "data", "{}"), ("tokens/step", "tokens_per_step", "{:,}"), ("mb", "n_mb", "{}"),
             ("clip", "clip", "{}"), ("gpu_opt", "gpu_opt", "{}"), ("split", "split_opt", "{}"),
-            ("spec", "speculate", "{}"), ("max norm", "max_grad_norm", "{:g}"), ("clipped", "clipped_steps", "{}"),
+            ("spec", "speculate", "{}"), ("max norm", "max_grad_norm", "{}"), ("clipped", "clipped_steps", "{}"),
             ("saved", "saved_acts", "{}"), ("resident", "resident_opt", "{}"), ("paced", "pace_split", "{}"),
             ("host kernel", "host_kernel", "{}"), ("deferred", "defer_moments", "{}"),
             ("wire B", "wire_bytes_per_param", "{}"), ("s/step", "step_s", "{:.3f}"),

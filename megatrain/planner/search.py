@@ -15,11 +15,11 @@ from megatrain.planner.checks import PlanError
 from megatrain.planner.descent import descend
 from megatrain.planner.choices import (GRAD_HOST_BYTES, LONG_SEQ, SPLIT_TRIED, check_resident, choose_grad_kept,
                                        device_update_sets, resident_sets, saved_act_layers, split_eligible, split_sets,
-                                       spread, tile_choices, unsaved, with_saved_acts, with_split)
+                                       spread, tile_choices, with_saved_acts, with_split)
 from megatrain.planner.cost import (device_memory, gemm_workspace_nbytes, host_floor, host_memory,
                                     speculation_redo_s)
 from megatrain.planner.graph import LayerGraph
-from megatrain.planner.speculation import with_speculation
+from megatrain.planner.speculation import AUTO_SHARES, host_left, with_speculation
 from megatrain.planner.limits import (FLOOR_NOTE, check_request, gib, margin_refusal, min_device_nbytes,
                                       no_fit_message)
 from megatrain.planner.hardware import HardwareSpec
@@ -153,19 +153,15 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     limit = spec.host_plan_bytes
     steps, cfg = cfg.n_steps, replace(cfg, n_steps=1)  # decided and checked on one step's schedule
     try:  # a count of kept gradients or saved layers this candidate cannot take
-        if speculate and speculate != "auto":  # a count: the last layers, which then keep no gradient
-            cfg = with_speculation(graph, cfg, spec, speculate, 0, clip_rate)
+        if speculate:  # a count, or a share of the "auto" window (float) the host holds with every gradient in a
+            # host buffer: the last layers, which then keep no gradient on the device
+            cfg = with_speculation(graph, cfg, spec, speculate, host_left(graph, cfg, spec), clip_rate)
         base = choose_grad_kept(graph, cfg, grad_kept)  # its ops, for every choice of saved activations
         cfg = base.config
         host = sum(host_memory(graph, base).values())
         if host > spec.host_bytes:
             return replace(cfg, n_steps=steps), f"host memory {gib(host)} > {gib(limit)}", None, None, \
                 host / spec.host_bytes
-        if speculate == "auto":  # (after the kept gradients, which take what the device holds)
-            cfg = with_speculation(graph, cfg, spec, speculate, max(limit - host, 0), clip_rate)
-            if cfg.speculate:
-                base = build_schedule(graph, unsaved(cfg))
-                host = sum(host_memory(graph, base).values())
         cfg = with_saved_acts(graph, cfg, saved_acts, base)
     except (PlanError, ValueError) as e:
         return replace(cfg, n_steps=steps), str(e), None, None, math.inf
@@ -200,6 +196,13 @@ RESTART_SLACK = 0.05
 # one needing the least host memory is taken (host memory is what bounds the model a machine trains, and a plan
 # that leaves it free leaves room for the rest of the process)
 HOST_LEAN_SLACK = 0.01
+
+
+def _try_share(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
+               clip_rate: float, cfg: ScheduleConfig, share: float):
+    """:func:`_try` of ``cfg`` with ``share`` of its "auto" window of updates before the guard (module level, for
+    the worker processes)."""
+    return _try(graph, spec, budget, saved_acts, grad_kept, share, clip_rate, None, cfg)
 
 
 def undecided(cfg: ScheduleConfig) -> ScheduleConfig:
@@ -318,7 +321,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
                         f"clipping (without it each update follows its gradient)")
     if isinstance(clip_rate, bool) or not isinstance(clip_rate, (int, float)) or not 0 <= clip_rate <= 1:
         raise PlanError(f"clip_rate must be a share of steps in 0..1, got {clip_rate!r}")
-    fixed_spec = 0 if speculate == "auto" else speculate
+    fixed_spec = AUTO_SHARES[0] if speculate == "auto" else speculate
     job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept, fixed_spec, clip_rate)
     keep = SPLIT_TRIED if split_opt == "auto" and clip else 1  # the best candidates pruning must leave
     results: dict[int, tuple] = {}  # config index -> its outcome
@@ -373,10 +376,12 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             whole = functools.partial(job, None)  # (each simulated: the refinement compares them)
             outcomes += run(whole, [with_split(graph, c, layers, opt_part) for c, layers in split])
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))
-        if speculate == "auto" and clip:  # the fastest few again, their first updates before the guard
-            again = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept, "auto", clip_rate, None)
-            top = [outcomes[i][0] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
-            outcomes += run(again, [undecided(c) for c in top])
+        top = rank([o[2] for o in outcomes])[:1]
+        if speculate == "auto" and clip and top:  # the fastest again with the other shares of its window (none
+            # among them)
+            share = functools.partial(_try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
+                                      undecided(outcomes[top[0]][0]))
+            outcomes += run(share, AUTO_SHARES[1:])
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
     for i in rank([o[2] for o in outcomes]):
         cfg = outcomes[i][0]

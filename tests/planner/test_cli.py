@@ -60,7 +60,7 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
     # the micro-batches, slots, wire and checkpoints the full search picks for both requests, pinned: the same
     # plans, in a quarter of the time
     pinned = ["--mb", "2", "--slots", "all", "--wire", "fp32", "--host-checkpoints", "0", "--split-opt", "0",
-              "--one-pass-updates", "--full-recompute"]
+              "--speculate", "off", "--one-pass-updates", "--full-recompute"]
     assert main(["plan", "--preset", "qwen2.5-7b", "--tokens", "32768", "--gpu-opt-every", "3", "--saved-acts", "0",
                  "--resident-opt", "0", "--grad-kept", "0", *pinned, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -85,7 +85,7 @@ def test_plan_cli_device_updates_shorten_the_predicted_7b_step(tmp_path, capsys)
 def test_plan_cli_defaults_to_what_compile_does_on_the_device(tmp_path, capsys):
     """Device updates searched ("auto") for a GPU, none for the cpu preset, as compile() decides on each device."""
     fixed = ["plan", "--preset", "qwen2.5-0.5b", "--tokens", "8192", "--mb", "2", "--slots", "3", "--wire", "fp32",
-             "--host-checkpoints", "0", "--steps", "2", "--split-opt", "0"]
+             "--host-checkpoints", "0", "--steps", "2", "--split-opt", "0", "--speculate", "off"]
     for name, extra in [("default", []), ("auto", ["--gpu-opt-every", "auto"]), ("none", ["--gpu-opt-every", "0"])]:
         assert main([*fixed, *extra, "--out", str(tmp_path / name)]) == 0
     out = capsys.readouterr().out
@@ -103,7 +103,8 @@ def test_plan_cli_defaults_to_what_compile_does_on_the_device(tmp_path, capsys):
 def test_plan_cli_plans_for_a_larger_host(tmp_path, capsys):
     """72B needs 813 GiB of host store: refused on the h200 preset's 125 GiB host, planned with --host-gib."""
     one = ["plan", "--preset", "qwen2.5-72b", "--tokens", "16384", "--mb", "1", "--slots", "3", "--wire", "fp32",
-           "--host-checkpoints", "81", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "2", "--split-opt", "0"]
+           "--host-checkpoints", "81", "--gpu-opt-every", "0", "--saved-acts", "0", "--steps", "2", "--split-opt", "0",
+           "--speculate", "off"]
     assert main([*one, "--out", str(tmp_path / "a")]) == 2
     assert "72.71B parameters x 12 B (fp32 master, exp_avg, exp_avg_sq) = 812.56 GiB, the h200 host has 125.00 GiB" \
         in capsys.readouterr().err

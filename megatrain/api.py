@@ -39,6 +39,7 @@ class StepStats:
     grad_norm: float | None
     seconds: float
     skipped: bool = False  # the loss or the gradient norm was not finite: no update was applied (nonfinite="skip")
+    clipped: bool = False  # the clip factor scaled the step's gradients (its global norm above the threshold)
 
 
 @dataclass
@@ -320,8 +321,10 @@ class StreamedModel:
             out = self.executor.run(schedule, mbs, denom, write_back=write_back)
         if out.applied:
             self.step += 1
+        limit = self.optimizer.cfg.max_grad_norm
         stats = StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0,
-                          skipped=not out.applied)
+                          skipped=not out.applied, clipped=out.applied and out.grad_norm is not None
+                          and limit is not None and out.grad_norm + 1e-6 > limit)
         if not out.applied:
             self.skipped_steps += 1
             if self.nonfinite == "raise":

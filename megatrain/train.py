@@ -293,7 +293,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
         while sm.step < cfg.steps and not _stopping(signals, dp):
             st = sm.train_step(**_share(data.batches.batch(cfg.batch), dp))
             rec = {"step": st.step + st.skipped, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
-                   "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds,
+                   "clipped": st.clipped, "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds,
                    **meter.step(st.seconds)}
             if st.skipped:
                 rec["skipped"] = True
@@ -365,6 +365,9 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
         "loss_drop_pct": 100 * (first - last) / first if history else 0.0, "wall_s": wall,
         "tokens_per_s": done * cfg.batch * cfg.seq / wall if wall > 0 else 0.0, "out": str(out),
         "first_step": start + 1, "last_step": sm.step, "skipped_steps": skipped, "warmup_steps": cfg.warmup_steps,
+        # the share of the run's steps the clip factor scaled (what --speculate's window pays for)
+        "clipped_steps": sum(h["clipped"] for h in history), "clip_rate": sum(h["clipped"] for h in history) / done
+        if done else 0.0,
         **meter.summary(done * cfg.batch * cfg.seq / wall if wall > 0 else 0.0),
         **({"eval_loss": evals[-1]["eval_loss"], "eval_losses": [(e["step"], e["eval_loss"]) for e in evals]}
            if evals else {}),
@@ -397,6 +400,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
           + (f" ({summary['mfu']:.1%} model FLOPs utilization of the {sm.hardware.name} spec's "
              f"{summary['mfu_against_flops_per_s'] / 1e12:g} TFLOP/s)" if "mfu" in summary else "")
           + (f", {skipped} steps skipped (not finite)" if skipped else "")
+          + (f", {summary['clipped_steps']} of {done} steps clipped" if cfg.clip is not None else "")
           + (f"; host memory at most {stages.peak_rss_gib:.2f} GiB (the plan counted "
              f"{summary['host_planned_gib']:.2f}"
              + (f", and {summary['device_planned_gib']:.2f} of device memory, which on the CPU is host memory too"

@@ -21,6 +21,11 @@ def test_default_job_learns_and_writes_its_outputs(tmp_path, capsys):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 301))
     assert lines[0]["loss"] == pytest.approx(summary["first_loss"])
+    # each step says whether the clip factor (threshold 1.0) scaled it, and the summary the share of such steps
+    clipped = [r["grad_norm"] > 1.0 for r in lines]
+    assert [r["clipped"] for r in lines] == clipped and summary["clipped_steps"] == sum(clipped)
+    assert summary["clip_rate"] == pytest.approx(sum(clipped) / 300)
+    assert f"{sum(clipped)} of 300 steps clipped" in printed
     assert (out / "schedule.png").read_bytes()[:4] == b"\x89PNG"
     # the saved weights load into a plain HF model and give the logged loss's neighbourhood on the corpus
     from transformers import AutoModelForCausalLM

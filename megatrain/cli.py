@@ -51,6 +51,9 @@ def _train(args) -> int:
                  if f.name != "resume" and getattr(args, f.name, None) is not None}
         if args.no_clip:
             given["clip"] = None
+        if "epochs" in given and "steps" in given:
+            raise ValueError(f"give --steps ({given['steps']}) or --epochs ({given['epochs']:g}), not both: the "
+                             f"steps are derived from the epochs")
         if args.resume:
             if args.config:
                 raise ValueError("--resume goes on with the run's own config; --config cannot change it")
@@ -124,7 +127,12 @@ def _main(argv: list[str]) -> int:
                                   "local HF cache; default: Python's own documentation")
     for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
+                           ("epochs", float, "passes over the data's rows, the steps derived from it (rounded "
+                                             "up; instead of --steps)"),
                            ("warmup", int, "warmup steps (a tenth of the steps, at most 30)"),
+                           ("warmup_start", str, "the first warmup step's learning rate: zero (transformers' rule, "
+                                                 "the default with --model) or first (lr / warmup, the default "
+                                                 "from scratch)"),
                            ("schedule", str, "learning rate after warmup: cosine_with_min_lr (default), cosine, "
                                              "linear, constant or warmup_stable_decay, as transformers names them"),
                            ("min_lr", float, "where cosine_with_min_lr (default lr / 10) and warmup_stable_decay "

@@ -50,6 +50,8 @@ def _prepare(cfg: TrainConfig, dp=None):
                                                  columns=cfg.column_map(), packing=cfg.packing,
                                                  eval_data=cfg.eval_data, eval_split=cfg.eval_split,
                                                  streaming=cfg.streaming))
+    if cfg.epochs is not None:  # the steps that go over the data's rows that many times
+        cfg = steps_for_epochs(cfg, data)
     report.warn_positions(model, data, cfg)
     report.warn_repeats(data, cfg)
     if cfg.resume:
@@ -88,7 +90,19 @@ def _prepare(cfg: TrainConfig, dp=None):
     t0 = time.perf_counter()
     schedule = sm.schedule_for(cfg.batch // world, cfg.seq)
     sm.planned_s = time.perf_counter() - t0
-    return model, tok, tok_from, data, sm, schedule
+    return model, tok, tok_from, data, sm, schedule, cfg
+
+
+def steps_for_epochs(cfg: TrainConfig, data) -> TrainConfig:
+    """``cfg`` with the steps of ``cfg.epochs`` passes over ``data``'s rows, ``cfg.batch`` rows a step (rounded
+    up: the last pass may end in the middle of a step's batch, which the data order fills from the next pass)."""
+    rows = getattr(data.batches, "rows", None)
+    if rows is None:
+        raise ValueError("--epochs needs the data's size, which streamed data (--streaming) does not have before "
+                         "it is read: give --steps")
+    out = dataclasses.replace(cfg, steps=max(1, math.ceil(cfg.epochs * len(rows) / cfg.batch)))
+    out.check()
+    return out
 
 
 STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and positions, int64
@@ -166,7 +180,7 @@ def run(cfg: TrainConfig) -> dict:
                     if run_dir is not None:
                         run_dir.abandon()  # nothing is written before this point
                     raise
-                summary = _train(cfg, out if lead else side, prepared, signals, dp, stages)
+                summary = _train(prepared[-1], out if lead else side, prepared, signals, dp, stages)
                 done = True
                 return summary
         finally:
@@ -256,7 +270,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
     from megatrain.planner.dump import can_plot, plot
     from megatrain.planner.simulate import simulate
 
-    model, tok, tok_from, data, sm, schedule = prepared
+    model, tok, tok_from, data, sm, schedule, _ = prepared
     write_whole(out / RUN_FILE, json.dumps({"config": dataclasses.asdict(cfg), "data_tokens": data.tokens,
                                             "data_sha256": data.digest}, indent=1))
     write_whole(out / "schedule.txt", schedule.to_text())

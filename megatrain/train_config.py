@@ -30,11 +30,14 @@ class TrainConfig:
     eval_split: float = 0.0  # or this share of the data's documents held out (seeded); 0: none
     eval_every: int = 0  # the held-out loss every this many steps (0: at the end only)
     steps: int = 300
+    epochs: float | None = None  # passes over the data's rows; given, the steps are derived from it (rounded up)
     batch: int = 16  # sequences per step
     seq: int = 128  # tokens per sequence
     lr: float | None = None  # peak learning rate; None: 1e-5 where the model brings weights, else 3e-3
     warmup: int | None = None  # warmup steps, then the schedule; None: a tenth of the steps, at most 30 (fine-tuning
     # a model with weights: 3% of the steps)
+    warmup_start: str | None = None  # "zero": the first warmup step at lr 0 (transformers' rule); "first": at
+    # lr / warmup; None: "zero" for fine-tuning (a recipe from the HF Trainer or TRL takes the same steps), else "first"
     schedule: str = "cosine_with_min_lr"  # after warmup: one of transformers.get_scheduler's (optim_config.SCHEDULES)
     min_lr: float | None = None  # where cosine_with_min_lr / warmup_stable_decay end; None: lr / 10 / 0
     decay_steps: int | None = None  # warmup_stable_decay's decaying steps (None: a tenth of those after warmup)
@@ -128,6 +131,7 @@ class TrainConfig:
 
         return OptimConfig(lr=self.peak_lr, betas=self.beta_pair(), weight_decay=self.weight_decay,
                            decay_all=self.decay_all, max_grad_norm=self.clip, warmup_steps=self.warmup_steps,
+                           warmup_start=self.warmup_start or ("zero" if self.fine_tune else "first"),
                            total_steps=self.steps, schedule=self.schedule, min_lr=self.min_lr_value,
                            decay_steps=self.decay_steps)
 
@@ -205,6 +209,11 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
             raise ValueError(f"clip must be a finite number > 0, or null for no clipping, got {self.clip}")
+        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ValueError(f"epochs must be a finite number > 0, got {self.epochs}")
+        if self.epochs is not None and self.streaming:
+            raise ValueError("--epochs needs the data's size, which streamed data (--streaming) does not have "
+                             "before it is read: give --steps")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.warmup_steps < self.steps:

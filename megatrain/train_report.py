@@ -72,7 +72,8 @@ def header(cfg: TrainConfig, sm, schedule, weights: str, tokenizer: str, data: s
     learning rate, the plan, the host memory it counts, what the run saves and where it writes."""
     c = schedule.config
     return (f"megatrain train: {cfg.model} ({sm.graph.n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on "
-            f"{sm.device}, {weights}, {tokenizer}; {data}; {cfg.steps} steps x {cfg.batch} x {cfg.seq} tokens, "
+            f"{sm.device}, {weights}, {tokenizer}; {data}; {cfg.steps} steps"
+            f"{f' ({cfg.epochs:g} epochs)' if cfg.epochs is not None else ''} x {cfg.batch} x {cfg.seq} tokens, "
             f"{cfg.mb} micro-batches, {schedule_text(cfg)}" + (f", {frozen_text(sm)}" if sm.captured.frozen else "")
             + f"; plan: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers updated on the device "
             f"({len(c.resident_opt)} keeping their state there), {len(c.grad_kept)} keeping their gradients there "
@@ -122,7 +123,8 @@ def host_text(sm, schedule) -> str:
 def schedule_text(cfg: TrainConfig) -> str:
     o = cfg.optim_config()
     end = f" to {o.min_lr:g}" if o.schedule_name in ("cosine_with_min_lr", "warmup_stable_decay") else ""
-    return f"lr {o.lr:g} ({o.warmup_steps} warmup steps, then {o.schedule_name}{end})"
+    start = (" from 0" if o.warmup_start == "zero" else f" from {o.lr / o.warmup_steps:g}") if o.warmup_steps else ""
+    return f"lr {o.lr:g} ({o.warmup_steps} warmup steps{start}, then {o.schedule_name}{end})"
 
 
 def frozen_text(sm) -> str:
@@ -158,5 +160,5 @@ def warn_repeats(data, cfg: TrainConfig) -> None:
               flush=True)
     elif epochs > 10:
         print(f"megatrain train: warning: {cfg.steps:,} steps of {cfg.batch:,} rows go over the data's {n:,} rows "
-              f"{epochs:,.0f} times (--steps {max(1, round(3 * n / cfg.batch)):,} is about 3 epochs)",
+              f"{epochs:,.0f} times (--epochs 3 is {math.ceil(3 * n / cfg.batch):,} steps)",
               file=sys.stderr, flush=True)

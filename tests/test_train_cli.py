@@ -574,7 +574,7 @@ def test_optimizer_options_metrics_and_tensorboard(tmp_path, capsys):
                      "--out", str(out)]) == 0
         runs[lr] = out
     printed = capsys.readouterr().out
-    assert "lr 0.003 (1 warmup steps, then linear)" in printed and "parameters frozen" in printed
+    assert "lr 0.003 (1 warmup steps from 0.003, then linear)" in printed and "parameters frozen" in printed
     out = runs["3e-3"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # linear after one warmup step: transformers' (steps - s) / (steps - warmup) at step s
@@ -640,9 +640,27 @@ def test_data_too_small_for_the_run_is_warned_of(tmp_path, capsys):
     for i, (extra, want) in enumerate([
             (["--steps", "2", "--batch", "16"], "--batch 16 is more than the data's 9 rows: each batch holds rows "
                                                 "more than once (4 passes over the data in 2 steps)"),
-            (["--steps", "12", "--batch", "8"], "12 steps of 8 rows go over the data's 9 rows 11 times (--steps 3 "
-                                                "is about 3 epochs)"),
+            (["--steps", "12", "--batch", "8"], "12 steps of 8 rows go over the data's 9 rows 11 times (--epochs 3 "
+                                                "is 4 steps)"),
             (["--steps", "2", "--batch", "4"], None)]):
         assert main([*base, *extra, "--out", str(tmp_path / str(i))]) == 0
         warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
         assert warned == ([] if want is None else [f"megatrain train: warning: {want}"]), warned
+
+
+def test_epochs_derive_the_steps_from_the_datas_rows(tmp_path, capsys):
+    """--epochs N: the steps that go over the data's rows N times, rounded up (9 rows, 4 a step, 2 epochs: 5 steps),
+    said in the run's first line; with --steps too, or with streamed data (no size before it is read), refused."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"hello world number {i} with some words"}) for i in range(30)))
+    base = ["train", "--data", str(data), "--seq", "32", "--vocab", "300", "--batch", "4"]
+    assert main([*base, "--epochs", "2", "--out", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert "9 rows of 32" in printed and "5 steps (2 epochs) x 4 x 32 tokens" in printed
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["steps"] == summary["last_step"] == 5
+    assert main([*base, "--epochs", "2", "--steps", "3", "--out", str(tmp_path / "b")]) == 2
+    assert "give --steps (3) or --epochs (2), not both" in capsys.readouterr().err
+    assert main([*base, "--epochs", "2", "--streaming", "--out", str(tmp_path / "c")]) == 2
+    assert "--epochs needs the data's size" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()

@@ -196,3 +196,34 @@ def test_a_state_saved_with_other_layers_frozen_is_refused_in_one_line(tmp_path)
                                          r"same parameters"):
         train_state.read_manifest(compile_cpu(hf_model("qwen2", tie_word_embeddings=False), optim=OPT,
                                               n_mb=3).captured, tmp_path / "state")
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "constant"] + ["constant_with_warmup"])
+def test_warmup_from_zero_is_transformers_at_every_step(name):
+    """warmup_start="zero" (the fine-tuning default of megatrain train): every step's learning rate, the warmup's
+    included, is the HF Trainer's for the same schedule (its constant schedule with warmup is
+    constant_with_warmup)."""
+    lr, warmup, total = 2e-3, 5, 40
+    ours = "constant" if name == "constant_with_warmup" else name
+    kwargs = ({"min_lr": 2e-4} if name == "cosine_with_min_lr" else
+              {"num_decay_steps": 8, "min_lr_ratio": 0.1} if name == "warmup_stable_decay" else {})
+    cfg = megatrain.OptimConfig(lr=lr, warmup_steps=warmup, total_steps=None if ours == "constant" else total,
+                                schedule=ours, warmup_start="zero",
+                                min_lr=2e-4 if name in ("cosine_with_min_lr", "warmup_stable_decay") else 0.0,
+                                decay_steps=8 if name == "warmup_stable_decay" else None)
+    mine = [lr_at(cfg, s) for s in range(total)]
+    assert mine[0] == (2e-4 if name == "warmup_stable_decay" else 0.0)  # (its warmup starts at min_lr)
+    assert mine == pytest.approx(_transformers_lrs(name, lr, warmup, total, **kwargs), rel=1e-12, abs=1e-15)
+
+
+def test_fine_tuning_warms_up_from_zero_and_training_from_scratch_from_the_first_step(tmp_path):
+    from megatrain.train_config import TrainConfig
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"")
+    assert TrainConfig(model=str(model)).optim_config().warmup_start == "zero"
+    assert TrainConfig().optim_config().warmup_start == "first"
+    assert TrainConfig(model=str(model), warmup_start="first").optim_config().warmup_start == "first"
+    with pytest.raises(ValueError, match="warmup_start must be 'first' or 'zero'"):
+        megatrain.OptimConfig(warmup_start="one")

@@ -26,6 +26,8 @@ class OptimConfig:
     decay_all: bool = False  # weight decay on every parameter (default: the HF Trainer's rule, see no_decay_names)
     max_grad_norm: float | None = 1.0  # clip by the exact global norm; None: no clipping
     warmup_steps: int = 0  # linear warmup from lr / warmup_steps to lr
+    warmup_start: str = "first"  # "first": the first step at lr / warmup_steps; "zero": at 0, the k-th at
+    # lr x k / warmup_steps (transformers' schedules: a first step that moves only the moments and step counts)
     total_steps: int | None = None  # the steps the schedule spans; None: constant after warmup
     schedule: str | None = None  # after warmup, transformers.get_scheduler's schedule of this name (SCHEDULES);
     # None: cosine_with_min_lr where total_steps is given, else constant
@@ -52,6 +54,8 @@ class OptimConfig:
             raise ValueError(f"eps must be positive, got {self.eps}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        if self.warmup_start not in ("first", "zero"):
+            raise ValueError(f"warmup_start must be 'first' or 'zero', got {self.warmup_start!r}")
         if self.host_kernel not in ("auto", "native", "torch"):
             raise ValueError(f"host_kernel must be 'auto', 'native' or 'torch', got {self.host_kernel!r}")
         if self.host_block < 0:
@@ -91,20 +95,23 @@ class OptimConfig:
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup from ``lr / warmup_steps`` (not from 0,
-    where transformers' schedules start: a step at learning rate 0 would only move the moments), then the named
-    schedule's value at ``step`` as transformers.get_scheduler computes it."""
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup from ``lr / warmup_steps`` (or, with
+    ``warmup_start="zero"``, from 0 as transformers' schedules start: a step at learning rate 0 only moves the
+    moments), then the named schedule's value at ``step`` as transformers.get_scheduler computes it."""
+    if cfg.warmup_start == "zero":  # transformers' factor at every step, its warmup's included
+        return cfg.lr * _schedule_factor(cfg, True)(step)
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     return cfg.lr * _schedule_factor(cfg)(step)
 
 
 @functools.lru_cache(maxsize=16)
-def _schedule_factor(cfg: OptimConfig) -> Callable[[int], float]:
-    """transformers' multiplier of the peak learning rate at a step, for ``cfg``'s schedule."""
+def _schedule_factor(cfg: OptimConfig, warm: bool = False) -> Callable[[int], float]:
+    """transformers' multiplier of the peak learning rate at a step, for ``cfg``'s schedule (``warm``: its own
+    warmup included, the constant schedule's being constant_with_warmup)."""
     from transformers import get_scheduler
 
-    name = cfg.schedule_name
+    name = "constant_with_warmup" if warm and cfg.schedule_name == "constant" else cfg.schedule_name
     kwargs = ({"min_lr": cfg.min_lr} if name == "cosine_with_min_lr" else
               {"num_decay_steps": cfg.wsd_decay_steps, "min_lr_ratio": cfg.min_lr / cfg.lr}
               if name == "warmup_stable_decay" else {})

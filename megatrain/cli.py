@@ -127,6 +127,8 @@ def _main(argv: list[str]) -> int:
                                   "local HF cache; default: Python's own documentation")
     for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
+                           ("chat_template", str, "a file holding a Jinja chat template to render chat data "
+                                                  "with instead of the tokenizer's (the export carries it)"),
                            ("epochs", float, "passes over the data's rows, the steps derived from it (rounded "
                                              "up; instead of --steps)"),
                            ("warmup", int, "warmup steps (a tenth of the steps, at most 30)"),

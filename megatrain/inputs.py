@@ -3,8 +3,10 @@ data (examples, rows, batches), read and checked before the model's memory is al
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,3 +217,32 @@ def _has_tokenizer(d: Path) -> bool:
 
 
 __all__ = ["DataSource", "ModelSource", "data_source", "model_source", "tokenizer_for"]
+
+
+def chat_template_file(path: str, tok) -> str:
+    """The Jinja chat template in the file ``path`` (it replaces the tokenizer's, and the export carries it),
+    checked by rendering a two-turn conversation with ``tok``: one line naming the file where it cannot."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--chat-template {path}: no such file (a Jinja chat template, as tokenizer_config.json's "
+                         f"chat_template holds)")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                                chat_template=text, tokenize=False)
+    except Exception as e:  # (jinja2's syntax and undefined errors, the template's own raise_exception)
+        raise ValueError(f"--chat-template {path}: the template does not render a conversation: "
+                         f"{type(e).__name__}: {e}"[:400]) from None
+    return text
+
+
+def steps_for_epochs(cfg, data):
+    """``cfg`` (a TrainConfig) with the steps of ``cfg.epochs`` passes over ``data``'s rows, ``cfg.batch`` rows a step (rounded
+    up: the last pass may end in the middle of a step's batch, which the data order fills from the next pass)."""
+    rows = getattr(data.batches, "rows", None)
+    if rows is None:
+        raise ValueError("--epochs needs the data's size, which streamed data (--streaming) does not have before "
+                         "it is read: give --steps")
+    out = dataclasses.replace(cfg, steps=max(1, math.ceil(cfg.epochs * len(rows) / cfg.batch)))
+    out.check()
+    return out

@@ -16,7 +16,7 @@ import torch
 from megatrain import train_report as report
 from megatrain.data import DataError
 from megatrain.export import save_tokenizer
-from megatrain.inputs import data_source, model_source, tokenizer_for
+from megatrain.inputs import chat_template_file, data_source, model_source, steps_for_epochs, tokenizer_for
 from megatrain.resume import last_state
 from megatrain.rundir import PLAN_FILE, RUN_FILE, STATE_DIR, RunDirectory, StopSignals, answering_signals, write_whole
 from megatrain.runtime.state import train_state
@@ -40,6 +40,8 @@ def _prepare(cfg: TrainConfig, dp=None):
     # (on threads of their own, so that a signal is answered while a tokenizer trains or a reader parses)
     tok, tok_from = answering_signals(tokenizer_for, model, cfg.data, cfg.vocab, cfg.resume, cfg.trust_remote_code,
                                       cfg.streaming)
+    if cfg.chat_template:
+        tok.chat_template = chat_template_file(cfg.chat_template, tok)
     stop_ids(tok, cfg.stop_tokens())  # an --eos-token the vocabulary lacks: refused before anything is built
     if len(tok) > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {len(tok)} tokens, the model's vocabulary {model.config.vocab_size}")
@@ -91,18 +93,6 @@ def _prepare(cfg: TrainConfig, dp=None):
     schedule = sm.schedule_for(cfg.batch // world, cfg.seq)
     sm.planned_s = time.perf_counter() - t0
     return model, tok, tok_from, data, sm, schedule, cfg
-
-
-def steps_for_epochs(cfg: TrainConfig, data) -> TrainConfig:
-    """``cfg`` with the steps of ``cfg.epochs`` passes over ``data``'s rows, ``cfg.batch`` rows a step (rounded
-    up: the last pass may end in the middle of a step's batch, which the data order fills from the next pass)."""
-    rows = getattr(data.batches, "rows", None)
-    if rows is None:
-        raise ValueError("--epochs needs the data's size, which streamed data (--streaming) does not have before "
-                         "it is read: give --steps")
-    out = dataclasses.replace(cfg, steps=max(1, math.ceil(cfg.epochs * len(rows) / cfg.batch)))
-    out.check()
-    return out
 
 
 STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and positions, int64

@@ -30,6 +30,7 @@ class TrainConfig:
     eval_split: float = 0.0  # or this share of the data's documents held out (seeded); 0: none
     eval_every: int = 0  # the held-out loss every this many steps (0: at the end only)
     steps: int = 300
+    chat_template: str | None = None  # a file holding a Jinja chat template used instead of the tokenizer's
     epochs: float | None = None  # passes over the data's rows; given, the steps are derived from it (rounded up)
     batch: int = 16  # sequences per step
     seq: int = 128  # tokens per sequence

@@ -664,3 +664,30 @@ def test_epochs_derive_the_steps_from_the_datas_rows(tmp_path, capsys):
     assert main([*base, "--epochs", "2", "--streaming", "--out", str(tmp_path / "c")]) == 2
     assert "--epochs needs the data's size" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_chat_template_file_renders_the_data_and_goes_with_the_export(tmp_path, capsys):
+    """--chat-template FILE: the data rendered with it instead of the tokenizer's, the exported tokenizer carrying
+    it; a missing file or one that does not render is one line before anything is built."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},
+                                                       {"role": "assistant", "content": f"{i} said"}]})
+                              for i in range(40)))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' of the template file\\n' + "
+                        "m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ '<|im_start|>assistant of the template file\\n' }}{% endif %}")
+    base = ["train", "--data", str(data), "--steps", "1", "--batch", "4", "--seq", "64", "--vocab", "300"]
+    assert main([*base, "--chat-template", str(template), "--out", str(tmp_path / "a")]) == 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert tok.chat_template == template.read_text()
+    assert "of the template file" in tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    capsys.readouterr()
+    assert main([*base, "--chat-template", str(tmp_path / "none.jinja"), "--out", str(tmp_path / "b")]) == 2
+    assert "--chat-template" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    template.write_text("{% for m in messages %}{{ m['content'] }")
+    assert main([*base, "--chat-template", str(template), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "the template does not render a conversation: TemplateSyntaxError" in err and len(err.splitlines()) == 1

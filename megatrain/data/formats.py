@@ -20,6 +20,8 @@ the template; the tool calls are trained on as replies are.
 from __future__ import annotations
 
 import json
+import sys
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,6 +232,7 @@ def chat_example(messages: list[dict], tok, trained_from: int = 0, tools: list[d
         return tok.apply_chat_template(ms, tools=tools, tokenize=False, add_generation_prompt=prompt)
 
     full = render(messages)
+    _warn_dropped(tok, messages, full)
     refused = DataError("the chat template does not render a conversation as each turn's prompt followed by its "
                         "reply (the rendering of a turn is not a prefix of the next), so the assistant's tokens "
                         "cannot be told apart")
@@ -253,3 +256,28 @@ def chat_example(messages: list[dict], tok, trained_from: int = 0, tools: list[d
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     train = [any(a <= lo < b for a, b in spans) for lo, _ in enc["offset_mapping"]]
     return Example(list(enc["input_ids"]), train)
+
+
+_SAID: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> what it was warned of
+
+
+def _warn_dropped(tok, messages: list[dict], full: str) -> None:
+    """One warning line per tokenizer and kind where its chat template leaves out of ``full`` (a conversation's
+    rendering) a tool call an assistant turn makes (its function's name absent: a template without tool support),
+    or a turn's text (as Qwen3's drops the reasoning of earlier replies): such turns train as the template renders
+    them."""
+    said = _SAID.setdefault(tok, set())
+    for m in messages:
+        names = [(c.get("function") or {}).get("name") for c in m.get("tool_calls") or [] if isinstance(c, dict)]
+        name = next((n for n in names if isinstance(n, str) and n and n not in full), None)
+        if name is not None and "tool calls" not in said:
+            said.add("tool calls")
+            print(f"megatrain train: warning: the chat template leaves out the tool calls of assistant turns (the "
+                  f"call of {name!r} is not in the rendering): those turns train without them; a template with tool "
+                  f"support keeps them (--chat-template FILE)", file=sys.stderr, flush=True)
+        text = m.get("content")
+        if isinstance(text, str) and text.strip() and text.strip() not in full and "text" not in said:
+            said.add("text")
+            print(f"megatrain train: warning: the chat template leaves out part of the text of a turn ({m.get('role')}"
+                  f": {text.strip()[:40]!r}): such turns train as the template renders them", file=sys.stderr,
+                  flush=True)

@@ -285,3 +285,30 @@ def test_sharegpt_tool_use_is_the_messages_tool_calls():
     share["conversations"][1]["value"] = "add(2, 2)"
     with pytest.raises(DataError, match=r"conversations\[1\]: a function_call's value must be the JSON"):
         to_example(share, "sharegpt", tok, {})
+
+
+def test_a_template_that_drops_tool_calls_or_a_turns_text_is_warned_of_once(capsys):
+    """A template without tool support (Llama-3's here) renders an assistant's tool call as an empty reply, and
+    Qwen3-style reasoning in an earlier reply is left out of the rendering: one warning line each, per tokenizer,
+    naming what is missing; a template that keeps everything says nothing."""
+    from .tokenizers import TOOL_CHATML
+
+    tok = llama3_tokenizer()
+    calls = [TOOL_CHAT[0], {**TOOL_CHAT[1], "content": ""}, *TOOL_CHAT[2:]]  # (this template needs a content)
+    for _ in range(2):
+        to_example({"messages": calls}, "messages", tok, {})
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["megatrain train: warning: the chat template leaves out the tool calls of assistant turns (the "
+                   "call of 'add' is not in the rendering): those turns train without them; a template with tool "
+                   "support keeps them (--chat-template FILE)"]
+    tok = chatml_tokenizer()
+    tok.chat_template = TOOL_CHATML
+    to_example({"messages": TOOL_CHAT, "tools": TOOLS}, "messages", tok, {})
+    assert capsys.readouterr().err == ""
+    tok.chat_template = CHATML.replace("m['content']", "m['content'].split('</think>')[-1]")
+    thinking = [CHAT[0], {"role": "assistant", "content": "<think>2 and 2</think>It is four."}, *CHAT[2:]]
+    for _ in range(2):
+        chat_example(thinking, tok)
+    assert capsys.readouterr().err.splitlines() == [
+        "megatrain train: warning: the chat template leaves out part of the text of a turn (assistant: "
+        "'<think>2 and 2</think>It is four.'): such turns train as the template renders them"]

@@ -126,12 +126,14 @@ def _main(argv: list[str]) -> int:
     t.add_argument("--data", help="a file or directory (json, jsonl, parquet, arrow, csv, txt) or a dataset in the "
                                   "local HF cache; default: Python's own documentation")
     for name, typ, hlp in [("steps", int, "optimizer steps (300)"), ("batch", int, "sequences per step (16)"),
-                           ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (3e-3)"),
+                           ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (1e-5 fine-tuning a model with "
+                                                                         "weights, 3e-3 from scratch)"),
                            ("chat_template", str, "a file holding a Jinja chat template to render chat data "
                                                   "with instead of the tokenizer's (the export carries it)"),
                            ("epochs", float, "passes over the data's rows, the steps derived from it (rounded "
                                              "up; instead of --steps)"),
-                           ("warmup", int, "warmup steps (a tenth of the steps, at most 30)"),
+                           ("warmup", int, "warmup steps (3% of the steps fine-tuning a model with weights; from "
+                                           "scratch a tenth, at most 30)"),
                            ("warmup_start", str, "the first warmup step's learning rate: zero (transformers' rule, "
                                                  "the default with --model) or first (lr / warmup, the default "
                                                  "from scratch)"),

@@ -691,3 +691,16 @@ def test_a_chat_template_file_renders_the_data_and_goes_with_the_export(tmp_path
     assert main([*base, "--chat-template", str(template), "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert "the template does not render a conversation: TemplateSyntaxError" in err and len(err.splitlines()) == 1
+
+
+def test_the_example_config_is_a_valid_run_config():
+    """examples/chat-finetune.yaml: every key a TrainConfig field, every value of its type and range (the model and
+    data paths are the user's to fill in)."""
+    from pathlib import Path
+
+    from megatrain.train_config import TrainConfig, load_yaml
+
+    example = Path(__file__).parent.parent / "examples" / "chat-finetune.yaml"
+    cfg = TrainConfig(**load_yaml(str(example)))
+    cfg.check()
+    assert cfg.epochs == 3 and cfg.optim_config().warmup_start == "first"  # (zero once model names weights)

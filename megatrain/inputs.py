@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,12 +110,16 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
     """Examples of ``data`` (None: the default corpus) tokenized with ``tok``, in rows of ``seq`` tokens (packed or
     one per row), in a seeded order; ``eval_data`` or a share ``eval_split`` of the examples held out.
     ``streaming``: read as training goes (:mod:`megatrain.data.stream`), never whole."""
+    if streaming and data is not None and mixture(data) is not None:
+        raise DataError(f"--data {data}: a mix of sources is read whole, not streamed (--streaming reads one)")
     if streaming:
         return _streamed(data, tok, seq=seq, seed=seed, fmt=fmt, columns=columns, packing=packing,
                          eval_data=eval_data, eval_split=eval_split)
     if data is None:
         examples = Documents.of([to_example({"text": d}, "text", tok, {}) for d in default_corpus()])
         what = "the default corpus"
+    elif (mix := mixture(data)) is not None:
+        examples, what = mixed(mix, tok, seed=seed, fmt=fmt, columns=columns)
     else:
         _say_size(data)
         examples = tokenize(load_records(data), tok, fmt=fmt, columns=columns, source=data)
@@ -142,6 +147,51 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
             + (f", {len(held):,} held out for eval" if held is not None else ""))
     longest = max(rows.longest, eval_rows.longest if eval_rows is not None else 0)
     return DataSource(Batches(rows, seed), eval_rows, desc, h.hexdigest(), rows.tokens, longest)
+
+
+def mixture(data: str) -> list[tuple[str, float]] | None:
+    """``--data a.jsonl:0.7,b.parquet:0.3``: each source and its weight (1 where a source has none), or None for
+    one source without a weight."""
+    parts = data.split(",")
+    if len(parts) == 1 and not re.search(r":[0-9.]+(e-?[0-9]+)?$", data):
+        return None
+    out = []
+    for part in parts:
+        path, sep, w = part.rpartition(":")
+        if not sep or not re.fullmatch(r"[0-9.]+(e-?[0-9]+)?", w):
+            path, w = part, "1"
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if not (math.isfinite(weight) and weight > 0) or not path:
+            raise DataError(f"--data {data}: a mix is sources with weights > 0, e.g. a.jsonl:0.7,b.jsonl:0.3; "
+                            f"got {part!r}")
+        out.append((path, weight))
+    return out
+
+
+def mixed(mix: list[tuple[str, float]], tok, *, seed: int, fmt: str | None,
+          columns: dict[str, str]) -> tuple[Documents, str]:
+    """The examples of a mix of sources (each read with its own format, detected from its records unless ``fmt``
+    names one), each source taking its weight's share of a mix as large as all of them together: a smaller share
+    than its size is a seeded sample of its examples, a larger one repeats them (every one as often, give or take
+    one). Returns the examples and their description."""
+    docs = []
+    for path, _ in mix:
+        _say_size(path)
+        docs.append(tokenize(load_records(path), tok, fmt=fmt, columns=columns, source=path))
+    total, weights = sum(len(d) for d in docs), sum(w for _, w in mix)
+    parts, said = [], []
+    for k, ((path, w), d) in enumerate(zip(mix, docs)):
+        n = max(1, round(total * w / weights))
+        order = np.random.default_rng([seed, 2 << 20, k]).permutation(len(d))
+        parts.append(d.select(np.resize(order, n)))
+        said.append(f"{path} {w / weights:.0%} ({n:,} of its {len(d):,} examples"
+                    + (f", each {n / len(d):.1f} times" if n > len(d) else "") + ")")
+    out = Documents(np.concatenate([p.ids for p in parts]), np.concatenate([p.train for p in parts]),
+                    np.concatenate([p.lengths for p in parts]))
+    return out, "a mix of " + ", ".join(said)
 
 
 SAY_FROM_BYTES = 64 << 20  # data this large gets a line before it is read: tokenizing it takes a minute or more
@@ -204,8 +254,9 @@ def tokenizer_for(model: ModelSource, data: str | None, vocab: int, resume: str 
             f"tokenizer from {model.directory}"
     if data is None:
         texts = default_corpus()
-    else:
-        texts = (s for r in load_records(data, streaming=streaming) for s in _strings(r))
+    else:  # (a mix: every source's)
+        paths = [p for p, _ in mixture(data) or [(data, 1.0)]]
+        texts = (s for path in paths for r in load_records(path, streaming=streaming) for s in _strings(r))
     size = min(vocab, model.config.vocab_size) if model.directory is not None else vocab
     return build_tokenizer(texts, size), f"a {size}-token BPE built from the data"
 
@@ -216,7 +267,7 @@ def _has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in TOKENIZER_FILES)
 
 
-__all__ = ["DataSource", "ModelSource", "data_source", "model_source", "tokenizer_for"]
+__all__ = ["DataSource", "ModelSource", "data_source", "mixture", "model_source", "tokenizer_for"]
 
 
 def chat_template_file(path: str, tok) -> str:

@@ -20,9 +20,13 @@ def load_records(source: str, *, split: str = "train", streaming: bool = False):
     picks the loader; text files hold one document per blank-line-separated paragraph), or the name of a dataset
     already in the local HF cache. ``streaming``: an iterable dataset read as it is iterated (a cached dataset:
     its Arrow files, read in order). One line naming the source where it cannot be read."""
+    import logging
+
     import datasets
 
     datasets.disable_progress_bars()
+    # (its json reader logs a parse error before raising it, which the line below names by its line number)
+    logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     p = Path(source)
     try:
         if p.is_file() or p.is_dir():

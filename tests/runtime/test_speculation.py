@@ -109,3 +109,15 @@ def test_a_count_where_the_host_kernel_is_torchs_is_refused_and_auto_is_none():
         compile_cpu(hf_model("qwen2"), optim=dataclasses.replace(NATIVE, host_kernel="torch"), speculate=2)
     sm = compile_cpu(hf_model("qwen2"), optim=dataclasses.replace(NATIVE, host_kernel="torch"), speculate="auto")
     assert sm.plan_options.speculate == 0
+
+
+def test_a_plan_with_another_window_lets_the_masters_kept_for_the_last_one_go():
+    """The host bytes of the kept masters are the running plan's: a step of a plan with a smaller window drops the
+    copies of the layers it does not keep."""
+    model, data = hf_model("qwen2"), batches(n_steps=2)
+    sm = _compile(model, 3, "program")
+    sm.train_step(*data[0])
+    assert sorted(sm.optimizer._kept) == sorted(sm.schedule_for(*data[0][0].shape).config.speculate)
+    sm.train_step(*data[1], speculate=1)
+    one = sm.schedule_for(*data[1][0].shape, speculate=1).config.speculate
+    assert len(one) == 1 and sorted(sm.optimizer._kept) == list(one)

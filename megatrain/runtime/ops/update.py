@@ -125,7 +125,7 @@ def opt_on_host(ctx, op: Op, st: StepState) -> None:
         if not ctx.optimizer.native or ctx.dp is not None:
             raise AssertionError("an update before the step's guard needs megatrain's host kernel (it writes the "
                                  "masters alone) and one process")
-        ctx.optimizer.keep_masters(op.layer)
+        ctx.optimizer.keep_masters(op.layer, st.schedule.config.speculate)
         ctx.optimizer.step_layer(op.layer, _host_grad(ctx, op), moments=False)
         return
     if not st.ok():

@@ -335,9 +335,12 @@ class HostAdamW:
         return self._device_opts[key]
 
     # ---- updates made before the step's global norm is known (ScheduleConfig.speculate) ------------------
-    def keep_masters(self, layer: int) -> None:
+    def keep_masters(self, layer: int, window: tuple[int, ...] = ()) -> None:
         """Keep ``layer``'s master weights and Adam step count as they are, for :meth:`restore_masters` (one copy
-        per layer, made once and rewritten each time: the host bytes the plan counts for it)."""
+        per layer, made once and rewritten each time: the host bytes the plan counts for it). ``window``: the
+        schedule's layers that keep theirs; copies of others (a plan run before) are let go."""
+        for other in [l for l in self._kept if l != layer and window and l not in window]:
+            del self._kept[other]
         kept = self._kept.get(layer)
         if kept is None:
             kept = self._kept[layer] = [torch.empty_like(self.store.master(layer)), 0]

@@ -136,17 +136,36 @@ def data_source(data: str | None, tok, *, seq: int, seed: int, fmt: str | None, 
         examples = examples.select(np.sort(order[n_eval:]))
     arrange = pack if packing else one_per_row
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    rows = arrange(examples, seq, pad)
-    eval_rows = arrange(held, seq, pad) if held is not None else None
+    rows, dropped = trained_rows(arrange(examples, seq, pad), examples, seq, packing, what)
+    eval_rows = trained_rows(arrange(held, seq, pad), held, seq, packing, "the held-out data")[0] \
+        if held is not None else None
     h = hashlib.sha256()
     for a in (rows.ids, rows.train, rows.positions if rows.positions is not None else np.zeros(0)):
         h.update(np.ascontiguousarray(a).tobytes())
     how = ("packed, each document whole in one row" + (f"; {rows.cut:,} longer than a row cut every {seq} tokens"
                                                         if rows.cut else "")) if packing else "one per row"
+    if dropped:
+        how += (f"; {dropped:,} rows left out with no token to train on, their documents' trained tokens past "
+                f"{'the row they were cut from' if packing else f'the first {seq}'}")
     desc = (f"{what}: {len(examples):,} examples, {rows.tokens:,} tokens in {len(rows):,} rows of {seq} ({how})"
             + (f", {len(held):,} held out for eval" if held is not None else ""))
     longest = max(rows.longest, eval_rows.longest if eval_rows is not None else 0)
     return DataSource(Batches(rows, seed), eval_rows, desc, h.hexdigest(), rows.tokens, longest)
+
+
+def trained_rows(rows: Rows, docs: Documents, seq: int, packing: bool, what: str) -> tuple[Rows, int]:
+    """``rows`` without those that hold no token to train on (a long prompt's part cut off its reply, or a document
+    truncated before its reply: they would add steps that train nothing), and how many were left out; one line
+    naming the longest document and ``seq`` where none is left."""
+    keep = rows.train.any(axis=1)
+    if keep.all():
+        return rows, 0
+    if not keep.any():
+        raise DataError(f"{what}: no row has a token to train on: every trained token lies past the first {seq} "
+                        f"tokens of its document{' (one per row, truncated)' if not packing else ''}; the longest "
+                        f"document has {int(docs.lengths.max()):,} tokens: raise --seq or shorten the prompts")
+    return Rows(rows.ids[keep], rows.train[keep], rows.positions[keep] if rows.positions is not None else None,
+                rows.real[keep], rows.cut), int((~keep).sum())
 
 
 def mixture(data: str) -> list[tuple[str, float]] | None:

@@ -63,3 +63,30 @@ def test_weights_are_parsed_and_bad_ones_refused(tmp_path):
     with pytest.raises(DataError, match="a mix of sources is read whole, not streamed"):
         data_source(f"{a}:1,{b}:1", chatml_tokenizer(), seq=64, seed=0, fmt=None, columns={}, packing=True,
                     eval_data=None, eval_split=0.0, streaming=True)
+
+
+def test_rows_with_no_token_to_train_on_are_left_out_and_none_left_is_one_line(tmp_path):
+    """A prompt longer than a row: packed, the parts cut off its reply hold no trained token and would make steps
+    that train nothing (a batch of them stopped a run mid-way); they are left out and counted. One per row, a
+    document truncated before its reply likewise; where no row is left, one line names --seq and the longest
+    document."""
+    tok = chatml_tokenizer()
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": ("tell me " + "very " * 40
+                                                                                    if i % 2 else "hi") + f" {i}"},
+                                                       {"role": "assistant", "content": f"ok {i}"}]})
+                              for i in range(10)))
+    for packing in (True, False):
+        src = data_source(str(data), tok, seq=96, seed=0, fmt=None, columns={}, packing=packing, eval_data=None,
+                          eval_split=0.0)
+        rows = src.batches.rows
+        assert rows.train.any(axis=1).all()
+        assert "rows left out with no token to train on" in src.description
+        short = data_source(str(data), tok, seq=96, seed=0, fmt=None, columns={}, packing=packing,
+                            eval_data=None, eval_split=0.0)
+        assert short.digest == src.digest
+    with pytest.raises(DataError, match="no row has a token to train on: every trained token lies past the first "
+                                        "8 tokens of its document .one per row, truncated.; the longest document "
+                                        "has [0-9]+ tokens: raise --seq or shorten the prompts"):
+        data_source(str(data), tok, seq=8, seed=0, fmt=None, columns={}, packing=False, eval_data=None,
+                    eval_split=0.0)

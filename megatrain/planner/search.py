@@ -281,9 +281,11 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     finish.
 
     ``speculate``: the host updates made before the step's guard (``ScheduleConfig.speculate``; with clipping): a
-    count of layers every candidate takes, or "auto": the fastest few candidates again with the window
-    :func:`~megatrain.planner.speculation.speculation_set` gives them, ranked with ``clip_rate`` (the share of
-    steps expected to be clipped) times what a clipped step adds."""
+    count of layers every candidate takes, or "auto": every candidate takes the first of
+    :data:`~megatrain.planner.speculation.AUTO_SHARES` of the window
+    :func:`~megatrain.planner.speculation.speculation_set` gives it, and the fastest is tried again with the
+    others (none among them); each ranked with ``clip_rate`` (the share of steps expected to be clipped) times what
+    a clipped step adds."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
     check_request(graph, spec, tokens, seq_len, budget)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:

@@ -286,21 +286,26 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         return transfer_nbytes(graph, cfg, op, spec) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return max(op_params(graph, cfg, op) * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
-    if k is OpKind.OPT and op.layer in cfg.speculate:  # the masters kept (read 4 bytes a parameter, write 4), the
-        # new masters written alone
-        p = op_params(graph, cfg, op)
-        return p / spec.cpu_cast_params_per_s + opt_seconds(cfg, spec, p, bool(spec.cpu_adam_master_params_per_s))
+    if k is OpKind.OPT and op.layer in cfg.speculate:
+        return early_update_s(cfg, spec, op_params(graph, cfg, op))
     if k is OpKind.OPT:
         return opt_seconds(cfg, spec, op_params(graph, cfg, op), defers_moments(cfg, spec, op))
     raise AssertionError(k)
 
 
+KEPT_MASTER_BYTES = 4  # host bytes per parameter an update made before the guard keeps (its fp32 masters)
+
+
+def early_update_s(cfg: ScheduleConfig, spec: HardwareSpec, p: int) -> float:
+    """Host seconds of an update of ``p`` parameters made before the guard (``speculate``): the masters kept (read
+    4 bytes a parameter, write 4) and the new masters written alone. A clipped step's CHECK takes as long again:
+    the masters put back, the update made again."""
+    return p / spec.cpu_cast_params_per_s + opt_seconds(cfg, spec, p, bool(spec.cpu_adam_master_params_per_s))
+
+
 def speculation_redo_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec) -> float:
-    """Host seconds a clipped step adds where updates were made before its guard (``speculate``): each such
-    layer's masters put back and its update made again (the masters alone, as before)."""
-    p = sum(graph.weight_params(l) for l in cfg.speculate)
-    return p / spec.cpu_cast_params_per_s + (opt_seconds(cfg, spec, p, bool(spec.cpu_adam_master_params_per_s))
-                                             if p else 0.0)
+    """Host seconds a clipped step adds where updates were made before its guard (``speculate``)."""
+    return early_update_s(cfg, spec, sum(graph.weight_params(l) for l in cfg.speculate))
 
 
 def defers_moments(cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> bool:
@@ -370,7 +375,7 @@ def host_memory(graph: LayerGraph, schedule: Schedule) -> dict[str, int]:
     out["gradients"] = sum(numels) * cfg.grad_host_bytes + (
         min(max(numels, default=0), HOST_UPDATE_CHUNK) * 4 if cfg.grad_host_bytes == 2 else 0)
     if cfg.speculate:  # the masters an update made before the guard rewrote, kept until its CHECK
-        out["kept_masters"] = sum(graph.weight_params(l) for l in cfg.speculate) * 4
+        out["kept_masters"] = sum(graph.weight_params(l) for l in cfg.speculate) * KEPT_MASTER_BYTES
     return out
 
 

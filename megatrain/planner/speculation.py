@@ -19,10 +19,10 @@ from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Op, OpKind, ScheduleConfig, Stream
 from megatrain.planner.checks import PlanError
-from megatrain.planner.cost import duration_s, host_floor, opt_seconds
+from megatrain.planner.cost import KEPT_MASTER_BYTES as KEPT_BYTES
+from megatrain.planner.cost import duration_s, early_update_s, host_floor, opt_seconds
 from megatrain.planner.hardware import HardwareSpec
 
-KEPT_BYTES = 4  # host bytes per parameter an update made before the guard keeps (its fp32 masters)
 # shares of the "auto" window the search tries, the first on every candidate, the others (0: none) on the fastest:
 # the host also computes the step before's deferred moments during the backward, and a window that fills it holds
 # up the updates after the norm (Llama-3-70B on the H200 preset: 57 layers 37.1 s/step simulated, 40 layers 30.8,
@@ -69,13 +69,12 @@ def speculation_set(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, 
     used = busy = 0.0
     for l in able:
         p = graph.weight_params(l)
-        copy = p / spec.cpu_cast_params_per_s
-        gain = opt_seconds(cfg, spec, p, master)
-        if used + p * KEPT_BYTES > host_free or busy + copy + gain > hide or gain <= clip_rate * (copy + gain):
+        early, gain = early_update_s(cfg, spec, p), opt_seconds(cfg, spec, p, master)
+        if used + p * KEPT_BYTES > host_free or busy + early > hide or gain <= clip_rate * early:
             break
         out.append(l)
         used += p * KEPT_BYTES
-        busy += copy + gain
+        busy += early
     return tuple(out)
 
 

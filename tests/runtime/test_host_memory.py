@@ -3,6 +3,7 @@ process of its own, on a ~300M-parameter model: tests/runtime/host_memory_stages
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,11 @@ SLACK = 32 << 20  # what Python and torch allocate along the way (file objects, 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak-RSS reset")
 def test_each_stage_adds_at_most_its_bound_to_a_filled_store(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-m", "tests.runtime.host_memory_stages", str(tmp_path)], cwd=root,
-                         capture_output=True, text=True, timeout=600)
+    try:
+        run = subprocess.run([sys.executable, "-m", "tests.runtime.host_memory_stages", str(tmp_path)], cwd=root,
+                             capture_output=True, text=True, timeout=600)
+    finally:  # the stages write a few GB of checkpoints: pytest keeps its last runs' folders, so free them now
+        shutil.rmtree(tmp_path, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert results.pop("params") > 280e6

@@ -224,9 +224,12 @@ def _main(argv: list[str]) -> int:
                         "them; the same as one process training the whole batch")
     t.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=None,
                    help="run the Python files a model directory's config.json names (auto_map); off by default")
-    t.add_argument("--tensorboard", action="store_true", default=None,
-                   help="also write the metrics as TensorBoard events in <out>/tensorboard (pip install "
-                        "'megatrain[tensorboard]')")
+    t.add_argument("--report-to", dest="report_to", metavar="NAME[,NAME]",
+                   help="experiment trackers given each step's metrics, through their own clients: tensorboard "
+                        "(events in <out>/tensorboard), wandb ($WANDB_PROJECT, default megatrain; $WANDB_MODE=offline "
+                        "to sync later), mlflow ($MLFLOW_TRACKING_URI, default a file store in <out>/mlruns); none "
+                        "by default")
+    t.add_argument("--tensorboard", action="store_true", default=None, help="the same as --report-to tensorboard")
     t.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     t.add_argument("--out", help="output directory (default: megatrain-runs/<UTC time>); must be new or empty")
     t.set_defaults(fn=_train)

@@ -280,7 +280,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
     print(report.header(cfg, sm, schedule, model.describe(), f"{tok_from} ({len(tok):,} tokens)", data.description,
                         saves, out), flush=True)
     sm.nonfinite = "skip"  # decided here, by cfg.on_nonfinite
-    meter = report.Meter(sm, cfg, out)
+    meter = report.Meter(sm, cfg, out, report=lead)
     log = (out / "metrics.jsonl").open("w")
     history, skipped, in_row, evals = [], 0, 0, []
     saved_at, save_s, refused = None, [], None  # refused: why a state could not be saved (the disk)
@@ -343,7 +343,6 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
         with (out / "metrics.jsonl").open("a") as log, stages("eval"):
             evals.append(_evaluate(sm, data.eval_rows, cfg.batch, log, dp))
         meter.write(evals[-1])
-    meter.close()
     if signals.requested is not None:
         say(f"{signals.requested.name} after step {sm.step}: saving the weights and the training state, then "
             f"stopping (a second one stops at once)")
@@ -385,6 +384,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
         summary["stopped_by"] = signals.requested.name
         summary["exit_code"] = signals.exit_code
     write_whole(out / "summary.json", json.dumps(summary, indent=1))
+    meter.close(summary)  # (the trackers end with the run's summary)
     if refused is not None:
         last = last_state(out, cfg)
         raise ValueError(f"{refused}; the run stops after step {sm.step}, whose weights are in {out}/ "

@@ -81,8 +81,8 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a step whose loss or gradient norm is not finite applies no update; then "stop"
     # (save nothing more, say where the last state is) or "skip" (go on with the next batch; stop after
     # MAX_SKIPPED in a row)
-    tensorboard: bool = False  # also write the metrics as TensorBoard events in <out>/tensorboard (needs the
-    # tensorboard package: megatrain[tensorboard])
+    report_to: str = ""  # experiment trackers given the metrics, comma-separated: tensorboard, wandb, mlflow
+    tensorboard: bool = False  # the same as tensorboard in report_to
     trust_remote_code: bool = False  # run the Python files of a model directory whose config names them (auto_map)
     resume: str | None = None  # an earlier run's directory: go on from the training state it saved (a flag only)
 
@@ -220,12 +220,13 @@ class TrainConfig:
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"need 0 <= warmup ({self.warmup_steps}) < steps ({self.steps})")
         self.optim_config()
-        if self.tensorboard:
-            import importlib.util
+        self.trackers()
 
-            if importlib.util.find_spec("tensorboard") is None:
-                raise ValueError("tensorboard: the tensorboard package is not installed (pip install "
-                                 "'megatrain[tensorboard]')")
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers the run reports to (each one's package checked)."""
+        from megatrain.trackers import parse
+
+        return parse(",".join(["tensorboard"] * self.tensorboard + [self.report_to]))
 
     def _check_types(self) -> None:
         """Each value of the type its field declares (a YAML file can hold anything); an int serves a float."""

@@ -1,5 +1,5 @@
 """What a run of ``megatrain train`` says of itself: the header's plan and host memory, the learning-rate schedule,
-frozen parameters, and per step the figures besides the loss (model FLOPs utilization, peak memory; TensorBoard)."""
+frozen parameters, and per step the figures besides the loss (model FLOPs utilization, peak memory; the trackers)."""
 
 from __future__ import annotations
 
@@ -15,20 +15,21 @@ from megatrain.train_config import TrainConfig
 class Meter:
     """Per-step figures besides the loss: on a GPU, model FLOPs utilization against the planner's hardware spec
     (its measured matmul rate; the cpu spec's rate is a placeholder, not a measurement, so there is none on the CPU)
-    and the GPU's peak allocation in the step; host memory resident; and the TensorBoard writer, where asked for."""
+    and the GPU's peak allocation in the step; host memory resident; and the experiment trackers of --report-to
+    (the lead process's alone)."""
 
-    def __init__(self, sm, cfg: TrainConfig, out: Path):
+    def __init__(self, sm, cfg: TrainConfig, out: Path, report: bool = True):
         self.sm = sm
         self.tokens_per_step = cfg.batch * cfg.seq
         self.flops = sm.graph.train_flops(self.tokens_per_step, cfg.seq)
         self.rate = sm.hardware.matmul_flops_per_s
         self.cuda = sm.device.type == "cuda"
         self.host_peak = self.gpu_peak = 0.0
-        self.tb = None
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        import dataclasses
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+        from megatrain.trackers import Trackers
+
+        self.trackers = Trackers(cfg.trackers() if report else (), out, dataclasses.asdict(cfg))
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(sm.device)
 
@@ -47,10 +48,7 @@ class Meter:
         return rec
 
     def write(self, rec: dict) -> None:
-        if self.tb is not None:
-            for k, v in rec.items():
-                if k not in ("step", "skipped") and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{'eval' if k.startswith('eval') else 'train'}/{k}", v, rec["step"])
+        self.trackers.log(rec)
 
     def summary(self, tokens_per_s: float) -> dict:
         out = {"host_rss_peak_gib": self.host_peak}
@@ -62,9 +60,8 @@ class Meter:
     def postfix(self, rec: dict) -> dict:
         return {"mfu": f"{rec['mfu']:.1%}", "gpu": f"{rec['gpu_peak_gib']:.1f}G"} if "mfu" in rec else {}
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+    def close(self, summary: dict | None = None) -> None:
+        self.trackers.finish(summary)
 
 
 def header(cfg: TrainConfig, sm, schedule, weights: str, tokenizer: str, data: str, saves: str, out: Path) -> str:

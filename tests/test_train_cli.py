@@ -68,17 +68,21 @@ def test_yaml_config_and_flags(tmp_path):
     (["--betas", "0.9,1.5"], "betas must be two numbers in [0, 1)"),
     (["--freeze", "transformer.*"], "freeze: 'transformer.*' matches no parameter of the model (names look like"),
     (["--freeze", "model.*,lm_head.*"], "matches every parameter of the model: nothing would train"),
-    (["--tensorboard"], "tensorboard: the tensorboard package is not installed"),
+    (["--tensorboard"], "report_to: tensorboard needs the tensorboard package, which is not installed"),
+    (["--report-to", "wandb"], "report_to: wandb needs the wandb package, which is not installed (pip install "
+                                 "'megatrain[wandb]')"),
+    (["--report-to", "comet"], "report_to: unknown tracker 'comet' (choose from tensorboard, wandb, mlflow"),
 ])
 def test_bad_input_is_refused_with_one_message(tmp_path, capsys, monkeypatch, argv, msg):
     import megatrain.compiler
 
     monkeypatch.setattr(megatrain.compiler, "available_host_bytes", lambda: 64 << 30)  # any machine's answer
-    if "--tensorboard" in argv:  # as on a machine without the package
+    if "--tensorboard" in argv or "--report-to" in argv:  # as on a machine without these packages
         import importlib.util
 
         find = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find(n, *a))
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda n, *a: None if n in ("tensorboard", "wandb") else find(n, *a))
     out = tmp_path / "run"
     assert main(["train", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err

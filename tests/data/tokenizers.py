@@ -28,6 +28,14 @@ LLAMA3 = ("{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|start_header_id
           "'<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
 
+# LLAMA3 with each reply (its text and <|eot_id|>) in a generation block: the assistant-token mask transformers
+# returns, which TRL's assistant-only loss reads (megatrain renders it as LLAMA3)
+LLAMA3_GENERATION = (
+    "{{ '<|begin_of_text|>' }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+
 
 def _bpe(specials: list[str], vocab: int = 400):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -129,7 +129,8 @@ def _main(argv: list[str]) -> int:
                            ("seq", int, "tokens per sequence (128)"), ("lr", float, "peak learning rate (1e-5 fine-tuning a model with "
                                                                          "weights, 3e-3 from scratch)"),
                            ("chat_template", str, "a file holding a Jinja chat template to render chat data "
-                                                  "with instead of the tokenizer's (the export carries it)"),
+                                                  "with instead of the tokenizer's, or a template's name: chatml "
+                                                  "or llama3 (the export carries it)"),
                            ("epochs", float, "passes over the data's rows, the steps derived from it (rounded "
                                              "up; instead of --steps)"),
                            ("warmup", int, "warmup steps (3% of the steps fine-tuning a model with weights; from "

@@ -290,13 +290,26 @@ __all__ = ["DataSource", "ModelSource", "data_source", "mixture", "model_source"
 
 
 def chat_template_file(path: str, tok) -> str:
-    """The Jinja chat template in the file ``path`` (it replaces the tokenizer's, and the export carries it),
-    checked by rendering a two-turn conversation with ``tok``: one line naming the file where it cannot."""
+    """The Jinja chat template in the file ``path``, or the one named so (:data:`NAMED_TEMPLATES`, where no such
+    file exists), which replaces the tokenizer's (the export carries it); checked by rendering a two-turn
+    conversation with ``tok``, and a named one's special tokens each one token of ``tok``: one line where not."""
+    from megatrain.data.tokenizer import NAMED_TEMPLATES
+
     p = Path(path)
-    if not p.is_file():
+    if p.is_file():
+        text = p.read_text(encoding="utf-8", errors="replace")
+    elif path in NAMED_TEMPLATES:
+        text, markers = NAMED_TEMPLATES[path]
+        unk = getattr(tok, "unk_token_id", None)
+        for m in markers:
+            ids = tok.encode(m, add_special_tokens=False)
+            if len(ids) != 1 or ids[0] == unk:
+                raise ValueError(f"--chat-template {path}: {m} is not one token of this tokenizer's vocabulary "
+                                 f"({len(tok):,} tokens), as the template needs (a model whose tokenizer lacks it "
+                                 f"has never seen it: give a template file in its own tokens)")
+    else:
         raise ValueError(f"--chat-template {path}: no such file (a Jinja chat template, as tokenizer_config.json's "
-                         f"chat_template holds)")
-    text = p.read_text(encoding="utf-8", errors="replace")
+                         f"chat_template holds), nor a template's name ({', '.join(NAMED_TEMPLATES)})")
     try:
         tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
                                 chat_template=text, tokenize=False)

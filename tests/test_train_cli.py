@@ -671,8 +671,9 @@ def test_epochs_derive_the_steps_from_the_datas_rows(tmp_path, capsys):
 
 
 def test_a_chat_template_file_renders_the_data_and_goes_with_the_export(tmp_path, capsys):
-    """--chat-template FILE: the data rendered with it instead of the tokenizer's, the exported tokenizer carrying
-    it; a missing file or one that does not render is one line before anything is built."""
+    """--chat-template FILE|NAME: the data rendered with it instead of the tokenizer's, the exported tokenizer
+    carrying it; a missing file, one that does not render, or a named template whose tokens the vocabulary lacks is
+    one line before anything is built."""
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"say {i}"},
                                                        {"role": "assistant", "content": f"{i} said"}]})
@@ -695,6 +696,16 @@ def test_a_chat_template_file_renders_the_data_and_goes_with_the_export(tmp_path
     assert main([*base, "--chat-template", str(template), "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert "the template does not render a conversation: TemplateSyntaxError" in err and len(err.splitlines()) == 1
+    # by name: ChatML, whose tokens the built tokenizer has; Llama-3's header tokens it lacks
+    from megatrain.data.tokenizer import CHATML
+
+    assert main([*base, "--chat-template", "chatml", "--out", str(tmp_path / "d")]) == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "d").chat_template == CHATML
+    capsys.readouterr()
+    assert main([*base, "--chat-template", "llama3", "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert "--chat-template llama3: <|start_header_id|> is not one token of this tokenizer's vocabulary" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "e").exists()
 
 
 def test_the_example_config_is_a_valid_run_config():

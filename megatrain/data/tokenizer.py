@@ -14,6 +14,13 @@ MIN_VOCAB = 256 + len(SPECIALS)  # the byte-level alphabet and the special token
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
+LLAMA3 = ("{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}{{ '<|start_header_id|>' + "
+          "message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+# --chat-template NAME: a template by name, for a model whose tokenizer brings none (a base model) or another; each
+# with the special tokens it needs as single tokens of the vocabulary
+NAMED_TEMPLATES = {"chatml": (CHATML, (IM_START, IM_END)),
+                   "llama3": (LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 

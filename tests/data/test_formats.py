@@ -26,10 +26,11 @@ def _pieces(tok, pieces):
     return ids, train
 
 
-@pytest.mark.parametrize("which", ["chatml", "llama3"])
+@pytest.mark.parametrize("which", ["chatml", "llama3", "llama3-named"])
 def test_assistant_only_masks_equal_hand_computed_masks(which):
     """The turns written out by hand, in the template's own text: the assistant's reply and its end-of-turn token
-    are trained on; the system turn, the user turns, the role headers and what follows an end of turn are not."""
+    are trained on; the system turn, the user turns, the role headers and what follows an end of turn are not.
+    (llama3-named: the template --chat-template llama3 names, on a Llama-3 tokenizer.)"""
     if which == "chatml":
         tok = chatml_tokenizer()
         pieces = [("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is two plus two?"
@@ -38,6 +39,10 @@ def test_assistant_only_masks_equal_hand_computed_masks(which):
                   ("Paris.<|im_end|>", True), ("\n", False)]
     else:
         tok = llama3_tokenizer()
+        if which == "llama3-named":
+            from megatrain.data.tokenizer import NAMED_TEMPLATES
+
+            tok.chat_template = NAMED_TEMPLATES["llama3"][0]
         pieces = [("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is two plus two?<|eot_id|>"
                    "<|start_header_id|>assistant<|end_header_id|>\n\n", False), ("It is four.<|eot_id|>", True),
                   ("<|start_header_id|>user<|end_header_id|>\n\nAnd the capital of France?<|eot_id|>"

@@ -123,6 +123,8 @@ def plan(args) -> int:
         budget = int(args.gpu_gib * GiB) if args.gpu_gib is not None else None
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+        if Path(args.out).exists() and not Path(args.out).is_dir():  # (before the search, not after it)
+            raise ValueError(f"--out {args.out} is a file, not a directory to write the plan's files in")
         jobs = args.jobs or os.cpu_count() or 1
         on = _n(jobs, "process")
         t0 = time.perf_counter()

@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from megatrain import step_inputs
 from megatrain.capture import Captured
 from megatrain.ir import LayerGraph, Schedule
 from megatrain.planner.cost import device_memory, fmt_bytes, host_memory, slot_params
@@ -21,7 +22,6 @@ from megatrain.planner.run_plan import plan_eval, plan_run
 from megatrain.runtime.state import train_state
 from megatrain.runtime.issue.executor import InOrderExecutor, MicroBatch, StepOutput
 from megatrain.runtime.layers.kernel_rewrite import can_keep_less
-from megatrain.runtime.ops.compute import IGNORE_INDEX
 from megatrain.runtime.optim import HostAdamW, OptimConfig
 from megatrain.runtime.issue.step_order import Successions
 from megatrain.runtime.memory.store import HostStore, available_host_bytes, grad_host_dtype, progress_bar
@@ -40,6 +40,7 @@ class StepStats:
     seconds: float
     skipped: bool = False  # the loss or the gradient norm was not finite: no update was applied (nonfinite="skip")
     clipped: bool = False  # the clip factor scaled the step's gradients (its global norm above the threshold)
+    metrics: dict = field(default_factory=dict)  # the objective's statistics (megatrain.objectives)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class EvalStats:
     loss: float  # the loss summed over the batch's valid tokens, divided by their count
     tokens: int  # valid (predicted) tokens
     seconds: float
+    row_logps: torch.Tensor | None = None  # per row: the sum of its labels' log-probabilities
 
 
 class NonFiniteStepError(ValueError):
@@ -219,8 +221,8 @@ class StreamedModel:
 
     # ---- training -----------------------------------------------------------------------------------------
     def train_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   **plan_overrides) -> StepStats:
+                   labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+                   objective=None, rows: dict[str, torch.Tensor] | None = None, **plan_overrides) -> StepStats:
         """One optimizer step on a batch of sequences (B, T), right-padded where ``attention_mask`` is 0. ``labels``
         default to ``input_ids`` with padding ignored; as in HF, position t is trained to predict label t + 1; the
         loss is the sum over the step's valid tokens divided by their count. Integer tensors of any width are taken
@@ -232,21 +234,27 @@ class StreamedModel:
         document's first token (it is not predicted from the document before). Padding at a row's end is one more
         such document, its labels ignored.
 
-        A step whose loss or global gradient norm is not finite applies no update (see ``nonfinite``)."""
+        ``objective``: what the head minimizes instead (:class:`megatrain.objectives.Objective`: a preference loss
+        such as DPO, or an RL loop's per-sequence weights), reading each position's log-probability of its label
+        and ``rows`` (per-row tensors, e.g. reference log-probabilities or advantages); its statistics come back
+        as ``StepStats.metrics``. A step whose loss or global gradient norm is not finite applies no update (see
+        ``nonfinite``)."""
         with self._lock:
-            return self._train_step(input_ids, attention_mask, labels, position_ids, plan_overrides)
+            return self._train_step(input_ids, attention_mask, labels, position_ids, plan_overrides, objective, rows)
 
     def evaluate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> "EvalStats":
         """The loss on a batch (as :meth:`train_step` takes one) without training on it: each layer's forward and
-        the loss, dropout off, nothing updated (an evaluation schedule: forwards and EVAL ops)."""
+        the loss, dropout off, nothing updated (an evaluation schedule: forwards and EVAL ops); with each row's
+        log-probability sum of its labels (``EvalStats.row_logps``: a reference model's, for DPO)."""
         with self._lock:
-            ids, mask, nxt, pos, denom = self._batch(input_ids, attention_mask, labels, position_ids)
+            ids, mask, nxt, pos, denom = step_inputs.complete(self.captured, input_ids, attention_mask, labels,
+                                                              position_ids)
             denom = self._all_tokens(denom)
             schedule = self._eval_plan(*ids.shape)
             t0 = time.perf_counter()
             out = self.executor.run(schedule, self._micro_batches(schedule, ids, mask, nxt, pos), denom)
-            return EvalStats(out.loss, denom, time.perf_counter() - t0)
+            return EvalStats(out.loss, denom, time.perf_counter() - t0, torch.cat(out.stats))
 
     def _eval_plan(self, batch_size: int, seq_len: int) -> Schedule:
         """The evaluation schedule for a batch shape: the training plan's micro-batches and weight slots (where
@@ -258,55 +266,20 @@ class StreamedModel:
             self._schedules[key] = (None, plan_eval(self.graph, self.hardware, batch_size, seq_len, self.plan_options))
         return self._schedules[key][1]
 
-    def _batch(self, input_ids, attention_mask, labels, position_ids):
-        """A batch checked and completed: (ids, mask, next labels, position ids or None, valid tokens)."""
-        for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels),
-                        ("position_ids", position_ids)):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool and
-                                  name != "attention_mask"):
-                raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        if input_ids.numel() == 0:
-            raise ValueError(f"the batch is empty (input_ids of shape {tuple(input_ids.shape)})")
-        for name, t in (("attention_mask", attention_mask), ("labels", labels), ("position_ids", position_ids)):
-            if t is not None and t.shape != input_ids.shape:
-                raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(t.shape)}")
-        input_ids = input_ids.long()
-        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        if position_ids is not None:
-            position_ids = self._check_packing(position_ids.long())
-        if labels is None:
-            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-            if position_ids is not None:
-                labels = labels.masked_fill(position_ids == 0, IGNORE_INDEX)
-        labels = labels.long()
-        vocab = self.captured.vocab_size
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-            raise ValueError(f"input_ids must be in [0, {vocab})")
-        valid = labels[labels != IGNORE_INDEX]
-        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
-            raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX}")
-        nxt = torch.full_like(labels, IGNORE_INDEX)
-        nxt[:, :-1] = labels[:, 1:]
-        return input_ids, attention_mask, nxt, position_ids, int((nxt != IGNORE_INDEX).sum())
-
     @staticmethod
-    def _micro_batches(schedule: Schedule, ids, mask, nxt, pos) -> list[MicroBatch]:
-        n = schedule.config.n_mb
-        b = len(ids) // n
-        return [MicroBatch(ids[i * b:(i + 1) * b], mask[i * b:(i + 1) * b], nxt[i * b:(i + 1) * b],
-                           None if pos is None else pos[i * b:(i + 1) * b]) for i in range(n)]
+    def _micro_batches(schedule: Schedule, ids, mask, nxt, pos, rows=None) -> list[MicroBatch]:
+        return step_inputs.micro_batches(schedule, ids, mask, nxt, pos, rows)
 
-    def _train_step(self, input_ids, attention_mask, labels, position_ids, plan_overrides) -> StepStats:
-        input_ids, attention_mask, nxt, position_ids, denom = self._batch(input_ids, attention_mask, labels,
-                                                                          position_ids)
-        denom = self._all_tokens(denom)
+    def _train_step(self, input_ids, attention_mask, labels, position_ids, plan_overrides, objective=None,
+                    rows=None) -> StepStats:
+        input_ids, attention_mask, nxt, position_ids, denom = step_inputs.complete(
+            self.captured, input_ids, attention_mask, labels, position_ids, rows)
+        if objective is not None and self.executor.dp is not None:
+            raise ValueError("an objective other than the cross-entropy runs in one process (not data parallel)")
+        denom = self._all_tokens(denom) if objective is None else objective.denominator(nxt, rows or {})
         B, T = input_ids.shape
         setup, schedule = self._plans(B, T, plan_overrides)
-        mbs = self._micro_batches(schedule, input_ids, attention_mask, nxt, position_ids)
+        mbs = self._micro_batches(schedule, input_ids, attention_mask, nxt, position_ids, rows)
         t0 = time.perf_counter()
         # the plan's set-up before its first step, and again where something took what the steps keep on the
         # device away (new weights in the store, an evaluation, another plan)
@@ -316,15 +289,17 @@ class StreamedModel:
             self.executor.set_up(setup, schedule, write_back)
         if self.overlap_steps:
             out: StepOutput = self.executor.run(schedule, mbs, denom, wait_optimizer=False,
-                                                successions=self._successions, write_back=write_back)
+                                                successions=self._successions, write_back=write_back,
+                                                objective=objective)
         else:
-            out = self.executor.run(schedule, mbs, denom, write_back=write_back)
+            out = self.executor.run(schedule, mbs, denom, write_back=write_back, objective=objective)
         if out.applied:
             self.step += 1
         limit = self.optimizer.cfg.max_grad_norm
         stats = StepStats(self.step, out.loss, denom, out.lr, out.grad_norm, time.perf_counter() - t0,
                           skipped=not out.applied, clipped=out.applied and out.grad_norm is not None
-                          and limit is not None and out.grad_norm + 1e-6 > limit)
+                          and limit is not None and out.grad_norm + 1e-6 > limit,
+                          metrics={} if objective is None else objective.metrics(sum(out.stats), denom))
         if not out.applied:
             self.skipped_steps += 1
             if self.nonfinite == "raise":
@@ -342,19 +317,6 @@ class StreamedModel:
         if total == 0:
             raise ValueError("the batch has no token to predict (every label is ignored)")
         return total
-
-    def _check_packing(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """``position_ids`` of packed rows, checked: this model keeps packed documents apart, and each row's positions
-        start at 0 and either go on by one or restart at 0."""
-        if not self.captured.packs:
-            raise ValueError(f"{self.graph.name}: this model cannot keep documents packed into one row apart "
-                             f"(position_ids given): its forward takes no position ids, or its attention mask is "
-                             f"read by more than HF's mask builders; pass one document per row, right-padded")
-        step = position_ids[:, 1:] - position_ids[:, :-1]
-        if bool((position_ids[:, 0] != 0).any()) or bool(((step != 1) & (position_ids[:, 1:] != 0)).any()):
-            raise ValueError("position_ids must start each row at 0 and then go on by 1, or restart at 0 where the "
-                             "next packed document begins")
-        return position_ids
 
     # ---- weights ------------------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -203,6 +203,13 @@ def _main(argv: list[str]) -> int:
     t.add_argument("--streaming", dest="streaming", action="store_true", default=None,
                    help="read --data as training goes, never whole (a corpus larger than memory): rows shuffled "
                         "through a buffer, epochs in the stream's order; held-out data with --eval-data")
+    t.add_argument("--method", choices=["sft", "dpo"],
+                   help="sft (default): the loss on the data's trained tokens; dpo: direct preference optimization "
+                        "on pairs (records with prompt, chosen, rejected: strings or message lists), the reference "
+                        "the initial weights, their log-probabilities from one forward pass before the first step")
+    t.add_argument("--beta", type=float, help="dpo: the strength of the reference model (0.1)")
+    t.add_argument("--dpo-loss", dest="dpo_loss", choices=["sigmoid", "ipo", "hinge"],
+                   help="dpo: the loss of a pair, as TRL defines it (sigmoid)")
     t.add_argument("--no-packing", dest="packing", action="store_false", default=None,
                    help="one document per row, padded (default: documents packed into rows, each attending to "
                         "itself alone)")

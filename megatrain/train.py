@@ -16,6 +16,7 @@ import torch
 from megatrain import train_report as report
 from megatrain.data import DataError
 from megatrain.export import save_tokenizer
+from megatrain.dpo import pair_source, reference_logps
 from megatrain.inputs import chat_template_file, data_source, model_source, steps_for_epochs, tokenizer_for
 from megatrain.resume import last_state
 from megatrain.rundir import PLAN_FILE, RUN_FILE, STATE_DIR, RunDirectory, StopSignals, answering_signals, write_whole
@@ -48,10 +49,11 @@ def _prepare(cfg: TrainConfig, dp=None):
     if model.weights is None:  # from scratch: its special tokens are the tokenizer's
         set_special_ids(model.config, tok)
     _check_step_inputs(cfg)
-    data = answering_signals(lambda: data_source(cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format,
-                                                 columns=cfg.column_map(), packing=cfg.packing,
-                                                 eval_data=cfg.eval_data, eval_split=cfg.eval_split,
-                                                 streaming=cfg.streaming))
+    if cfg.method == "dpo" and dp is not None:
+        raise ValueError("--method dpo runs in one process (not with --gpus)")
+    data = answering_signals(lambda: pair_source(cfg, tok) if cfg.method == "dpo" else data_source(
+        cfg.data, tok, seq=cfg.seq, seed=cfg.seed, fmt=cfg.format, columns=cfg.column_map(), packing=cfg.packing,
+        eval_data=cfg.eval_data, eval_split=cfg.eval_split, streaming=cfg.streaming))
     if cfg.epochs is not None:  # the steps that go over the data's rows that many times
         cfg = steps_for_epochs(cfg, data)
     report.warn_positions(model, data, cfg)
@@ -73,7 +75,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     world = 1 if dp is None else dp.world
     sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
                            device=cfg.device, **dataclasses.asdict(cfg.plan_options(world)))
-    if cfg.packing and not sm.captured.packs:
+    if cfg.packing and not sm.captured.packs and cfg.method == "sft":
         raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
                          f"--no-packing (one document per row)")
     if cfg.resume:
@@ -92,6 +94,8 @@ def _prepare(cfg: TrainConfig, dp=None):
     t0 = time.perf_counter()
     schedule = sm.schedule_for(cfg.batch // world, cfg.seq)
     sm.planned_s = time.perf_counter() - t0
+    if cfg.method == "dpo":  # (each micro-batch holds whole pairs)
+        data.batches.n_mb = schedule.config.n_mb
     return model, tok, tok_from, data, sm, schedule, cfg
 
 
@@ -290,6 +294,12 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
                total=cfg.steps)
     say = lambda m: tqdm.write(m, file=sys.stderr)  # noqa: E731
     stages = stages or Stages()
+    if cfg.method == "dpo":
+        with stages("reference"):
+            ref_s = reference_logps(sm, data.batches, cfg, out)
+        say(f"reference log-probabilities of {len(data.batches.pairs):,} pairs: " + (
+            f"{ref_s:.1f} s, one forward pass of the initial weights" if ref_s else f"those of {cfg.resume}"))
+        t_start = time.perf_counter()  # (the run's tokens/s: its steps')
     training = stages("train")  # (its saves and evaluations are stages of their own within it)
     training.__enter__()
     signals.begin_steps()
@@ -298,7 +308,7 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
             st = sm.train_step(**_share(data.batches.batch(cfg.batch), dp))
             rec = {"step": st.step + st.skipped, "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
                    "clipped": st.clipped, "tokens": st.tokens, "seconds": st.seconds, "tokens_per_s": cfg.batch * cfg.seq / st.seconds,
-                   **meter.step(st.seconds)}
+                   **st.metrics, **meter.step(st.seconds)}
             if st.skipped:
                 rec["skipped"] = True
             log.write(json.dumps(rec) + "\n")

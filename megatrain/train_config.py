@@ -25,6 +25,9 @@ class TrainConfig:
     format: str | None = None  # text, alpaca, sharegpt or messages; None: from the first record's fields
     columns: str | None = None  # the format's fields under other names: "text=body,messages=conversation"
     packing: bool = True  # documents packed into rows, each attending to itself alone; False: one per row, padded
+    method: str = "sft"  # sft: the loss on the data's trained tokens; dpo: preference pairs (prompt, chosen, rejected)
+    beta: float = 0.1  # dpo: the strength of the reference model (TRL's beta)
+    dpo_loss: str = "sigmoid"  # dpo: sigmoid, ipo or hinge, as TRL defines them
     streaming: bool = False  # read the data as training goes (a corpus larger than memory), shuffled in a buffer
     eval_data: str | None = None  # held-out data (as data) to report the loss on
     eval_split: float = 0.0  # or this share of the data's documents held out (seeded); 0: none
@@ -215,6 +218,18 @@ class TrainConfig:
         if self.epochs is not None and self.streaming:
             raise ValueError("--epochs needs the data's size, which streamed data (--streaming) does not have "
                              "before it is read: give --steps")
+        if self.method not in ("sft", "dpo"):
+            raise ValueError(f"method must be sft or dpo, got {self.method!r}")
+        if self.method == "dpo":
+            from megatrain.objectives import DPO
+
+            DPO(self.beta, self.dpo_loss)  # (its own checks)
+            if self.streaming or self.eval_data or self.eval_split:
+                raise ValueError("--method dpo reads its pairs whole and holds none out (no --streaming, --eval-data "
+                                 "or --eval-split)")
+            if self.batch % (2 * self.mb):
+                raise ValueError(f"--method dpo: --batch ({self.batch}) counts sequences, two per pair, and each of "
+                                 f"the {self.mb} micro-batches holds whole pairs: a multiple of {2 * self.mb}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.warmup_steps < self.steps:

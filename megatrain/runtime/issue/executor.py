@@ -118,13 +118,14 @@ class Executor(ABC):
         return st.deferred_moments if st is not None else frozenset()
 
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
-            successions=None, write_back: Schedule | None = None) -> StepOutput:
+            successions=None, write_back: Schedule | None = None, objective=None) -> StepOutput:
         """One optimizer step. ``denom``: valid (label != -100) tokens of the whole step. ``wait_optimizer``: False
         lets an issuer that overlaps steps return before the step's updates are done (here they always are).
         ``successions``: the verified pairs of schedules and their carried dependencies
         (:mod:`megatrain.runtime.issue.step_order`), for an issuer that overlaps steps (here each step ends first).
         ``write_back``: where the step keeps optimizer states on the device (``resident_opt``), the plan's schedule
-        that takes them back to the host (``RunPlan.write_back``)."""
+        that takes them back to the host (``RunPlan.write_back``). ``objective``: what the head minimizes instead of
+        the cross-entropy (:class:`megatrain.objectives.Objective`; ``denom`` divides its sum)."""
         cfg = schedule.config
         if cfg.n_steps != 1 or cfg.n_mb != len(mbs):
             raise ValueError(f"schedule is for {cfg.n_steps} step(s) x {cfg.n_mb} mbs, got 1 step x {len(mbs)} mbs")
@@ -139,10 +140,11 @@ class Executor(ABC):
         # LOAD_IN op moves it to the device
         optional = self.captured.mask_optional
         host_mbs = [mb if mb.position_ids is not None or not (optional and bool(mb.attention_mask.all()))
-                    else MicroBatch(mb.input_ids, None, mb.next_labels) for mb in mbs]
+                    else MicroBatch(mb.input_ids, None, mb.next_labels, rows=mb.rows) for mb in mbs]
         st = StepState(schedule, host_mbs, denom, lr=self.begin_step() if cfg.train else 0.0,
                        clip=self.optimizer.cfg.max_grad_norm is not None, loss_sums=[0.0] * len(mbs),
-                       deferred_moments=self.deferred_for(schedule) if cfg.train else frozenset())
+                       deferred_moments=self.deferred_for(schedule) if cfg.train else frozenset(),
+                       objective=objective, stats=[None] * len(mbs))
         if self.captured.router_aux is not None:
             st.aux = [router_aux.Stats() for _ in mbs]
         self.st = st
@@ -172,7 +174,9 @@ class Executor(ABC):
         sums = self.copies.loss_values(st)
         if self.dp is not None:  # the step's loss: every rank's micro-batches (denom counts all of their tokens)
             sums = self.dp.gather_floats(sums)
-        return StepOutput(sum(sums) / denom, sums, st.norm(), st.lr, st.ok())
+        # (made before the losses on the compute stream, which reading the losses waited for)
+        stats = [t.detach().cpu() for t in st.stats] if all(t is not None for t in st.stats) else None
+        return StepOutput(sum(sums) / denom, sums, st.norm(), st.lr, st.ok(), stats)
 
     def _template_modes(self, train: bool) -> list[tuple]:
         """For an evaluation, the templates put in evaluation mode (dropout off); their modes before, to put back.

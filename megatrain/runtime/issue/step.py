@@ -17,6 +17,7 @@ class MicroBatch:
     next_labels: torch.Tensor  # (b, T) int64: the label each position predicts (the next token), or -100
     position_ids: torch.Tensor | None = None  # (b, T) int64 restarting at 0 at each document packed into a row;
     # None: 0..T-1 in every row
+    rows: dict[str, torch.Tensor] | None = None  # per-row values a step's objective reads (megatrain.objectives)
 
 
 @dataclass
@@ -26,6 +27,9 @@ class StepOutput:
     grad_norm: float | None  # global gradient norm before clipping (None without clipping)
     lr: float
     applied: bool = True  # False: the loss or the gradient norm was not finite and no update was applied
+    # per mb, on the host: the objective's statistics (a training step with one), or an evaluation's log-probability
+    # sum of each row's labels
+    stats: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -45,6 +49,10 @@ class StepState:
     side: dict[int, dict] = field(default_factory=dict)  # mb -> the side inputs the embedding layer returned
     saved: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (layer, mb) -> a saved forward's autograd
     loss_sums: list = field(default_factory=list)  # per mb: its cross-entropy sum (a device tensor once computed)
+    # what the head minimizes instead of the cross-entropy (megatrain.objectives.Objective; None: the cross-entropy),
+    # and per mb what its LOSS (or an evaluation's EVAL) reports besides the loss (StepOutput.stats)
+    objective: Callable | None = None
+    stats: list = field(default_factory=list)
     param_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> its gradient's L2 norm
     tied_parts: dict[int, int] = field(default_factory=dict)  # owner -> parts of its tied gradient summed so far
     # per mb, where the model has a router loss: its routers' sums over the layers run so far

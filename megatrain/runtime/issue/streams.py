@@ -112,7 +112,8 @@ class StreamExecutor(Executor):
 
     # ---- step ---------------------------------------------------------------------------------------------
     def run(self, schedule: Schedule, mbs: list[MicroBatch], denom: int, wait_optimizer: bool = True,
-            successions: Successions | None = None, write_back: Schedule | None = None) -> StepOutput:
+            successions: Successions | None = None, write_back: Schedule | None = None,
+            objective=None) -> StepOutput:
         self.issued = self.order.begin(schedule, None if self.sync_between_steps else successions,
                                        list(self.queues.values()))
         self.events, self.futures = self.issued.events, self.issued.futures
@@ -122,7 +123,7 @@ class StreamExecutor(Executor):
         self.timer.begin(schedule)
         with self.cuda.use(self.streams[Stream.COMPUTE]):  # what run() puts on the device between ops
             # issues everything; reading the losses waits for compute
-            out = super().run(schedule, mbs, denom, write_back=write_back)
+            out = super().run(schedule, mbs, denom, write_back=write_back, objective=objective)
         self.order.end()
         if not out.applied:  # the device updates were issued with this step's count and changed nothing: the host's
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)

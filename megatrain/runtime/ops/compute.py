@@ -38,7 +38,8 @@ def load_in(ctx, op: Op, st: StepState) -> None:
     else:
         pos = put(torch.arange(ids.shape[1]).unsqueeze(0)).expand(ids.shape)
         mask = put(mb.attention_mask) if isinstance(mb.attention_mask, torch.Tensor) else mb.attention_mask
-    st.mbs[op.mb] = MicroBatch(ids, mask, put(mb.next_labels), pos)
+    rows = None if mb.rows is None else {k: put(v) for k, v in mb.rows.items()}
+    st.mbs[op.mb] = MicroBatch(ids, mask, put(mb.next_labels), pos, rows)
 
 
 def _host_weights(ctx, layer: int, st: StepState) -> torch.Tensor:
@@ -159,20 +160,32 @@ def loss(ctx, op: Op, st: StepState) -> None:
     """Forward and backward of the head and the loss for one micro-batch: the loss sum, the head's gradient into its
     gradient slot, the gradient of its input in place of the input."""
     ctx.rng.seed(op.layer, op.mb)
-    if ctx.head_loss is not None:
+    if ctx.head_loss is not None and st.objective is None:
         return _fused_loss(ctx, op, st)
     x = st.act[op.slot("x")].detach().requires_grad_()
     views: list = []
     with torch.enable_grad():
         logits = ctx.runner.run(op.layer, ctx.dev.weights(op), x, st.side[op.mb], grad_views=views)
-        labels = st.mbs[op.mb].next_labels
-        loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        mb = st.mbs[op.mb]
+        if st.objective is None:
+            loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), mb.next_labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+        else:  # (its statistics are sums over the micro-batch's rows, as the loss is)
+            loss_sum, stats = st.objective(*token_logps(logits, mb.next_labels), mb.rows or {})
+            st.stats[op.mb] = stats.detach()
         sink = _grad_sink(ctx, op)
         dx, *dws = _grads(sink, loss_sum / st.denom, [x, *(v for *_, v in views)])
     st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ctx, st, op.mb)
     _accumulate(sink, views, dws)
     st.act[op.slot("x")] = dx
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's log-probability of its label (b, T; 0 where the label is ignored), in fp32, and where labels
+    are (the mask, b x T bools)."""
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                          ignore_index=IGNORE_INDEX, reduction="none")
+    return -nll.view(labels.shape), labels != IGNORE_INDEX
 
 
 def loss_out(ctx, op: Op, st: StepState) -> None:
@@ -182,21 +195,22 @@ def loss_out(ctx, op: Op, st: StepState) -> None:
 
 
 def eval_loss(ctx, op: Op, st: StepState) -> None:
-    """An evaluation's head and loss for one micro-batch: the loss sum alone, the logits formed a chunk of
-    ``LOSS_CHUNK_TOKENS`` tokens at a time (no more of them exist at once than the plan counts)."""
+    """An evaluation's head and loss for one micro-batch: the loss sum, and each row's log-probability sum of its
+    labels (``StepOutput.stats``), the logits formed a chunk of ``LOSS_CHUNK_TOKENS`` tokens at a time (no more of
+    them exist at once than the plan counts)."""
     from megatrain.layout import LOSS_CHUNK_TOKENS
 
     x = st.act[op.slot("x")]
     labels = st.mbs[op.mb].next_labels
     flat = ctx.dev.weights(op)
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    rows = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     with torch.no_grad():
         for a in range(0, x.shape[1], max(1, LOSS_CHUNK_TOKENS // x.shape[0])):
             b = a + max(1, LOSS_CHUNK_TOKENS // x.shape[0])
             logits = ctx.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb])
-            total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels[:, a:b].reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="sum")
-    st.loss_sums[op.mb] = total + st.denom * _aux_loss(ctx, st, op.mb)
+            rows += token_logps(logits, labels[:, a:b])[0].sum(1)
+    st.stats[op.mb] = rows
+    st.loss_sums[op.mb] = -rows.sum() + st.denom * _aux_loss(ctx, st, op.mb)
 
 
 def _fused_loss(ctx, op: Op, st: StepState) -> None:

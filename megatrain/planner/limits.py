@@ -29,9 +29,12 @@ def margin_note(spec: HardwareSpec) -> str:
 
 def min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
     """What any schedule with ``cfg`` needs at least: a weight and a gradient slot for the largest layer, the
-    other slots for the smallest, one mb's activations in and out, the largest working set, the new weights every
-    device update keeps, and an optimizer slot of its own for each layer whose state stays on the device (or the
-    largest optimizer slot, where that is more). Cheap: no schedule is built, so the search refuses with it first."""
+    other slots for the smallest (with a slot for every layer, each layer's weights at once, held from its forward
+    to its backward), one mb's activations in and out or, where more, the checkpoints the device keeps at the end of
+    the forward (every micro-batch's, of each block whose checkpoint is not on the host), the largest working set,
+    the new weights every device update keeps, and an optimizer slot of its own for each layer whose state stays
+    on the device (or the largest optimizer slot, where that is more). Cheap: no schedule is built, so the search
+    refuses with it first."""
     size = slot_nbytes(graph, cfg)
     kept = sum(graph[l].params for l in cfg.gpu_opt) * COMPUTE_BYTES
     opt = max(sum(graph[l].params for l in cfg.resident_opt) * OPT_SLOT_BYTES, size["o"])
@@ -41,8 +44,13 @@ def min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
                for l in range(len(graph)) for k in ((OpKind.LOSS,) if l == last else (OpKind.FWD, OpKind.BWD)))
     owners = len({graph.owner(l) for l in range(len(graph))})  # (a tied head loads its owner's weights)
     others = (min(cfg.weight_slots, owners) - 1) * cfg.wire_bytes_per_param + (cfg.grad_slots - 1) * 4
+    weights = size["w"] + smallest * others
+    if cfg.weight_slots >= owners:  # (the device-updated layers' weights: counted as kept)
+        weights = max(weights, sum(graph.weight_params(o) for o in {graph.owner(l) for l in range(len(graph))}
+                                   if o not in cfg.gpu_opt) * cfg.wire_bytes_per_param)
     acts = 2 if len(graph) > 2 else 1  # a micro-batch's activations in and out (the head reads the embedding's alone)
-    return size["w"] + size["g"] + smallest * others + acts * size["a"] + work + cfg.gemm_workspace_bytes + kept + opt
+    acts = max(acts, (len(graph) - 2 - cfg.host_checkpoints) * cfg.n_mb)
+    return weights + size["g"] + acts * size["a"] + work + cfg.gemm_workspace_bytes + kept + opt
 
 
 def check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, budget: int) -> None:

@@ -45,3 +45,16 @@ def test_pruning_never_drops_the_plan_and_the_floor_is_below_every_step(graph, s
         assert compute_floor(graph, cfg, SPEC, spare) <= steady * (1 + 1e-9)
         # the device memory the search refuses by before building is never above what the schedule takes
         assert min_device_nbytes(graph, cfg) <= device_memory(graph, build_schedule(graph, cfg)).total_nbytes
+
+
+@settings(max_examples=6, deadline=None)  # each example builds every candidate: about half a second
+@given(graph=graphs(max_layers=7), seqs=st.integers(1, 8), seq=st.sampled_from([256, 1024, 4096]))
+def test_the_device_floor_is_below_every_candidates_schedule(graph, seqs, seq):
+    """min_device_nbytes against the built schedule of every candidate (budget unbounded, so none is refused),
+    slots for every layer and device checkpoints included: the search refuses by it before building."""
+    from megatrain.planner.search import candidates
+
+    for cfg in candidates(graph, seqs * seq, seq, 1 << 50, clip=True, n_steps=1, gpu_opt_every=None,
+                          wire_bytes=None):
+        cfg = dataclasses.replace(cfg, gemm_workspace_bytes=gemm_workspace_nbytes(SPEC))
+        assert min_device_nbytes(graph, cfg) <= device_memory(graph, build_schedule(graph, cfg)).total_nbytes, cfg

@@ -154,11 +154,29 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOPK_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token")
 
 
+def with_aliases(cfg: dict) -> dict:
+    """``cfg`` with the names its transformers config class maps to its own fields (``attribute_map``: Hunyuan's
+    ``moe_topk`` is ``num_experts_per_tok``), where the family is one transformers knows."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        aliases = CONFIG_MAPPING[cfg["model_type"]].attribute_map
+    except (ImportError, KeyError):
+        return cfg
+    out = dict(cfg)
+    for alias, field in aliases.items():
+        if alias not in out and field in out:
+            out[alias] = out[field]
+    return out
+
+
 def moe_of(cfg: dict) -> MoE | None:
     """The MoE part of an HF config (Qwen2-MoE / Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3, Llama 4), None for a
     dense one. Which blocks are MoE follows each family's modeling code: ``mlp_only_layers`` and
     ``decoder_sparse_step`` (Qwen), ``first_k_dense_replace`` and ``moe_layer_freq`` (DeepSeek),
-    ``interleave_moe_layer_step`` (Llama 4); every block otherwise."""
+    ``interleave_moe_layer_step`` (Llama 4); every block otherwise. A family's own names for these (transformers'
+    ``attribute_map``) are read as these."""
+    cfg = with_aliases(cfg)
     key = next((k for k in _EXPERT_KEYS if cfg.get(k)), None)
     if key is None:
         return None
@@ -181,6 +199,8 @@ def moe_of(cfg: dict) -> MoE | None:
         shared = size("n_shared_experts") * expert_inter
     elif mtype.startswith("llama4"):
         shared = expert_inter
+    elif mtype == "hunyuan_v1_moe":  # (a shared MLP of the dense width in every block)
+        shared = dense_inter
     if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:
         step = size("decoder_sparse_step", 1)
         dense = set(cfg.get("mlp_only_layers") or ())
@@ -262,8 +282,9 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
         attn_w = H * q_dim + 2 * H * kv_dim + q_dim * H  # q, k, v, o projections
         attn_extra = (q_dim + 2 * kv_dim if qkv_bias else 0) + (H if qkv_bias and mtype == "gpt_oss" else 0) \
-            + (heads if mtype == "gpt_oss" else 0) + (2 * head_dim if mtype.startswith("qwen3") else 0) \
-            + (q_dim + kv_dim if mtype == "olmoe" else 0)  # GPT-OSS's sinks; Qwen3's and OLMoE's q/k norms
+            + (heads if mtype == "gpt_oss" else 0) \
+            + (2 * head_dim if mtype.startswith("qwen3") or mtype == "hunyuan_v1_moe" else 0) \
+            + (q_dim + kv_dim if mtype == "olmoe" else 0)  # GPT-OSS's sinks; Qwen3's, Hunyuan's, OLMoE's q/k norms
         attn_dims = 2 * q_dim
     a = act_dtype_bytes
     layers = [Layer(name="embed", kind="embedding", template="embedding", params=V * H,

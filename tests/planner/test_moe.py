@@ -18,6 +18,8 @@ FAMILIES = {  # every MoE layout the planner reads: dense layers mixed in, share
     "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                       shared_expert_intermediate_size=48),
     "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    # its top-k under its own name, moe_topk (transformers maps num_experts_per_tok to it), and shared experts
+    "hunyuan_v1_moe": dict(intermediate_size=32, num_experts=4, moe_topk=2, head_dim=16),
     "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
     "llama4_text": dict(intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,

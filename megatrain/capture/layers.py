@@ -356,6 +356,8 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                          kv_dim=(getattr(cfg, "num_key_value_heads", None) or heads) * head_dim if heads else hidden,
                          inter=int(getattr(cfg, "intermediate_size", 0) or 4 * hidden), heads=heads or 1, vocab=vocab)
     cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    if cfg_dict.get("num_hidden_layers", 0) is None:  # (a count a config class derives, e.g. Nemotron-H's)
+        cfg_dict["num_hidden_layers"] = getattr(cfg, "num_hidden_layers", None)
     moe, mla = moe_of(cfg_dict), latent_attention(cfg_dict)
     if mla is not None:
         shape = dataclasses.replace(shape, q_dim=mla[0], kv_dim=mla[1])

@@ -167,6 +167,8 @@ def with_aliases(cfg: dict) -> dict:
     for alias, field in aliases.items():
         if alias not in out and field in out:
             out[alias] = out[field]
+    if out.get("num_hidden_layers") is None and isinstance(out.get("layers_block_type"), list):
+        out["num_hidden_layers"] = len(out["layers_block_type"])  # (Nemotron-H derives its count from the list)
     return out
 
 
@@ -208,6 +210,8 @@ def moe_of(cfg: dict) -> MoE | None:
     elif "first_k_dense_replace" in cfg:
         first, freq = int(cfg.get("first_k_dense_replace") or 0), size("moe_layer_freq", 1)
         layers = {l for l in range(n) if l >= first and l % freq == 0}
+    elif isinstance(cfg.get("layers_block_type"), list) and "moe" in cfg["layers_block_type"]:  # (Nemotron-H)
+        layers = {l for l, kind in enumerate(cfg["layers_block_type"]) if kind == "moe"}
     elif cfg.get("interleave_moe_layer_step"):
         step = size("interleave_moe_layer_step")
         layers = set(range(step - 1, n, step))

@@ -44,6 +44,11 @@ MORE_FAMILIES = {
     "stablelm": dict(model_type="stablelm", qk_layernorm=True, num_key_value_heads=4, partial_rotary_factor=0.5),
     # ALiBi, fused query-key-value, and an MLP whose forward takes the residual too (it is not tiled)
     "bloom": dict(model_type="bloom", bos_token_id=1, eos_token_id=2),
+    # hybrid: Mamba-2, attention and MoE blocks, its layer count derived from the list of block types
+    "nemotron_h": dict(model_type="nemotron_h", head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+                       n_groups=1, layers_block_type=["mamba", "attention", "moe"], num_hidden_layers=None,
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=32),
 }
 # each family's dropout probabilities, by config field
 DROPOUT_FIELDS = {

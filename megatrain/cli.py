@@ -208,6 +208,9 @@ def _main(argv: list[str]) -> int:
                         "on pairs (records with prompt, chosen, rejected: strings or message lists), the reference "
                         "the initial weights, their log-probabilities from one forward pass before the first step")
     t.add_argument("--beta", type=float, help="dpo: the strength of the reference model (0.1)")
+    t.add_argument("--ref-model", dest="ref_model", metavar="DIR",
+                   help="dpo: an HF model directory (the same tokenizer's) as the reference instead of the initial "
+                        "weights: streamed alone before the model trained is loaded, its store then freed")
     t.add_argument("--dpo-loss", dest="dpo_loss", choices=["sigmoid", "ipo", "hinge"],
                    help="dpo: the loss of a pair, as TRL defines it (sigmoid)")
     t.add_argument("--no-packing", dest="packing", action="store_false", default=None,

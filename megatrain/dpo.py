@@ -38,23 +38,42 @@ def pair_source(cfg, tok):
     return DataSource(batches, None, what, pairs.digest(), tokens, longest)
 
 
-def reference_logps(sm, batches, cfg, out: Path) -> float:
-    """Each pair's chosen and rejected log-probability sums under the model as it is now (``batches.ref``), from
-    evaluation steps of ``cfg.batch`` rows, or from the run ``cfg.resume`` continues; written to ``out``. Returns the
-    seconds it took (0 where read)."""
-    pairs = batches.pairs
-    digest = pairs.digest()
-    if cfg.resume:
-        kept = torch.load(Path(cfg.resume) / REFERENCE_FILE)
-        if kept.get("digest") != digest or kept["ref"].shape != (len(pairs), 2):
-            raise DataError(f"{cfg.resume}/{REFERENCE_FILE} is not for these pairs")
-        batches.ref = kept["ref"]
-        torch.save(kept, out / REFERENCE_FILE)
-        return 0.0
+def reference_model(cfg, batches, device=None) -> float:
+    """``cfg.ref_model``'s log-probabilities (``batches.ref``): the directory compiled alone, its pairs evaluated,
+    its store freed before the model trained is compiled. Returns the seconds it took."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    import megatrain
+    from megatrain.capture.packed_attention import attention_for
+    from megatrain.inputs import model_source
+
+    src = model_source(cfg.ref_model, cfg.vocab, cfg.seq)
+    if src.weights is None:
+        raise DataError(f"--ref-model {cfg.ref_model}: no safetensors weights there")
     t0 = time.perf_counter()
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(src.config, attn_implementation=attention_for(src.config))
+    ref = megatrain.compile(meta, checkpoint=src.weights, device=device)
+    pairs = batches.pairs
+    top = max(max(ids, default=0) for part in (pairs.prompt, pairs.chosen, pairs.rejected) for ids in part)
+    if top >= ref.captured.vocab_size:
+        raise DataError(f"--ref-model {cfg.ref_model}: its vocabulary ({ref.captured.vocab_size:,} tokens) does not "
+                        f"hold the data's token {top:,} (the reference must share the trained model's tokenizer)")
+    _evaluate_pairs(ref, batches, cfg)
+    del ref
+    gc.collect()
+    return time.perf_counter() - t0
+
+
+def _evaluate_pairs(sm, batches, cfg) -> None:
+    """Each pair's chosen and rejected log-probability sums under ``sm``, from evaluation steps of ``cfg.batch``
+    rows, into ``batches.ref``."""
+    pairs = batches.pairs
     per = cfg.batch // 2
     ref = torch.zeros(len(pairs), 2, dtype=torch.float64)
-    mb, batches.n_mb = batches.n_mb, 1  # (rows: the chunk's chosen, then its rejected)
+    mb, batches.n_mb, batches.ref = batches.n_mb, 1, None  # (rows: the chunk's chosen, then its rejected)
     try:
         for a in range(0, len(pairs), per):
             chunk = [i % len(pairs) for i in range(a, a + per)]  # (the last one filled from the start)
@@ -68,5 +87,25 @@ def reference_logps(sm, batches, cfg, out: Path) -> float:
         batches.n_mb = mb
     print(file=sys.stderr)
     batches.ref = ref.float()
+
+
+def reference_logps(sm, batches, cfg, out: Path) -> float:
+    """Each pair's chosen and rejected log-probability sums under the model as it is now (``batches.ref``), from
+    evaluation steps of ``cfg.batch`` rows; or those ``--ref-model`` gave (:func:`reference_model`), or those of the
+    run ``cfg.resume`` continues; written to ``out``. Returns the seconds it took (0 where read)."""
+    pairs = batches.pairs
+    digest = pairs.digest()
+    if batches.ref is not None:  # (--ref-model's)
+        torch.save({"digest": digest, "ref": batches.ref}, out / REFERENCE_FILE)
+        return 0.0
+    if cfg.resume:
+        kept = torch.load(Path(cfg.resume) / REFERENCE_FILE)
+        if kept.get("digest") != digest or kept["ref"].shape != (len(pairs), 2):
+            raise DataError(f"{cfg.resume}/{REFERENCE_FILE} is not for these pairs")
+        batches.ref = kept["ref"]
+        torch.save(kept, out / REFERENCE_FILE)
+        return 0.0
+    t0 = time.perf_counter()
+    _evaluate_pairs(sm, batches, cfg)
     torch.save({"digest": digest, "ref": batches.ref}, out / REFERENCE_FILE)
     return time.perf_counter() - t0

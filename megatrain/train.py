@@ -16,7 +16,7 @@ import torch
 from megatrain import train_report as report
 from megatrain.data import DataError
 from megatrain.export import save_tokenizer
-from megatrain.dpo import pair_source, reference_logps
+from megatrain.dpo import pair_source, reference_logps, reference_model
 from megatrain.inputs import chat_template_file, data_source, model_source, steps_for_epochs, tokenizer_for
 from megatrain.resume import last_state
 from megatrain.rundir import PLAN_FILE, RUN_FILE, STATE_DIR, RunDirectory, StopSignals, answering_signals, write_whole
@@ -63,6 +63,8 @@ def _prepare(cfg: TrainConfig, dp=None):
         if began.get("data_sha256") != data.digest:
             raise DataError(f"{cfg.data or 'the default corpus'} is not the data {cfg.resume} was trained on "
                             f"({data.tokens:,} tokens now, {began.get('data_tokens', 0):,} then)")
+    if cfg.method == "dpo" and cfg.ref_model and not cfg.resume:  # (alone: its store is freed before this one's)
+        data.batches.ref_s = reference_model(cfg, data.batches, cfg.device)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(model.config, attn_implementation=attention_for(model.config),
                                                 trust_remote_code=cfg.trust_remote_code)
@@ -298,7 +300,8 @@ def _train(cfg: TrainConfig, out: Path, prepared, signals: StopSignals, dp=None,
         with stages("reference"):
             ref_s = reference_logps(sm, data.batches, cfg, out)
         say(f"reference log-probabilities of {len(data.batches.pairs):,} pairs: " + (
-            f"{ref_s:.1f} s, one forward pass of the initial weights" if ref_s else f"those of {cfg.resume}"))
+            f"{ref_s:.1f} s, one forward pass of the initial weights" if ref_s else f"those of {cfg.resume}"
+            if cfg.resume else f"{cfg.ref_model}'s, {data.batches.ref_s:.1f} s, streamed before this model"))
         t_start = time.perf_counter()  # (the run's tokens/s: its steps')
     training = stages("train")  # (its saves and evaluations are stages of their own within it)
     training.__enter__()

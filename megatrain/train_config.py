@@ -28,6 +28,7 @@ class TrainConfig:
     method: str = "sft"  # sft: the loss on the data's trained tokens; dpo: preference pairs (prompt, chosen, rejected)
     beta: float = 0.1  # dpo: the strength of the reference model (TRL's beta)
     dpo_loss: str = "sigmoid"  # dpo: sigmoid, ipo or hinge, as TRL defines them
+    ref_model: str | None = None  # dpo: an HF model directory as the reference (default: the initial weights)
     streaming: bool = False  # read the data as training goes (a corpus larger than memory), shuffled in a buffer
     eval_data: str | None = None  # held-out data (as data) to report the loss on
     eval_split: float = 0.0  # or this share of the data's documents held out (seeded); 0: none
@@ -230,6 +231,8 @@ class TrainConfig:
             if self.batch % (2 * self.mb):
                 raise ValueError(f"--method dpo: --batch ({self.batch}) counts sequences, two per pair, and each of "
                                  f"the {self.mb} micro-batches holds whole pairs: a multiple of {2 * self.mb}")
+        if self.ref_model is not None and self.method != "dpo":
+            raise ValueError("--ref-model is the reference of --method dpo")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.warmup_steps < self.steps:

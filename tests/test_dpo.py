@@ -26,7 +26,7 @@ def _records(conversational: bool) -> list[dict]:
     return [{"prompt": p + " ", "chosen": c, "rejected": r} for p, c, r in PAIRS]
 
 
-def _model_dir(path):
+def _model_dir(path, seed=0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = llama3_tokenizer()
@@ -34,7 +34,7 @@ def _model_dir(path):
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
                                max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return tok
@@ -82,19 +82,14 @@ def test_dpo_equals_trl_dpo_trainer(tmp_path, conversational, loss):
         assert torch.allclose(trained[name], p, atol=1e-5, rtol=0), name
 
 
-def test_reference_logps_are_a_plain_models_and_a_resumed_run_goes_on_as_one_that_never_stopped(tmp_path, capsys):
+def _check_reference(ref, model_dir, tok, records):
+    """``ref`` (pairs x chosen, rejected) against a plain HF model's log-probabilities of each completion."""
     from transformers import AutoModelForCausalLM
 
     from megatrain.data.preference import tokenize_pairs
-    from megatrain.dpo import REFERENCE_FILE
 
-    tok = _model_dir(tmp_path / "model")
-    data = tmp_path / "prefs.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in _records(False) * 2))  # 8 pairs: two steps an epoch
-    whole, ran = _train(tmp_path, "whole", data, steps=6)
-    ref = torch.load(whole / REFERENCE_FILE)["ref"]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
-    pairs = tokenize_pairs(_records(False) * 2, tok, 64, "prefs")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pairs = tokenize_pairs(records, tok, 64, "prefs")
     for i in range(len(pairs)):
         for j, which in enumerate(("chosen", "rejected")):
             ids, start = pairs.sequence(i, which)
@@ -103,6 +98,22 @@ def test_reference_logps_are_a_plain_models_and_a_resumed_run_goes_on_as_one_tha
                 logits = hf(input_ids=ids).logits[0, start - 1:-1]
             want = -F.cross_entropy(logits, ids[0, start:], reduction="sum")
             assert float(ref[i, j]) == pytest.approx(float(want), abs=1e-4), (i, which)
+
+
+def test_reference_logps_are_a_plain_models_and_a_resumed_run_goes_on_as_one_that_never_stopped(tmp_path, capsys):
+    from megatrain.dpo import REFERENCE_FILE
+
+    tok = _model_dir(tmp_path / "model")
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in _records(False) * 2))  # 8 pairs: two steps an epoch
+    whole, ran = _train(tmp_path, "whole", data, steps=6)
+    ref = torch.load(whole / REFERENCE_FILE)["ref"]
+    _check_reference(ref, tmp_path / "model", tok, _records(False) * 2)
+    # --ref-model: another model's, streamed alone before the one trained
+    _model_dir(tmp_path / "other", seed=1)
+    other, _ = _train(tmp_path, "other-ref", data, "--ref-model", str(tmp_path / "other"), steps=1)
+    assert "other's" in capsys.readouterr().err
+    _check_reference(torch.load(other / REFERENCE_FILE)["ref"], tmp_path / "other", tok, _records(False) * 2)
     _train(tmp_path, "first", data, steps=3)
     assert "one forward pass of the initial weights" in capsys.readouterr().err
     again = tmp_path / "again"  # (the rest of its config is the run's own)

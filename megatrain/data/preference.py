@@ -113,6 +113,7 @@ class PairBatches:
         self.pairs, self.seed, self.seq, self.pad_id, self.objective = pairs, seed, seq, pad_id, objective
         self.epoch, self.next, self.n_mb = 0, 0, 1
         self.ref: torch.Tensor | None = None  # (pairs, 2): the reference's log-probability sums
+        self.ref_s = 0.0  # seconds --ref-model's pass took
         self._order = self._permutation(0)
 
     @property

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megatrain.data.errors import DataError
+from megatrain.data.rows import ShuffledOrder
 
 IGNORE = -100
 
@@ -103,36 +104,22 @@ def tokenize_pairs(records, tok, seq: int, source: str) -> Pairs:
     return out
 
 
-class PairBatches:
+class PairBatches(ShuffledOrder):
     """The pairs in an order shuffled with ``seed`` each epoch; :meth:`batch` takes the next ``size`` // 2 pairs as
     ``size`` rows laid out for ``n_mb`` micro-batches, with the reference log-probabilities of each row (``ref``:
     per pair, chosen and rejected) and the objective. The place in the order is all a resumed run needs (as
     :class:`megatrain.data.Batches`)."""
 
     def __init__(self, pairs: Pairs, seed: int, seq: int, pad_id: int, objective=None):
-        self.pairs, self.seed, self.seq, self.pad_id, self.objective = pairs, seed, seq, pad_id, objective
-        self.epoch, self.next, self.n_mb = 0, 0, 1
+        self.pairs, self.seq, self.pad_id, self.objective = pairs, seq, pad_id, objective
+        self.n_mb = 1
         self.ref: torch.Tensor | None = None  # (pairs, 2): the reference's log-probability sums
         self.ref_s = 0.0  # seconds --ref-model's pass took
-        self._order = self._permutation(0)
+        super().__init__(len(pairs), seed)
 
     @property
     def rows(self):  # (what a step's rows are counted against: two per pair)
         return range(2 * len(self.pairs))
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
-
-    def take(self, n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            if self.next == len(self._order):
-                self.epoch, self.next = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            k = min(n - len(out), len(self._order) - self.next)
-            out.extend(int(i) for i in self._order[self.next:self.next + k])
-            self.next += k
-        return out
 
     def batch(self, size: int) -> dict:
         if size % (2 * self.n_mb):

@@ -176,32 +176,44 @@ def rows_batch(r: Rows, take: np.ndarray, size: int) -> dict[str, torch.Tensor |
             "position_ids": None if r.positions is None else torch.from_numpy(r.positions[rows].astype(np.int64))}
 
 
-class Batches:
+class ShuffledOrder:
+    """``n`` items in an order shuffled with ``seed`` for each epoch; :meth:`take` the next ones (into the next epoch
+    where this one runs out)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.next = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def take(self, count: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            if self.next == len(self._order):
+                self.epoch, self.next = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            k = min(count - len(out), len(self._order) - self.next)
+            out.extend(int(i) for i in self._order[self.next: self.next + k])
+            self.next += k
+        return out
+
+
+class Batches(ShuffledOrder):
     """``rows`` in an order shuffled with ``seed`` for each epoch; :meth:`batch` takes the next rows (into the next
     epoch where this one runs out). The place in that order (:meth:`state`) is all a resumed run needs."""
 
     def __init__(self, rows: Rows, seed: int):
         if not rows.train.any():
             raise DataError("the data has no token to train on")
-        self.rows, self.seed = rows, seed
-        self.epoch, self.next = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        self.rows = rows
+        super().__init__(len(rows), seed)
 
     def batch(self, size: int) -> dict[str, torch.Tensor | None]:
         """The next ``size`` rows: input_ids, attention_mask, labels (-100 where not trained), position_ids (None
         for rows of one document each)."""
-        take = []
-        while len(take) < size:
-            if self.next == len(self._order):
-                self.epoch, self.next = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            k = min(size - len(take), len(self._order) - self.next)
-            take.extend(self._order[self.next: self.next + k])
-            self.next += k
-        return self.rows_batch(np.asarray(take), size)
+        return self.rows_batch(np.asarray(self.take(size)), size)
 
     def rows_batch(self, take: np.ndarray, size: int) -> dict[str, torch.Tensor | None]:
         return rows_batch(self.rows, take, size)

@@ -160,23 +160,54 @@ def loss(ctx, op: Op, st: StepState) -> None:
     """Forward and backward of the head and the loss for one micro-batch: the loss sum, the head's gradient into its
     gradient slot, the gradient of its input in place of the input."""
     ctx.rng.seed(op.layer, op.mb)
-    if ctx.head_loss is not None and st.objective is None:
+    if st.objective is not None:
+        return _objective_loss(ctx, op, st)
+    if ctx.head_loss is not None:
         return _fused_loss(ctx, op, st)
     x = st.act[op.slot("x")].detach().requires_grad_()
     views: list = []
     with torch.enable_grad():
         logits = ctx.runner.run(op.layer, ctx.dev.weights(op), x, st.side[op.mb], grad_views=views)
-        mb = st.mbs[op.mb]
-        if st.objective is None:
-            loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), mb.next_labels.reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
-        else:  # (its statistics are sums over the micro-batch's rows, as the loss is)
-            loss_sum, stats = st.objective(*token_logps(logits, mb.next_labels), mb.rows or {})
-            st.stats[op.mb] = stats.detach()
+        labels = st.mbs[op.mb].next_labels
+        loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
         sink = _grad_sink(ctx, op)
         dx, *dws = _grads(sink, loss_sum / st.denom, [x, *(v for *_, v in views)])
     st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ctx, st, op.mb)
     _accumulate(sink, views, dws)
+    st.act[op.slot("x")] = dx
+
+
+def _objective_loss(ctx, op: Op, st: StepState) -> None:
+    """The head under a step's objective (megatrain.objectives) for one micro-batch, its logits formed a chunk of
+    ``LOSS_CHUNK_TOKENS`` tokens at a time, twice: each position's log-probability of its label first (no graph),
+    the objective on them and its gradient with respect to each (small: a number per position), then each chunk's
+    head again with its graph and the backward of those gradients times its log-probabilities. The same gradients as
+    one pass over the whole logits (the head works on each position alone); no more logits at once than a chunk's."""
+    from megatrain.layout import LOSS_CHUNK_TOKENS
+
+    x = st.act[op.slot("x")].detach()
+    mb, flat = st.mbs[op.mb], ctx.dev.weights(op)
+    labels, step = mb.next_labels, max(1, LOSS_CHUNK_TOKENS // x.shape[0])
+    chunks = [(a, min(a + step, x.shape[1])) for a in range(0, x.shape[1], step)]
+    with torch.no_grad():
+        logps = torch.cat([token_logps(ctx.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb]),
+                                       labels[:, a:b])[0] for a, b in chunks], 1)
+    logps.requires_grad_()
+    with torch.enable_grad():  # (its statistics are sums over the micro-batch's rows, as the loss is)
+        loss_sum, stats = st.objective(logps, labels != IGNORE_INDEX, mb.rows or {})
+        (weight,) = torch.autograd.grad(loss_sum / st.denom, logps)
+    sink, dx = _grad_sink(ctx, op), torch.empty_like(x)  # (one sink: a span written by a chunk, the next adds)
+    for a, b in chunks:
+        part, views = x[:, a:b].requires_grad_(), []
+        with torch.enable_grad():
+            logits = ctx.runner.run(op.layer, flat, part, st.side[op.mb], grad_views=views)
+            out = (weight[:, a:b] * token_logps(logits, labels[:, a:b])[0]).sum()
+            dpart, *dws = _grads(sink, out, [part, *(v for *_, v in views)])
+        _accumulate(sink, views, dws)
+        dx[:, a:b] = dpart
+    st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ctx, st, op.mb)
+    st.stats[op.mb] = stats.detach()
     st.act[op.slot("x")] = dx
 
 

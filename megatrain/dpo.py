@@ -73,18 +73,14 @@ def _evaluate_pairs(sm, batches, cfg) -> None:
     pairs = batches.pairs
     per = cfg.batch // 2
     ref = torch.zeros(len(pairs), 2, dtype=torch.float64)
-    mb, batches.n_mb, batches.ref = batches.n_mb, 1, None  # (rows: the chunk's chosen, then its rejected)
-    try:
-        for a in range(0, len(pairs), per):
-            chunk = [i % len(pairs) for i in range(a, a + per)]  # (the last one filled from the start)
-            b = batches.rows_batch(chunk)
-            rows = sm.evaluate(b["input_ids"], b["attention_mask"], b["labels"]).row_logps.double()
-            n = min(per, len(pairs) - a)
-            ref[a:a + n, 0], ref[a:a + n, 1] = rows[:n], rows[per:per + n]
-            print(f"\rreference log-probabilities: {a + n:,} of {len(pairs):,} pairs", end="", file=sys.stderr,
-                  flush=True)
-    finally:
-        batches.n_mb = mb
+    for a in range(0, len(pairs), per):
+        chunk = [i % len(pairs) for i in range(a, a + per)]  # (the last one filled from the start)
+        b = batches.rows_batch(chunk, n_mb=1, train=False)  # (rows: the chunk's chosen, then its rejected)
+        rows = sm.evaluate(b["input_ids"], b["attention_mask"], b["labels"]).row_logps.double()
+        n = min(per, len(pairs) - a)
+        ref[a:a + n, 0], ref[a:a + n, 1] = rows[:n], rows[per:per + n]
+        print(f"\rreference log-probabilities: {a + n:,} of {len(pairs):,} pairs", end="", file=sys.stderr,
+              flush=True)
     print(file=sys.stderr)
     batches.ref = ref.float()
 

@@ -127,10 +127,12 @@ class PairBatches(ShuffledOrder):
                             f"of {2 * self.n_mb})")
         return self.rows_batch(self.take(size // 2))
 
-    def rows_batch(self, pairs: list[int]) -> dict:
-        """``pairs`` (indices) as a batch: per micro-batch its chosen rows, then its rejected ones."""
-        per = len(pairs) // self.n_mb
-        order = [(i, w) for m in range(self.n_mb) for w in ("chosen", "rejected")
+    def rows_batch(self, pairs: list[int], n_mb: int | None = None, train: bool = True) -> dict:
+        """``pairs`` (indices) as a batch: per micro-batch (``n_mb``, default the plan's) its chosen rows, then its
+        rejected ones; with ``train``, the objective and each row's reference log-probability too."""
+        n_mb = self.n_mb if n_mb is None else n_mb
+        per = len(pairs) // n_mb
+        order = [(i, w) for m in range(n_mb) for w in ("chosen", "rejected")
                  for i in pairs[m * per:(m + 1) * per]]
         ids = torch.full((len(order), self.seq), self.pad_id, dtype=torch.long)
         labels = torch.full_like(ids, IGNORE)
@@ -141,7 +143,7 @@ class PairBatches(ShuffledOrder):
             mask[r, :len(s)] = 1
             labels[r, start:len(s)] = ids[r, start:len(s)]
         out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if self.objective is not None and self.ref is not None:  # (a training step's, after the reference pass)
+        if train and self.objective is not None:
             out["objective"] = self.objective
             out["rows"] = {"ref_logps": torch.stack([self.ref[i, 0 if w == "chosen" else 1] for i, w in order])}
         return out

@@ -133,7 +133,7 @@ def _main(argv: list[str]) -> int:
                                                   "or llama3 (the export carries it)"),
                            ("epochs", float, "passes over the data's rows, the steps derived from it (rounded "
                                              "up; instead of --steps)"),
-                           ("warmup", int, "warmup steps (3% of the steps fine-tuning a model with weights; from "
+                           ("warmup", int, "warmup steps (3%% of the steps fine-tuning a model with weights; from "
                                            "scratch a tenth, at most 30)"),
                            ("warmup_start", str, "the first warmup step's learning rate: zero (transformers' rule, "
                                                  "the default with --model) or first (lr / warmup, the default "

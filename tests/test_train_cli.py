@@ -719,3 +719,12 @@ def test_the_example_config_is_a_valid_run_config():
     cfg = TrainConfig(**load_yaml(str(example)))
     cfg.check()
     assert cfg.epochs == 3 and cfg.optim_config().warmup_start == "first"  # (zero once model names weights)
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["plan"], ["export"], ["viz"]])
+def test_every_command_prints_its_help(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: megatrain") and "--help" in out

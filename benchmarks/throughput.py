@@ -110,7 +110,10 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of this script (program order)")
     ap.add_argument("--data", choices=DATA, default="random",
                     help="random tokens, or chat: packed rows of chat-like documents (seq / 16 to 2 x seq tokens, "
-                         "the prompt part not trained on, each document attending to itself alone)")
+                         "the prompt part not trained on, each document attending to itself alone), or pairs: "
+                         "DPO steps (sigmoid, beta 0.1) on batch / 2 random preference pairs of seq-token rows "
+                         "(a quarter prompt), after their reference pass (one evaluation of the initial weights, "
+                         "timed: reference_s)")
     ap.add_argument("--json")
     ap.add_argument("--save-state", metavar="DIR",
                     help="after the runs, time saving the training state to DIR and loading it back")
@@ -351,7 +354,19 @@ def print_table(results: list[dict]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-DATA = ("random", "chat")
+DATA = ("random", "chat", "pairs")
+
+
+def dpo_pairs(vocab: int, seq: int, n_pairs: int, seed: int = 0):
+    """``n_pairs`` preference pairs of random token ids, each row ``seq`` tokens: a prompt of a quarter of them and
+    two completions of the rest (the chosen and the rejected), as ``megatrain train --method dpo`` lays them out."""
+    from megatrain.data.preference import Pairs
+
+    g = torch.Generator().manual_seed(seed)
+    p = seq // 4
+    draw = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    return Pairs([draw(p) for _ in range(n_pairs)], [draw(seq - p) for _ in range(n_pairs)],
+                 [draw(seq - p) for _ in range(n_pairs)])
 
 
 def chat_rows(vocab: int, seq: int, n_rows: int, seed: int = 0):
@@ -392,6 +407,21 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         from megatrain.data.rows import rows_batch
 
         rows = chat_rows(cfg.vocab_size, args.seq, batch * (args.warmup + args.steps + args.cooldown))
+    elif data == "pairs":
+        from types import SimpleNamespace
+
+        from megatrain.data.preference import PairBatches
+        from megatrain.dpo import _evaluate_pairs
+        from megatrain.objectives import DPO
+
+        if batch % 2:
+            raise SystemExit(f"--data pairs: --batch {batch} must be even (whole pairs)")
+        rows = PairBatches(dpo_pairs(cfg.vocab_size, args.seq, batch // 2 * (args.warmup + args.steps + args.cooldown)),
+                           0, args.seq, 0, DPO(0.1, "sigmoid"))
+        rows.n_mb = sm.schedule_for(batch, args.seq, **overrides).config.n_mb
+        t = time.perf_counter()
+        _evaluate_pairs(sm, rows, SimpleNamespace(batch=batch))
+        reference_s = time.perf_counter() - t
     else:
         rows = None
     trained = []  # tokens trained on, per step
@@ -408,7 +438,13 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         if marked and cuda and args.memory_by_op:
             by_op.append(("(before the step)", torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
             sm.executor.on_op = lambda op: allocated_by(op, by_op, held)
-        if rows is not None:
+        if data == "pairs":
+            b = rows.batch(batch)
+            trained.append(int((b["labels"] != -100).sum()))
+            t = time.perf_counter()
+            st = sm.train_step(b["input_ids"], b["attention_mask"], b["labels"], objective=b["objective"],
+                               rows=b["rows"], **overrides)
+        elif rows is not None:
             b = rows_batch(rows, np.arange(i * batch, (i + 1) * batch), batch)
             trained.append(int((b["labels"] != -100).sum()))
             t = time.perf_counter()
@@ -450,6 +486,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
                            c.budget_bytes, held)
     res = {
         "preset": args.preset, "data": data, "trained_tokens_per_step": trained or None,
+        # --data pairs: the reference pass over the run's pairs (evaluation steps of batch rows), before the steps
+        "reference_s": reference_s if data == "pairs" else None, "dpo_metrics": st.metrics or None,
         "layers": cfg.num_hidden_layers, "params": n, "executor": "program order" if args.sync else "streams",
         "split_queues": getattr(sm.executor, "split_queues", None),
         "pace_split": getattr(sm.executor, "pace_split", None),

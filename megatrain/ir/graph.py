@@ -52,6 +52,11 @@ class Layer:
     # closing residual sum reads (a dense block's MLP down projection, :data:`UNREAD_PROJECTION`), which the
     # backward needs the input and weights of, not the product (runtime.layers.grad_sink.outputs_unread). 0: none
     unread_flops_per_token: float = 0.0
+    # bytes per token the fused attention kernel's backward allocates inside itself, beyond its inputs and the
+    # gradients it returns: the flash kernel's fp32 accumulator of the query gradient and, where keys and values
+    # have fewer heads than queries, their gradients expanded to every query head before the sum (in the compute
+    # dtype). 0: a layer without attention
+    attn_bwd_bytes_per_token: int = 0
 
     @property
     def moment_params(self) -> int:

@@ -19,7 +19,7 @@ SAVED_FILL = 0.9
 
 # tile sizes (tokens) the search tries for the blocks' MLPs where a micro-batch is longer: a tiled backward runs the
 # MLP's forward once more (4/3 of its untiled cost), so a tiled plan wins only where an untiled one does not fit
-SEQ_TILES = (65536, 16384)
+SEQ_TILES = (65536, 16384, 4096)
 LONG_SEQ = 131072  # sequences from this long get checkpoint placements between all on the device and all on the host
 
 

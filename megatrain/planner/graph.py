@@ -122,7 +122,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),
         lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True),
         route_bytes_per_token=moe.top_k * (7 * H + 3 * moe.expert_inter) * a if moe is not None else 0,
-        unread_flops_per_token=2.0 * H * inter if unread_down and moe is None else 0.0)
+        unread_flops_per_token=2.0 * H * inter if unread_down and moe is None else 0.0,
+        attn_bwd_bytes_per_token=(4 + (2 * a if kv < q else 0)) * q)
 
 
 @dataclass(frozen=True)

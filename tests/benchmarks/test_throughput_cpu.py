@@ -1,6 +1,7 @@
 """benchmarks/throughput.py on the CPU (the smoke mode) and benchmarks/sim_accuracy.py on the recorded H200 runs."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -25,12 +26,12 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
     proc = run([os.path.join(ROOT, "benchmarks", "throughput.py"), "--preset", "tiny", "--device", "cpu",
                 "--no-kernels", "--batch", "4", "--seq", "64", "--mb", "2", "--steps", "2",
                 "--variant", "gpu_opt=1,slots=all", "--variant", "clip=0,mb=1,stage=0", "--variant", "data=chat",
-                "--variant", "wire=bf16", "--json", str(out)])
+                "--variant", "data=pairs", "--variant", "wire=bf16", "--json", str(out)])
     rows = json.loads(out.read_text())
     # the bf16 wire needs bf16 compute (fp32 on the CPU): that variant fails alone, the exit status says so
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAILED" in proc.stdout and "needs bf16 compute" in rows[-1]["error"]
-    ok, chat = rows[:3], rows[3]
+    ok, chat, pairs = rows[:3], rows[3], rows[4]
     assert [(r["n_mb"], r["clip"], r["weight_slots"]) for r in ok] == [(2, True, 2), (2, True, 5), (1, False, 2)]
     assert ok[0]["gpu_opt"] == [] and ok[1]["gpu_opt"] == [0, 1, 2, 3, 4]  # every layer: none shares weights
     # the fp32 wire's staging buffer as each run had it set (0: torch's copy_; on the CPU it is never allocated)
@@ -50,6 +51,11 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
     assert all(0 < x < 10 for x in losses) and losses[-1] < losses[0]
     assert chat["data"] == "chat" and all(0 < t < 256 for t in chat["trained_tokens_per_step"])
     assert all(0 < x < 10 for x in chat["losses"]) and chat["tokens_per_step"] == 256
+    # DPO steps after a reference pass of the weights they start from: the first step's loss is -log sigmoid(0)
+    assert pairs["data"] == "pairs" and pairs["reference_s"] > 0 and pairs["tokens_per_step"] == 256
+    assert abs(pairs["losses"][0] - math.log(2)) < 1e-5 and pairs["losses"][-1] < pairs["losses"][0]
+    assert pairs["trained_tokens_per_step"] == [4 * 48] * 4  # 4 rows: 2 pairs, a completion of 48 tokens a row
+    assert set(pairs["dpo_metrics"]) >= {"rewards/chosen", "rewards/margins", "rewards/accuracies"}
 
 
 def test_sim_accuracy_reads_the_recorded_runs():

@@ -381,7 +381,8 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
         norm = residual_mlp and isinstance(getattr(seg.template, "post_attention_layernorm", None), nn.Module)
         costs = layer_costs(seg.kind, seg_shape, mat, act_dtype_bytes, tiles=tiles, tile_norm=norm, moe=routed,
                             unread_down=residual_mlp and isinstance(_submodule(seg.template, UNREAD_PROJECTION),
-                                                                     nn.Linear))
+                                                                     nn.Linear),
+                            grouped_attention=packed_attention.takes_flash(cfg))
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,

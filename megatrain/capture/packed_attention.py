@@ -10,7 +10,10 @@ rows on the GPU, torch's flash attention over the documents (its variable-length
 The embedding layer's causal-mask builders then return the :class:`~megatrain.capture.tracer.Packed` marker that
 carries them instead of building a mask (capture.tracer); a sliding window goes to the kernel as its window. A
 family with attention sinks (GPT-OSS), which HF runs through its eager attention alone, is switched whether its rows
-are packed or not (``NAME_sinks``): the flash kernel with the sinks folded into its output (:class:`_FlashOverDocuments`)."""
+are packed or not (``NAME_sinks``): the flash kernel with the sinks folded into its output (:class:`_FlashOverDocuments`).
+Micro-batches of ``ir.graph.GROUPED_ATTN_TOKENS`` tokens or more take the flash kernel too, packed or not, and its
+backward runs one key/value head's group of query heads at a time, so that the kernel's own buffers are a group's
+(a long sequence's step holds less on the device; ``Layer.attn_bwd_bytes``)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import threading
 import torch
 
 from megatrain.capture.tracer import Packed
+from megatrain.ir.graph import GROUPED_ATTN_TOKENS
 
 NAME = "megatrain_packed"
 
@@ -39,6 +43,13 @@ def attention_for(config) -> str:
     """The attention implementation to build an HF model of ``config`` with before capture: SDPA, or eager for a
     family with sinks (HF refuses SDPA there; the capture switches it to the flash kernel)."""
     return "eager" if getattr(config, "model_type", None) in SINK_FAMILIES else "sdpa"
+
+
+def takes_flash(config) -> bool:
+    """Whether a model of ``config``'s family is switched to the flash path (:func:`enable`, where torch has the
+    kernel): the families it serves, without soft-capped logits."""
+    family = getattr(config, "model_type", None)
+    return (family in FAMILIES or family in SINK_FAMILIES) and getattr(config, "attn_logit_softcapping", None) is None
 
 
 def unfused(model: torch.nn.Module) -> str | None:
@@ -70,7 +81,7 @@ def enable(model: torch.nn.Module) -> bool:
     orig, family = cfg._attn_implementation, getattr(cfg, "model_type", None)
     sinks = family in SINK_FAMILIES and orig == "eager"
     if (not (family in FAMILIES or sinks) or orig not in ("sdpa", "eager") or not _flash_available()
-            or getattr(cfg, "attn_logit_softcapping", None) is not None):
+            or not takes_flash(cfg)):
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -108,22 +119,25 @@ def attention(orig: str, module, query, key, value, attention_mask, **kwargs):
     """HF's attention interface over ``orig`` ("sdpa" or "eager"): ``query`` (b, Hq, T, D), ``key``/``value``
     (b, Hkv, T, D); returns the output as (b, T, Hq, D) and ``orig``'s weights (none from the flash kernel).
     ``orig`` for every mask but a :class:`Packed` marker with offsets and, in a family with sinks (``s_aux``), no
-    mask (causal, no padding); on the GPU in half precision without dropout those go to the flash kernel."""
+    mask (causal, no padding); on the GPU in half precision without dropout those go to the flash kernel, and so do
+    micro-batches of :data:`GROUPED_ATTN_TOKENS` tokens or more without a mask (see :func:`_backward`)."""
     if orig == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as delegate
     else:  # each modeling file has its own eager attention
         delegate = sys.modules[type(module).__module__].eager_attention_forward
     sinks, window = kwargs.get("s_aux"), kwargs.get("sliding_window")
     packed = isinstance(attention_mask, Packed)
-    if not packed and not (sinks is not None and attention_mask is None):
+    b, t = query.shape[0], query.shape[2]
+    flash = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and kwargs.get("dropout", 0.0) == 0.0
+    # (long rows without padding take the flash path too: its backward runs a group of heads at a time)
+    if not packed and not ((sinks is not None or flash and b * t >= GROUPED_ATTN_TOKENS) and attention_mask is None):
         return delegate(module, query, key, value, attention_mask, **kwargs)
     if packed and attention_mask.cu is None:
         raise ValueError("packed rows reached the attention without their document offsets")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{NAME}: a layer with soft-capping was given packed rows; its mask builder should have "
                          "built their mask")
-    b, t = query.shape[0], query.shape[2]
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and kwargs.get("dropout", 0.0) == 0.0:
+    if flash:
         cu, longest = ((attention_mask.cu, attention_mask.max_len) if packed else
                        (torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=query.device), t))
         return _flash(query, key, value, cu, longest, kwargs.get("scaling"), window, sinks), None
@@ -189,9 +203,25 @@ class _FlashOverDocuments(torch.autograd.Function):
             dout, rows = _sink_ops(q)[1](dout, out, lse, sinks)
             dsinks = -rows.sum(0).to(sinks.dtype)
         with _deterministic():
-            dq, dk, dv = kernel_backward(dout, q, k, v, out, lse, cu, ctx.max_len, rng, unused, ctx.scale,
-                                         *ctx.window)
+            dq, dk, dv = _backward(dout, q, k, v, out, lse, cu, ctx.max_len, rng, unused, ctx.scale, ctx.window)
         return dq, dk, dv, dsinks, None, None, None, None
+
+
+def _backward(dout, q, k, v, out, lse, cu, max_len: int, rng, unused, scale, window):
+    """The kernel's backward over all heads at once, or, for :data:`GROUPED_ATTN_TOKENS` tokens or more, one key/
+    value head's group of query heads at a time: the kernel then holds its fp32 query-gradient accumulator and its
+    key/value gradients expanded to the query heads for one group, not for the layer (``Layer.attn_bwd_bytes``).
+    The heads are independent, so each group's gradients are those of the whole call."""
+    n, hq, hk = q.shape[0], q.shape[1], k.shape[1]
+    if n < GROUPED_ATTN_TOKENS or hk == 1:
+        return kernel_backward(dout, q, k, v, out, lse, cu, max_len, rng, unused, scale, *window)
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    r = hq // hk
+    for g in range(hk):
+        h, j = slice(g * r, (g + 1) * r), slice(g, g + 1)
+        dq[:, h], dk[:, j], dv[:, j] = kernel_backward(dout[:, h], q[:, h], k[:, j], v[:, j], out[:, h], lse[h], cu,
+                                                       max_len, rng, unused, scale, *window)
+    return dq, dk, dv
 
 
 def kernel_forward(q, k, v, cu, max_len: int, scale, left, right):

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+# micro-batches of this many tokens or more run the attention's backward one key/value head's group of query heads
+# at a time where the flash kernel takes it (capture.packed_attention): the kernel's own buffers (an fp32 query-
+# gradient accumulator, the key/value gradients expanded to every query head) are then a group's, not the layer's
+# (14.0 GiB against 4.4 for a block of Qwen2.5-7B's shape at 524,288 tokens)
+GROUPED_ATTN_TOKENS = 131072
 
 @dataclass(frozen=True, kw_only=True)
 class Layer:
@@ -57,6 +62,10 @@ class Layer:
     # have fewer heads than queries, their gradients expanded to every query head before the sum (in the compute
     # dtype). 0: a layer without attention
     attn_bwd_bytes_per_token: int = 0
+    # the same where the backward runs one key/value head's group of query heads at a time (micro-batches of
+    # GROUPED_ATTN_TOKENS tokens or more, capture.packed_attention): one group's buffers and the group's gradients
+    # before they are copied into the whole ones
+    attn_bwd_group_bytes_per_token: int = 0
 
     @property
     def moment_params(self) -> int:
@@ -67,6 +76,11 @@ class Layer:
         """Bytes per token this layer keeps as a saved layer, lean (``ScheduleConfig.saved_lean``) or not."""
         return self.lean_saved_bytes_per_token if lean and self.lean_saved_bytes_per_token else \
             self.saved_bytes_per_token
+
+    def attn_bwd_bytes(self, tokens: int) -> int:
+        """Bytes the attention kernel's backward holds inside itself for a micro-batch of ``tokens`` tokens."""
+        grouped = tokens >= GROUPED_ATTN_TOKENS and self.attn_bwd_group_bytes_per_token
+        return (self.attn_bwd_group_bytes_per_token if grouped else self.attn_bwd_bytes_per_token) * tokens
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token at ``seq_len`` (causal attention: keys average seq_len / 2)."""

@@ -99,9 +99,9 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     if op.kind is OpKind.FWD:
         return work
     if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients, and the attention
-        # kernel's own buffers while its backward runs (14.0 GiB in a block of Qwen2.5-7B's shape at 524,288 tokens:
-        # Layer.attn_bwd_bytes_per_token; a step of 4 such blocks peaked 15.3 GiB above its plan without them)
-        return (2 if recomputes(cfg, op) else 1) * work + lay.attn_bwd_bytes_per_token * t
+        # kernel's own buffers while its backward runs (Layer.attn_bwd_bytes: a step of 4 blocks of Qwen2.5-7B's
+        # shape at 524,288 tokens peaked 15.3 GiB above its plan without them)
+        return (2 if recomputes(cfg, op) else 1) * work + lay.attn_bwd_bytes(t)
     if op.kind is OpKind.LOSS:  # one chunk of the fused loss's logits (graph.LOSS_LOGITS_PER_CHUNK)
         return lay.work_bytes_per_token * t + loss_chunk_nbytes(lay, t)
     if op.kind is OpKind.EVAL:  # one chunk of fp32 logits

@@ -82,9 +82,20 @@ def full_recompute(graph: "LayerGraph") -> "LayerGraph":
     return LayerGraph([replace(lay, unread_flops_per_token=0.0) for lay in graph.layers], name=graph.name)
 
 
+def attn_group_bytes(q_dim: int, kv_dim: int, heads: int, act_dtype_bytes: int) -> int:
+    """Bytes per token the attention's backward holds for one key/value head's group of query heads at a time
+    (``Layer.attn_bwd_group_bytes_per_token``): the group's fp32 query-gradient accumulator, its key/value
+    gradients expanded to its query heads and its query gradient (each as wide as the group's query heads), and its
+    key/value gradients (one head each)."""
+    head_dim = q_dim // heads
+    kv_heads = max(1, kv_dim // head_dim)
+    group = q_dim // kv_heads
+    return (4 + 3 * act_dtype_bytes) * group + 2 * act_dtype_bytes * head_dim
+
+
 def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_bytes: int, *,
                 tiles: bool = True, tile_norm: bool = False, moe: "MoE | None" = None,
-                unread_down: bool = False) -> dict:
+                unread_down: bool = False, grouped_attention: bool = True) -> dict:
     """The cost fields of a :class:`Layer` of ``kind`` (everything but its name, template, parameters and tie):
     the one source for graphs built from a config (:func:`from_config`) and captured from a model
     (``megatrain.capture``). ``matmul_params``: the parameters its matmuls multiply by (2 FLOPs each a token).
@@ -98,7 +109,10 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     runs over tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts);
     ``tile_norm``: its post-attention norm with it (:data:`NORM_WITH_MLP`); ``moe``: a block whose MLP routes to
     experts (its routing's bytes, ``Layer.route_bytes_per_token``); ``unread_down``: a dense block whose MLP's down
-    projection a recomputing backward leaves out (:data:`UNREAD_PROJECTION`, ``Layer.unread_flops_per_token``)."""
+    projection a recomputing backward leaves out (:data:`UNREAD_PROJECTION`, ``Layer.unread_flops_per_token``);
+    ``grouped_attention``: its attention takes the flash kernel, whose backward runs one key/value head's group of
+    query heads at a time on long micro-batches (``Layer.attn_bwd_group_bytes_per_token``,
+    ``capture.packed_attention``)."""
     H, a = shape.hidden, act_dtype_bytes
     if kind == "embedding":
         return dict(act_bytes_per_token=H * a, work_bytes_per_token=H * a)
@@ -123,7 +137,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True),
         route_bytes_per_token=moe.top_k * (7 * H + 3 * moe.expert_inter) * a if moe is not None else 0,
         unread_flops_per_token=2.0 * H * inter if unread_down and moe is None else 0.0,
-        attn_bwd_bytes_per_token=(4 + (2 * a if kv < q else 0)) * q)
+        attn_bwd_bytes_per_token=(4 + (2 * a if kv < q else 0)) * q,
+        attn_bwd_group_bytes_per_token=attn_group_bytes(q, kv, heads, a) if grouped_attention else 0)
 
 
 @dataclass(frozen=True)

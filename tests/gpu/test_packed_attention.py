@@ -73,3 +73,54 @@ def test_a_packed_step_through_offsets_trains_as_through_hf_masks():
     assert l1 == pytest.approx(l2, rel=2e-2)
     for n, a in w1.items():
         assert float((a - w2[n]).abs().max()) <= 4e-4, n  # two Adam steps of at most ~lr each, either way
+
+
+def test_long_rows_take_the_flash_kernel_and_its_backward_a_group_of_heads_at_a_time(monkeypatch):
+    """A row of GROUPED_ATTN_TOKENS tokens or more without a mask: the flash path (not SDPA), outputs and gradients
+    as SDPA's within bf16; its grouped backward gives the gradients of one call over every head and holds less by
+    what the planner counts (Layer.attn_bwd_bytes: 8 x q_dim bytes a token against one group's)."""
+    from megatrain.planner.graph import attn_group_bytes
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, hq, hkv, t, d = 1, 28, 4, 32768, 128
+    q, k, v = (torch.randn(b, n, t, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for n in (hq, hkv, hkv))
+    dy = torch.randn(b, t, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    module = hf_model("qwen2", num_attention_heads=hq, num_key_value_heads=hkv, hidden_size=hq * d) \
+        .model.layers[0].self_attn.cuda()
+    module.eval()
+    taken = []
+    flash = packed_attention._flash
+    monkeypatch.setattr(packed_attention, "_flash", lambda *a, **kw: taken.append(1) or flash(*a, **kw))
+
+    def run(grouped_from):
+        monkeypatch.setattr(packed_attention, "GROUPED_ATTN_TOKENS", grouped_from)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out, _ = packed_attention.attention("sdpa", module, q, k, v, None, dropout=0.0, scaling=d ** -0.5)
+        grads = torch.autograd.grad(out, (q, k, v), dy)
+        torch.cuda.synchronize()
+        return out, grads, torch.cuda.max_memory_allocated() - base
+
+    ref, ref_grads, _ = run(1 << 40)  # SDPA's (causal, grouped heads)
+    assert not taken
+    out, grads, peak_grouped = run(t)
+    assert taken == [1] and out.shape == (b, t, hq, d)
+    assert float((out.float() - ref.float()).abs().max()) < 2e-2
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert float((a.float() - r.float()).abs().max()) <= 2e-2 * float(r.float().abs().max()), name
+    # the same kernel over every head at once, on the flash path
+    monkeypatch.setattr(packed_attention, "GROUPED_ATTN_TOKENS", 1 << 40)
+    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    one = torch.autograd.grad(flash(q2, k2, v2, cu, t, d ** -0.5), (q2, k2, v2), dy)
+    torch.cuda.synchronize()
+    peak_one = torch.cuda.max_memory_allocated() - base
+    for name, a, r in zip(("dq", "dk", "dv"), grads, one):
+        assert float((a.float() - r.float()).abs().max()) <= 1e-3 * float(r.float().abs().max()), name
+    planned = (8 * hq * d - attn_group_bytes(hq * d, hkv * d, hq, 2)) * t
+    assert peak_one - peak_grouped >= 0.8 * planned, (peak_one, peak_grouped, planned)

@@ -129,3 +129,40 @@ def test_a_model_left_on_eager_attention_is_named_in_one_line():
 
     assert capture(AutoModelForCausalLM.from_config(hf_config("llama"), attn_implementation="sdpa")
                    ).unfused_attention is None
+
+
+@pytest.mark.parametrize("hkv,window,sinks", [(2, None, False), (1, None, False), (4, 3, True)])
+def test_long_micro_batches_run_the_backward_a_group_of_heads_at_a_time(hkv, window, sinks, monkeypatch):
+    """At GROUPED_ATTN_TOKENS tokens and more the flash path's backward calls the kernel once per key/value head
+    with that head's query heads: the gradients equal those of one call over every head (fp64, the pure-torch
+    kernel), and each call holds one group."""
+    calls = []
+
+    def spy(dout, q, k, v, *rest):
+        calls.append((q.shape[1], k.shape[1]))
+        return _backward(dout, q, k, v, *rest)
+
+    monkeypatch.setattr(packed_attention, "kernel_forward", _forward)
+    monkeypatch.setattr(packed_attention, "kernel_backward", spy)
+    g = torch.Generator().manual_seed(1)
+    b, t, hq, d = 2, 6, 4, 8
+    q0 = torch.randn(b, hq, t, d, generator=g, dtype=torch.float64)
+    k0, v0 = (torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64) for _ in range(2))
+    s0 = torch.randn(hq, generator=g, dtype=torch.float64) if sinks else None
+    dy = torch.randn(b, t, hq, d, generator=g, dtype=torch.float64)
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+
+    def run(grouped_from):
+        monkeypatch.setattr(packed_attention, "GROUPED_ATTN_TOKENS", grouped_from)
+        calls.clear()
+        x = [a.clone().requires_grad_() for a in (q0, k0, v0)] + ([s0.clone().requires_grad_()] if sinks else [])
+        out = packed_attention._flash(*x[:3], cu, t, 0.3, window, x[3] if sinks else None)
+        out.backward(dy)
+        return [out.detach()] + [a.grad for a in x], list(calls)
+
+    whole, one_call = run(b * t + 1)
+    grouped, per_group = run(b * t)
+    assert one_call == [(hq, hkv)]
+    assert per_group == ([(hq // hkv, 1)] * hkv if hkv > 1 else [(hq, 1)])
+    for a, w in zip(grouped, whole):
+        assert torch.allclose(a, w, rtol=1e-12, atol=1e-13)

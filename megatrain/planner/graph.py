@@ -85,12 +85,15 @@ def full_recompute(graph: "LayerGraph") -> "LayerGraph":
 def attn_group_bytes(q_dim: int, kv_dim: int, heads: int, act_dtype_bytes: int) -> int:
     """Bytes per token the attention's backward holds for one key/value head's group of query heads at a time
     (``Layer.attn_bwd_group_bytes_per_token``): the group's fp32 query-gradient accumulator, its key/value
-    gradients expanded to its query heads and its query gradient (each as wide as the group's query heads), and its
-    key/value gradients (one head each)."""
-    head_dim = q_dim // heads
+    gradients expanded to its query heads (where it has several) and its query gradient, each as wide as the
+    group's query heads, and its key/value gradients (one head each). 0 where keys and values have one head (the
+    backward is one call)."""
+    a, head_dim = act_dtype_bytes, q_dim // heads
     kv_heads = max(1, kv_dim // head_dim)
+    if kv_heads == 1:  # (one group: the whole call)
+        return 0
     group = q_dim // kv_heads
-    return (4 + 3 * act_dtype_bytes) * group + 2 * act_dtype_bytes * head_dim
+    return (4 + a + (2 * a if group > head_dim else 0)) * group + 2 * a * head_dim
 
 
 def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_bytes: int, *,

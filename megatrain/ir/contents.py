@@ -96,7 +96,10 @@ def op_contents(schedule: "Schedule", graph, op: Op) -> tuple[dict[str, tuple], 
 def split_part(op: Op) -> bool:
     """Whether ``op`` is one part of a split update (``ScheduleConfig.split_opt``): a LOAD_OPT, OPT or STORE_OPT
     with a part index (``mb``)."""
-    return op.mb is not None and op.kind in (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT)
+    return op.mb is not None and op.kind in _PARTED
+
+
+_PARTED = (OpKind.LOAD_OPT, OpKind.OPT, OpKind.STORE_OPT)
 
 
 Queue = tuple[Stream, bool]
@@ -109,17 +112,19 @@ def queue_of(op: Op) -> Queue:
     """The queue ``op`` is issued on: its stream's, or for a split update's GPU op a queue of its own beside it
     (the stream issuer's split queues), which runs the split ops in program order after what the stream's own
     queue issued before each of them, while the stream's later ops do not wait for them."""
-    return op.stream, op.stream is not Stream.CPU and split_part(op)
+    s = op.stream  # (split_part inline: called for every op of every schedule simulated)
+    return s, s is not Stream.CPU and op.mb is not None and op.kind in _PARTED
 
 
-def issue_preds(ops: Iterable[Op]) -> list[tuple[int, ...]]:
+def issue_preds(ops: Iterable[Op], queues: list[Queue] | None = None) -> list[tuple[int, ...]]:
     """Per op (by id, ``ops`` in program order), the ops the issue order alone makes it follow: the op before it on
     its queue and, for an op on a split queue, the latest op before it on its stream's own queue. With its
-    dependencies, these are every op that must end before it starts."""
+    dependencies, these are every op that must end before it starts. ``queues``: each op's :func:`queue_of`, where
+    the caller has them."""
     last: dict[Queue, int] = {}
     out: list[tuple[int, ...]] = []
-    for op in ops:
-        q = queue_of(op)
+    for i, op in enumerate(ops):
+        q = queue_of(op) if queues is None else queues[i]
         preds = [last[x] for x in {q, (op.stream, False)} if x in last]
         out.append(tuple(sorted(preds)))
         last[q] = op.id

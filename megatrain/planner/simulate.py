@@ -255,7 +255,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
     for op, q in zip(ops, queue):
         queues[q].append(op)
     # a split queue's op also waits for what its stream's own queue issued before it (issue_preds)
-    across = [tuple(p for p in pp if queue[p] != queue[op.id]) for op, pp in zip(ops, issue_preds(ops))]
+    across = [tuple(p for p in pp if queue[p] != queue[op.id]) for op, pp in zip(ops, issue_preds(ops, queue))]
     head = dict.fromkeys(QUEUES, 0)
     start = [0.0] * n
     end: list[float | None] = [None] * n
@@ -270,6 +270,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
         return same_state(load, ops[d]) and any(
             a[0].id == d and a[1] <= (1 - row) * a[2] * (1 + 1e-9) for q, a in active.items() if q[0] is Stream.D2H)
 
+    known: dict[tuple, float] = {}  # an op's units by what they depend on: the steps repeat each other's ops
     blocked: dict[Queue, int] = {}  # queue -> a dependency its next op was last found waiting for
     rates: dict[frozenset, dict[Queue, float]] = {}
     while finished < n:
@@ -283,7 +284,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
                 b = blocked.get(q)
                 if b is not None and end[b] is None and op.kind is not OpKind.LOAD_OPT:
                     continue  # still waiting for it (a state load may also go on a store's first row)
-                b = next((d for d in op.deps if end[d] is None and not started_rows(op, d)), None)
+                if op.kind is OpKind.LOAD_OPT:
+                    b = next((d for d in op.deps if end[d] is None and not started_rows(op, d)), None)
+                else:
+                    b = next((d for d in op.deps if end[d] is None), None)
                 if b is None:
                     b = next((d for d in across[op.id] if end[d] is None), None)
                 if b is not None:
@@ -292,7 +296,11 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
                 blocked.pop(q, None)
                 head[q] += 1
                 start[op.id] = t
-                units = transfer_nbytes(graph, cfg, op, spec) if q[0] in alone else duration_s(graph, cfg, spec, op)
+                key = (op.kind, op.stream, op.layer, op.mb, op.slots)  # (what an op's cost reads: not its step)
+                units = known.get(key)
+                if units is None:
+                    units = known[key] = transfer_nbytes(graph, cfg, op, spec) if q[0] in alone else \
+                        duration_s(graph, cfg, spec, op)
                 if units <= 0:
                     end[op.id] = t
                     finished += 1
@@ -314,6 +322,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
         dt = min([a[1] / rate[q] for q, a in active.items() if q not in waiting]
                  + [(a[1] - (1 - row) * a[2]) / rate[q] for q, a in active.items()
                     if a[0].kind is OpKind.STORE_OPT and a[1] > (1 - row) * a[2] * (1 + 1e-9)])
+        held = False  # a load done before its store is left in active below
         t += dt
         # (the second-to-last step ends at t or later while any of its ops is left, this event's included)
         if watch and not left[0]:
@@ -325,12 +334,16 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
             a = active[q]
             if q not in waiting:
                 a[1] -= rate[q] * dt
-            if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps if same_state(a[0], ops[d])):
+            if a[1] <= 1e-12 * a[2]:
+                if a[0].kind is OpKind.LOAD_OPT and any(end[d] is None for d in a[0].deps
+                                                        if same_state(a[0], ops[d])):
+                    held = True
+                    continue
                 end[a[0].id] = t
                 finished += 1
                 left[a[0].step] -= 1
                 del active[q]
-        for q in list(active):  # a load that waited for its store, which ended just now
+        for q in list(active) if held else ():  # a load that waited for its store, which ended just now
             a = active[q]
             if a[1] <= 1e-12 * a[2] and all(end[d] is not None for d in a[0].deps):
                 end[a[0].id] = t

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import operator
 import os
 import sys
 import traceback
@@ -35,8 +36,10 @@ class CaptureError(ValueError):
     """The model has a structure capture does not understand; the message says what, where, and what to do."""
 
 
-# example batch the metadata is propagated with: its sizes never reach the graph (only ranks and dtypes do)
+# example batches the metadata is propagated with: their sizes never reach the graph (only ranks, dtypes and sizes
+# that are the same for both do)
 EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 8
+EXAMPLES = ((EXAMPLE_BATCH, EXAMPLE_SEQ), (3, 7))
 
 
 def leaf_function(fn):
@@ -122,6 +125,8 @@ class MetaProxy(torch.fx.Proxy):
     (sizes, devices, values) stays a node of the graph."""
 
     example: Any = _UNKNOWN
+    example2: Any = _UNKNOWN  # the same over the second example batch (EXAMPLES)
+    static: bool = False  # a number or size the same for every batch (see Tracer.to_bool)
 
     def _tensor(self) -> torch.Tensor | None:
         return self.example if isinstance(self.example, torch.Tensor) else None
@@ -158,10 +163,13 @@ class MetaAttribute(MetaProxy, torch.fx.proxy.Attribute):
 
     def __init__(self, root: MetaProxy, attr: str):
         torch.fx.proxy.Attribute.__init__(self, root, attr)
-        try:
-            self.example = getattr(root.example, attr) if root.example is not _UNKNOWN else _UNKNOWN
-        except Exception:  # noqa: BLE001 - an attribute the example lacks: unknown
-            self.example = _UNKNOWN
+        for name in ("example", "example2"):
+            try:
+                ex = getattr(root, name)
+                setattr(self, name, getattr(ex, attr) if ex is not _UNKNOWN else _UNKNOWN)
+            except Exception:  # noqa: BLE001 - an attribute the example lacks: unknown
+                setattr(self, name, _UNKNOWN)
+        self.static = _same(self.example, self.example2) and root.static
 
 
 class Tracer(torch.fx.Tracer):
@@ -184,19 +192,35 @@ class Tracer(torch.fx.Tracer):
     def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
         if isinstance(proxy, MetaProxy):
-            proxy.example = self._example(kind, target, args, kwargs)
+            proxy.example = self._example(kind, target, args, kwargs, 0)
+            proxy.example2 = self._example(kind, target, args, kwargs, 1)
+            inputs = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.fx.Proxy)]
+            # a size read off a shape, the same for both example batches, is one no batch changes (e.g. the 4 of
+            # Qwen3.5's (4, b, T) position ids); what is computed from static values alone is static too
+            size = target in (operator.getitem, "size") and bool(inputs) and isinstance(
+                getattr(inputs[0], "example", None), torch.Size)
+            proxy.static = _same(proxy.example, proxy.example2) and (
+                size or all(getattr(v, "static", False) for v in inputs))
         return proxy
+
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        """A branch on a static value (:attr:`MetaProxy.static`: a size no batch changes, compared with a
+        constant) is decided at capture time; any other is refused (torch.fx's error, described by
+        :func:`describe_failure`)."""
+        if getattr(obj, "static", False):
+            return bool(obj.example)
+        return super().to_bool(obj)
 
     def iter(self, obj):
         if isinstance(obj, MetaProxy) and isinstance(obj.example, (tuple, list)):  # `*x.shape[1:]`
             return iter([obj[i] for i in range(len(obj.example))])
         return super().iter(obj)
 
-    def _example(self, kind: str, target, args, kwargs):
-        """The op run on the examples of its inputs (meta tensors), or unknown where any input is unknown or the
-        op cannot run on meta tensors (it reads values)."""
+    def _example(self, kind: str, target, args, kwargs, which: int = 0):
+        """The op run on the examples of its inputs (meta tensors) of example batch ``which`` (:data:`EXAMPLES`),
+        or unknown where any input is unknown or the op cannot run on meta tensors (it reads values)."""
         if kind == "placeholder":
-            return torch.zeros(EXAMPLE_BATCH, EXAMPLE_SEQ, dtype=torch.long, device="meta")
+            return torch.zeros(*EXAMPLES[which], dtype=torch.long, device="meta")
         if kind == "get_attr":
             try:
                 return self.meta_root.get_parameter(target)
@@ -206,7 +230,7 @@ class Tracer(torch.fx.Tracer):
                 except AttributeError:
                     return _UNKNOWN
         unknown = []
-        a, k = map_aggregate((args, kwargs), lambda v: _example_of(v, unknown))
+        a, k = map_aggregate((args, kwargs), lambda v: _example_of(v, unknown, which))
         if unknown:
             return _UNKNOWN
         try:
@@ -226,11 +250,21 @@ class Tracer(torch.fx.Tracer):
 _unpatched = getattr(torch.fx._symbolic_trace, "_maybe_revert_all_patches", contextlib.nullcontext)
 
 
-def _example_of(v, unknown: list):
+def _same(a, b) -> bool:
+    """Whether two examples are one plain value (a number, a bool, a size or a tuple of them) in both."""
+    return type(a) is type(b) and _plain(a) and _plain(b) and a == b
+
+
+def _plain(v) -> bool:
+    return isinstance(v, (bool, int, float)) or isinstance(v, (tuple, torch.Size)) and all(_plain(x) for x in v)
+
+
+def _example_of(v, unknown: list, which: int = 0):
     if isinstance(v, MetaProxy):
-        if v.example is _UNKNOWN:
+        ex = v.example2 if which else v.example
+        if ex is _UNKNOWN:
             unknown.append(v)
-        return v.example
+        return ex
     if isinstance(v, torch.fx.Proxy):
         unknown.append(v)
     return v

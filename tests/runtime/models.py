@@ -49,6 +49,16 @@ MORE_FAMILIES = {
                        n_groups=1, layers_block_type=["mamba", "attention", "moe"], num_hidden_layers=None,
                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        moe_shared_expert_intermediate_size=32),
+    # hybrid (gated delta-net and gated attention blocks), its positions laid out as (4, b, T) for text, time,
+    # height and width: a branch on that 4 the capture decides
+    "qwen3_5_text": dict(model_type="qwen3_5_text", head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "qwen3_5_moe_text": dict(model_type="qwen3_5_moe_text", head_dim=16, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                             num_experts_per_tok=2),
 }
 # each family's dropout probabilities, by config field
 DROPOUT_FIELDS = {

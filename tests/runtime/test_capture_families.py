@@ -16,13 +16,15 @@ from .models import TinyGPT, compile_cpu, hf_model, with_dropout
 from .test_parity import OPT, batches, check, reference_train
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "falcon_alibi", "stablelm", "bloom", "nemotron_h"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "falcon_alibi", "stablelm", "bloom", "nemotron_h",
+                                    "qwen3_5_text", "qwen3_5_moe_text"])
 def test_family_matches_plain_pytorch(family):
     """Untied over 3 steps; the tied head (these families' default) over one step: the streamed run sums the tied
     gradient's parts in another order than autograd (an ulp apart), which AdamW turns into an lr-sized step on the
     k-projection bias (an analytically zero gradient) after the first."""
     kw = with_dropout(family, 0.0) if family in ("gpt2", "gpt_bigcode", "falcon_alibi", "bloom") else {}
-    runs = ((False, 3),) if family == "nemotron_h" else ((True, 1), (False, 3))  # (Nemotron-H's head is untied)
+    untied = family in ("nemotron_h", "qwen3_5_text", "qwen3_5_moe_text")  # (their heads are untied)
+    runs = ((False, 3),) if untied else ((True, 1), (False, 3))
     for tied, n_steps in runs:
         model = hf_model(family, tie_word_embeddings=tied, **kw)
         ref = copy.deepcopy(model)
@@ -118,6 +120,30 @@ def test_refusals_name_the_construct_and_the_line():
         assert f"in {cls.__name__}.forward at test_capture_families.py:" in msg and line in msg and what in msg
         for fx_words in ("Proxy", "symbolically traced", "TraceError"):
             assert fx_words not in msg
+
+
+def test_a_branch_on_a_size_no_batch_changes_is_decided_at_capture():
+    """A size read off a shape that is the same for every batch (Qwen3.5 lays its positions out as (4, b, T) and
+    tests that 4) decides its branch at capture time; the loss is the model's own. A size the batch sets stays
+    refused (above), even where both example batches would take the same way."""
+
+    class StaticBranch(TinyGPT):
+        def forward(self, input_ids):
+            x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+            grid = input_ids[None].expand(4, -1, -1)
+            if grid.ndim == 3 and grid.shape[0] == 4:  # the same for every batch
+                x = x * 2
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x))
+
+    model = StaticBranch()
+    ids = batches(n_steps=1)[0][0]
+    with torch.no_grad():
+        logits = model(ids)
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    sm = compile_cpu(copy.deepcopy(model), optim=OPT)
+    assert abs(sm.evaluate(ids).loss - float(want)) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "falcon_alibi"])

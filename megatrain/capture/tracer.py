@@ -199,8 +199,12 @@ class Tracer(torch.fx.Tracer):
             # Qwen3.5's (4, b, T) position ids); what is computed from static values alone is static too
             size = target in (operator.getitem, "size") and bool(inputs) and isinstance(
                 getattr(inputs[0], "example", None), torch.Size)
+            # and two traced sizes or shapes found equal (or unequal) for both example batches are so for every
+            # batch (Gemma 3n compares two shapes built from the same batch)
+            pair = target in (operator.eq, operator.ne) and len(inputs) == 2 == len(args) and all(
+                _plain(getattr(v, "example", None)) for v in inputs)
             proxy.static = _same(proxy.example, proxy.example2) and (
-                size or all(getattr(v, "static", False) for v in inputs))
+                size or pair or all(getattr(v, "static", False) for v in inputs))
         return proxy
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:

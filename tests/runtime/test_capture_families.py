@@ -124,7 +124,8 @@ def test_refusals_name_the_construct_and_the_line():
 
 def test_a_branch_on_a_size_no_batch_changes_is_decided_at_capture():
     """A size read off a shape that is the same for every batch (Qwen3.5 lays its positions out as (4, b, T) and
-    tests that 4) decides its branch at capture time; the loss is the model's own. A size the batch sets stays
+    tests that 4), and two shapes compared that are equal for both example batches, decide their branches at
+    capture time; the loss is the model's own. A size the batch sets stays
     refused (above), even where both example batches would take the same way."""
 
     class StaticBranch(TinyGPT):
@@ -133,6 +134,8 @@ def test_a_branch_on_a_size_no_batch_changes_is_decided_at_capture():
             grid = input_ids[None].expand(4, -1, -1)
             if grid.ndim == 3 and grid.shape[0] == 4:  # the same for every batch
                 x = x * 2
+            if grid[0].shape != input_ids.shape:  # two shapes of one batch (Gemma 3n's check): equal in every one
+                x = x * 3
             for b in self.blocks:
                 x = b(x)
             return self.lm_head(self.ln_f(x))

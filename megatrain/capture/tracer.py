@@ -182,7 +182,7 @@ class Tracer(torch.fx.Tracer):
         self.dtype = dtype
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if id(m) in self.blocks or type(m).__name__.endswith(("RotaryEmbedding", "RMSNorm")):
+        if id(m) in self.blocks or type(m).__name__.endswith(("RotaryEmbedding", "Norm", "Norm1P")):
             return True
         return super().is_leaf_module(m, qualname)
 

@@ -49,6 +49,8 @@ MORE_FAMILIES = {
                        n_groups=1, layers_block_type=["mamba", "attention", "moe"], num_hidden_layers=None,
                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        moe_shared_expert_intermediate_size=32),
+    # LayerNorm with a 1 + weight scale, its autocast chosen by the device type (the norm runs as a leaf)
+    "nemotron": dict(model_type="nemotron", partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2),
     # hybrid (gated delta-net and gated attention blocks), its positions laid out as (4, b, T) for text, time,
     # height and width: a branch on that 4 the capture decides
     "qwen3_5_text": dict(model_type="qwen3_5_text", head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,

@@ -202,7 +202,11 @@ class _FlashOverDocuments(torch.autograd.Function):
         if sinks is not None:
             dout, rows = _sink_ops(q)[1](dout, out, lse, sinks)
             dsinks = -rows.sum(0).to(sinks.dtype)
-        with _deterministic():
+        # (deterministic, the kernel keeps one fp32 query-gradient accumulator per share of the SMs a (sequence,
+        # head) pair gets: 33 GiB for one 524,288-token sequence on an H100, whatever the heads; so a micro-batch of
+        # GROUPED_ATTN_TOKENS tokens or more sums its query gradients in the order the blocks finish)
+        long = q.shape[0] >= GROUPED_ATTN_TOKENS
+        with contextlib.nullcontext() if long else _deterministic():
             dq, dk, dv = _backward(dout, q, k, v, out, lse, cu, ctx.max_len, rng, unused, ctx.scale, ctx.window)
         return dq, dk, dv, dsinks, None, None, None, None
 

@@ -238,7 +238,7 @@ def _main(argv: list[str]) -> int:
     t.add_argument("--report-to", dest="report_to", metavar="NAME[,NAME]",
                    help="experiment trackers given each step's metrics, through their own clients: tensorboard "
                         "(events in <out>/tensorboard), wandb ($WANDB_PROJECT, default megatrain; $WANDB_MODE=offline "
-                        "to sync later), mlflow ($MLFLOW_TRACKING_URI, default a file store in <out>/mlruns); none "
+                        "to sync later), mlflow ($MLFLOW_TRACKING_URI, default an SQLite store <out>/mlflow.db); none "
                         "by default")
     t.add_argument("--tensorboard", action="store_true", default=None, help="the same as --report-to tensorboard")
     t.add_argument("--device", help="cpu or cuda (default: cuda when present)")

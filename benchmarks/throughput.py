@@ -408,10 +408,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
 
         rows = chat_rows(cfg.vocab_size, args.seq, batch * (args.warmup + args.steps + args.cooldown))
     elif data == "pairs":
-        from types import SimpleNamespace
-
         from megatrain.data.preference import PairBatches
-        from megatrain.dpo import _evaluate_pairs
+        from megatrain.dpo import evaluate_pairs
         from megatrain.objectives import DPO
 
         if batch % 2:
@@ -420,7 +418,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
                            0, args.seq, 0, DPO(0.1, "sigmoid"))
         rows.n_mb = sm.schedule_for(batch, args.seq, **overrides).config.n_mb
         t = time.perf_counter()
-        _evaluate_pairs(sm, rows, SimpleNamespace(batch=batch))
+        evaluate_pairs(sm, rows, batch)
         reference_s = time.perf_counter() - t
     else:
         rows = None

@@ -20,7 +20,7 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.run_plan import plan_eval, plan_run
 from megatrain.runtime.state import train_state
-from megatrain.runtime.issue.executor import InOrderExecutor, MicroBatch, StepOutput
+from megatrain.runtime.issue.executor import InOrderExecutor, StepOutput
 from megatrain.runtime.layers.kernel_rewrite import can_keep_less
 from megatrain.runtime.optim import HostAdamW, OptimConfig
 from megatrain.runtime.issue.step_order import Successions
@@ -253,7 +253,7 @@ class StreamedModel:
             denom = self._all_tokens(denom)
             schedule = self._eval_plan(*ids.shape)
             t0 = time.perf_counter()
-            out = self.executor.run(schedule, self._micro_batches(schedule, ids, mask, nxt, pos), denom)
+            out = self.executor.run(schedule, step_inputs.micro_batches(schedule, ids, mask, nxt, pos), denom)
             return EvalStats(out.loss, denom, time.perf_counter() - t0, torch.cat(out.stats))
 
     def _eval_plan(self, batch_size: int, seq_len: int) -> Schedule:
@@ -266,10 +266,6 @@ class StreamedModel:
             self._schedules[key] = (None, plan_eval(self.graph, self.hardware, batch_size, seq_len, self.plan_options))
         return self._schedules[key][1]
 
-    @staticmethod
-    def _micro_batches(schedule: Schedule, ids, mask, nxt, pos, rows=None) -> list[MicroBatch]:
-        return step_inputs.micro_batches(schedule, ids, mask, nxt, pos, rows)
-
     def _train_step(self, input_ids, attention_mask, labels, position_ids, plan_overrides, objective=None,
                     rows=None) -> StepStats:
         input_ids, attention_mask, nxt, position_ids, denom = step_inputs.complete(
@@ -279,7 +275,7 @@ class StreamedModel:
         denom = self._all_tokens(denom) if objective is None else objective.denominator(nxt, rows or {})
         B, T = input_ids.shape
         setup, schedule = self._plans(B, T, plan_overrides)
-        mbs = self._micro_batches(schedule, input_ids, attention_mask, nxt, position_ids, rows)
+        mbs = step_inputs.micro_batches(schedule, input_ids, attention_mask, nxt, position_ids, rows)
         t0 = time.perf_counter()
         # the plan's set-up before its first step, and again where something took what the steps keep on the
         # device away (new weights in the store, an evaluation, another plan)

@@ -61,17 +61,17 @@ def reference_model(cfg, batches, device=None) -> float:
     if top >= ref.captured.vocab_size:
         raise DataError(f"--ref-model {cfg.ref_model}: its vocabulary ({ref.captured.vocab_size:,} tokens) does not "
                         f"hold the data's token {top:,} (the reference must share the trained model's tokenizer)")
-    _evaluate_pairs(ref, batches, cfg)
+    evaluate_pairs(ref, batches, cfg.batch)
     del ref
     gc.collect()
     return time.perf_counter() - t0
 
 
-def _evaluate_pairs(sm, batches, cfg) -> None:
-    """Each pair's chosen and rejected log-probability sums under ``sm``, from evaluation steps of ``cfg.batch``
-    rows, into ``batches.ref``."""
+def evaluate_pairs(sm, batches, batch: int) -> None:
+    """Each pair's chosen and rejected log-probability sums under ``sm``, from evaluation steps of ``batch`` rows,
+    into ``batches.ref``."""
     pairs = batches.pairs
-    per = cfg.batch // 2
+    per = batch // 2
     ref = torch.zeros(len(pairs), 2, dtype=torch.float64)
     for a in range(0, len(pairs), per):
         chunk = [i % len(pairs) for i in range(a, a + per)]  # (the last one filled from the start)
@@ -102,6 +102,6 @@ def reference_logps(sm, batches, cfg, out: Path) -> float:
         torch.save(kept, out / REFERENCE_FILE)
         return 0.0
     t0 = time.perf_counter()
-    _evaluate_pairs(sm, batches, cfg)
+    evaluate_pairs(sm, batches, cfg.batch)
     torch.save({"digest": digest, "ref": batches.ref}, out / REFERENCE_FILE)
     return time.perf_counter() - t0

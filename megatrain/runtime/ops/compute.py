@@ -184,15 +184,12 @@ def _objective_loss(ctx, op: Op, st: StepState) -> None:
     the objective on them and its gradient with respect to each (small: a number per position), then each chunk's
     head again with its graph and the backward of those gradients times its log-probabilities. The same gradients as
     one pass over the whole logits (the head works on each position alone); no more logits at once than a chunk's."""
-    from megatrain.layout import LOSS_CHUNK_TOKENS
-
     x = st.act[op.slot("x")].detach()
     mb, flat = st.mbs[op.mb], ctx.dev.weights(op)
-    labels, step = mb.next_labels, max(1, LOSS_CHUNK_TOKENS // x.shape[0])
-    chunks = [(a, min(a + step, x.shape[1])) for a in range(0, x.shape[1], step)]
+    labels, chunks = mb.next_labels, _head_chunks(x)
     with torch.no_grad():
-        logps = torch.cat([token_logps(ctx.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb]),
-                                       labels[:, a:b])[0] for a, b in chunks], 1)
+        logps = torch.cat([token_logps(ctx.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb]), labels[:, a:b])
+                           for a, b in chunks], 1)
     logps.requires_grad_()
     with torch.enable_grad():  # (its statistics are sums over the micro-batch's rows, as the loss is)
         loss_sum, stats = st.objective(logps, labels != IGNORE_INDEX, mb.rows or {})
@@ -202,7 +199,7 @@ def _objective_loss(ctx, op: Op, st: StepState) -> None:
         part, views = x[:, a:b].requires_grad_(), []
         with torch.enable_grad():
             logits = ctx.runner.run(op.layer, flat, part, st.side[op.mb], grad_views=views)
-            out = (weight[:, a:b] * token_logps(logits, labels[:, a:b])[0]).sum()
+            out = (weight[:, a:b] * token_logps(logits, labels[:, a:b])).sum()
             dpart, *dws = _grads(sink, out, [part, *(v for *_, v in views)])
         _accumulate(sink, views, dws)
         dx[:, a:b] = dpart
@@ -211,12 +208,20 @@ def _objective_loss(ctx, op: Op, st: StepState) -> None:
     st.act[op.slot("x")] = dx
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each position's log-probability of its label (b, T; 0 where the label is ignored), in fp32, and where labels
-    are (the mask, b x T bools)."""
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's log-probability of its label (b, T; 0 where the label is ignored), in fp32."""
     nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                           ignore_index=IGNORE_INDEX, reduction="none")
-    return -nll.view(labels.shape), labels != IGNORE_INDEX
+    return -nll.view(labels.shape)
+
+
+def _head_chunks(x: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, end) positions of the chunks a head's logits are formed over: ``LOSS_CHUNK_TOKENS`` tokens of
+    the micro-batch ``x`` (b, T, H) at a time."""
+    from megatrain.layout import LOSS_CHUNK_TOKENS
+
+    step = max(1, LOSS_CHUNK_TOKENS // x.shape[0])
+    return [(a, min(a + step, x.shape[1])) for a in range(0, x.shape[1], step)]
 
 
 def loss_out(ctx, op: Op, st: StepState) -> None:
@@ -229,17 +234,14 @@ def eval_loss(ctx, op: Op, st: StepState) -> None:
     """An evaluation's head and loss for one micro-batch: the loss sum, and each row's log-probability sum of its
     labels (``StepOutput.stats``), the logits formed a chunk of ``LOSS_CHUNK_TOKENS`` tokens at a time (no more of
     them exist at once than the plan counts)."""
-    from megatrain.layout import LOSS_CHUNK_TOKENS
-
     x = st.act[op.slot("x")]
     labels = st.mbs[op.mb].next_labels
     flat = ctx.dev.weights(op)
     rows = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     with torch.no_grad():
-        for a in range(0, x.shape[1], max(1, LOSS_CHUNK_TOKENS // x.shape[0])):
-            b = a + max(1, LOSS_CHUNK_TOKENS // x.shape[0])
+        for a, b in _head_chunks(x):
             logits = ctx.runner.run(op.layer, flat, x[:, a:b], st.side[op.mb])
-            rows += token_logps(logits, labels[:, a:b])[0].sum(1)
+            rows += token_logps(logits, labels[:, a:b]).sum(1)
     st.stats[op.mb] = rows
     st.loss_sums[op.mb] = -rows.sum() + st.denom * _aux_loss(ctx, st, op.mb)
 

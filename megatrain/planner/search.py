@@ -173,7 +173,7 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     s = repeat(graph, s, steps)
     cfg = s.config
     try:  # (one that cannot rank before the cutoff's is not simulated to its end)
-        tl = simulate(s, graph, spec, curve=False, give_up_s=cutoff[1] if cutoff is not None and (
+        tl = simulate(s, graph, spec, curve=False, steady_only=True, give_up_s=cutoff[1] if cutoff is not None and (
             cfg.grad_host_bytes != 4) == cutoff[0] else None)
     except Slower as e:
         return cfg, f"{e}, the best so far's (not simulated to its end)", None, None, None
@@ -184,8 +184,8 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
            cfg.weight_slots, host)
     if host > limit:
         return cfg, (f"host memory {gib(host)} > {gib(limit)} (of {gib(spec.host_bytes)}, "
-                     f"{gib(spec.host_margin)} left free; {tl.step_s:.4f} s/step)"), None, key, host / limit
-    return cfg, f"{tl.step_s:.4f} s/step", key, None, None
+                     f"{gib(spec.host_margin)} left free; {tl.steady_step_s:.4f} s/step)"), None, key, host / limit
+    return cfg, f"{tl.steady_step_s:.4f} s/step", key, None, None
 
 
 # A micro-batch count whose best point after the first descents is more than this share slower than the best one's
@@ -199,10 +199,10 @@ HOST_LEAN_SLACK = 0.01
 
 
 def _try_share(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
-               clip_rate: float, cfg: ScheduleConfig, share: float):
+               clip_rate: float, cutoff: tuple[bool, float] | None, cfg: ScheduleConfig, share: float):
     """:func:`_try` of ``cfg`` with ``share`` of its "auto" window of updates before the guard (module level, for
     the worker processes)."""
-    return _try(graph, spec, budget, saved_acts, grad_kept, share, clip_rate, None, cfg)
+    return _try(graph, spec, budget, saved_acts, grad_kept, share, clip_rate, cutoff, cfg)
 
 
 def undecided(cfg: ScheduleConfig) -> ScheduleConfig:
@@ -267,8 +267,8 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
          workers: int = 1, order: str = "descent", prune: bool = True,
          progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, the leanest on host memory among those within
-    :data:`HOST_LEAN_SLACK` of it, then time over ``n_steps`` steps, then the order of :func:`candidates`) among
-    :func:`candidates` that verifies and fits the device budget and the host, each with the saved activations
+    :data:`HOST_LEAN_SLACK` of it, then the end of the second-to-last of ``n_steps`` steps, then the order of
+    :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host, each with the saved activations
     ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises :class:`PlanError` before building anything when
     nothing can fit.
 
@@ -375,14 +375,15 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         if split_opt == "auto" and clip:  # the fastest few again, a share of their host updates split to the device
             bases = [configs[done[i]] for i in rank([o[2] for o in outcomes])[:SPLIT_TRIED]]
             split = [(c, layers) for c in bases for layers in split_sets(graph, c, "auto")]
-            whole = functools.partial(job, None)  # (each simulated: the refinement compares them)
+            # (one that cannot rank first is not simulated to its end: the refinement moves from the fastest)
+            whole = functools.partial(job, _cutoff(outcomes, 1) if prune else None)
             outcomes += run(whole, [with_split(graph, c, layers, opt_part) for c, layers in split])
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))
         top = rank([o[2] for o in outcomes])[:1]
         if speculate == "auto" and clip and top:  # the fastest again with the other shares of its window (none
             # among them)
             share = functools.partial(_try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
-                                      undecided(outcomes[top[0]][0]))
+                                      _cutoff(outcomes, 1) if prune else None, undecided(outcomes[top[0]][0]))
             outcomes += run(share, AUTO_SHARES[1:])
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
     for i in rank([o[2] for o in outcomes]):

@@ -237,15 +237,21 @@ class Slower(Exception):
 
 
 def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve: bool = True,
-             give_up_s: float | None = None) -> Timeline:
+             give_up_s: float | None = None, steady_only: bool = False) -> Timeline:
     """The schedule's ops timed on ``spec`` (see the module's docstring); ``curve``: with the device memory over
     time (:func:`memory_curve`; without, ``Timeline.memory`` is empty: a search compares steps, not peaks).
     ``give_up_s``: raise :class:`Slower` as soon as the steady step (``Timeline.steady_step_s``, three steps or
-    more) is known to exceed it: the first step has ended and the second-to-last is still running that long after."""
+    more) is known to exceed it: the first step has ended and the second-to-last is still running that long after.
+    ``steady_only`` (three steps or more): stop once the first and the second-to-last steps have ended, which fixes
+    the steady step; the timeline then holds the ops ended by then (its makespan is when the second-to-last step
+    ended, its ``step_s`` no average over the steps)."""
     cfg = schedule.config
     ops = schedule.ops
     n = len(ops)
     watch = give_up_s is not None and cfg.n_steps >= 3
+    steady_only = steady_only and cfg.n_steps >= 3
+    if steady_only and curve:
+        raise ValueError("a memory curve needs every op's times: simulate(steady_only=True) draws none")
     left = [0] * cfg.n_steps  # ops of each step not yet ended
     for op in ops:
         left[op.step] += 1
@@ -350,6 +356,11 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
                 finished += 1
                 left[a[0].step] -= 1
                 del active[q]
+        if steady_only and not left[0] and not left[-2]:
+            break
+    if finished < n:  # (steady_only) the ops ended so far
+        kept = [i for i in range(n) if end[i] is not None]
+        ops, start, end = [ops[i] for i in kept], [start[i] for i in kept], [end[i] for i in kept]
     end_s = [float(e) for e in end]
     mem = device_memory(graph, schedule)
     return Timeline(

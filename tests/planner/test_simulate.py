@@ -211,3 +211,24 @@ def test_a_simulation_given_up_only_once_its_steady_step_is_certainly_longer():
     # two steps have no steady step to give up on: the limit is ignored
     two = repeat(g, build_schedule(g, config(g, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2)), 2)
     assert simulate(two, g, SPEC, curve=False, give_up_s=1e-9).end_s == simulate(two, g, SPEC, curve=False).end_s
+
+
+def test_a_simulation_of_the_steady_step_alone_stops_when_the_second_to_last_step_ends_with_its_seconds():
+    from megatrain.planner.passes import repeat
+
+    g = two_layer_graph()
+    for steps in (3, 4):
+        s = repeat(g, build_schedule(g, config(g, n_mb=2, mb_tokens=500, wire_bytes_per_param=2)), steps)
+        full = simulate(s, g, SPEC, curve=False)
+        short = simulate(s, g, SPEC, curve=False, steady_only=True)
+        assert short.steady_step_s == full.steady_step_s
+        ends = full.step_end_s()
+        assert short.makespan_s == ends[-2] < full.makespan_s
+        # the ops it holds are those that ended by then, with the times the whole simulation gives them
+        times = {op.id: (a, b) for op, a, b in zip(full.ops, full.start_s, full.end_s)}
+        assert 0 < len(short.ops) < len(full.ops)
+        assert all(times[op.id] == (a, b) and b <= ends[-2] for op, a, b in zip(short.ops, short.start_s, short.end_s))
+    with pytest.raises(ValueError, match="memory curve"):
+        simulate(s, g, SPEC, steady_only=True)
+    two = repeat(g, build_schedule(g, config(g, n_mb=1, mb_tokens=1000, wire_bytes_per_param=2)), 2)
+    assert simulate(two, g, SPEC, curve=False, steady_only=True).end_s == simulate(two, g, SPEC, curve=False).end_s

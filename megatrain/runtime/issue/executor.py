@@ -221,6 +221,26 @@ class Executor(ABC):
                 raise
             except Exception as e:
                 raise ExecutionError(schedule, op, f"{type(e).__name__}: {e}") from e
+            self._release_acts(op, st, accesses, position)
+
+    def _release_acts(self, op: Op, st: StepState, accesses, position) -> None:
+        """After ``op``: the activations it was the last to read go (a checkpoint once its layer's backward ran, a
+        gradient once the layer below took it), as the plan's memory model frees an activation slot at its last
+        read; left in their slots they stayed until the slot was written again, the input gradients of the backward
+        all step (3.5 GiB each for a 7B block at 524,288 tokens). A copy still reading one holds it on its stream
+        (the copies record the streams they use), so dropping the reference is safe once the op is issued."""
+        if not self.issued_now(op):
+            return
+        for role, idx in op.slots:
+            if SLOT_POOL[role] != "a":
+                continue
+            acc, at = accesses[("a", idx)], position[("a", idx)]
+            if at >= len(acc) or not acc[at][1]:  # written next, or not used again this step
+                st.act.pop(idx, None)
+
+    def issued_now(self, op: Op) -> bool:
+        """Whether ``op`` was issued by the call that issued it (not handed to a worker that issues it later)."""
+        return True
 
     def _slot_plan(self, schedule: Schedule):
         """Per op its slot contents (reads, writes), and every access of every slot in program order: (op id,

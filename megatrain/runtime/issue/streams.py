@@ -242,6 +242,9 @@ class StreamExecutor(Executor):
         with self.timer.issuing(op):
             self._issue_op(op, st)
 
+    def issued_now(self, op: Op) -> bool:
+        return op.id not in self.futures
+
     def _issue_op(self, op: Op, st: StepState) -> None:
         # dependencies on what the worker runs or issues are futures; on the others, events this thread recorded;
         # on the step before, what it carries over (its tasks as a rule long done)

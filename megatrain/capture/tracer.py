@@ -22,6 +22,7 @@ import importlib
 import inspect
 import operator
 import os
+import re
 import sys
 import traceback
 from typing import Any
@@ -358,6 +359,13 @@ def describe_failure(model: nn.Module, blocks_name: str, e: BaseException) -> st
     """One message for a failed trace: the construct, the module and source line it is in, what to do."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     what = next((w for key, w in _WHAT if key in msg), None)
+    kind = re.search(r"argument of type: <class '([\w.]+)'>", msg)
+    if kind is not None:
+        what = f"a value of type {kind.group(1).rpartition('.')[2]} is passed along, neither a tensor nor a plain value"
+        if "KVSharing" in kind.group(1):  # (Gemma 3n, Gemma 4)
+            what = ("every decoder block is handed a KVSharingDict, through which later blocks reuse the keys and "
+                    "values earlier blocks computed: state carried from block to block, which layers streamed one "
+                    "at a time do not carry")
     if what is None:
         what = f"{type(e).__name__} while tracing ({msg[:200]})"
     names = {id(m): n for n, m in model.named_modules()}
@@ -378,8 +386,11 @@ def describe_failure(model: nn.Module, blocks_name: str, e: BaseException) -> st
         code = linecache.getline(where[0], where[1]).strip()
         loc = f" in {module or 'the forward'} at {os.path.basename(where[0])}:{where[1]}" + (f": `{code}`" if code
                                                                                              else "")
-    return (f"{type(model).__name__}: capture cannot trace the forward around the decoder blocks "
-            f"('{blocks_name}'){loc}: {what}. Only the code outside the blocks is traced (each block runs as it "
+    head = (f"{type(model).__name__}: capture cannot trace the forward around the decoder blocks "
+            f"('{blocks_name}'){loc}: {what}.")
+    if kind is not None:  # (no branch to avoid: what the blocks are given)
+        return f"{head} Blocks may take tensors and plain values only, each block's own or shared by every block"
+    return (f"{head} Only the code outside the blocks is traced (each block runs as it "
             f"is): pass compile(blocks='path.to.ModuleList') if these are not the decoder blocks; for an HF model, "
             f"another attn_implementation may take a path without the branch; otherwise compute that value without "
             f"branching on it")

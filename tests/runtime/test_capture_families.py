@@ -181,3 +181,23 @@ def test_a_scaled_embedding_built_on_meta_gets_its_scale(family, dtype):
     assert real.model.embed_tokens.embed_scale.item() == pytest.approx(64 ** 0.5)
     data = batches(n_steps=1)[0]
     assert on_meta.train_step(*data).loss == compile_cpu(real, compute_dtype=dtype).train_step(*data).loss
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("gemma3n_text", dict(vocab_size_per_layer_input=300, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                          laurel_rank=4, altup_num_inputs=2, layer_types=["sliding_attention", "full_attention"] * 2)),
+    ("gemma4_text", dict(layer_types=["sliding_attention", "full_attention"] * 2)),
+])
+def test_key_values_shared_between_blocks_are_refused_in_one_line(family, kw):
+    """Gemma 3n and Gemma 4 hand every block one object through which later blocks reuse earlier blocks' keys and
+    values: state carried between blocks, refused by name with the source line (no branching advice)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                               sliding_window=8, **kw)
+    with pytest.raises(CaptureError) as e:
+        capture(AutoModelForCausalLM.from_config(cfg))
+    msg = str(e.value)
+    assert "\n" not in msg and "`hidden_states = decoder_layer(`" in msg and "KVSharingDict" in msg, msg
+    assert "state carried from block to block" in msg and "branch" not in msg, msg

@@ -11,9 +11,10 @@ The embedding layer's causal-mask builders then return the :class:`~megatrain.ca
 carries them instead of building a mask (capture.tracer); a sliding window goes to the kernel as its window. A
 family with attention sinks (GPT-OSS), which HF runs through its eager attention alone, is switched whether its rows
 are packed or not (``NAME_sinks``): the flash kernel with the sinks folded into its output (:class:`_FlashOverDocuments`).
-Micro-batches of ``ir.graph.GROUPED_ATTN_TOKENS`` tokens or more take the flash kernel too, packed or not, and its
-backward runs one key/value head's group of query heads at a time, so that the kernel's own buffers are a group's
-(a long sequence's step holds less on the device; ``Layer.attn_bwd_bytes``)."""
+Micro-batches of ``ir.graph.GROUPED_ATTN_TOKENS`` tokens or more run their attention one key/value head's group of
+query heads at a time, so that the kernel's own buffers are a group's (a long sequence's step holds less on the
+device; ``Layer.attn_bwd_bytes``): through SDPA, a group per call, where the model's attention is SDPA's, with no
+window, sinks or mask (:func:`sdpa_by_group`); else the flash kernel, its backward a group per call."""
 
 from __future__ import annotations
 
@@ -119,8 +120,10 @@ def attention(orig: str, module, query, key, value, attention_mask, **kwargs):
     """HF's attention interface over ``orig`` ("sdpa" or "eager"): ``query`` (b, Hq, T, D), ``key``/``value``
     (b, Hkv, T, D); returns the output as (b, T, Hq, D) and ``orig``'s weights (none from the flash kernel).
     ``orig`` for every mask but a :class:`Packed` marker with offsets and, in a family with sinks (``s_aux``), no
-    mask (causal, no padding); on the GPU in half precision without dropout those go to the flash kernel, and so do
-    micro-batches of :data:`GROUPED_ATTN_TOKENS` tokens or more without a mask (see :func:`_backward`)."""
+    mask (causal, no padding); on the GPU in half precision without dropout those go to the flash kernel. There,
+    micro-batches of :data:`GROUPED_ATTN_TOKENS` tokens or more without a mask run a key/value head's group of query
+    heads at a time: through SDPA where ``orig`` is SDPA and no window or sinks apply (:func:`sdpa_by_group`), else
+    through the flash kernel (:func:`_backward`)."""
     if orig == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as delegate
     else:  # each modeling file has its own eager attention
@@ -129,6 +132,9 @@ def attention(orig: str, module, query, key, value, attention_mask, **kwargs):
     packed = isinstance(attention_mask, Packed)
     b, t = query.shape[0], query.shape[2]
     flash = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and kwargs.get("dropout", 0.0) == 0.0
+    if flash and orig == "sdpa" and not packed and attention_mask is None and sinks is None and window is None \
+            and b * t >= GROUPED_ATTN_TOKENS:
+        return sdpa_by_group(delegate, module, query, key, value, kwargs), None
     # (long rows without padding take the flash path too: its backward runs a group of heads at a time)
     if not packed and not ((sinks is not None or flash and b * t >= GROUPED_ATTN_TOKENS) and attention_mask is None):
         return delegate(module, query, key, value, attention_mask, **kwargs)
@@ -151,6 +157,18 @@ def attention(orig: str, module, query, key, value, attention_mask, **kwargs):
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min)
     return delegate(module, query, key, value, mask, **kwargs)
+
+
+def sdpa_by_group(delegate, module, query, key, value, kwargs) -> torch.Tensor:
+    """HF's SDPA attention (``delegate``, causal, no mask) one key/value head's group of query heads at a time: the
+    backward's buffers are then a group's (``Layer.attn_bwd_bytes``), and the kernel SDPA picks is its own (cuDNN's
+    on Hopper: 510-580 TFLOP/s at 131,072 and 262,144 tokens on an H100, where the flash kernel reaches 320, and
+    9.4 GiB at most for a 262,144-token Qwen2.5-7B attention's forward and backward against its 10.7;
+    docs/benchmarks.md, "Long sequences"). The heads are independent: the output is the whole call's, (b, T, Hq, D)."""
+    r = query.shape[1] // key.shape[1]
+    outs = [delegate(module, query[:, g * r:(g + 1) * r], key[:, g:g + 1], value[:, g:g + 1], None, **kwargs)[0]
+            for g in range(key.shape[1])]
+    return torch.cat(outs, dim=2)
 
 
 def causal_mask(t: int, window: int | None, device) -> torch.Tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.ir import POOLS, Op, OpKind, Schedule, ScheduleConfig, Stream, op_params, slot_params
-from megatrain.ir.graph import GROUPED_ATTN_TOKENS
 from megatrain.layout import GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, LOSS_CHUNK_TOKENS, fmt_bytes, store_bytes
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -234,10 +233,7 @@ def compute_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, 
     the GEMMs, not under them)."""
     mm, attn = matmul_and_attention_flops(graph, cfg, op)
     route = route_nbytes(graph, cfg, op)
-    rate = spec.attn_flops_per_s or spec.matmul_flops_per_s
-    if cfg.mb_tokens >= GROUPED_ATTN_TOKENS and spec.long_attn_flops_per_s:  # (the flash kernel's)
-        rate = spec.long_attn_flops_per_s
-    return mm / spec.matmul_flops_per_s + attn / rate + \
+    return mm / spec.matmul_flops_per_s + attn / (spec.attn_flops_per_s or spec.matmul_flops_per_s) + \
         (route / (spec.route_bytes_per_s or spec.hbm_bytes_per_s) if route else 0.0)
 
 

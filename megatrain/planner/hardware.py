@@ -35,9 +35,6 @@ class HardwareSpec:
     bwd_issue_s: float = 0.0  # BWD: recompute + backward
     attn_flops_per_s: float = 0.0  # fused attention's rate (its FLOPs as cost.matmul_and_attention_flops counts
     # them); 0: the matmul rate
-    # the rate of the kernel micro-batches of ir.graph.GROUPED_ATTN_TOKENS tokens or more take (torch's flash
-    # kernel, its backward a key/value head's group at a time: capture.packed_attention); 0: attn_flops_per_s
-    long_attn_flops_per_s: float = 0.0
     route_bytes_per_s: float = 0.0  # the rate a mixture of experts' routing moves its rows at (gathers by expert,
     # gating, weighting, the sum back per token: Layer.route_bytes_per_token); 0: the device memory's
     # the share of the host AdamW's rate lost while host-to-device (device-to-host) copies run at their full rate:
@@ -97,7 +94,6 @@ class HardwareSpec:
             if f == "host_margin_bytes" and v is None:
                 continue
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
-                                 "long_attn_flops_per_s",
                                  "route_bytes_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown",
                                  "cpu_adam_master_params_per_s", "h2d_cpu_slowdown", "d2h_cpu_slowdown",
                                  "gpu_gemm_workspace_bytes", "host_margin_bytes")
@@ -138,9 +134,8 @@ PRESETS: dict[str, HardwareSpec] = {
     # Measured on the project's H200 machine; each figure's measurement is in docs/benchmark-history.md under the
     # section named. Copies: pinned buffers, alone and both ways. Matmul: what streamed 7B decoder ops reach (a lone
     # GEMM reaches 784 TFLOP/s). Issue floors: the host's cost of issuing one FWD / BWD op. Attention: cuDNN through
-    # SDPA, fitted to 131K- and 262K-token steps ("Long sequences"); the flash kernel that micro-batches of 131,072
-    # tokens and more take since, fitted to a 524,288-token step of 4 Qwen2.5-7B blocks on the H100
-    # (docs/benchmarks.md, "Long sequences"). Host AdamW and the shares copies and it take of each other: fitted to timed 7B steps ("Device budgets", "Copies slowed by the host pass"); the masters-alone
+    # SDPA, fitted to 131K- and 262K-token steps ("Long sequences"). Host AdamW and the shares copies and it take of
+    # each other: fitted to timed 7B steps ("Device budgets", "Copies slowed by the host pass"); the masters-alone
     # pass ("Moments after the update pass"). Routing: fitted to the OLMoE step ("Mixture-of-experts shapes").
     # cuBLAS: one 32 MiB workspace per thread and stream (torch 2.11). The reserve: the caching allocator's
     # fragmentation, which plans do not count (their workspaces and rounding they do).
@@ -149,8 +144,7 @@ PRESETS: dict[str, HardwareSpec] = {
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
         matmul_flops_per_s=620e12, hbm_bytes_per_s=4.3e12,
         cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
-        fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, long_attn_flops_per_s=340e12,
-        route_bytes_per_s=1.8e12,
+        fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, route_bytes_per_s=1.8e12,
         cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25, cpu_adam_master_params_per_s=4.5e9, h2d_cpu_slowdown=0.2,
         gpu_gemm_workspace_bytes=32 << 20,
     ),

@@ -75,10 +75,12 @@ def test_a_packed_step_through_offsets_trains_as_through_hf_masks():
         assert float((a - w2[n]).abs().max()) <= 4e-4, n  # two Adam steps of at most ~lr each, either way
 
 
-def test_long_rows_take_the_flash_kernel_and_its_backward_a_group_of_heads_at_a_time(monkeypatch):
-    """A row of GROUPED_ATTN_TOKENS tokens or more without a mask: the flash path (not SDPA), outputs and gradients
-    as SDPA's within bf16; its grouped backward gives the gradients of one call over every head and holds less by
-    what the planner counts (Layer.attn_bwd_bytes: 8 x q_dim bytes a token against one group's)."""
+def test_long_rows_run_a_group_of_heads_at_a_time_through_sdpa_or_the_flash_kernel(monkeypatch):
+    """A row of GROUPED_ATTN_TOKENS tokens or more without a mask runs its attention a key/value head's group at a
+    time: an SDPA model through SDPA (sdpa_by_group, holding less than one SDPA call), another through the flash
+    kernel with its backward a group at a time; outputs and gradients as one SDPA call's within bf16, and the flash
+    kernel's grouped backward gives the gradients of its one call over every head and holds less by what the
+    planner counts (Layer.attn_bwd_bytes: 8 x q_dim bytes a token against one group's)."""
     from megatrain.planner.graph import attn_group_bytes
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -90,26 +92,33 @@ def test_long_rows_take_the_flash_kernel_and_its_backward_a_group_of_heads_at_a_
         .model.layers[0].self_attn.cuda()
     module.eval()
     taken = []
-    flash = packed_attention._flash
-    monkeypatch.setattr(packed_attention, "_flash", lambda *a, **kw: taken.append(1) or flash(*a, **kw))
+    flash, by_group = packed_attention._flash, packed_attention.sdpa_by_group
+    monkeypatch.setattr(packed_attention, "_flash", lambda *a, **kw: taken.append("flash") or flash(*a, **kw))
+    monkeypatch.setattr(packed_attention, "sdpa_by_group",
+                        lambda *a, **kw: taken.append("sdpa") or by_group(*a, **kw))
 
-    def run(grouped_from):
+    def run(grouped_from, orig="sdpa"):
         monkeypatch.setattr(packed_attention, "GROUPED_ATTN_TOKENS", grouped_from)
+        taken.clear()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out, _ = packed_attention.attention("sdpa", module, q, k, v, None, dropout=0.0, scaling=d ** -0.5)
+        out, _ = packed_attention.attention(orig, module, q, k, v, None, dropout=0.0, scaling=d ** -0.5)
         grads = torch.autograd.grad(out, (q, k, v), dy)
         torch.cuda.synchronize()
         return out, grads, torch.cuda.max_memory_allocated() - base
 
-    ref, ref_grads, _ = run(1 << 40)  # SDPA's (causal, grouped heads)
+    ref, ref_grads, peak_ref = run(1 << 40)  # one SDPA call (causal, grouped heads)
     assert not taken
-    out, grads, peak_grouped = run(t)
-    assert taken == [1] and out.shape == (b, t, hq, d)
-    assert float((out.float() - ref.float()).abs().max()) < 2e-2
-    for name, a, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert float((a.float() - r.float()).abs().max()) <= 2e-2 * float(r.float().abs().max()), name
+    for orig in ("sdpa", "eager"):
+        out, grads, peak = run(t, orig)
+        assert taken == [{"sdpa": "sdpa", "eager": "flash"}[orig]] and out.shape == (b, t, hq, d)
+        assert float((out.float() - ref.float()).abs().max()) < 2e-2
+        for name, a, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert float((a.float() - r.float()).abs().max()) <= 2e-2 * float(r.float().abs().max()), name
+        if orig == "sdpa":
+            assert peak < peak_ref, (peak, peak_ref)
+    peak_grouped = peak
     # the same kernel over every head at once, on the flash path
     monkeypatch.setattr(packed_attention, "GROUPED_ATTN_TOKENS", 1 << 40)
     q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))

@@ -183,7 +183,7 @@ def test_attention_is_charged_at_its_own_rate_with_a_backward_of_two_and_a_half_
         Layer(name="head", kind="head", template="h", params=10, matmul_flops_per_token=1e3),
     ])
     cfg = config(g, n_mb=1, mb_tokens=1000, seq_len=500)
-    spec = dc.replace(SPEC, attn_flops_per_s=0.5e9, long_attn_flops_per_s=0.0)  # attention at half the matmul rate
+    spec = dc.replace(SPEC, attn_flops_per_s=0.5e9)  # attention at half the matmul rate
     fwd, bwd = Op(0, OpKind.FWD, Stream.COMPUTE, 0, 1, 0), Op(1, OpKind.BWD, Stream.COMPUTE, 0, 1, 0)
     assert compute_flops(g, cfg, fwd) == pytest.approx(1000 * (1e3 + 500))
     assert duration_s(g, cfg, spec, fwd) == pytest.approx(1000 * (1e3 / 1e9 + 500 / 0.5e9))  # 2 ms
@@ -192,16 +192,6 @@ def test_attention_is_charged_at_its_own_rate_with_a_backward_of_two_and_a_half_
     assert duration_s(g, saved, spec, bwd) == pytest.approx(1000 * (2 * 1e3 / 1e9 + 2.5 * 500 / 0.5e9))
     no_rate = dc.replace(spec, attn_flops_per_s=0.0)  # 0: attention at the matmul rate
     assert duration_s(g, cfg, no_rate, fwd) == pytest.approx(1000 * 1.5e3 / 1e9)
-    # micro-batches of GROUPED_ATTN_TOKENS tokens or more take the flash kernel: its rate where the spec has one
-    from megatrain.ir.graph import GROUPED_ATTN_TOKENS
-
-    n = GROUPED_ATTN_TOKENS
-    long, shorter = (config(g, n_mb=1, mb_tokens=t, seq_len=t) for t in (n, n // 2))
-    flash = dc.replace(spec, long_attn_flops_per_s=0.25e9)
-    assert duration_s(g, long, flash, fwd) == pytest.approx(n * (1e3 / 1e9 + n / 0.25e9))
-    assert duration_s(g, shorter, flash, fwd) == pytest.approx(n / 2 * (1e3 / 1e9 + n / 2 / 0.5e9))
-    unset = dc.replace(spec, long_attn_flops_per_s=0.0)  # 0: attn_flops_per_s
-    assert duration_s(g, long, unset, fwd) == pytest.approx(n * (1e3 / 1e9 + n / 0.5e9))
 
 
 def test_a_simulation_given_up_only_once_its_steady_step_is_certainly_longer():

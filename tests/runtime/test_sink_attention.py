@@ -166,3 +166,37 @@ def test_long_micro_batches_run_the_backward_a_group_of_heads_at_a_time(hkv, win
     assert per_group == ([(hq // hkv, 1)] * hkv if hkv > 1 else [(hq, 1)])
     for a, w in zip(grouped, whole):
         assert torch.allclose(a, w, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+def test_sdpa_a_group_of_heads_at_a_time_equals_one_call_over_every_head(hkv):
+    """Long rows of an SDPA model run SDPA once per key/value head with its query heads (sdpa_by_group): the
+    output and every gradient equal one call's (fp64 on the CPU), and each call gets one group."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = hf_model("qwen2", num_attention_heads=4, num_key_value_heads=hkv, hidden_size=32).model.layers[0].self_attn
+    module = module.double().eval()
+    g = torch.Generator().manual_seed(2)
+    b, t, hq, d = 2, 7, 4, 8
+    q0 = torch.randn(b, hq, t, d, generator=g, dtype=torch.float64)
+    k0, v0 = (torch.randn(b, hkv, t, d, generator=g, dtype=torch.float64) for _ in range(2))
+    dy = torch.randn(b, t, hq, d, generator=g, dtype=torch.float64)
+    calls = []
+
+    def spy(mod, q, k, v, mask, **kw):
+        calls.append((q.shape[1], k.shape[1], mask))
+        return sdpa_attention_forward(mod, q, k, v, mask, **kw)
+
+    kw = dict(dropout=0.0, scaling=0.3, sliding_window=None)
+
+    def run(fn):
+        x = [a.clone().requires_grad_() for a in (q0, k0, v0)]
+        out = fn(*x)
+        out.backward(dy)
+        return [out.detach()] + [a.grad for a in x]
+
+    whole = run(lambda q, k, v: sdpa_attention_forward(module, q, k, v, None, **kw)[0])
+    grouped = run(lambda q, k, v: packed_attention.sdpa_by_group(spy, module, q, k, v, kw))
+    assert calls == [(hq // hkv, 1, None)] * hkv
+    for a, w in zip(grouped, whole):
+        assert torch.allclose(a, w, rtol=1e-12, atol=1e-13)

@@ -216,9 +216,10 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
         torch.fx.node.map_arg((c.args[1:], c.kwargs), args.append)
         late_arg = next((n for n in args if n in after_blocks), None)
         if late_arg is not None:
-            raise CaptureError(f"{type(model).__name__}: block '{c.target[2:]}' takes '{late_arg.name}', which is "
-                               f"computed from an earlier block's output; only the hidden state may pass from block to "
-                               f"block (the other inputs of the blocks must be computed before the first)")
+            raise CaptureError(f"{type(model).__name__}: block '{c.target[2:]}' takes {_named_arg(c, late_arg)}, "
+                               f"computed from {_source_block(late_arg, calls)}: state carried from block to block "
+                               f"besides the hidden state, which layers streamed one at a time do not carry (the "
+                               f"other inputs of the blocks must be computed before the first)")
         sides.update(dict.fromkeys(args))
     out_node = next(n for n in graph.nodes if n.op == "output")
     logits = out_node.args[0]
@@ -407,6 +408,29 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     return Captured(graph, segments, side_names, names, tied_names, hidden, vocab, frozen=frozen,
                     no_decay=frozenset(no_decay_names(model)) & frozenset(names),
                     router_aux=router_aux_of(model))
+
+
+def _named_arg(call: torch.fx.Node, arg: torch.fx.Node) -> str:
+    """How ``call`` is given ``arg``: its keyword, or its position, and the traced value's name."""
+    for key, value in call.kwargs.items():
+        found: list = []
+        torch.fx.node.map_arg(value, found.append)
+        if arg in found:
+            return f"'{key}' ('{arg.name}')"
+    return f"'{arg.name}'"
+
+
+def _source_block(node: torch.fx.Node, calls: list) -> str:
+    """The block whose output ``node`` is computed from (the nearest one back along its inputs), in words."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop(0)
+        if n in calls:
+            return f"the output of block '{n.target[2:]}'"
+        if n not in seen:
+            seen.add(n)
+            torch.fx.node.map_arg((n.args, n.kwargs), todo.append)
+    return "an earlier block's output"
 
 
 def _only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:

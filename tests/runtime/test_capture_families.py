@@ -201,3 +201,30 @@ def test_key_values_shared_between_blocks_are_refused_in_one_line(family, kw):
     msg = str(e.value)
     assert "\n" not in msg and "`hidden_states = decoder_layer(`" in msg and "KVSharingDict" in msg, msg
     assert "state carried from block to block" in msg and "branch" not in msg, msg
+
+
+def test_values_one_block_hands_the_next_are_refused_by_name():
+    """GLM-MoE-DSA's blocks hand their sparse attention's top-k indices to the next block: refused in one line that
+    names the argument and the block it comes from; Zamba2's hybrid layers share one attention block's weights:
+    refused naming the layers whose parameters one layer uses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    glm = AutoConfig.for_model(
+        "glm_moe_dsa", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=300, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=4)
+    with pytest.raises(CaptureError) as e:
+        capture(AutoModelForCausalLM.from_config(glm))
+    msg = str(e.value)
+    assert "\n" not in msg and "block 'model.layers.1' takes 'prev_topk_indices'" in msg, msg
+    assert "computed from the output of block 'model.layers.0'" in msg, msg
+    zamba = AutoConfig.for_model(
+        "zamba2", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=300, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=16,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3], num_mem_blocks=1,
+        use_mem_rope=False)
+    with pytest.raises(CaptureError) as e:
+        capture(AutoModelForCausalLM.from_config(zamba))
+    msg = str(e.value)
+    assert "\n" not in msg and "uses parameters of layers" in msg and "only a whole layer may be tied" in msg, msg

@@ -61,6 +61,9 @@ MORE_FAMILIES = {
                              layer_types=["linear_attention", "full_attention", "linear_attention"],
                              moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
                              num_experts_per_tok=2),
+    # a mixture of experts whose top-k is named moe_topk (transformers' alias of num_experts_per_tok)
+    "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4, moe_topk=2,
+                           moe_intermediate_size=32, use_qk_norm=True),
 }
 # each family's dropout probabilities, by config field
 DROPOUT_FIELDS = {

@@ -411,7 +411,7 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
 
 
 def _named_arg(call: torch.fx.Node, arg: torch.fx.Node) -> str:
-    """How ``call`` is given ``arg``: its keyword, or its position, and the traced value's name."""
+    """How ``call`` is given ``arg``, in words: the keyword it is passed by, if any, and the traced value's name."""
     for key, value in call.kwargs.items():
         found: list = []
         torch.fx.node.map_arg(value, found.append)

@@ -8,17 +8,26 @@ import triton.language as tl
 
 from megatrain.kernels.util import programs_for, rows_2d
 
+# Elements of a forward program's tile (and of the backward's in the interpreter) (rows of the next power of two of the columns): on a GPU one row of a model's
+# width (a block's norms) and a few rows of a head's (the q/k norms); in the interpreter, where each program is a
+# round of Python, as many rows as numpy handles at once
+FWD_TILE_CUDA = 4096
+FWD_TILE_INTERPRETED = 1 << 16
+
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, offset, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at long sequences (262,144 tokens x 8,192)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_rows, n_cols, eps, offset, BLOCK_R: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    # BLOCK_R rows a program (int64: row * stride passes 2**31 at long sequences, 262,144 tokens x 8,192)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    rmask = rows < n_rows
+    mask = rmask & (cols < n_cols)
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(Y + rows * stride_y + cols, (x * rstd[:, None] * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd[:, None], mask=rmask)
 
 
 @triton.jit
@@ -48,14 +57,16 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW, stride_dy, stride_x, stride_dx,
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-                     num_warps: int | None = None):
+                     num_warps: int | None = None, block_r: int | None = None):
     x2 = rows_2d(x)
     n_rows, n_cols = x2.shape
     y = torch.empty_like(x2)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n_cols)
-    _rms_norm_fwd_kernel[(n_rows,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_cols, eps, offset,
-                                    BLOCK=block, num_warps=num_warps or min(8, max(1, block // 512)))
+    block_r = block_r or max(1, (FWD_TILE_CUDA if x.is_cuda else FWD_TILE_INTERPRETED) // block)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2, weight, y, rstd, x2.stride(0), y.stride(0), n_rows, n_cols, eps, offset, BLOCK_R=block_r, BLOCK=block,
+        num_warps=num_warps or min(8, max(1, block * block_r // 512)))
     return y.view_as(x), rstd
 
 
@@ -67,7 +78,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dx = torch.empty_like(x2)
     block = triton.next_power_of_2(n_cols)
     # H200 sweep at 32768 x 3584 (docs/kernels.md): 4-row tiles, 4 programs per SM, 8 warps were fastest
-    block_r = block_r or max(1, min(4, 16384 // block))
+    block_r = block_r or max(1, min(4, 16384 // block) if x.is_cuda else FWD_TILE_INTERPRETED // block)
     programs_per_sm = programs_per_sm or 4
     n_prog = programs_for(n_rows, x.device, programs_per_sm)
     per = triton.cdiv(triton.cdiv(n_rows, n_prog), block_r) * block_r

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 BLOCK_R = 16  # rows (one position of one head: D values) per program; H200 sweep in docs/kernels.md
+BLOCK_R_INTERPRETED = 1024  # in the CPU interpreter, where each program is a round of Python
 NUM_WARPS = 2
 
 
@@ -89,7 +90,7 @@ def _apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     yq, yk = torch.empty_like(q), torch.empty_like(k)  # keep the layout: (B, H, T, D) or HF's (B, T, H, D)^T
     cb = cos.stride(0) if cos.shape[0] == B else 0
     sb = sin.stride(0) if sin.shape[0] == B else 0
-    br = block_r or BLOCK_R
+    br = block_r or (BLOCK_R if q.is_cuda else BLOCK_R_INTERPRETED)
     q_rows, k_rows = B * Hq * T, B * Hk * T
     q_blocks = triton.cdiv(q_rows, br)
     _rope_kernel[(q_blocks + triton.cdiv(k_rows, br),)](

@@ -47,6 +47,18 @@ def test_rms_norm(dtype, shape, offset):
     assert_close(dw, dwr, dtype, scale=4)  # summed over rows
 
 
+@pytest.mark.parametrize("block_r", [1, 4, 64])
+def test_rms_norm_forward_row_tiles(block_r):
+    # rows a forward program takes: one (a GPU's wide rows), a count that leaves a part tile (37 = 9 x 4 + 1), more
+    # than there are
+    from megatrain.kernels.rmsnorm import rms_norm_forward
+
+    x, w = rand(37, 123, dtype=torch.float32), rand(123, dtype=torch.float32, seed=1)
+    y, rstd = rms_norm_forward(x, w, 1e-6, 1.0, block_r=block_r)
+    assert_close(y, reference.rms_norm(x, w, 1e-6, 1.0), torch.float32)
+    assert_close(rstd, x.pow(2).mean(-1).add(1e-6).rsqrt(), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("shape", [(37, 123), (3, 7, 301), (5000,)])
 def test_swiglu(dtype, shape):
@@ -82,6 +94,26 @@ def test_rope(dtype, B, H, KV, T, D, shared, hf_layout):
                                  q.float(), k.float())
     for a, b in [(qo, qr), (ko, kr), (dq, dqr), (dk, dkr)]:
         assert_close(a, b, dtype)
+
+
+@pytest.mark.parametrize("block_r", [4, 16])
+@pytest.mark.parametrize("hf_layout", [False, True])
+def test_rope_row_tiles(block_r, hf_layout):
+    # rows a program takes (the GPU's 16; 4, which leaves a part tile of the 222 q rows) across heads and positions
+    from megatrain.kernels.rope import _apply_qk
+
+    B, H, KV, T, D = 2, 3, 1, 37, 16
+    cos, sin = rotary(B, T, D, torch.randint(0, 4096, (B, T), generator=torch.Generator().manual_seed(7)),
+                      torch.float32)
+    shape = (lambda h: (B, T, h, D)) if hf_layout else (lambda h: (B, h, T, D))
+    q, k = rand(*shape(H), dtype=torch.float32), rand(*shape(KV), dtype=torch.float32, seed=1)
+    if hf_layout:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    for backward in (False, True):
+        qo, ko = _apply_qk(q, k, cos, sin, backward, block_r=block_r)
+        ref = (lambda x: reference.rope(x, cos, -sin)) if backward else (lambda x: reference.rope(x, cos, sin))
+        assert_close(qo, ref(q), torch.float32)
+        assert_close(ko, ref(k), torch.float32)
 
 
 @pytest.mark.parametrize("hf_layout", [False, True])

@@ -1,5 +1,9 @@
 import os
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the suite's worker processes (pytest -n N): one thread each, so
+    # that N workers on N cores do not each spin up a pool of N (and what they start inherits it)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 

@@ -1,5 +1,5 @@
 """Run as a script (by tests/runtime/test_host_memory.py, in a process of its own): the host memory each stage of a
-run's journey adds to a filled store of a ~300M-parameter model, as the peak resident set (VmHWM, reset before
+run's journey adds to a filled store of a ~200M-parameter model, as the peak resident set (VmHWM, reset before
 each stage) less the resident set before it. Prints one JSON object: stage -> {"added": bytes, "bound": bytes,
 "seconds": s}."""
 
@@ -45,7 +45,7 @@ def main(work: str) -> None:
     from tests.data.tokenizers import chatml_tokenizer
 
     work = Path(work)
-    cfg = AutoConfig.for_model(model_type="qwen2", hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
+    cfg = AutoConfig.for_model(model_type="qwen2", hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                                num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
                                max_position_embeddings=1024, tie_word_embeddings=False)
     with torch.device("meta"):

@@ -88,9 +88,16 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
 def op_contents(schedule: "Schedule", graph, op: Op) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """:func:`slot_contents` of ``op`` in ``schedule`` over ``graph`` (a LayerGraph: its owners, tied layers, and
     the schedule's resident states and kept gradients)."""
+    return contents_of(schedule, graph)(op)
+
+
+def contents_of(schedule: "Schedule", graph) -> Callable[[Op], tuple[dict[str, tuple], dict[str, tuple]]]:
+    """:func:`op_contents` for the ops of ``schedule``, its sets made once (for passes over every op)."""
     cfg = schedule.config
-    return slot_contents(op, graph.owner, cfg.n_mb, lambda layer: bool(graph.tied_to(layer)),
-                         set(cfg.resident_opt).__contains__, set(cfg.grad_kept).__contains__)
+    owner, n_mb, resident, kept = graph.owner, cfg.n_mb, set(cfg.resident_opt).__contains__, \
+        set(cfg.grad_kept).__contains__
+    shared = lambda layer: bool(graph.tied_to(layer))  # noqa: E731
+    return lambda op: slot_contents(op, owner, n_mb, shared, resident, kept)
 
 
 def split_part(op: Op) -> bool:

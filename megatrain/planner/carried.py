@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatrain.ir import OUTLIVING_POOLS, SLOT_POOL, Carried, LayerGraph, Op, OpKind, Schedule, Stream, op_contents
+from megatrain.ir import OUTLIVING_POOLS, SLOT_POOL, Carried, LayerGraph, Op, OpKind, Schedule, Stream, contents_of
 
 
 def _buffers(op: Op):
@@ -39,8 +39,9 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
     last_opt: dict[int, int] = {}  # layer -> prev's last OPT of it (one part's: they run in order on one queue)
     last_store: dict[int, int] = {}  # layer -> prev's last STORE_OPT of it (which follows every part's OPT)
     kept: set[int] = set()  # layers whose last such op in prev is a set-up's KEEP_W (no update of their state)
+    contents = contents_of(prev, graph)
     for op in prev.ops:
-        writes = op_contents(prev, graph, op)[1]
+        writes = contents(op)[1]
         for role, key in _buffers(op):
             if role in writes:
                 since_write[key] = [op.id]
@@ -55,8 +56,9 @@ def carried_deps(prev: Schedule, nxt: Schedule, graph: LayerGraph) -> Carried:
     written: set[tuple[str, int]] = set()
     loaded: set[tuple[int, Stream]] = set()
     loaded_state: set[tuple[int, Stream]] = set()
+    contents = contents_of(nxt, graph)
     for op in nxt.ops:
-        writes = op_contents(nxt, graph, op)[1]
+        writes = contents(op)[1]
         for role, key in _buffers(op):
             if key not in written:
                 out[op.id].update(since_write.get(key, ()))
@@ -105,7 +107,9 @@ def unroll(setup: Schedule | None, step: Schedule, graph: LayerGraph, n_steps: i
         if last is None:
             carried = carried_deps(s, step, graph)
         else:  # the steps are one schedule again: a step carries from the one before what the one before carried
-            carried = tuple(tuple(d + len(step.ops) if d >= last[1] else d for d in deps) for deps in last[0])
+            off, begin_before = len(step.ops), last[1]
+            carried = tuple(tuple([d + off if d >= begin_before else d for d in deps]) if deps else deps
+                            for deps in last[0])
         last = (carried, begin)
         s = join(s, step, carried)
     return s

@@ -175,7 +175,14 @@ _TOPK_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token
 
 def with_aliases(cfg: dict) -> dict:
     """``cfg`` with the names its transformers config class maps to its own fields (``attribute_map``: Hunyuan's
-    ``moe_topk`` is ``num_experts_per_tok``), where the family is one transformers knows."""
+    ``moe_topk`` is ``num_experts_per_tok``), where the family is one transformers knows. Only where a name this
+    module reads may be missing: a field naming experts without both an expert count and a top-k of
+    :data:`_EXPERT_KEYS` and :data:`_TOPK_KEYS`, or no layer count (transformers takes a second to import, which a
+    plan for a preset's dense or fully named shape does not need)."""
+    experts = any("expert" in k or "moe" in k for k in cfg)
+    named = any(k in cfg for k in _EXPERT_KEYS) and any(k in cfg for k in _TOPK_KEYS)
+    if (named or not experts) and cfg.get("num_hidden_layers") is not None:
+        return cfg
     try:
         from transformers import CONFIG_MAPPING
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -87,11 +88,8 @@ def plan(args) -> int:
     from tqdm import tqdm
 
     from megatrain.planner import hardware
-    from megatrain.planner.cost import device_memory, grad_placement, host_memory, speculation_redo_s
-    from megatrain.planner.critical import critical_path
-    from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table, write_trace
+    from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table
     from megatrain.planner.graph import full_recompute
-    from megatrain.planner.limits import largest_on_host
     from megatrain.planner.request import PlanOptions
     from megatrain.planner.search import PlanError, plan
 
@@ -143,12 +141,42 @@ def plan(args) -> int:
     except (PlanError, ValueError) as e:
         print(f"megatrain plan: {e}", file=sys.stderr)
         return 2
-    s, tl, b, cfg = p.schedule, p.timeline, p.bound, p.schedule.config
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    png = plot([tl], out / "plan.png", title=f"{graph.name} on {spec.name}: {args.tokens} tokens/step, seq {args.seq}",
-               budget_nbytes=cfg.budget_bytes) if can_plot() else f"no plan.png ({PLOT_EXTRA})"
-    trace = write_trace([tl], out / "plan.trace.json")
+    # the PNG drawn in a process of its own (about a second for a 70B plan) while this one writes the rest
+    with _drawing_pool() if can_plot() else contextlib.nullcontext() as pool:
+        png = f"no plan.png ({PLOT_EXTRA})" if pool is None else pool.submit(
+            plot, [p.timeline], out / "plan.png", budget_nbytes=p.schedule.config.budget_bytes,
+            title=f"{graph.name} on {spec.name}: {args.tokens} tokens/step, seq {args.seq}")
+        lines = _report(args, p, graph, spec, out, f"in {searched_s:.1f} s ({on})")
+        if pool is not None:
+            png = png.result()
+    lines.append(f"wrote      {png}, {out / 'plan.trace.json'}, {out / 'schedule.txt'}, {out / 'schedule.json'}")
+    print("\n".join(lines))
+    if args.table:
+        print(table(p.schedule, p.timeline))
+    return 0
+
+
+def _drawing_pool():
+    """One worker process, forked where the platform can (it then starts at once, with this process's modules)."""
+    import concurrent.futures
+    import multiprocessing
+
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    return concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork") if fork else None)
+
+
+def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
+    """The plan's files but the PNG (trace, schedule as text and JSON) written, and its summary's lines
+    (``searched``: the search's time, in words)."""
+    from megatrain.planner.cost import device_memory, grad_placement, host_memory, speculation_redo_s
+    from megatrain.planner.critical import critical_path
+    from megatrain.planner.dump import write_trace
+    from megatrain.planner.limits import largest_on_host
+
+    s, tl, b, cfg = p.schedule, p.timeline, p.bound, p.schedule.config
+    write_trace([tl], out / "plan.trace.json")
     (out / "schedule.txt").write_text(s.to_text())
     (out / "schedule.json").write_text(s.to_json())
     mem = device_memory(graph, s)
@@ -208,13 +236,9 @@ def plan(args) -> int:
         f"largest    {largest}",
         f"searched   {p.n_searched} of {_n(p.n_candidates, 'candidate plan')} ({args.search})"
         + (f" and {_n(len(p.tried) - p.n_searched, 'candidate')} with split updates" if len(p.tried) > p.n_searched
-           else "") + f" in {searched_s:.1f} s ({on})",
-        f"wrote      {png}, {trace}, {out / 'schedule.txt'}, {out / 'schedule.json'}",
+           else "") + f" {searched}",
     ]
-    print("\n".join(lines))
-    if args.table:
-        print(table(s, tl))
-    return 0
+    return lines
 
 
 def viz(args) -> int:

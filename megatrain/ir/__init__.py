@@ -40,7 +40,7 @@ from megatrain.ir.slots import HOST_POOLS, POOLS, op_params, slot_params
 from megatrain.ir.timeline import Timeline
 
 __all__ = ["Carried", "contents_of", "format_table", "FORMAT_VERSION", "HOST_POOLS", "initial_contents", "IRError",
-           "issue_preds", "KIND_STREAMS", "Layer", "LayerGraph", "Op", "op_contents", "op_params", "OpKind", "OUTLIVING_POOLS",
-           "POOLS", "Queue", "queue_of", "QUEUES", "QUIET_DEFAULTS", "resident_slots", "ROLES", "Schedule",
+           "issue_preds", "KIND_STREAMS", "Layer", "LayerGraph", "Op", "op_contents", "op_params", "OpKind",
+           "OUTLIVING_POOLS", "POOLS", "Queue", "queue_of", "QUEUES", "QUIET_DEFAULTS", "resident_slots", "ROLES", "Schedule",
            "ScheduleConfig", "setup_ops", "slot_contents", "slot_params", "SLOT_POOL", "split_part", "Stream",
            "STREAM_ORDER", "Timeline", "TUPLE_KEYS"]

@@ -8,11 +8,10 @@ import triton.language as tl
 
 from megatrain.kernels.util import programs_for, rows_2d
 
-# Elements of a forward program's tile (and of the backward's in the interpreter) (rows of the next power of two of the columns): on a GPU one row of a model's
-# width (a block's norms) and a few rows of a head's (the q/k norms); in the interpreter, where each program is a
-# round of Python, as many rows as numpy handles at once
-FWD_TILE_CUDA = 4096
-FWD_TILE_INTERPRETED = 1 << 16
+# Rows of a forward program on a GPU: one, as measured (docs/kernels.md); in the CPU interpreter, where each program
+# is a round of Python, tiles of this many elements both ways (forward and backward)
+FWD_ROWS_CUDA = 1
+TILE_INTERPRETED = 1 << 16
 
 
 @triton.jit
@@ -63,7 +62,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
     y = torch.empty_like(x2)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n_cols)
-    block_r = block_r or max(1, (FWD_TILE_CUDA if x.is_cuda else FWD_TILE_INTERPRETED) // block)
+    block_r = block_r or (FWD_ROWS_CUDA if x.is_cuda else max(1, TILE_INTERPRETED // block))
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
         x2, weight, y, rstd, x2.stride(0), y.stride(0), n_rows, n_cols, eps, offset, BLOCK_R=block_r, BLOCK=block,
         num_warps=num_warps or min(8, max(1, block * block_r // 512)))
@@ -78,7 +77,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dx = torch.empty_like(x2)
     block = triton.next_power_of_2(n_cols)
     # H200 sweep at 32768 x 3584 (docs/kernels.md): 4-row tiles, 4 programs per SM, 8 warps were fastest
-    block_r = block_r or max(1, min(4, 16384 // block) if x.is_cuda else FWD_TILE_INTERPRETED // block)
+    block_r = block_r or max(1, min(4, 16384 // block) if x.is_cuda else TILE_INTERPRETED // block)
     programs_per_sm = programs_per_sm or 4
     n_prog = programs_for(n_rows, x.device, programs_per_sm)
     per = triton.cdiv(triton.cdiv(n_rows, n_prog), block_r) * block_r

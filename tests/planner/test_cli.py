@@ -300,3 +300,19 @@ def test_plan_cli_puts_100b_dense_models_on_one_h200_with_a_1536_gib_host(tmp_pa
     m = re.search(r"^largest    (\d+) blocks \(([\d.]+)B params\) of this shape fit 1528\.00 GiB", out, re.M)
     assert m and float(m.group(2)) > 130 and "12 bytes per parameter on the host" in out, out
     assert re.search(r"^host .* fits; 12\.\d\d bytes per parameter all in", out, re.M), out
+
+
+def test_a_plan_for_a_preset_imports_neither_torch_nor_transformers(tmp_path):
+    """The plan command of a preset needs the planner alone: torch (1.4 s) and transformers (0.7 s more) are
+    left unimported (a family's config aliases are read only where a name may be missing)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom megatrain.cli import main\n"
+            f"rc = main(['plan', '--preset', 'qwen2.5-0.5b', '--tokens', '4096', '--seq', '1024', '--hardware', "
+            f"'h200', '--mb', '1', '--slots', '2', '--out', {str(tmp_path / 'p')!r}])\n"
+            "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "p" / "plan.png").read_bytes()[:4] == b"\x89PNG"

@@ -132,8 +132,12 @@ def issue_preds(ops: Iterable[Op], queues: list[Queue] | None = None) -> list[tu
     out: list[tuple[int, ...]] = []
     for i, op in enumerate(ops):
         q = queue_of(op) if queues is None else queues[i]
-        preds = [last[x] for x in {q, (op.stream, False)} if x in last]
-        out.append(tuple(sorted(preds)))
+        before = last.get(q)
+        if q[1]:  # a split queue's op: also its stream's own queue's latest
+            own = last.get((op.stream, False))
+            out.append(tuple(sorted(p for p in (before, own) if p is not None)))
+        else:
+            out.append(() if before is None else (before,))
         last[q] = op.id
     return out
 

@@ -8,9 +8,10 @@ import triton.language as tl
 
 from megatrain.kernels.util import programs_for, rows_2d
 
-# Rows of a forward program on a GPU: one, as measured (docs/kernels.md); in the CPU interpreter, where each program
-# is a round of Python, tiles of this many elements both ways (forward and backward)
-FWD_ROWS_CUDA = 1
+# Elements of a forward program's tile of rows on a GPU: one row of a model's width, 32 rows of a head's 128 (the q/k
+# norms: 3.5x the bandwidth of one row a program on the H100, docs/kernels.md); in the CPU interpreter, where each
+# program is a round of Python, tiles of TILE_INTERPRETED elements both ways (forward and backward)
+FWD_TILE_CUDA = 4096
 TILE_INTERPRETED = 1 << 16
 
 
@@ -62,7 +63,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
     y = torch.empty_like(x2)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n_cols)
-    block_r = block_r or (FWD_ROWS_CUDA if x.is_cuda else max(1, TILE_INTERPRETED // block))
+    block_r = block_r or max(1, (FWD_TILE_CUDA if x.is_cuda else TILE_INTERPRETED) // block)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
         x2, weight, y, rstd, x2.stride(0), y.stride(0), n_rows, n_cols, eps, offset, BLOCK_R=block_r, BLOCK=block,
         num_warps=num_warps or min(8, max(1, block * block_r // 512)))

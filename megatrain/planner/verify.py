@@ -11,8 +11,8 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, initial_contents, issue_preds,
-                          op_contents, queue_of, resident_slots, setup_ops)
+from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, contents_of, initial_contents,
+                          issue_preds, queue_of, resident_slots, setup_ops)
 from megatrain.planner.checks import check_grad_kept, check_speculate, check_split_opt
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
@@ -60,6 +60,7 @@ class HappensBefore:
 def _check_shape(s: Schedule, graph: LayerGraph) -> None:
     cfg = s.config
     L = len(graph)
+    contents = contents_of(s, graph)
     if cfg.n_layers != L:
         raise ScheduleError("graph", None, f"schedule is for {cfg.n_layers} layers, the graph has {L}")
     cannot = [l for l in cfg.saved_acts if not (cfg.host_checkpoints < l < L - 1 and graph[l].saved_bytes_per_token)]
@@ -147,7 +148,7 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
         if op.kind is OpKind.STORE_G and (graph.owner(op.layer) in cfg.gpu_opt) != (op.stream is Stream.COMPUTE):
             want = "into its optimizer slot (compute)" if graph.owner(op.layer) in cfg.gpu_opt else "to the host (d2h)"
             raise ScheduleError("stream", op, f"layer {op.layer}'s gradient goes {want}, not on {op.stream.value}")
-        reads, writes = op_contents(s, graph, op)
+        reads, writes = contents(op)
         want = sorted(set(reads) | set(writes))
         have = sorted(r for r, _ in op.slots)
         if want != have:
@@ -306,8 +307,9 @@ def _check_slots(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
     writers: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (pool, slot) -> writers in program order
     tags: dict[int, tuple[dict, dict]] = {}
     initial = initial_contents(s, resident_slots(s, graph.owner))
+    contents = contents_of(s, graph)
     for op in s.ops:
-        tags[op.id] = op_contents(s, graph, op)
+        tags[op.id] = contents(op)
         for role, idx in op.slots:
             if role in tags[op.id][1]:
                 writers[(SLOT_POOL[role], idx)].append(op)

@@ -345,7 +345,8 @@ class StreamedModel:
             steps = {l: opt.steps(l) for l in self.store.owners()}
             dp = self.executor.dp
             if dp is None:
-                return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra)
+                return train_state.save(self.store, directory, step=self.step, optimizer_steps=steps, extra=extra,
+                                        parameter_steps=opt.parameter_steps())
             # data parallel: every rank's device copies are written back to the one store, then rank 0 writes it
             dp.barrier()
             saved = dp.after_rank0(lambda: train_state.save(self.store, directory, step=self.step,
@@ -372,6 +373,7 @@ class StreamedModel:
             opt = self.optimizer
             for l in self.store.owners():
                 opt.set_steps(l, m["optimizer_steps"][str(l)])
+            opt.set_parameter_steps(m["parameter_steps"])
             self.step = m["step"]
             self.executor.set_step(m["step"])
             return m["extra"]

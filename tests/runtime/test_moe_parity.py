@@ -200,3 +200,29 @@ def test_grouped_experts_forward_and_backward_equal_the_loop(family, hidden):
         close(a.grad, b.grad)
     for (n, p), q in zip(experts.named_parameters(), ref.parameters()):
         close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("saved_acts", [0, 1])
+def test_deepseek_v32_whose_indexer_gets_no_gradient_trains_as_plain_pytorch(saved_acts):
+    """DeepSeek-V3.2's sparse-attention indexer only picks the top-k keys (its forward runs under no_grad): autograd
+    gives its weights no gradient, so torch.optim.AdamW leaves them alone (no weight decay either), and so does the
+    streamed run. Every backward recomputing, and a layer keeping its activations; 3 steps x 3 micro-batches."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("deepseek_v32", **{**TINY, "vocab_size": VOCAB, **FAMILIES["deepseek_v3"],
+                                                  "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    indexer = [n for n, _ in model.named_parameters() if ".indexer." in n]
+    assert len(indexer) == 5 * cfg.num_hidden_layers
+    ref = copy.deepcopy(model)
+    data = batches(n_steps=3)
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
+    assert all(torch.equal(ref.get_parameter(n), model.get_parameter(n)) for n in indexer)
+    sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1, saved_acts=saved_acts)
+    assert bool(sm.schedule_for(6, 12).config.saved_acts) == bool(saved_acts)
+    stats = [sm.train_step(*b) for b in data]
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+    sd = sm.state_dict()
+    assert all(torch.equal(sd[n], model.get_parameter(n)) for n in indexer)
+    assert set(sm.optimizer.parameter_steps()) == set(indexer)

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 import megatrain
 from megatrain.capture import CaptureError
@@ -14,7 +15,7 @@ from megatrain.capture.params import no_decay_names
 from megatrain.runtime.optim import lr_at
 from megatrain.runtime.optim.config import SCHEDULES
 
-from .models import FAMILIES, TinyGPT, compile_cpu, hf_model
+from .models import FAMILIES, Block, TinyGPT, compile_cpu, hf_model
 from .test_parity import OPT, batches, check, reference_train
 
 
@@ -227,3 +228,77 @@ def test_fine_tuning_warms_up_from_zero_and_training_from_scratch_from_the_first
     assert TrainConfig(model=str(model), warmup_start="first").optim_config().warmup_start == "first"
     with pytest.raises(ValueError, match="warmup_start must be 'first' or 'zero'"):
         megatrain.OptimConfig(warmup_start="one")
+
+
+USES = [None]  # the steps in which each SometimesBlock's extra projections run (set before each step's forwards)
+
+
+class SometimesBlock(nn.Module):
+    """A TinyGPT block with two projections that run only in some steps (``USES``): in the others autograd gives
+    them no gradient."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.inner = Block(d, heads)
+        self.extra_a, self.extra_b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        x = self.inner(x)
+        a, b = USES[0]
+        if a:
+            x = x + self.extra_a(x)
+        if b:
+            x = x + self.extra_b(x)
+        return x
+
+
+def _sometimes_gpt():
+    torch.manual_seed(0)
+    model = TinyGPT(tied=False)
+    model.blocks = nn.ModuleList(SometimesBlock(48, 4) for _ in range(3))
+    for p in model.blocks.parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.07)
+    return model
+
+
+@pytest.mark.parametrize("gpu_opt_every,fused", [(0, False), (0, True), (1, False), (1, True)])
+def test_a_parameter_without_a_gradient_in_a_step_is_left_alone_as_in_pytorch(tmp_path, gpu_opt_every, fused):
+    """torch.optim.AdamW skips a parameter whose .grad is None: no update, no weight decay, its step count stays
+    (Adam's bias correction then counts the steps it had a gradient in). Projections that run in some steps only:
+    extra_a in steps 0 and 3, extra_b in steps 1 and 3 (none in step 0: its first update is in step 1 with a count
+    of 1; in the reference, when it had one gradient). Host updates and device updates (the device is the CPU),
+    torch's kernel and megatrain's; the state saved after step 2 and loaded into a new model keeps the counts
+    behind (the last step then updates both)."""
+    uses = [(True, False), (False, True), (False, False), (True, True)]
+    opt = dataclasses.replace(OPT, fused=fused, total_steps=4)
+    model = _sometimes_gpt()
+    ref = copy.deepcopy(model)
+    data = batches(n_steps=4)
+
+    def set_uses(step, mb):
+        USES[0] = uses[step]
+
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=3, hf=False, opt_cfg=opt, before_mb=set_uses)
+
+    def streamed():
+        return compile_cpu(copy.deepcopy(model), optim=opt, n_mb=3, gpu_opt_every=gpu_opt_every)
+
+    sm, stats = streamed(), []
+    for step, b in enumerate(data[:3]):
+        USES[0] = uses[step]
+        stats.append(sm.train_step(*b))
+    behind = sm.optimizer.parameter_steps()
+    assert behind == {f"blocks.{i}.extra_{k}.{p}": n for i in range(3) for k, n in (("a", 1), ("b", 1))
+                      for p in ("weight", "bias")}, behind
+    sm.save_state(tmp_path / "state")
+    sm = streamed()
+    sm.load_state(tmp_path / "state")
+    assert sm.optimizer.parameter_steps() == behind
+    USES[0] = uses[3]
+    stats.append(sm.train_step(*data[3]))
+    # (the k part of qkv.bias: an analytically zero gradient, see test_family_matches_plain_pytorch)
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms,
+          skip=lambda name: name.endswith("qkv.bias"))
+    assert sm.optimizer.parameter_steps() == {n: 2 for n in behind}  # (torch's counts: 2 steps with a gradient)
+    assert {sm.optimizer.steps(l) for l in sm.store.owners()} == {4}

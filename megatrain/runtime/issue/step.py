@@ -55,6 +55,9 @@ class StepState:
     stats: list = field(default_factory=list)
     param_norms: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter -> its gradient's L2 norm
     tied_parts: dict[int, int] = field(default_factory=dict)  # owner -> parts of its tied gradient summed so far
+    # owner -> offsets of its parameters no backward of the step gave a gradient (every micro-batch's, every tied
+    # part's): their updates leave them alone, as torch.optim.AdamW leaves a parameter whose .grad is None
+    absent: dict[int, frozenset[int]] = field(default_factory=dict)
     # per mb, where the model has a router loss: its routers' sums over the layers run so far
     # (runtime.layers.router_aux)
     aux: list | None = None

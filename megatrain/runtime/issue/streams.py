@@ -129,7 +129,7 @@ class StreamExecutor(Executor):
             # count goes back (worker tasks skipped theirs; the worker's end_step leaves the schedule's index)
             self._no_update_runs += 1
             for layer in schedule.config.gpu_opt + schedule.config.split_opt:
-                self.optimizer.set_steps(layer, self.optimizer.steps(layer) - 1)
+                self.optimizer.undo_device_step(layer)
         if wait_optimizer:
             self.drain()
         return out

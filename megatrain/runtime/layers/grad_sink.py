@@ -47,6 +47,7 @@ class GradSink:
     def __init__(self, g: torch.Tensor, accumulate: bool):
         self.g, self.accumulate = g, accumulate
         self.written: set[int] = set()
+        self.absent: set[int] = set()  # offsets of parameters that got no gradient in this backward
 
     def _span(self, offset: int, shape) -> tuple[torch.Tensor, bool]:
         dst = self.g[offset: offset + math.prod(shape)].view(shape)
@@ -80,6 +81,8 @@ class GradSink:
     def put(self, offset: int, numel: int, grad: torch.Tensor | None) -> None:
         """A gradient autograd returned for the span (None: the output did not depend on it, or it went to the
         sink already)."""
+        if grad is None and offset not in self.written:
+            self.absent.add(offset)
         dst, add = self._span(offset, (numel,))
         if grad is None:
             if not add:

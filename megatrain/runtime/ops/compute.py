@@ -174,7 +174,7 @@ def loss(ctx, op: Op, st: StepState) -> None:
         sink = _grad_sink(ctx, op)
         dx, *dws = _grads(sink, loss_sum / st.denom, [x, *(v for *_, v in views)])
     st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ctx, st, op.mb)
-    _accumulate(sink, views, dws)
+    _accumulate(ctx, st, op, sink, views, dws)
     st.act[op.slot("x")] = dx
 
 
@@ -201,7 +201,7 @@ def _objective_loss(ctx, op: Op, st: StepState) -> None:
             logits = ctx.runner.run(op.layer, flat, part, st.side[op.mb], grad_views=views)
             out = (weight[:, a:b] * token_logps(logits, labels[:, a:b])).sum()
             dpart, *dws = _grads(sink, out, [part, *(v for *_, v in views)])
-        _accumulate(sink, views, dws)
+        _accumulate(ctx, st, op, sink, views, dws)
         dx[:, a:b] = dpart
     st.loss_sums[op.mb] = loss_sum.detach() + st.denom * _aux_loss(ctx, st, op.mb)
     st.stats[op.mb] = stats.detach()
@@ -280,7 +280,7 @@ def bwd(ctx, op: Op, st: StepState) -> None:
         finally:
             ctx.bwd_weights = None
         st.act[op.slot("x")] = dx
-        _accumulate(sink, views, dws)
+        _accumulate(ctx, st, op, sink, views, dws)
         return
     flat = ctx.dev.weights(op)
     dy = st.act[op.slot("dy")]
@@ -302,7 +302,7 @@ def bwd(ctx, op: Op, st: StepState) -> None:
             outs, dys = _aux_outputs(ctx, st, op, out, dy, probs)
             dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)
             st.act[op.slot("x")] = dx
-    _accumulate(sink, views, dws)
+    _accumulate(ctx, st, op, sink, views, dws)
     if op.layer == 0:
         st.side.pop(op.mb, None)
 
@@ -326,10 +326,18 @@ def _grads(sink: GradSink, out, inputs: list, dy=None) -> tuple:
         return torch.autograd.grad(out, inputs, dy, allow_unused=True)
 
 
-def _accumulate(sink: GradSink, views: list, grads) -> None:
-    """The gradients autograd returned (compute dtype) into the sink's slot, next to those its linears wrote."""
+def _accumulate(ctx, st: StepState, op: Op, sink: GradSink, views: list, grads) -> None:
+    """The gradients autograd returned (compute dtype) into the sink's slot, next to those its linears wrote; the
+    parameters that got none are noted (``StepState.absent``: those no micro-batch and no tied part gives one are
+    left alone by the step's update). With data parallelism every parameter counts as having one: another rank's
+    micro-batches may have given it one, and the ranks do not exchange which."""
     for (off, n, _), dw in zip(views, grads):
         sink.put(off, n, dw)
+    if ctx.dp is not None:
+        return
+    owner = ctx.graph.owner(op.layer)
+    before = st.absent.get(owner)
+    st.absent[owner] = frozenset(sink.absent) if before is None else before & sink.absent
 
 
 class WeightRef:

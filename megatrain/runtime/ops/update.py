@@ -126,7 +126,7 @@ def opt_on_host(ctx, op: Op, st: StepState) -> None:
             raise AssertionError("an update before the step's guard needs megatrain's host kernel (it writes the "
                                  "masters alone) and one process")
         ctx.optimizer.keep_masters(op.layer, st.schedule.config.speculate)
-        ctx.optimizer.step_layer(op.layer, _host_grad(ctx, op), moments=False)
+        ctx.optimizer.step_layer(op.layer, _host_grad(ctx, op), moments=False, absent=st.absent.get(op.layer))
         return
     if not st.ok():
         return
@@ -135,7 +135,7 @@ def opt_on_host(ctx, op: Op, st: StepState) -> None:
         ctx.optimizer.count_step(op.layer, span=(lo, hi))
         return
     ctx.optimizer.step_layer(op.layer, ctx.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(), span=(lo, hi),
-                            moments=op.id not in st.deferred_moments)
+                            moments=op.id not in st.deferred_moments, absent=st.absent.get(op.layer))
 
 
 def _host_grad(ctx, op: Op) -> torch.Tensor:
@@ -149,16 +149,16 @@ def check(ctx, op: Op, st: StepState) -> None:
     update) the update is made again with the factor. Then the moments, with the step's factor (left for after the
     update pass where the executor defers them: ``st.deferred_moments``). The same bits as one update after the
     guard."""
-    opt = ctx.optimizer
+    opt, absent = ctx.optimizer, st.absent.get(op.layer)
     coef = st.coef_value() if st.ok() else None
     if coef != 1.0:
         opt.restore_masters(op.layer)
         st.redone.append(op.layer)
         if coef is None:
             return
-        opt.step_layer(op.layer, _host_grad(ctx, op), coef=coef, moments=False)
+        opt.step_layer(op.layer, _host_grad(ctx, op), coef=coef, moments=False, absent=absent)
     if op.id not in st.deferred_moments:
-        opt.step_moments(op.layer, _host_grad(ctx, op), coef=coef)
+        opt.step_moments(op.layer, _host_grad(ctx, op), coef=coef, absent=absent)
 
 
 def moments_on_host(ctx, op: Op, st: StepState) -> None:
@@ -168,7 +168,7 @@ def moments_on_host(ctx, op: Op, st: StepState) -> None:
         return
     lo, hi = st.schedule.config.part_span(op, ctx.graph.weight_params(op.layer))
     ctx.optimizer.step_moments(op.layer, ctx.store.grads.view(op.slot("h"), hi - lo), coef=st.coef_value(),
-                              span=(lo, hi))
+                              span=(lo, hi), absent=st.absent.get(op.layer))
 
 
 def split_moments_on_host(ctx, layer: int, h: int, st: StepState) -> None:
@@ -178,7 +178,7 @@ def split_moments_on_host(ctx, layer: int, h: int, st: StepState) -> None:
     if not st.ok():
         return
     ctx.optimizer.step_moments(layer, ctx.store.grads.view(h, ctx.graph.weight_params(layer)), coef=st.coef_value(),
-                              device=True)
+                              device=True, absent=st.absent.get(layer))
 
 
 def opt_on_device(ctx, op: Op, st: StepState) -> None:
@@ -193,7 +193,8 @@ def opt_on_device(ctx, op: Op, st: StepState) -> None:
         ctx.dev.keep(op.layer, block[0])
         return
     written = ctx.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef,
-                                         out=ctx.dev.kept_buffer(op.layer, block.shape[1]))
+                                         out=ctx.dev.kept_buffer(op.layer, block.shape[1]),
+                                         absent=st.absent.get(op.layer))
     ctx.dev.keep(op.layer, block[0], written)
 
 
@@ -216,7 +217,7 @@ def _update_part(ctx, op: Op, st: StepState) -> None:
         block[3].copy_(ctx.dev.k[op.slot("k")][lo:hi])
     if _skips(ctx, block, st):
         return
-    ctx.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef, span=(lo, hi))
+    ctx.optimizer.step_layer_on(op.layer, block, lr=st.lr, coef=st.coef, span=(lo, hi), absent=st.absent.get(op.layer))
 
 
 def _owned(ctx, op: Op) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import sys
 
@@ -43,9 +44,17 @@ class HostAdamW:
         self.store, self.cfg = store, cfg
         self.opts: dict[int, torch.optim.AdamW] = {}
         self.ranges: dict[int, list[tuple[int, int, bool]]] = {}
-        self.chunks: dict[int, list[tuple[int, int, bool]]] = {}  # the ranges cut into HOST_UPDATE_CHUNK elements
+        # the ranges cut into HOST_UPDATE_CHUNK elements and at every parameter's bounds: each chunk has its own Adam
+        # step count (one parameter's count falls behind its layer's in steps that give it no gradient)
+        self.chunks: dict[int, list[tuple[int, int, bool]]] = {}
+        self.chunk_param: dict[int, list[int]] = {}  # per chunk: the offset of the parameter it is part of
         self.params: dict[int, list[torch.Tensor]] = {}  # the view objects the optimizers hold (new views would not
         # do), one per chunk: a bf16 gradient is read back into fp32 and applied a chunk at a time
+        self._advanced: dict[int, list[int]] = {}  # per layer: the chunks its last device update counted a step in
+        by_owner: dict[int, list[tuple[int, str]]] = {}
+        for name, (owner, off, _) in store.captured.model_param_names.items():
+            by_owner.setdefault(owner, []).append((off, name))
+        self.param_names = {o: dict(sorted(v)) for o, v in by_owner.items()}  # owner -> {offset: parameter name}
         for layer in store.owners():
             ranges = self.ranges[layer] = update_ranges(store.captured, layer, cfg.decay_all)
             if not ranges:
@@ -53,8 +62,12 @@ class HostAdamW:
             # cut at multiples of the chunk: a gradient that reaches the host in parts of that size (or a multiple)
             # is updated a part at a time (ScheduleConfig.host_grad_part)
             step_ = HOST_UPDATE_CHUNK
-            chunks = self.chunks[layer] = [(c, min((c // step_ + 1) * step_, b), d) for a, b, d in ranges
-                                           for c in [a, *range((a // step_ + 1) * step_, b, step_)]]
+            starts = sorted(self.param_names[layer])
+            chunks = self.chunks[layer] = []
+            for a, b, d in ranges:
+                cuts = sorted({a, b, *range((a // step_ + 1) * step_, b, step_), *(o for o in starts if a < o < b)})
+                chunks += [(c, e, d) for c, e in zip(cuts, cuts[1:])]
+            self.chunk_param[layer] = [starts[bisect.bisect_right(starts, a) - 1] for a, _, _ in chunks]
             master, exp_avg, exp_avg_sq = (store.row(layer, r) for r in ("master", "exp_avg", "exp_avg_sq"))
             views = self.params[layer] = [master[a:b] for a, b, _ in chunks]
             groups = [{"params": [v for v, (_, _, d) in zip(views, chunks) if d == decay],
@@ -98,19 +111,59 @@ class HostAdamW:
     def _decay(self, applies: bool) -> float:
         return self.cfg.weight_decay if applies else 0.0
 
-    # ---- Adam's step count, one per layer (each range's optimizer state holds a copy) ----------------------
+    # ---- Adam's step counts, one per chunk: its parameter's (behind its layer's by the steps that gave that
+    # parameter no gradient, as torch.optim.AdamW counts only the steps a parameter has a gradient in) ----------
     def _counts(self, layer: int) -> list[torch.Tensor]:
         opt = self.opts.get(layer)
         return [opt.state[v]["step"] for v in self.params[layer]] if opt is not None else []
 
     def steps(self, layer: int) -> int:
-        """The updates layer ``layer`` has had (0 for a layer with nothing to update)."""
-        counts = self._counts(layer)
-        return int(counts[0]) if counts else 0
+        """The updates layer ``layer`` has had (0 for a layer with nothing to update): its parameters' most."""
+        return int(max(self._counts(layer), default=0))
 
     def set_steps(self, layer: int, n: int) -> None:
+        """Every parameter of ``layer`` at ``n`` updates."""
         for c in self._counts(layer):
             c.fill_(float(n))
+
+    def counts(self, layer: int) -> list[int]:
+        """Each chunk's step count (for :meth:`set_counts`)."""
+        return [int(c) for c in self._counts(layer)]
+
+    def set_counts(self, layer: int, counts: list[int]) -> None:
+        for c, n in zip(self._counts(layer), counts, strict=True):
+            c.fill_(float(n))
+
+    def parameter_steps(self) -> dict[str, int]:
+        """The step counts of the parameters whose count is behind their layer's (steps without a gradient), by
+        name: what a training state keeps besides each layer's count."""
+        out = {}
+        for layer, counts in ((l, self.counts(l)) for l in self.opts):
+            top = max(counts)
+            for i, n in enumerate(counts):
+                if n < top:
+                    out[self.param_names[layer][self.chunk_param[layer][i]]] = n
+        return out
+
+    def set_parameter_steps(self, steps: dict[str, int]) -> None:
+        """Counts of :meth:`parameter_steps`, after each layer's (:meth:`set_steps`)."""
+        offsets = {name: (layer, off) for layer, names in self.param_names.items() for off, name in names.items()}
+        for name, n in steps.items():
+            layer, off = offsets[name]
+            for c, p in zip(self._counts(layer), self.chunk_param[layer]):
+                if p == off:
+                    c.fill_(float(n))
+
+    def _present(self, layer: int, absent) -> list[int]:
+        """The indices of ``layer``'s chunks whose parameter has a gradient in the step (``absent``: the offsets of
+        the parameters that have none: ``StepState.absent``)."""
+        return [i for i, p in enumerate(self.chunk_param[layer]) if not absent or p not in absent]
+
+    def undo_device_step(self, layer: int) -> None:
+        """Take back the step count the last device update of ``layer`` advanced (a step not applied)."""
+        counts = self._counts(layer)
+        for i in self._advanced.pop(layer, range(len(counts))):
+            counts[i] -= 1
 
     def begin_step(self) -> float:
         """Start an optimizer step; returns its learning rate."""
@@ -147,27 +200,28 @@ class HostAdamW:
         return None
 
     def step_layer(self, layer: int, grad: torch.Tensor, coef: float = 1.0, span: tuple[int, int] | None = None,
-                   moments: bool = True) -> None:
+                   moments: bool = True, absent: frozenset[int] | None = None) -> None:
         """AdamW on one layer's host block with its gradient ``grad`` (a host buffer: fp32, changed in place where
         the update scales it, or bf16, read back into fp32 first: ``GradBuffers.as_fp32``) scaled by ``coef`` (the
         step's clip factor). ``span``: (lo, hi), the elements of the block ``grad`` holds the gradient of (one part
         of a gradient that comes to the host in parts; its bounds multiples of HOST_UPDATE_CHUNK or the block's
         end); None: all. ``moments=False`` (megatrain's kernel only): the new masters alone, the moments left for
         :meth:`step_moments` with the same gradient and factor, before anything else reads them or the gradient
-        changes (the two leave the bits one update leaves)."""
+        changes (the two leave the bits one update leaves). ``absent``: the offsets of the parameters the step gave
+        no gradient (``StepState.absent``): left alone, their step counts too."""
         opt = self.opts.get(layer)
         if opt is None:
             return
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # OpenMP: applies to the calling thread's parallel regions
-        lo, hi, pairs = self._span_chunks(layer, span)
+        lo, hi, pairs = self._span_chunks(layer, span, absent)
         if grad.numel() != hi - lo:
             raise AssertionError(f"layer {layer}: a gradient of {grad.numel()} elements for span {lo}..{hi}")
         if any(a < hi and b > lo and not (lo <= a and b <= hi) for a, b, _ in self.chunks[layer]):
             raise AssertionError(f"layer {layer}: span {lo}..{hi} cuts an update chunk (chunks of "
                                  f"{HOST_UPDATE_CHUNK} elements)")
         if self.native:
-            self._native_step(layer, opt, grad, coef, lo, hi, FULL if moments else MASTER)
+            self._native_step(layer, opt, grad, coef, lo, hi, FULL if moments else MASTER, absent=absent)
             return
         if not moments:
             raise AssertionError("an update without its moments needs megatrain's host kernel")
@@ -181,7 +235,8 @@ class HostAdamW:
         self.store.refresh_shadow(layer, lo, hi)  # a plan with a bf16 wire loads the shadow next
 
     def step_moments(self, layer: int, grad: torch.Tensor, coef: float = 1.0,
-                     span: tuple[int, int] | None = None, device: bool = False) -> None:
+                     span: tuple[int, int] | None = None, device: bool = False,
+                     absent: frozenset[int] | None = None) -> None:
         """The moments of the update :meth:`step_layer` made with ``moments=False`` (same arguments; the gradient
         unchanged since); ``device``: of a split update on the device (:meth:`step_layer_on`) whose parts stored
         the masters alone, in the device update's arithmetic (every element as the GPU's kernel computes it)."""
@@ -189,10 +244,10 @@ class HostAdamW:
         if opt is None:
             return
         lo, hi, _ = self._span_chunks(layer, span)
-        self._native_step(layer, opt, grad, coef, lo, hi, MOMENTS, whole=device)
+        self._native_step(layer, opt, grad, coef, lo, hi, MOMENTS, whole=device, absent=absent)
 
     def _native_step(self, layer: int, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float, lo: int, hi: int,
-                     mode: int, whole: bool = False) -> None:
+                     mode: int, whole: bool = False, absent: frozenset[int] | None = None) -> None:
         """:meth:`step_layer` by megatrain's kernel, a chunk at a time: the same arithmetic as torch's fused
         AdamW (each chunk's step count and its group's lr and weight decay as torch would take them), the
         gradient only read, the shadow (where the store has one) written by the same pass. ``mode``: the rows
@@ -203,8 +258,8 @@ class HostAdamW:
         scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32).item()
         lr = opt.param_groups[0]["lr"]  # every group's (begin_step)
         cfg = self.cfg
-        for v, (a, b, decay) in zip(self.params[layer], self.chunks[layer]):
-            if not (lo <= a and b <= hi):
+        for v, (a, b, decay), p in zip(self.params[layer], self.chunks[layer], self.chunk_param[layer]):
+            if not (lo <= a and b <= hi) or (absent and p in absent):
                 continue
             g = grad[a - lo:b - lo]
             if g.dtype != torch.float32:
@@ -235,14 +290,18 @@ class HostAdamW:
         for v, _ in self._span_chunks(layer, span)[2]:
             opt.state[v]["step"] += 1
 
-    def _span_chunks(self, layer: int, span: tuple[int, int] | None) -> tuple[int, int, list]:
-        """(lo, hi, [(view, (a, b))]): ``span`` (None: the whole block) and the update chunks inside it."""
+    def _span_chunks(self, layer: int, span: tuple[int, int] | None,
+                     absent: frozenset[int] | None = None) -> tuple[int, int, list]:
+        """(lo, hi, [(view, (a, b))]): ``span`` (None: the whole block) and the update chunks inside it (of the
+        parameters not in ``absent``)."""
         lo, hi = span if span is not None else (0, self.store.master(layer).numel())
-        return lo, hi, [(v, (a, b)) for v, (a, b, _) in zip(self.params[layer], self.chunks[layer])
-                        if lo <= a and b <= hi]
+        return lo, hi, [(v, (a, b)) for v, (a, b, _), p in zip(self.params[layer], self.chunks[layer],
+                                                                self.chunk_param[layer])
+                        if lo <= a and b <= hi and not (absent and p in absent)]
 
     def step_layer_on(self, layer: int, block: torch.Tensor, lr: float, coef: float | torch.Tensor = 1.0,
-                      out: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> bool:
+                      out: torch.Tensor | None = None, span: tuple[int, int] | None = None,
+                      absent: frozenset[int] | None = None) -> bool:
         """AdamW on a copy of the layer's block on the device (``block``: (4, n), rows as the store's), with the
         same hyper-parameters and step count as :meth:`step_layer`, learning rate ``lr`` (the step's: the host may
         still work on the previous step's updates) and clip factor ``coef`` (a device tensor spares the host a
@@ -254,17 +313,15 @@ class HostAdamW:
         returns whether it did (else the caller rounds it).
 
         ``span``: (lo, hi), the elements of the layer ``block`` holds (one part of a split update, the parts of a
-        step updated in order: the first counts the step); None: all."""
-        first = span is None or span[0] == 0
-        step = self.steps(layer) + first
-        if span is not None:
-            lo, hi = span
-            ranges = [(max(a, lo) - lo, min(b, hi) - lo, decay) for a, b, decay in self.ranges[layer]
-                      if a < hi and b > lo]
-            if first:
-                self.set_steps(layer, step)
-        else:
-            ranges = self.ranges[layer]
+        step updated in order: the first counts the step); None: all. ``absent``: as :meth:`step_layer` takes it."""
+        if layer not in self.opts:
+            return False
+        if span is None or span[0] == 0:  # the step counts of the parameters with a gradient advance
+            counts, present = self._counts(layer), self._present(layer, absent)
+            for i in present:
+                counts[i] += 1
+            self._advanced[layer] = present
+        ranges = self._runs(layer, span, absent)
         if not ranges:
             return False
         master, exp_avg, exp_avg_sq, grad = block
@@ -275,27 +332,25 @@ class HostAdamW:
             from megatrain.kernels.adamw import adamw_step
 
             cfg = self.cfg
-            for a, b, decay in ranges:
+            for a, b, decay, step in ranges:
                 adamw_step(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], lr=lr, betas=cfg.betas,
                            eps=cfg.eps, weight_decay=self._decay(decay), step=step, v_fma=cpu_adamw.v_fma(),
                            grad_scale=scale, out=out[a:b] if out is not None and whole else None)
-            self.set_steps(layer, step)  # the host's count stays the one truth, whichever side updates the layer
             return out is not None and whole
         if not block.is_cuda and self.native:  # the CPU as the device: megatrain's kernel on every element, the
             # arithmetic of the GPU's (so a split update's moments computed on the host are the same bits)
             cfg = self.cfg
-            for a, b, decay in ranges:
+            for a, b, decay, step in ranges:
                 cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], lr=lr, betas=cfg.betas,
                                 eps=cfg.eps, weight_decay=self._decay(decay), step=step,
                                 grad_scale=None if scale is None else float(scale), threads=self.threads,
                                 whole=True, block=self.block)
-            self.set_steps(layer, step)
             return False
         opt, p = self._device_opt(layer, block.device)
         state = opt.state[p]
         opt.param_groups[0]["lr"] = lr
         try:
-            for a, b, decay in ranges:
+            for a, b, decay, step in ranges:
                 state["step"].fill_(float(step - 1))
                 state["exp_avg"], state["exp_avg_sq"] = exp_avg[a:b], exp_avg_sq[a:b]
                 opt.param_groups[0]["weight_decay"] = self._decay(decay)
@@ -304,8 +359,24 @@ class HostAdamW:
         finally:
             p.data = torch.empty(0, device=block.device)
             state["exp_avg"] = state["exp_avg_sq"] = None
-        self.set_steps(layer, step)
         return False
+
+    def _runs(self, layer: int, span: tuple[int, int] | None, absent) -> list[tuple[int, int, bool, int]]:
+        """The elements of ``span`` (None: the whole layer) a device update writes, in runs of chunks alike in weight
+        decay and step count: (start, end relative to the span, decay, step count), the chunks of ``absent``
+        parameters left out."""
+        lo, hi = span if span is not None else (0, self.store.master(layer).numel())
+        counts, runs = self.counts(layer), []
+        for i in self._present(layer, absent):
+            a, b, decay = self.chunks[layer][i]
+            a, b = max(a, lo) - lo, min(b, hi) - lo
+            if a >= b:
+                continue
+            if runs and runs[-1][1] == a and runs[-1][2:] == (decay, counts[i]):
+                runs[-1] = (runs[-1][0], b, decay, counts[i])
+            else:
+                runs.append((a, b, decay, counts[i]))
+        return runs
 
     @staticmethod
     def _torch_step(opt: torch.optim.AdamW, params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -345,7 +416,7 @@ class HostAdamW:
         if kept is None:
             kept = self._kept[layer] = [torch.empty_like(self.store.master(layer)), 0]
         kept[0].copy_(self.store.master(layer))
-        kept[1] = self.steps(layer)
+        kept[1] = self.counts(layer)
 
     def restore_masters(self, layer: int) -> None:
         """Put back the master weights and step count :meth:`keep_masters` kept (and the bf16 shadow made from
@@ -353,7 +424,7 @@ class HostAdamW:
         master, count = self._kept[layer]
         self.store.master(layer).copy_(master)
         self.store.refresh_shadow(layer)
-        self.set_steps(layer, count)
+        self.set_counts(layer, count)
 
     def end_step(self, applied: bool = True) -> None:
         """End the step; one whose updates were not applied (its loss or gradient norm was not finite) does not

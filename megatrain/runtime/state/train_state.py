@@ -100,9 +100,10 @@ def _fsync_dir(d: Path) -> None:
 
 
 def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps: dict[int, int],
-         extra: dict | None = None, writers: int = SAVE_WRITERS) -> Path:
+         extra: dict | None = None, writers: int = SAVE_WRITERS, parameter_steps: dict[str, int] | None = None) -> Path:
     """Write the store's master weights and moments with ``step`` (steps taken), each layer's optimizer step count
-    and ``extra`` (JSON) as a new state in ``directory``, which becomes the current one in one atomic rename.
+    (and ``parameter_steps``: those of the parameters behind their layer's, by name) and ``extra`` (JSON) as a new
+    state in ``directory``, which becomes the current one in one atomic rename.
     Returns the new state's own directory. ``writers``: layer files written at once. Weights or moments that are
     not finite are refused (:class:`NonFiniteState`), and so is a state the disk has no room for
     (:class:`NoSpace`, before anything is written, or when the disk fills up while it is); either way nothing
@@ -123,6 +124,7 @@ def save(store: HostStore, directory: str | Path, *, step: int, optimizer_steps:
         crcs = _write_layers(store, tmp, writers)
         manifest = {"format": FORMAT, "version": VERSION, "step": int(step),
                     "optimizer_steps": {str(k): int(v) for k, v in optimizer_steps.items()},
+                    "parameter_steps": {k: int(v) for k, v in (parameter_steps or {}).items()},
                     "rows": list(KEPT_ROWS), "dtype": "float32", **_layout(store.captured),
                     "crc32": {layer_file(k): v for k, v in crcs.items()}, "extra": extra or {}}
         _write_synced(tmp / MANIFEST, manifest_bytes(manifest))
@@ -290,6 +292,12 @@ def _check_counts(m: dict, path: Path) -> None:
     if ahead:  # a layer is updated once a step at most
         raise ValueError(f"{path}: layers {sorted(ahead, key=int)} took more optimizer steps ({max(ahead.values())}) "
                          f"than the state's {m['step']} steps (an inconsistent training state)")
+    params = m.setdefault("parameter_steps", {})  # (states written before it was kept: none behind)
+    if not isinstance(params, dict) or not all(count(v) for v in params.values()):
+        raise ValueError(f"{path}: 'parameter_steps' must map parameter names to step counts (integers >= 0)")
+    unknown = sorted(set(params) - set(m.get("params", {})))
+    if unknown:
+        raise ValueError(f"{path}: 'parameter_steps' names parameters the model does not have: {unknown[:3]}")
 
 
 def load(store: HostStore, directory: str | Path, progress: Callable[[int], None] | None = None) -> dict:

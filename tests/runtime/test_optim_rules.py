@@ -12,9 +12,11 @@ from torch import nn
 import megatrain
 from megatrain.capture import CaptureError
 from megatrain.capture.params import no_decay_names
-from megatrain.runtime.optim import lr_at
+from megatrain.runtime.issue.streams import StreamExecutor
+from megatrain.runtime.optim import cpu_adamw, lr_at
 from megatrain.runtime.optim.config import SCHEDULES
 
+from .fake_cuda import FakeCuda
 from .models import FAMILIES, Block, TinyGPT, compile_cpu, hf_model
 from .test_parity import OPT, batches, check, reference_train
 
@@ -262,16 +264,31 @@ def _sometimes_gpt():
     return model
 
 
-@pytest.mark.parametrize("gpu_opt_every,fused", [(0, False), (0, True), (1, False), (1, True)])
-def test_a_parameter_without_a_gradient_in_a_step_is_left_alone_as_in_pytorch(tmp_path, gpu_opt_every, fused):
+NO_GRAD_PLANS = {  # (plan, megatrain's host kernel, the streaming executor on a fake CUDA)
+    "host": (dict(gpu_opt_every=0), False, False),
+    "host-native": (dict(gpu_opt_every=0), True, False),
+    "device": (dict(gpu_opt_every=1), False, False),
+    "device-native": (dict(gpu_opt_every=1), True, False),
+    "split": (dict(gpu_opt_every=0, split_opt=3, opt_part=700, grad_kept=0), True, True),
+    "kept-and-split": (dict(gpu_opt_every=0, split_opt=2, opt_part=700, grad_kept=2), True, True),
+    "speculate": (dict(gpu_opt_every=0, speculate=3), True, True),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(NO_GRAD_PLANS))
+def test_a_parameter_without_a_gradient_in_a_step_is_left_alone_as_in_pytorch(tmp_path, plan):
     """torch.optim.AdamW skips a parameter whose .grad is None: no update, no weight decay, its step count stays
     (Adam's bias correction then counts the steps it had a gradient in). Projections that run in some steps only:
     extra_a in steps 0 and 3, extra_b in steps 1 and 3 (none in step 0: its first update is in step 1 with a count
     of 1; in the reference, when it had one gradient). Host updates and device updates (the device is the CPU),
-    torch's kernel and megatrain's; the state saved after step 2 and loaded into a new model keeps the counts
+    torch's kernel and megatrain's, split updates in parts (their moments deferred by the streaming executor),
+    updates made before the global norm; the state saved after step 2 and loaded into a new model keeps the counts
     behind (the last step then updates both)."""
+    kw, fused, streams = NO_GRAD_PLANS[plan]
+    if fused and not cpu_adamw.available():
+        pytest.skip("no C compiler to build the host kernel")
     uses = [(True, False), (False, True), (False, False), (True, True)]
-    opt = dataclasses.replace(OPT, fused=fused, total_steps=4)
+    opt = dataclasses.replace(OPT, fused=fused, host_kernel="native" if fused else "auto", total_steps=4)
     model = _sometimes_gpt()
     ref = copy.deepcopy(model)
     data = batches(n_steps=4)
@@ -282,12 +299,18 @@ def test_a_parameter_without_a_gradient_in_a_step_is_left_alone_as_in_pytorch(tm
     ref_losses, ref_norms = reference_train(ref, data, n_mb=3, hf=False, opt_cfg=opt, before_mb=set_uses)
 
     def streamed():
-        return compile_cpu(copy.deepcopy(model), optim=opt, n_mb=3, gpu_opt_every=gpu_opt_every)
+        sm = compile_cpu(copy.deepcopy(model), optim=opt, n_mb=3, **kw)
+        if streams:
+            sm.executor = StreamExecutor(sm.captured, sm.store, sm.optimizer, torch.device("cpu"), sm.compute_dtype,
+                                         runner=sm.executor.runner, cuda=FakeCuda())
+            sm.overlap_steps = True
+        return sm
 
     sm, stats = streamed(), []
     for step, b in enumerate(data[:3]):
         USES[0] = uses[step]
         stats.append(sm.train_step(*b))
+    sm.wait()  # (the streaming executor's last updates)
     behind = sm.optimizer.parameter_steps()
     assert behind == {f"blocks.{i}.extra_{k}.{p}": n for i in range(3) for k, n in (("a", 1), ("b", 1))
                       for p in ("weight", "bias")}, behind
@@ -297,6 +320,7 @@ def test_a_parameter_without_a_gradient_in_a_step_is_left_alone_as_in_pytorch(tm
     assert sm.optimizer.parameter_steps() == behind
     USES[0] = uses[3]
     stats.append(sm.train_step(*data[3]))
+    sm.wait()
     # (the k part of qkv.bias: an analytically zero gradient, see test_family_matches_plain_pytorch)
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms,
           skip=lambda name: name.endswith("qkv.bias"))

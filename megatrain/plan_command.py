@@ -223,6 +223,7 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
         + (f"kept gradients {mem.pool_nbytes['k'] / GiB:.2f}, " if mem.pool_nbytes['k'] else "")
         + (f"updated weights kept {mem.kept_nbytes / GiB:.2f}, " if mem.kept_nbytes else "")
         + (f"saved activations {mem.saved_nbytes / GiB:.2f}, " if mem.saved_nbytes else "")
+        + (f"values blocks hand on {mem.carry_nbytes / GiB:.2f}, " if mem.carry_nbytes else "")
         + f"working set {mem.workspace_nbytes / GiB:.2f}"
         + (f", cuBLAS workspaces {mem.gemm_nbytes / GiB:.2f}" if mem.gemm_nbytes else "")
         + f", allocator rounding {mem.slack_nbytes / GiB:.2f})",

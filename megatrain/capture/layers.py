@@ -31,13 +31,15 @@ from torch import nn
 
 from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks, mlp_tileable
+from megatrain.capture.fx_graph import (ancestors, dependence, named_arg, node_params, only_mask_builders_read,
+                                       source_block, subgraph)
 from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, materialize_meta_buffers, meta_copy,
                                     structural_copy)
 from megatrain.capture.params import no_decay_names, router_aux_of
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, rebind_config, takes_positions, trace
 from megatrain.ir import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
-from megatrain.planner.graph import DecoderShape, latent_attention, layer_costs, moe_block, moe_of
+from megatrain.planner.graph import DecoderShape, carry_bytes, latent_attention, layer_costs, moe_block, moe_of
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Segment:
     call_args: Any = None  # blocks: fx args/kwargs structure, side inputs appear as node names; norm and head:
     # the names of the side inputs they take after the hidden state
     tuple_out: bool = False  # blocks return a tuple whose first item is the hidden state
+    # blocks: the items of its output the next block takes besides the hidden state (GLM-MoE-DSA's top-k indices),
+    # as (index in the output tuple, the side-input name the next block's call_args read it by)
+    carries: list[tuple[int, str]] = field(default_factory=list)
     patches: list = field(default_factory=list)  # (module, name, value) set only while the template runs
 
 
@@ -113,47 +118,6 @@ def _structure_key(mod: nn.Module) -> str:
         parts.append(f"{name}:{type(sub).__qualname__}:{attrs}")
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in mod.named_parameters()]
     return f"{type(mod).__name__}-{hashlib.sha1('|'.join(parts).encode()).hexdigest()[:10]}"
-
-
-# --------------------------------------------------------------------------------------------------------------
-def _ancestors(nodes, stop: set) -> list[torch.fx.Node]:
-    """Every node ``nodes`` depend on (themselves included), not walking into ``stop``."""
-    seen, todo = {}, list(nodes)
-    while todo:
-        n = todo.pop()
-        if n in seen or n in stop:
-            continue
-        seen[n] = True
-        todo.extend(n.all_input_nodes)
-    return list(seen)
-
-
-def _subgraph(order: dict, nodes, inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> torch.fx.Graph:
-    """A graph of ``nodes`` (copied in program order) taking ``inputs`` as placeholders and returning ``outputs``."""
-    g = torch.fx.Graph()
-    env = {n: g.placeholder(n.name if n.op == "placeholder" else f"in_{n.name}") for n in inputs}
-    for n in sorted(nodes, key=order.__getitem__):
-        if n not in env:
-            env[n] = g.node_copy(n, lambda x: env[x])
-    outs = [env[o] for o in outputs]
-    g.output(outs[0] if len(outs) == 1 else tuple(outs))
-    g.lint()
-    return g
-
-
-def _node_params(gm: nn.Module, graph: torch.fx.Graph) -> list[str]:
-    """Parameter names (qualified in ``gm``) a graph uses, in first-use order."""
-    names = []
-    for n in graph.nodes:
-        if n.op == "get_attr":
-            try:
-                gm.get_parameter(n.target)
-                names.append(n.target)
-            except AttributeError:
-                pass
-        elif n.op == "call_module":
-            names += [f"{n.target}.{pn}" for pn, _ in gm.get_submodule(n.target).named_parameters()]
-    return list(dict.fromkeys(names))
 
 
 def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
@@ -210,14 +174,19 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     block_set = set(calls)
     if tuple_out:
         block_set |= {u for c in calls for u in c.users if u.target is operator.getitem}
-    after_blocks, from_inputs = _dependence(graph, block_set)
-    for c in calls:
+    after_blocks, from_inputs = dependence(graph, block_set)
+    carries: dict[int, list[tuple[int, str]]] = {}  # block -> (item of its output, name): what it hands the next
+    for i, c in enumerate(calls):
         args: list[torch.fx.Node] = []
         torch.fx.node.map_arg((c.args[1:], c.kwargs), args.append)
+        carried = [n for n in args if tuple_out and i and n.target is operator.getitem and n.args[0] is calls[i - 1]
+                   and n.args[1] != 0]
+        carries[i - 1] = [(n.args[1], n.name) for n in carried]
+        args = [n for n in args if n not in carried]
         late_arg = next((n for n in args if n in after_blocks), None)
         if late_arg is not None:
-            raise CaptureError(f"{type(model).__name__}: block '{c.target[2:]}' takes {_named_arg(c, late_arg)}, "
-                               f"computed from {_source_block(late_arg, calls)}: state carried from block to block "
+            raise CaptureError(f"{type(model).__name__}: block '{c.target[2:]}' takes {named_arg(c, late_arg)}, "
+                               f"computed from {source_block(late_arg, calls)}: state carried from block to block "
                                f"besides the hidden state, which layers streamed one at a time do not carry (the "
                                f"other inputs of the blocks must be computed before the first)")
         sides.update(dict.fromkeys(args))
@@ -229,10 +198,10 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     # final hidden state to a shape taken from input_ids): the embedding layer computes those once per micro-batch
     # and passes them on as side inputs, as it does the blocks' masks; values from the parameters alone (a tied
     # weight read by the head) stay where they are used
-    epi_all = _ancestors([logits], stop={h_last})
+    epi_all = ancestors([logits], stop={h_last})
     late = [n for n in sorted(epi_all, key=order.__getitem__) if n not in after_blocks and n in from_inputs
             and n not in sides and any(u in after_blocks for u in n.users)]
-    epilogue = [n for n in _ancestors([logits], stop={h_last, *late}) if n not in set(late)]
+    epilogue = [n for n in ancestors([logits], stop={h_last, *late}) if n not in set(late)]
     if any(n.op == "placeholder" for n in epilogue):
         raise CaptureError(f"{type(model).__name__}: the head reads the model's inputs directly")
     meta_model = meta_copy(model)
@@ -249,14 +218,14 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     head = head_calls[-1]
     head_in = head.args[0]
     stop = {h_last, *late}
-    norm_nodes = [n for n in _ancestors([head_in], stop=stop)] if head_in is not h_last else []
+    norm_nodes = [n for n in ancestors([head_in], stop=stop)] if head_in is not h_last else []
     head_nodes = [n for n in epilogue if n not in set(norm_nodes)]
 
     segs: list[tuple[str, str, nn.Module, Any]] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    emb_nodes = set(_ancestors([h0, *sides, *late], stop=block_set)) - set(placeholders)
-    emb_graph = _subgraph(order, emb_nodes, placeholders, [h0, *sides, *late])
-    mask_optional = _only_mask_builders_read(emb_graph, "attention_mask")
+    emb_nodes = set(ancestors([h0, *sides, *late], stop=block_set)) - set(placeholders)
+    emb_graph = subgraph(order, emb_nodes, placeholders, [h0, *sides, *late])
+    mask_optional = only_mask_builders_read(emb_graph, "attention_mask")
     segs.append(("embed", "embedding", torch.fx.GraphModule(meta_root, emb_graph), None))
     templates: dict[str, nn.Module] = {}
     for i, c in enumerate(calls):
@@ -267,18 +236,18 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
 
     def tail(nodes, x, out):  # a layer after the blocks: input x, the late side inputs it reads, output out
         reads = [n for n in late if any(u in set(nodes) for u in n.users)]
-        gm = torch.fx.GraphModule(meta_root, _subgraph(order, set(nodes), [x, *reads], [out]))
+        gm = torch.fx.GraphModule(meta_root, subgraph(order, set(nodes), [x, *reads], [out]))
         return gm, [n.name for n in reads]
 
     if norm_nodes:
         norm_gm, norm_sides = tail(norm_nodes, h_last, head_in)
-        if _node_params(norm_gm, norm_gm.graph):
+        if node_params(norm_gm, norm_gm.graph):
             segs.append(("norm", "norm", norm_gm, norm_sides))
         else:  # nothing to train between the blocks and the head: it runs as part of the head
             head_nodes, norm_nodes = epilogue, []
     segs.append(("head", "head", *tail(head_nodes, head_in if norm_nodes else h_last, logits)))
     captured = _assemble(model, blocks_name, segs, [n.name for n in (*sides, *late)], tuple_out,
-                         torch.finfo(compute_dtype).bits // 8)
+                         torch.finfo(compute_dtype).bits // 8, carries)
     captured.mask_optional = mask_optional
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
@@ -293,20 +262,8 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     return captured
 
 
-def _dependence(graph: torch.fx.Graph, block_set: set) -> tuple[set, set]:
-    """(nodes that depend on a block's output, nodes that depend on the model's inputs)."""
-    after, inputs = set(block_set), set()
-    for n in graph.nodes:  # program order: a node's inputs come before it
-        ins = n.all_input_nodes
-        if n.op == "placeholder" or any(i in inputs for i in ins):
-            inputs.add(n)
-        if any(i in after for i in ins):
-            after.add(n)
-    return after, inputs
-
-
 def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], tuple_out: bool,
-              act_dtype_bytes: int) -> Captured:
+              act_dtype_bytes: int, carries: dict[int, list[tuple[int, str]]]) -> Captured:
     canonical: dict[int, str] = {}
     tied_names: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -324,7 +281,7 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
         if kind == "block":
             pairs = [(pn, f"{name}.{pn}") for pn, _ in tmpl.named_parameters()]
         else:
-            pairs = [(pn, pn[2:]) for pn in _node_params(tmpl, tmpl.graph)]  # drop the "m." of the traced root
+            pairs = [(pn, pn[2:]) for pn in node_params(tmpl, tmpl.graph)]  # drop the "m." of the traced root
         # the parameters that train first, so that the Adam moments of a layer frozen in part cover a prefix of its
         # weights (Layer.trainable)
         pairs.sort(key=lambda pair: not model.get_parameter(pair[1]).requires_grad)
@@ -386,6 +343,12 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                             grouped_attention=packed_attention.takes_flash(cfg))
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
+        seg.carries = carries.get(seg.index - 1, []) if seg.kind == "block" else []
+        if seg.carries:
+            try:
+                costs["carry_bytes_per_token"] = carry_bytes(cfg_dict)
+            except ValueError as e:
+                raise CaptureError(f"block '{seg.name}': {e}") from None
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,
                             tie=seg.owner if seg.owner != seg.index else None, inactive_params=inactive, **costs))
     # in the model's parameter order (a global gradient norm sums per-parameter norms in it, as
@@ -408,38 +371,6 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     return Captured(graph, segments, side_names, names, tied_names, hidden, vocab, frozen=frozen,
                     no_decay=frozenset(no_decay_names(model)) & frozenset(names),
                     router_aux=router_aux_of(model))
-
-
-def _named_arg(call: torch.fx.Node, arg: torch.fx.Node) -> str:
-    """How ``call`` is given ``arg``, in words: the keyword it is passed by, if any, and the traced value's name."""
-    for key, value in call.kwargs.items():
-        found: list = []
-        torch.fx.node.map_arg(value, found.append)
-        if arg in found:
-            return f"'{key}' ('{arg.name}')"
-    return f"'{arg.name}'"
-
-
-def _source_block(node: torch.fx.Node, calls: list) -> str:
-    """The block whose output ``node`` is computed from (the nearest one back along its inputs), in words."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop(0)
-        if n in calls:
-            return f"the output of block '{n.target[2:]}'"
-        if n not in seen:
-            seen.add(n)
-            torch.fx.node.map_arg((n.args, n.kwargs), todo.append)
-    return "an earlier block's output"
-
-
-def _only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:
-    """Whether the placeholder ``name`` is read only by HF mask builders recorded as leaf calls (see
-    :func:`~megatrain.capture.tracer.leaf_function`)."""
-    ph = next((n for n in graph.nodes if n.op == "placeholder" and n.name == name), None)
-    if ph is None:
-        return False
-    return all(u.op == "call_function" and is_mask_builder(u.target) for u in ph.users)
 
 
 def _numel(shape) -> int:

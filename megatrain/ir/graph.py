@@ -67,6 +67,9 @@ class Layer:
     # GROUPED_ATTN_TOKENS tokens or more, capture.packed_attention): one group's buffers and the group's gradients
     # before they are copied into the whole ones
     attn_bwd_group_bytes_per_token: int = 0
+    # bytes per token of what the block hands the next besides its hidden state (GLM-MoE-DSA's top-k indices:
+    # capture's Segment.carries), on the device from its forward to the end of the step's backward. 0: none
+    carry_bytes_per_token: int = 0
 
     @property
     def moment_params(self) -> int:

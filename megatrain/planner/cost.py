@@ -331,6 +331,7 @@ class DeviceMemory:
     saved_nbytes: int = 0  # activations the layers in saved_acts keep for backward, all at once at the turn
     gemm_nbytes: int = 0  # cuBLAS's workspaces (ScheduleConfig.gemm_workspace_bytes)
     slack_nbytes: int = 0  # the caching allocator's rounding of the long-held buffers (ALLOC_SLACK_BYTES each)
+    carry_nbytes: int = 0  # what blocks hand the next besides the hidden state, every micro-batch's at the turn
 
     @property
     def slot_count(self) -> dict[str, int]:
@@ -343,7 +344,7 @@ class DeviceMemory:
     @property
     def total_nbytes(self) -> int:
         return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes + \
-            self.gemm_nbytes + self.slack_nbytes
+            self.gemm_nbytes + self.slack_nbytes + self.carry_nbytes
 
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
@@ -358,7 +359,8 @@ def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     saved = sum(saved_nbytes(graph, cfg, l) for l in cfg.saved_acts) * cfg.n_mb
     sizes = slot_sizes(graph, schedule)
     slack = ALLOC_SLACK_BYTES * sum(n >= ALLOC_SLACK_BYTES for n in [n for p in POOLS for n in sizes[p]] + kept)
-    return DeviceMemory(sizes, work, sum(kept), saved, cfg.gemm_workspace_bytes, slack)
+    carried = sum(lay.carry_bytes_per_token for lay in graph.layers) * cfg.mb_tokens * cfg.n_mb
+    return DeviceMemory(sizes, work, sum(kept), saved, cfg.gemm_workspace_bytes, slack, carried)
 
 
 def gemm_workspace_nbytes(spec: HardwareSpec, train: bool = True) -> int:

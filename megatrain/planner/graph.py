@@ -272,6 +272,21 @@ def latent_attention(cfg: dict) -> tuple[int, int, int] | None:
     return qk, v, qk + v
 
 
+# families whose blocks hand the next block a value besides the hidden state (capture's carries)
+CARRIES = frozenset({"glm_moe_dsa"})
+
+
+def carry_bytes(cfg: dict) -> int:
+    """Bytes per token of what a block hands the next besides its hidden state: GLM-MoE-DSA's top-k key indices
+    (int32, ``index_topk`` of them per token; at most the sequence's length). Raises ValueError where the config
+    does not say."""
+    k = cfg.get("index_topk")
+    if not isinstance(k, int) or k <= 0:
+        raise ValueError(f"a {cfg.get('model_type') or 'model'} block hands the next one a value besides the hidden "
+                         f"state whose size the planner cannot tell (it reads index_topk, the top-k indices' count)")
+    return 4 * k
+
+
 def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None) -> LayerGraph:
     """A LayerGraph for an HF-style decoder-only config (Llama / Qwen2 / Mistral layout: RMSNorm, GQA, SwiGLU MLP;
     mixtures of experts as :func:`moe_of` reads them, DeepSeek's multi-head latent attention).
@@ -334,6 +349,8 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
                             moe=moe if template == "moe-block" else None,
                             unread_down=template == "block" and mtype in NORM_WITH_MLP)
         costs["attn_flops_per_token_per_seq"] = float(attn_dims)
+        if mtype in CARRIES and i < n_blocks - 1:
+            costs["carry_bytes_per_token"] = carry_bytes(cfg)
         layers.append(Layer(name=f"block.{i}", kind="block", template=template,
                             params=attn_w + mlp_params + 2 * H + attn_extra, inactive_params=inactive, **costs))
     shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=inter, heads=heads, vocab=V)

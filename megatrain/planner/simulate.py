@@ -385,6 +385,7 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
     homes = {("o", k) for k in resident_slots(schedule, graph.owner).values()}
     for key in homes:
         events += [(0.0, size["o"][key[1]]), (max(end, default=0.0), -size["o"][key[1]])]
+    carry = sum(lay.carry_bytes_per_token for lay in graph.layers)
     for op in schedule.ops:
         fills = set(starters.get(op.kind, ()))
         if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == 0:
@@ -409,6 +410,10 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
             events.append((start[op.id], saved))
         elif saved and op.kind is OpKind.BWD:
             events.append((end[op.id], -saved))
+        if carry and op.kind is OpKind.FWD:  # what blocks hand the next: a micro-batch's until its last backward
+            events.append((start[op.id], graph[op.layer].carry_bytes_per_token * cfg.mb_tokens))
+        elif carry and op.kind is OpKind.BWD and op.layer == 0:
+            events.append((end[op.id], -carry * cfg.mb_tokens))
     for (pool, idx), (a, b) in holder.items():
         events += [(a, size[pool][idx]), (b, -size[pool][idx])]
     events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant

@@ -12,7 +12,7 @@ from torch import nn
 import megatrain
 from megatrain.capture import CaptureError, capture
 
-from .models import TinyGPT, compile_cpu, hf_model, with_dropout
+from .models import VOCAB, TinyGPT, compile_cpu, hf_model, with_dropout
 from .test_parity import OPT, batches, check, reference_train
 
 
@@ -203,22 +203,72 @@ def test_key_values_shared_between_blocks_are_refused_in_one_line(family, kw):
     assert "state carried from block to block" in msg and "branch" not in msg, msg
 
 
-def test_values_one_block_hands_the_next_are_refused_by_name():
-    """GLM-MoE-DSA's blocks hand their sparse attention's top-k indices to the next block: refused in one line that
-    names the argument and the block it comes from; Zamba2's hybrid layers share one attention block's weights:
-    refused naming the layers whose parameters one layer uses."""
+GLM_DSA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+               first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+               v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=4, max_position_embeddings=128,
+               indexer_types=["full", "shared", "full", "shared"])
+
+
+@pytest.mark.parametrize("saved_acts", [0, 1])
+def test_glm_moe_dsa_whose_blocks_hand_the_next_their_top_k_indices_trains_as_plain_pytorch(saved_acts):
+    """GLM-MoE-DSA's blocks return their sparse attention's top-k key indices with the hidden state, and the next
+    block takes them (a "shared" block attends to those instead of choosing its own): each block's are kept for
+    the next as a side input of the micro-batch until its backward (Segment.carries), and the planner counts them
+    (int32, index_topk a token, on the device from the forward to the end of the step's backward). Every backward
+    recomputing, and a layer keeping its activations; 3 steps x 3 micro-batches against plain PyTorch."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    glm = AutoConfig.for_model(
-        "glm_moe_dsa", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, vocab_size=300, n_routed_experts=4, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=4)
+    from megatrain.planner.cost import device_memory
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("glm_moe_dsa", vocab_size=VOCAB, **GLM_DSA),
+                                             attn_implementation="eager")
+    ref = copy.deepcopy(model)
+    data = batches(n_steps=3)
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
+    sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1, saved_acts=saved_acts)
+    blocks = [seg for seg in sm.captured.segments if seg.kind == "block"]
+    assert [len(seg.carries) for seg in blocks] == [1, 1, 1, 0]
+    assert [sm.graph[seg.index].carry_bytes_per_token for seg in blocks] == [16, 16, 16, 0]
+    schedule = sm.schedule_for(6, 12)
+    assert bool(schedule.config.saved_acts) == bool(saved_acts)
+    assert device_memory(sm.graph, schedule).carry_nbytes == 3 * 16 * 6 * 12
+    stats = [sm.train_step(*b) for b in data]
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+
+
+def test_values_computed_from_an_earlier_block_are_refused_by_name():
+    """A block that takes a value computed from the previous block's output (not one of its items, which it would
+    carry) is refused in one line naming the argument and the block it comes from; Zamba2's hybrid layers share
+    one attention block's weights: refused naming the layers whose parameters one layer uses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    class Handing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, extra=None):
+            return self.lin(x) + (0 if extra is None else extra), x.mean(-1, keepdim=True)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+            self.layers = nn.ModuleList(Handing() for _ in range(3))
+
+        def forward(self, input_ids):
+            x, extra = self.embed(input_ids), None
+            for layer in self.layers:
+                x, extra = layer(x, extra=None if extra is None else extra * 2)
+            return self.head(x)
+
     with pytest.raises(CaptureError) as e:
-        capture(AutoModelForCausalLM.from_config(glm))
+        capture(Model())
     msg = str(e.value)
-    assert "\n" not in msg and "block 'model.layers.1' takes 'prev_topk_indices'" in msg, msg
-    assert "computed from the output of block 'model.layers.0'" in msg, msg
+    assert "\n" not in msg and "block 'layers.1' takes 'extra'" in msg, msg
+    assert "computed from the output of block 'layers.0'" in msg, msg
     zamba = AutoConfig.for_model(
         "zamba2", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=4, vocab_size=300, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=16,

@@ -183,5 +183,8 @@ class LayerRunner:
             if seg.kind == "block":
                 args, kwargs = map_aggregate(seg.call_args, lambda a: side[a.name] if isinstance(a, Node) else a)
                 out = seg.template(x, *args, **kwargs)
+                for item, name in seg.carries:  # for the next block, as a side input of this micro-batch (a
+                    # recompute writes the same values again)
+                    side[name] = out[item].detach() if isinstance(out[item], torch.Tensor) else out[item]
                 return out[0] if seg.tuple_out else out
             return seg.template(x, *(side[n] for n in seg.call_args or ()))

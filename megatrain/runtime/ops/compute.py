@@ -12,6 +12,7 @@ factor) and the updates; :data:`HANDLERS` maps every (op kind, stream) to its ha
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -326,14 +327,23 @@ def _grads(sink: GradSink, out, inputs: list, dy=None) -> tuple:
         return torch.autograd.grad(out, inputs, dy, allow_unused=True)
 
 
+_SAID_ABSENT_DP: list[int] = []  # the warning below is given once a process
+
+
 def _accumulate(ctx, st: StepState, op: Op, sink: GradSink, views: list, grads) -> None:
     """The gradients autograd returned (compute dtype) into the sink's slot, next to those its linears wrote; the
     parameters that got none are noted (``StepState.absent``: those no micro-batch and no tied part gives one are
     left alone by the step's update). With data parallelism every parameter counts as having one: another rank's
-    micro-batches may have given it one, and the ranks do not exchange which."""
+    micro-batches may have given it one, and the ranks do not exchange which (a warning says so, once)."""
     for (off, n, _), dw in zip(views, grads):
         sink.put(off, n, dw)
     if ctx.dp is not None:
+        if sink.absent and not _SAID_ABSENT_DP:
+            _SAID_ABSENT_DP.append(op.layer)
+            warnings.warn(f"layer {op.layer}: {len(sink.absent)} parameters got no gradient from a micro-batch on this "
+                          f"rank; with data parallelism they are updated as with a zero gradient (weight decay and "
+                          f"moments applied), where torch.optim.AdamW would leave a parameter without one alone",
+                          stacklevel=2)
         return
     owner = ctx.graph.owner(op.layer)
     before = st.absent.get(owner)

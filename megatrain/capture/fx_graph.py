@@ -36,10 +36,10 @@ def subgraph(order: dict, nodes, inputs: list[torch.fx.Node], outputs: list[torc
     return g
 
 
-def node_params(gm: nn.Module, graph: torch.fx.Graph) -> list[str]:
-    """Parameter names (qualified in ``gm``) a graph uses, in first-use order."""
+def node_params(gm: nn.Module, graph) -> list[str]:
+    """Parameter names (qualified in ``gm``) a graph (or a list of its nodes) uses, in first-use order."""
     names = []
-    for n in graph.nodes:
+    for n in graph.nodes if isinstance(graph, torch.fx.Graph) else graph:
         if n.op == "get_attr":
             try:
                 gm.get_parameter(n.target)
@@ -93,3 +93,33 @@ def only_mask_builders_read(graph: torch.fx.Graph, name: str) -> bool:
     if ph is None:
         return False
     return all(u.op == "call_function" and is_mask_builder(u.target) for u in ph.users)
+
+
+_NO_GRAD_ATTRS = frozenset({"shape", "dtype", "device", "size", "dim", "ndim", "numel", "is_floating_point"})
+
+
+def trained_ancestors(gm: nn.Module, node: torch.fx.Node, stop: set) -> list[str]:
+    """The parameters ``node``'s value is differentiable in: its ancestors' parameters, not walking into ``stop``
+    nor through what reads a tensor's metadata alone (its shape, dtype, device), HF's mask builders or rotary
+    embeddings (whose outputs depend on their input's positions and dtype, not its values)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        if reads_metadata(n):
+            continue
+        if n.op == "call_function" and is_mask_builder(n.target):
+            continue
+        if n.op == "call_module" and type(gm.get_submodule(n.target)).__name__.endswith("RotaryEmbedding"):
+            continue
+        todo.extend(n.all_input_nodes)
+    return node_params(gm, [n for n in seen])
+
+
+def reads_metadata(n: torch.fx.Node) -> bool:
+    """Whether ``n`` reads a tensor's shape, dtype or device, not its values."""
+    return n.op in ("call_method", "call_function") and (n.target in _NO_GRAD_ATTRS or (
+        getattr(n.target, "__name__", "") == "getattr" and bool(n.args[1:2]) and n.args[1] in _NO_GRAD_ATTRS))
+

@@ -32,7 +32,7 @@ from torch import nn
 from megatrain.capture import grouped_experts, packed_attention
 from megatrain.capture.blocks import find_blocks, mlp_tileable
 from megatrain.capture.fx_graph import (ancestors, dependence, named_arg, node_params, only_mask_builders_read,
-                                       source_block, subgraph)
+                                       reads_metadata, source_block, subgraph, trained_ancestors)
 from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, materialize_meta_buffers, meta_copy,
                                     structural_copy)
 from megatrain.capture.params import no_decay_names, router_aux_of
@@ -94,6 +94,9 @@ class Captured:
     varlen: bool = False
     # the router load-balancing loss HF adds to this mixture-of-experts model's loss (runtime.layers.router_aux), if any
     router_aux: object | None = None
+    # side inputs of the blocks computed from parameters: their gradients from the blocks' backward go back through
+    # the embedding layer's (runtime.ops.compute)
+    grad_sides: list[str] = field(default_factory=list)
     # the experts run through capture.grouped_experts (transformers' grouped_mm experts were the model's choice)
     grouped_experts: bool = False
     # where the model's attention holds a (heads, T, T) matrix of scores on the GPU (HF's eager attention, which this
@@ -107,6 +110,15 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
         return module.get_submodule(path)
     except AttributeError:
         return None
+
+
+def _setting(cfg, key: str, default=None):
+    """A config attribute, or ``default``; a config that keeps it per layer (Gemma 4's head_dim) and refuses a global
+    read gives the value in its dict."""
+    try:
+        return getattr(cfg, key, default)
+    except Exception:  # noqa: BLE001 - transformers' error for a per-layer attribute
+        return cfg.to_dict().get(key, default)
 
 
 def _structure_key(mod: nn.Module) -> str:
@@ -190,6 +202,9 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
                                f"besides the hidden state, which layers streamed one at a time do not carry (the "
                                f"other inputs of the blocks must be computed before the first)")
         sides.update(dict.fromkeys(args))
+    # side inputs computed from parameters (Gemma 4's per-layer inputs, Zamba2's embeddings): the blocks' backward
+    # gives them a gradient, which the embedding's backward takes on to those parameters
+    grad_sides = [n.name for n in sides if trained_ancestors(traced, n, block_set)]
     out_node = next(n for n in graph.nodes if n.op == "output")
     logits = out_node.args[0]
     last = calls[-1]
@@ -202,6 +217,13 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     late = [n for n in sorted(epi_all, key=order.__getitem__) if n not in after_blocks and n in from_inputs
             and n not in sides and any(u in after_blocks for u in n.users)]
     epilogue = [n for n in ancestors([logits], stop={h_last, *late}) if n not in set(late)]
+    for n in late:  # (GPT-2 reads only the shape of its embeddings' output after the blocks)
+        trained = not all(reads_metadata(u) for u in n.users if u in epi_all) and \
+            trained_ancestors(traced, n, block_set)
+        if trained:
+            raise CaptureError(f"{type(model).__name__}: the layers after the blocks take '{n.name}', computed before "
+                               f"the first block from the parameters {trained[:3]}, whose gradient megatrain does "
+                               f"not take back through them")
     if any(n.op == "placeholder" for n in epilogue):
         raise CaptureError(f"{type(model).__name__}: the head reads the model's inputs directly")
     meta_model = meta_copy(model)
@@ -249,6 +271,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     captured = _assemble(model, blocks_name, segs, [n.name for n in (*sides, *late)], tuple_out,
                          torch.finfo(compute_dtype).bits // 8, carries)
     captured.mask_optional = mask_optional
+    captured.grad_sides = grad_sides
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
     switched = packed_attention.enable(meta_model)  # (a family with sinks takes the flash kernel packed or not)
@@ -305,17 +328,17 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
         trainable.append(trains)
         key = _structure_key(tmpl) if kind == "block" else f"{kind}-{idx}"
         segments.append(Segment(idx, name, kind, tmpl, key, refs, owner, own, call))
-    hidden = int(getattr(cfg, "hidden_size", 0) or max(r.shape[-1] for r in segments[0].params if len(r.shape) == 2))
+    hidden = int(_setting(cfg, "hidden_size", 0) or max(r.shape[-1] for r in segments[0].params if len(r.shape) == 2))
     head_w = max((r for r in segments[-1].params if len(r.shape) == 2), key=lambda r: r.shape[0], default=None)
-    vocab = int(getattr(cfg, "vocab_size", 0) or (head_w.shape[0] if head_w else 0))
-    heads = getattr(cfg, "num_attention_heads", None)
-    head_dim = (getattr(cfg, "head_dim", None) or hidden // heads) if heads else hidden
+    vocab = int(_setting(cfg, "vocab_size", 0) or (head_w.shape[0] if head_w else 0))
+    heads = _setting(cfg, "num_attention_heads", None)
+    head_dim = (_setting(cfg, "head_dim", None) or hidden // heads) if heads else hidden
     shape = DecoderShape(hidden=hidden, q_dim=heads * head_dim if heads else hidden,
-                         kv_dim=(getattr(cfg, "num_key_value_heads", None) or heads) * head_dim if heads else hidden,
-                         inter=int(getattr(cfg, "intermediate_size", 0) or 4 * hidden), heads=heads or 1, vocab=vocab)
+                         kv_dim=(_setting(cfg, "num_key_value_heads", None) or heads) * head_dim if heads else hidden,
+                         inter=int(_setting(cfg, "intermediate_size", 0) or 4 * hidden), heads=heads or 1, vocab=vocab)
     cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
     if cfg_dict.get("num_hidden_layers", 0) is None:  # (a count a config class derives, e.g. Nemotron-H's)
-        cfg_dict["num_hidden_layers"] = getattr(cfg, "num_hidden_layers", None)
+        cfg_dict["num_hidden_layers"] = _setting(cfg, "num_hidden_layers", None)
     moe, mla = moe_of(cfg_dict), latent_attention(cfg_dict)
     if mla is not None:
         shape = dataclasses.replace(shape, q_dim=mla[0], kv_dim=mla[1])

@@ -173,12 +173,26 @@ class MetaAttribute(MetaProxy, torch.fx.proxy.Attribute):
         self.static = _same(self.example, self.example2) and root.static
 
 
+class FreshPerCall:
+    """A block argument made new for each call (``kind()``): an object the model hands every block that no block
+    reads what another left in."""
+
+    def __init__(self, kind: type):
+        self.kind = kind
+
+    def __call__(self):
+        return self.kind()
+
+
 class Tracer(torch.fx.Tracer):
     """Blocks, rotary embeddings and RMSNorms as leaves; every value with a meta example (see the module doc)."""
 
-    def __init__(self, blocks: set[int], meta_root: nn.Module, dtype: torch.dtype):
+    def __init__(self, blocks: set[int], meta_root: nn.Module, dtype: torch.dtype, kv_shared: bool = False):
         super().__init__()
         self.blocks = blocks
+        self.kv_shared = kv_shared  # some blocks reuse keys and values earlier blocks computed (refused)
+        self.block_names: set[str] = set()  # the blocks' call targets (trace sets them)
+        self.blocks_keep_shape = True  # every block run on the examples returned a tensor shaped as its input
         self.meta_root = meta_root  # the traced root over a model whose parameters and buffers are meta tensors
         self.dtype = dtype
 
@@ -189,6 +203,14 @@ class Tracer(torch.fx.Tracer):
 
     def proxy(self, node: torch.fx.Node) -> MetaProxy:
         return MetaProxy(node, self)
+
+    def create_arg(self, a):
+        """An empty key/value sharing object handed to every block where no block reuses another's keys and values
+        (Gemma 4 without ``num_kv_shared_layers``: the last block of each attention type only stores its own there,
+        for assistant models to read) becomes :class:`FreshPerCall`: each block call gets a new one."""
+        if _kv_sharing(a) and not self.kv_shared:
+            return FreshPerCall(type(a))
+        return super().create_arg(a)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
@@ -236,6 +258,8 @@ class Tracer(torch.fx.Tracer):
                     return _UNKNOWN
         unknown = []
         a, k = map_aggregate((args, kwargs), lambda v: _example_of(v, unknown, which))
+        if kind == "call_module" and target in self.block_names:
+            return self._block_example(target, a, k, unknown)
         if unknown:
             return _UNKNOWN
         try:
@@ -249,6 +273,31 @@ class Tracer(torch.fx.Tracer):
         except Exception:  # noqa: BLE001 - an op that reads values (or needs a real device): its example is unknown
             return _UNKNOWN
         return _UNKNOWN
+
+
+    def _block_example(self, target: str, a, k, unknown: list):
+        """A block's output on the examples; where an input other than the hidden state is unknown (a mask a leaf
+        builder made), the hidden state's shape again, if every block run on known inputs gave back a tensor of its
+        input's shape (a block of a chain maps the hidden state to one like it)."""
+        h = a[0] if a else None
+        if not unknown:
+            a, k = map_aggregate((a, k), lambda v: type(v)() if _kv_sharing(v) else v)  # (the model's stays empty)
+            try:
+                with _unpatched(), torch.no_grad():
+                    out = self.meta_root.get_submodule(target)(*a, **k)
+            except Exception:  # noqa: BLE001 - as in _example
+                out = _UNKNOWN
+            self.blocks_keep_shape &= isinstance(out, torch.Tensor) and isinstance(h, torch.Tensor) and \
+                out.shape == h.shape
+            return out
+        if self.blocks_keep_shape and isinstance(h, torch.Tensor):
+            return torch.empty_like(h)
+        return _UNKNOWN
+
+
+def _kv_sharing(v) -> bool:
+    """Whether ``v`` is transformers' object through which blocks share keys and values (Gemma 3n, Gemma 4)."""
+    return type(v).__name__ == "KVSharingDict"
 
 
 # while tracing, torch.fx patches nn.Module.__call__ to record calls; the examples are computed with it undone
@@ -326,7 +375,10 @@ def trace(model: nn.Module, blocks: nn.ModuleList, blocks_name: str, hf: bool,
                 targets[f] = leaf_function(f)
     modules = {sys.modules[type(m).__module__] for m in model.modules()}
     root = Root(model, hf)
-    tracer = Tracer({id(b) for b in blocks}, Root(meta_model(model, dtype), hf), dtype)
+    cfg = getattr(model, "config", None)
+    kv_shared = bool(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "num_kv_shared_layers", 0))
+    tracer = Tracer({id(b) for b in blocks}, Root(meta_model(model, dtype), hf), dtype, kv_shared)
+    tracer.block_names = {f"m.{blocks_name}.{i}" for i in range(len(blocks))}
     try:
         for mod in modules:
             for n, v in list(vars(mod).items()):

@@ -61,6 +61,10 @@ MORE_FAMILIES = {
                              layer_types=["linear_attention", "full_attention", "linear_attention"],
                              moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
                              num_experts_per_tok=2),
+    # keys and values shared by no block (num_kv_shared_layers 0: the blocks are handed a KVSharingDict that only
+    # stores), no per-layer inputs
+    "gemma4_text": dict(model_type="gemma4_text", head_dim=16, sliding_window=8, hidden_size_per_layer_input=0,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # a mixture of experts whose top-k is named moe_topk (transformers' alias of num_experts_per_tok)
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4, moe_topk=2,
                            moe_intermediate_size=32, use_qk_norm=True),

@@ -3,6 +3,7 @@ branches on a tensor's rank or dtype (GPT-2, Falcon with ALiBi), values from the
 (GPT-2 and GPTBigCode reshape the final hidden state to the input's shape); and refusals that name the line."""
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -17,7 +18,7 @@ from .test_parity import OPT, batches, check, reference_train
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "falcon_alibi", "stablelm", "bloom", "nemotron",
-                                    "nemotron_h", "qwen3_5_text", "qwen3_5_moe_text", "hunyuan_v1_moe"])
+                                    "nemotron_h", "qwen3_5_text", "qwen3_5_moe_text", "hunyuan_v1_moe", "gemma4_text"])
 def test_family_matches_plain_pytorch(family):
     """Untied over 3 steps; the tied head (these families' default) over one step: the streamed run sums the tied
     gradient's parts in another order than autograd (an ulp apart), which AdamW turns into an lr-sized step on the
@@ -186,7 +187,7 @@ def test_a_scaled_embedding_built_on_meta_gets_its_scale(family, dtype):
 @pytest.mark.parametrize("family,kw", [
     ("gemma3n_text", dict(vocab_size_per_layer_input=300, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
                           laurel_rank=4, altup_num_inputs=2, layer_types=["sliding_attention", "full_attention"] * 2)),
-    ("gemma4_text", dict(layer_types=["sliding_attention", "full_attention"] * 2)),
+    ("gemma4_text", dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2)),
 ])
 def test_key_values_shared_between_blocks_are_refused_in_one_line(family, kw):
     """Gemma 3n and Gemma 4 hand every block one object through which later blocks reuse earlier blocks' keys and
@@ -201,6 +202,38 @@ def test_key_values_shared_between_blocks_are_refused_in_one_line(family, kw):
     msg = str(e.value)
     assert "\n" not in msg and "`hidden_states = decoder_layer(`" in msg and "KVSharingDict" in msg, msg
     assert "state carried from block to block" in msg and "branch" not in msg, msg
+
+
+@pytest.mark.parametrize("saved_acts", [0, 1])
+def test_gemma4_per_layer_inputs_computed_before_the_blocks_take_their_gradient_back(saved_acts):
+    """Gemma 4 hands each block its slice of per-layer inputs, computed before the first block from two
+    embeddings and a projection: a side input computed from parameters (Captured.grad_sides), whose gradient every
+    block's backward gives back and the embedding layer's backward takes on. The first step's weights as plain
+    PyTorch's; the second step's gradient norm as plain PyTorch computes it at the streamed run's weights (over
+    more steps the two runs part by the first step's rounding, which this model's growing gradients amplify:
+    checked the same way, they agree)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                               sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                               hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    data = batches(n_steps=2)
+    ref = copy.deepcopy(model)
+    ref_losses, ref_norms = reference_train(ref, data[:1], n_mb=3)
+    sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1,
+                     saved_acts=saved_acts)
+    assert len(sm.captured.grad_sides) == 4  # one slice a block
+    assert bool(sm.schedule_for(6, 12).config.saved_acts) == bool(saved_acts)
+    stats = [sm.train_step(*data[0])]
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+    at = copy.deepcopy(model)
+    at.load_state_dict(sm.state_dict())
+    _, norms = reference_train(at, data[1:], n_mb=3, opt_cfg=dataclasses.replace(OPT, max_grad_norm=1e9))
+    assert sm.train_step(*data[1]).grad_norm == pytest.approx(norms[0], rel=1e-6)
 
 
 GLM_DSA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,

@@ -47,6 +47,9 @@ class StepState:
     act: dict[int, torch.Tensor] = field(default_factory=dict)  # activation slot -> tensor
     host_act: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (layer, mb) -> host checkpoint
     side: dict[int, dict] = field(default_factory=dict)  # mb -> the side inputs the embedding layer returned
+    # mb -> the gradients the blocks' backward gave the side inputs computed from parameters (Captured.grad_sides),
+    # summed; the embedding's backward differentiates against them
+    side_grads: dict[int, dict] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (layer, mb) -> a saved forward's autograd
     loss_sums: list = field(default_factory=list)  # per mb: its cross-entropy sum (a device tensor once computed)
     # what the head minimizes instead of the cross-entropy (megatrain.objectives.Objective; None: the cross-entropy),

@@ -147,13 +147,14 @@ def _forward_saved(ctx, op: Op, st: StepState) -> None:
     x = st.act[op.slot("x")].detach().requires_grad_()
     views: list = []
     logits: list = []
+    side, leaves = _grad_side(ctx, st, op.mb)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(WeightRef.packer(flat), ctx.unpack), \
             keep_less(st.schedule.config.saved_lean), _routers(ctx, op, st, logits):
-        out = ctx.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views)
+        out = ctx.runner.run(op.layer, flat, x, side, grad_views=views)
         probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
     if logits:
         router_aux.add(st.aux[op.mb], logits, ctx.captured.router_aux, _aux_mask(st, op.mb))
-    st.saved[(op.layer, op.mb)] = (out, x, views, probs)
+    st.saved[(op.layer, op.mb)] = (out, x, views, probs, leaves)
     st.act[op.slot("y")] = out.detach()
 
 
@@ -273,14 +274,15 @@ def bwd(ctx, op: Op, st: StepState) -> None:
     ctx.rng.seed(op.layer, op.mb)
     sink = _grad_sink(ctx, op)
     if op.layer in st.schedule.config.saved_acts:
-        out, x, views, probs = st.saved.pop((op.layer, op.mb))
+        out, x, views, probs, leaves = st.saved.pop((op.layer, op.mb))
         ctx.bwd_weights = ctx.dev.weights(op)
         try:
             outs, dys = _aux_outputs(ctx, st, op, out, st.act[op.slot("dy")], probs)
-            dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)
+            dx, *dws = _grads(sink, outs, [x, *(t for _, t in leaves), *(v for *_, v in views)], dys)
         finally:
             ctx.bwd_weights = None
         st.act[op.slot("x")] = dx
+        dws = _side_grads(st, op.mb, leaves, dws)
         _accumulate(ctx, st, op, sink, views, dws)
         return
     flat = ctx.dev.weights(op)
@@ -289,23 +291,52 @@ def bwd(ctx, op: Op, st: StepState) -> None:
     with torch.enable_grad():
         if op.layer == 0:
             mb = st.mbs[op.mb]
-            h, _ = ctx.runner.run(0, flat, (mb.input_ids, mb.attention_mask, mb.position_ids), grad_views=views)
-            dws = _grads(sink, h, [v for *_, v in views], dy) if views else ()  # none: all frozen
+            h, side = ctx.runner.run(0, flat, (mb.input_ids, mb.attention_mask, mb.position_ids), grad_views=views)
+            back = st.side_grads.pop(op.mb, {})  # the side inputs' gradients the blocks gave back
+            outs, dys = [h, *(side[n] for n in back)], [dy, *back.values()]
+            dws = _grads(sink, outs, [v for *_, v in views], dys) if views else ()  # none: all frozen
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()
             logits: list = []
             tile = _tile(ctx, op, st)
+            side, leaves = _grad_side(ctx, st, op.mb)
             # untiled, the recompute skips the products nothing but the layer's output reads (the output is then
             # not its value: only differentiated against dy); tiled, each tile's forward runs again in the backward
             with _routers(ctx, op, st, logits), outputs_unread(not tile):
-                out = ctx.runner.run(op.layer, flat, x, st.side[op.mb], grad_views=views, tile=tile)
+                out = ctx.runner.run(op.layer, flat, x, side, grad_views=views, tile=tile)
             probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
             outs, dys = _aux_outputs(ctx, st, op, out, dy, probs)
-            dx, *dws = _grads(sink, outs, [x, *(v for *_, v in views)], dys)
+            dx, *dws = _grads(sink, outs, [x, *(t for _, t in leaves), *(v for *_, v in views)], dys)
+            dws = _side_grads(st, op.mb, leaves, dws)
             st.act[op.slot("x")] = dx
     _accumulate(ctx, st, op, sink, views, dws)
     if op.layer == 0:
         st.side.pop(op.mb, None)
+
+
+def _grad_side(ctx, st: StepState, mb: int) -> tuple[dict, list]:
+    """The micro-batch's side inputs for a block's differentiated forward, and those computed from parameters
+    (``Captured.grad_sides``: Gemma 4's per-layer inputs, Zamba2's embeddings) as new leaves that take a gradient:
+    (side inputs, [(name, leaf)])."""
+    side = st.side[mb]
+    names = ctx.captured.grad_sides
+    if not names:
+        return side, []
+    side = dict(side)
+    leaves = [(n, side[n].detach().requires_grad_()) for n in names]
+    side.update(leaves)
+    return side, leaves
+
+
+def _side_grads(st: StepState, mb: int, leaves: list, grads: list) -> list:
+    """Add the gradients a block's backward gave its side-input leaves (the first ``len(leaves)`` of ``grads``) to
+    the micro-batch's, which the embedding's backward takes; returns the rest (the weights')."""
+    if leaves:
+        back = st.side_grads.setdefault(mb, {})
+        for (n, _), g in zip(leaves, grads):
+            if g is not None:
+                back[n] = g if n not in back else back[n] + g
+    return grads[len(leaves):]
 
 
 def _grad_sink(ctx, op: Op) -> GradSink:

@@ -114,11 +114,12 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
 
 def _setting(cfg, key: str, default=None):
     """A config attribute, or ``default``; a config that keeps it per layer (Gemma 4's head_dim) and refuses a global
-    read gives the value in its dict."""
+    read gives the value in its dict; a list of sizes, one a layer, its largest."""
     try:
-        return getattr(cfg, key, default)
+        v = getattr(cfg, key, default)
     except Exception:  # noqa: BLE001 - transformers' error for a per-layer attribute
-        return cfg.to_dict().get(key, default)
+        v = cfg.to_dict().get(key, default)
+    return max(v) if isinstance(v, (list, tuple)) and v else v  # (a size per layer: Gemma 3n's MLP widths)
 
 
 def _structure_key(mod: nn.Module) -> str:

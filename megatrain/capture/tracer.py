@@ -174,14 +174,16 @@ class MetaAttribute(MetaProxy, torch.fx.proxy.Attribute):
 
 
 class FreshPerCall:
-    """A block argument made new for each call (``kind()``): an object the model hands every block that no block
-    reads what another left in."""
+    """A block argument made new for each call (``kind()``): one the model hands every block, none reading it."""
 
     def __init__(self, kind: type):
         self.kind = kind
 
     def __call__(self):
         return self.kind()
+
+    def __repr__(self) -> str:  # (in the traced root's code, which is compiled, never run)
+        return f"FreshPerCall({self.kind.__name__})"
 
 
 class Tracer(torch.fx.Tracer):

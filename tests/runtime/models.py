@@ -65,6 +65,10 @@ MORE_FAMILIES = {
     # stores), no per-layer inputs
     "gemma4_text": dict(model_type="gemma4_text", head_dim=16, sliding_window=8, hidden_size_per_layer_input=0,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Gemma 3n without keys and values shared between blocks: per-layer inputs, AltUp, LAuReL, MLP widths per layer
+    "gemma3n_text": dict(model_type="gemma3n_text", head_dim=16, sliding_window=8, vocab_size_per_layer_input=97,
+                         hidden_size_per_layer_input=8, num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # a mixture of experts whose top-k is named moe_topk (transformers' alias of num_experts_per_tok)
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4, moe_topk=2,
                            moe_intermediate_size=32, use_qk_norm=True),

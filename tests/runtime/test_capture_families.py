@@ -18,7 +18,8 @@ from .test_parity import OPT, batches, check, reference_train
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "falcon_alibi", "stablelm", "bloom", "nemotron",
-                                    "nemotron_h", "qwen3_5_text", "qwen3_5_moe_text", "hunyuan_v1_moe", "gemma4_text"])
+                                    "nemotron_h", "qwen3_5_text", "qwen3_5_moe_text", "hunyuan_v1_moe", "gemma4_text",
+                                    "gemma3n_text"])
 def test_family_matches_plain_pytorch(family):
     """Untied over 3 steps; the tied head (these families' default) over one step: the streamed run sums the tied
     gradient's parts in another order than autograd (an ulp apart), which AdamW turns into an lr-sized step on the

@@ -36,6 +36,7 @@ from megatrain.capture.fx_graph import (ancestors, dependence, named_arg, node_p
 from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, materialize_meta_buffers, meta_copy,
                                     structural_copy)
 from megatrain.capture.params import no_decay_names, router_aux_of
+from megatrain.capture.shared_state import PerMicroBatch
 from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, rebind_config, takes_positions, trace
 from megatrain.ir import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
@@ -97,6 +98,9 @@ class Captured:
     # side inputs of the blocks computed from parameters: their gradients from the blocks' backward go back through
     # the embedding layer's (runtime.ops.compute)
     grad_sides: list[str] = field(default_factory=list)
+    # the blocks of a micro-batch share one object through which some reuse what others stored (Gemma's keys and
+    # values: capture.shared_state.PerMicroBatch)
+    shared_state: bool = False
     # the experts run through capture.grouped_experts (transformers' grouped_mm experts were the model's choice)
     grouped_experts: bool = False
     # where the model's attention holds a (heads, T, T) matrix of scores on the GPU (HF's eager attention, which this
@@ -120,6 +124,13 @@ def _setting(cfg, key: str, default=None):
     except Exception:  # noqa: BLE001 - transformers' error for a per-layer attribute
         v = cfg.to_dict().get(key, default)
     return max(v) if isinstance(v, (list, tuple)) and v else v  # (a size per layer: Gemma 3n's MLP widths)
+
+
+def _shares(call) -> bool:
+    """Whether a block's call (args, kwargs) hands it the micro-batch's shared object."""
+    found: list = []
+    torch.fx.node.map_aggregate(call, lambda a: found.append(a) if isinstance(a, PerMicroBatch) else None)
+    return bool(found)
 
 
 def _structure_key(mod: nn.Module) -> str:
@@ -273,6 +284,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
                          torch.finfo(compute_dtype).bits // 8, carries)
     captured.mask_optional = mask_optional
     captured.grad_sides = grad_sides
+    captured.shared_state = any(_shares(seg.call_args) for seg in captured.segments if seg.kind == "block")
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
     switched = packed_attention.enable(meta_model)  # (a family with sinks takes the flash kernel packed or not)
@@ -373,6 +385,9 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                 costs["carry_bytes_per_token"] = carry_bytes(cfg_dict)
             except ValueError as e:
                 raise CaptureError(f"block '{seg.name}': {e}") from None
+        if seg.kind == "block" and _shares(seg.call_args):  # keys and values stored for later blocks, their gradient
+            costs["carry_bytes_per_token"] = 4 * act_dtype_bytes * sum(
+                m.k_proj.out_features for m in seg.template.modules() if getattr(m, "store_full_length_kv", False))
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,
                             tie=seg.owner if seg.owner != seg.index else None, inactive_params=inactive, **costs))
     # in the model's parameter order (a global gradient norm sums per-parameter norms in it, as

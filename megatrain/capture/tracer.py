@@ -32,6 +32,8 @@ import torch.fx
 from torch import nn
 from torch.fx.node import map_aggregate
 
+from megatrain.capture.shared_state import FreshPerCall, PerMicroBatch, kv_sharing
+
 
 class CaptureError(ValueError):
     """The model has a structure capture does not understand; the message says what, where, and what to do."""
@@ -173,19 +175,6 @@ class MetaAttribute(MetaProxy, torch.fx.proxy.Attribute):
         self.static = _same(self.example, self.example2) and root.static
 
 
-class FreshPerCall:
-    """A block argument made new for each call (``kind()``): one the model hands every block, none reading it."""
-
-    def __init__(self, kind: type):
-        self.kind = kind
-
-    def __call__(self):
-        return self.kind()
-
-    def __repr__(self) -> str:  # (in the traced root's code, which is compiled, never run)
-        return f"FreshPerCall({self.kind.__name__})"
-
-
 class Tracer(torch.fx.Tracer):
     """Blocks, rotary embeddings and RMSNorms as leaves; every value with a meta example (see the module doc)."""
 
@@ -195,6 +184,7 @@ class Tracer(torch.fx.Tracer):
         self.kv_shared = kv_shared  # some blocks reuse keys and values earlier blocks computed (refused)
         self.block_names: set[str] = set()  # the blocks' call targets (trace sets them)
         self.blocks_keep_shape = True  # every block run on the examples returned a tensor shaped as its input
+        self.meta_shared: dict = {}
         self.meta_root = meta_root  # the traced root over a model whose parameters and buffers are meta tensors
         self.dtype = dtype
 
@@ -207,11 +197,11 @@ class Tracer(torch.fx.Tracer):
         return MetaProxy(node, self)
 
     def create_arg(self, a):
-        """An empty key/value sharing object handed to every block where no block reuses another's keys and values
-        (Gemma 4 without ``num_kv_shared_layers``: the last block of each attention type only stores its own there,
-        for assistant models to read) becomes :class:`FreshPerCall`: each block call gets a new one."""
-        if _kv_sharing(a) and not self.kv_shared:
-            return FreshPerCall(type(a))
+        """The key/value sharing object handed to every block (Gemma 3n, Gemma 4): where blocks reuse keys and
+        values others stored there, one per micro-batch (:class:`PerMicroBatch`); else a new one each call (the
+        last block of each attention type only stores its own there, for assistant models to read)."""
+        if kv_sharing(a):
+            return PerMicroBatch(type(a)) if self.kv_shared else FreshPerCall(type(a))
         return super().create_arg(a)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
@@ -261,7 +251,7 @@ class Tracer(torch.fx.Tracer):
         unknown = []
         a, k = map_aggregate((args, kwargs), lambda v: _example_of(v, unknown, which))
         if kind == "call_module" and target in self.block_names:
-            return self._block_example(target, a, k, unknown)
+            return self._block_example(target, a, k, unknown, which)
         if unknown:
             return _UNKNOWN
         try:
@@ -277,13 +267,15 @@ class Tracer(torch.fx.Tracer):
         return _UNKNOWN
 
 
-    def _block_example(self, target: str, a, k, unknown: list):
+    def _block_example(self, target: str, a, k, unknown: list, which: int):
         """A block's output on the examples; where an input other than the hidden state is unknown (a mask a leaf
         builder made), the hidden state's shape again, if every block run on known inputs gave back a tensor of its
         input's shape (a block of a chain maps the hidden state to one like it)."""
         h = a[0] if a else None
         if not unknown:
-            a, k = map_aggregate((a, k), lambda v: type(v)() if _kv_sharing(v) else v)  # (the model's stays empty)
+            # one shared object of meta examples per example batch for the block calls (the model's stays empty)
+            a, k = map_aggregate((a, k), lambda v: self.meta_shared.setdefault(which, type(v)()) if kv_sharing(v)
+                                 else v)
             try:
                 with _unpatched(), torch.no_grad():
                     out = self.meta_root.get_submodule(target)(*a, **k)
@@ -295,11 +287,6 @@ class Tracer(torch.fx.Tracer):
         if self.blocks_keep_shape and isinstance(h, torch.Tensor):
             return torch.empty_like(h)
         return _UNKNOWN
-
-
-def _kv_sharing(v) -> bool:
-    """Whether ``v`` is transformers' object through which blocks share keys and values (Gemma 3n, Gemma 4)."""
-    return type(v).__name__ == "KVSharingDict"
 
 
 # while tracing, torch.fx patches nn.Module.__call__ to record calls; the examples are computed with it undone
@@ -381,12 +368,19 @@ def trace(model: nn.Module, blocks: nn.ModuleList, blocks_name: str, hf: bool,
     kv_shared = bool(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "num_kv_shared_layers", 0))
     tracer = Tracer({id(b) for b in blocks}, Root(meta_model(model, dtype), hf), dtype, kv_shared)
     tracer.block_names = {f"m.{blocks_name}.{i}" for i in range(len(blocks))}
+    # Gemma 4 slices the KV-shared blocks' inputs to the positions whose logits generation keeps; a training forward
+    # keeps them all (logits_to_keep 0), where the slicing returns its inputs as they are (its branch on the length
+    # is one the trace cannot take)
+    sliced = [m for m in model.modules() if hasattr(m, "_maybe_slice_kv_shared_inputs")]
     try:
         for mod in modules:
             for n, v in list(vars(mod).items()):
                 if callable(v) and v in targets:
                     patched.append((mod, n, v))
                     setattr(mod, n, targets[v])
+        for m in sliced:
+            m._maybe_slice_kv_shared_inputs = lambda h, per_layer, positions, masks, *a, **k: (h, per_layer,
+                                                                                             positions, masks)
         try:
             graph = tracer.trace(root)
         except Exception as e:  # noqa: BLE001 - any tracing failure is reported as what capture did not understand
@@ -395,6 +389,8 @@ def trace(model: nn.Module, blocks: nn.ModuleList, blocks_name: str, hf: bool,
     finally:
         for mod, n, v in patched:
             setattr(mod, n, v)
+        for m in sliced:
+            m.__dict__.pop("_maybe_slice_kv_shared_inputs", None)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -416,10 +412,6 @@ def describe_failure(model: nn.Module, blocks_name: str, e: BaseException) -> st
     kind = re.search(r"argument of type: <class '([\w.]+)'>", msg)
     if kind is not None:
         what = f"a value of type {kind.group(1).rpartition('.')[2]} is passed along, neither a tensor nor a plain value"
-        if "KVSharing" in kind.group(1):  # (Gemma 3n, Gemma 4)
-            what = ("every decoder block is handed a KVSharingDict, through which later blocks reuse the keys and "
-                    "values earlier blocks computed: state carried from block to block, which layers streamed one "
-                    "at a time do not carry")
     if what is None:
         what = f"{type(e).__name__} while tracing ({msg[:200]})"
     names = {id(m): n for n, m in model.named_modules()}

@@ -33,3 +33,29 @@ def test_compile_leaves_the_callers_model_as_it_was(family):
     for n, (ident, value) in buffers.items():
         assert ident == before[1][n][0] and torch.equal(value, before[1][n][1]), n
     assert config == before[2]
+
+
+@pytest.mark.parametrize("case", ["glm_moe_dsa", "gemma4_kv_shared", "gemma4_per_layer_inputs"])
+def test_compile_leaves_a_model_with_carried_or_shared_state_as_it_was(case):
+    """The same for the models whose blocks hand state on: GLM-MoE-DSA's top-k indices, Gemma 4's stored keys
+    and values (its forward's slicing method patched for the trace only), Gemma 4's per-layer inputs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .models import VOCAB
+    from .test_capture_families import GLM_DSA, _gemma
+
+    if case == "glm_moe_dsa":
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("glm_moe_dsa", vocab_size=VOCAB, **GLM_DSA))
+    elif case == "gemma4_kv_shared":
+        model = _gemma("gemma4_text", num_kv_shared_layers=2, hidden_size_per_layer_input=0)
+    else:
+        model = _gemma("gemma4_text", hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)
+    before = _snapshot(model)
+    attrs = {id(m): set(vars(m)) for m in model.modules()}
+    sm = compile_cpu(model, n_mb=1)
+    sm.train_step(*batches(n_steps=1)[0])
+    params, buffers, config = _snapshot(model)
+    assert params.keys() == before[0].keys() and buffers.keys() == before[1].keys() and config == before[2]
+    assert all(torch.equal(p, before[0][n][2]) for n, (_, _, p) in params.items())
+    assert {id(m): set(vars(m)) for m in model.modules()} == attrs

@@ -30,10 +30,11 @@ def _embedded(ctx, seq_len: int, first: torch.Tensor, generator=None):
 
 
 def carried_in(ctx, layer: int, h: torch.Tensor, side: dict, weights) -> dict:
-    """``side`` with what the blocks before ``layer`` hand it besides the hidden state (capture's carries; none
-    for most models): those blocks run on ``h`` (the embedding's output), each with ``weights(owner)``."""
+    """``side`` with what the blocks before ``layer`` hand it besides the hidden state (capture's carries, the
+    micro-batch's shared object; none for most models): those blocks run on ``h`` (the embedding's output), each
+    with ``weights(owner)``."""
     segs = ctx.captured.segments
-    if not any(seg.carries for seg in segs[:layer]):
+    if not any(seg.carries for seg in segs[:layer]) and not ctx.captured.shared_state:
         return side
     with torch.no_grad():
         for i in range(1, layer):

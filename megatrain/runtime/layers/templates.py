@@ -9,7 +9,7 @@ from torch import nn
 from torch.fx.node import Node, map_aggregate
 
 from megatrain.capture import Captured, Segment
-from megatrain.capture.tracer import FreshPerCall
+from megatrain.capture.shared_state import FreshPerCall, PerMicroBatch
 from megatrain.layout import UNREAD_PROJECTION
 from megatrain.runtime.layers import grad_sink, router_aux, tiling
 from megatrain.runtime.layers.grad_sink import SinkLinear
@@ -183,6 +183,7 @@ class LayerRunner:
                 return out[0], dict(zip(self.captured.side_names, out[1:]))
             if seg.kind == "block":
                 args, kwargs = map_aggregate(seg.call_args, lambda a: side[a.name] if isinstance(a, Node) else
+                                             a.of(side) if isinstance(a, PerMicroBatch) else
                                              a() if isinstance(a, FreshPerCall) else a)
                 out = seg.template(x, *args, **kwargs)
                 for item, name in seg.carries:  # for the next block, as a side input of this micro-batch (a

@@ -22,6 +22,7 @@ from megatrain.runtime.layers import router_aux
 from megatrain.runtime.layers.grad_sink import GradSink, outputs_unread, sink_to
 from megatrain.runtime.layers.kernel_rewrite import keep_less
 from megatrain.runtime.issue.step import MicroBatch, StepState
+from megatrain.runtime.ops.block_inputs import BlockInputs
 
 IGNORE_INDEX = -100
 
@@ -138,6 +139,13 @@ def _aux_outputs(ctx, st: StepState, op: Op, out, dy, probs) -> tuple[list, list
     return [out, probs], [dy, router_aux.probs_grad(st.aux[op.mb], spec, spec.coef, len(st.mbs))]
 
 
+def _block_outputs(ctx, st: StepState, op: Op, out, dy, probs, ins: BlockInputs) -> tuple[list, list]:
+    """:func:`_aux_outputs` and what the block stored for later blocks (:meth:`BlockInputs.outputs`)."""
+    outs, dys = _aux_outputs(ctx, st, op, out, dy, probs)
+    more, more_dys = ins.outputs()
+    return outs + more, dys + more_dys
+
+
 def _forward_saved(ctx, op: Op, st: StepState) -> None:
     """The forward of a layer in ``saved_acts``: with autograd on, keeping what its backward needs. The weights it
     saves are views of this weight slot, which other layers overwrite before the backward: they are saved as their
@@ -147,14 +155,15 @@ def _forward_saved(ctx, op: Op, st: StepState) -> None:
     x = st.act[op.slot("x")].detach().requires_grad_()
     views: list = []
     logits: list = []
-    side, leaves = _grad_side(ctx, st, op.mb)
+    ins = BlockInputs(ctx, st, op.mb)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(WeightRef.packer(flat), ctx.unpack), \
             keep_less(st.schedule.config.saved_lean), _routers(ctx, op, st, logits):
-        out = ctx.runner.run(op.layer, flat, x, side, grad_views=views)
+        out = ctx.runner.run(op.layer, flat, x, ins.side, grad_views=views)
         probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
+    ins.commit()
     if logits:
         router_aux.add(st.aux[op.mb], logits, ctx.captured.router_aux, _aux_mask(st, op.mb))
-    st.saved[(op.layer, op.mb)] = (out, x, views, probs, leaves)
+    st.saved[(op.layer, op.mb)] = (out, x, views, probs, ins)
     st.act[op.slot("y")] = out.detach()
 
 
@@ -274,15 +283,15 @@ def bwd(ctx, op: Op, st: StepState) -> None:
     ctx.rng.seed(op.layer, op.mb)
     sink = _grad_sink(ctx, op)
     if op.layer in st.schedule.config.saved_acts:
-        out, x, views, probs, leaves = st.saved.pop((op.layer, op.mb))
+        out, x, views, probs, ins = st.saved.pop((op.layer, op.mb))
         ctx.bwd_weights = ctx.dev.weights(op)
         try:
-            outs, dys = _aux_outputs(ctx, st, op, out, st.act[op.slot("dy")], probs)
-            dx, *dws = _grads(sink, outs, [x, *(t for _, t in leaves), *(v for *_, v in views)], dys)
+            outs, dys = _block_outputs(ctx, st, op, out, st.act[op.slot("dy")], probs, ins)
+            dx, *dws = _grads(sink, outs, [x, *ins.inputs, *(v for *_, v in views)], dys)
         finally:
             ctx.bwd_weights = None
         st.act[op.slot("x")] = dx
-        dws = _side_grads(st, op.mb, leaves, dws)
+        dws = ins.take(dws)
         _accumulate(ctx, st, op, sink, views, dws)
         return
     flat = ctx.dev.weights(op)
@@ -292,51 +301,27 @@ def bwd(ctx, op: Op, st: StepState) -> None:
         if op.layer == 0:
             mb = st.mbs[op.mb]
             h, side = ctx.runner.run(0, flat, (mb.input_ids, mb.attention_mask, mb.position_ids), grad_views=views)
-            back = st.side_grads.pop(op.mb, {})  # the side inputs' gradients the blocks gave back
+            back = {n: g for n, g in st.side_grads.pop(op.mb, {}).items() if isinstance(n, str)}  # the side
+            # inputs' gradients the blocks gave back
             outs, dys = [h, *(side[n] for n in back)], [dy, *back.values()]
             dws = _grads(sink, outs, [v for *_, v in views], dys) if views else ()  # none: all frozen
         else:
             x = st.act[op.slot("x")].detach().requires_grad_()
             logits: list = []
             tile = _tile(ctx, op, st)
-            side, leaves = _grad_side(ctx, st, op.mb)
+            ins = BlockInputs(ctx, st, op.mb)
             # untiled, the recompute skips the products nothing but the layer's output reads (the output is then
             # not its value: only differentiated against dy); tiled, each tile's forward runs again in the backward
             with _routers(ctx, op, st, logits), outputs_unread(not tile):
-                out = ctx.runner.run(op.layer, flat, x, side, grad_views=views, tile=tile)
+                out = ctx.runner.run(op.layer, flat, x, ins.side, grad_views=views, tile=tile)
             probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
-            outs, dys = _aux_outputs(ctx, st, op, out, dy, probs)
-            dx, *dws = _grads(sink, outs, [x, *(t for _, t in leaves), *(v for *_, v in views)], dys)
-            dws = _side_grads(st, op.mb, leaves, dws)
+            outs, dys = _block_outputs(ctx, st, op, out, dy, probs, ins)
+            dx, *dws = _grads(sink, outs, [x, *ins.inputs, *(v for *_, v in views)], dys)
+            dws = ins.take(dws)
             st.act[op.slot("x")] = dx
     _accumulate(ctx, st, op, sink, views, dws)
     if op.layer == 0:
         st.side.pop(op.mb, None)
-
-
-def _grad_side(ctx, st: StepState, mb: int) -> tuple[dict, list]:
-    """The micro-batch's side inputs for a block's differentiated forward, and those computed from parameters
-    (``Captured.grad_sides``: Gemma 4's per-layer inputs, Zamba2's embeddings) as new leaves that take a gradient:
-    (side inputs, [(name, leaf)])."""
-    side = st.side[mb]
-    names = ctx.captured.grad_sides
-    if not names:
-        return side, []
-    side = dict(side)
-    leaves = [(n, side[n].detach().requires_grad_()) for n in names]
-    side.update(leaves)
-    return side, leaves
-
-
-def _side_grads(st: StepState, mb: int, leaves: list, grads: list) -> list:
-    """Add the gradients a block's backward gave its side-input leaves (the first ``len(leaves)`` of ``grads``) to
-    the micro-batch's, which the embedding's backward takes; returns the rest (the weights')."""
-    if leaves:
-        back = st.side_grads.setdefault(mb, {})
-        for (n, _), g in zip(leaves, grads):
-            if g is not None:
-                back[n] = g if n not in back else back[n] + g
-    return grads[len(leaves):]
 
 
 def _grad_sink(ctx, op: Op) -> GradSink:

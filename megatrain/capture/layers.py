@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from megatrain.capture import grouped_experts, packed_attention
+from megatrain.capture import grouped_experts, packed_attention, split_blocks
 from megatrain.capture.blocks import find_blocks, mlp_tileable
 from megatrain.capture.fx_graph import (ancestors, dependence, named_arg, node_params, only_mask_builders_read,
                                        reads_metadata, source_block, subgraph, trained_ancestors)
@@ -262,11 +262,14 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     mask_optional = only_mask_builders_read(emb_graph, "attention_mask")
     segs.append(("embed", "embedding", torch.fx.GraphModule(meta_root, emb_graph), None))
     templates: dict[str, nn.Module] = {}
+    block_of: list[int | None] = [None]  # per layer: the block it runs (part of: split_blocks)
     for i, c in enumerate(calls):
         blk = meta_model.get_submodule(f"{blocks_name}.{i}")
-        key = _structure_key(blk)
-        templates.setdefault(key, blk)
-        segs.append((f"{blocks_name}.{i}", "block", templates[key], (c.args[1:], c.kwargs)))
+        for part in split_blocks.parts(blk) or [blk]:
+            key = _structure_key(part)
+            templates.setdefault(key, part)
+            segs.append((f"{blocks_name}.{i}", "block", templates[key], (c.args[1:], c.kwargs)))
+            block_of.append(i)
 
     def tail(nodes, x, out):  # a layer after the blocks: input x, the late side inputs it reads, output out
         reads = [n for n in late if any(u in set(nodes) for u in n.users)]
@@ -281,7 +284,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
             head_nodes, norm_nodes = epilogue, []
     segs.append(("head", "head", *tail(head_nodes, head_in if norm_nodes else h_last, logits)))
     captured = _assemble(model, blocks_name, segs, [n.name for n in (*sides, *late)], tuple_out,
-                         torch.finfo(compute_dtype).bits // 8, carries)
+                         torch.finfo(compute_dtype).bits // 8, carries, block_of)
     captured.mask_optional = mask_optional
     captured.grad_sides = grad_sides
     captured.shared_state = any(_shares(seg.call_args) for seg in captured.segments if seg.kind == "block")
@@ -299,7 +302,7 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
 
 
 def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], tuple_out: bool,
-              act_dtype_bytes: int, carries: dict[int, list[tuple[int, str]]]) -> Captured:
+              act_dtype_bytes: int, carries: dict[int, list[tuple[int, str]]], block_of: list) -> Captured:
     canonical: dict[int, str] = {}
     tied_names: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -359,6 +362,9 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
     for seg in segments:
         mat = sum(_numel(r.shape) for r in seg.params if len(r.shape) >= 2) if seg.kind != "embedding" else 0
         seg_shape, inactive, routed = shape, 0, None
+        # the block's last layer (a block cut in two is two layers: split_blocks)
+        last_part = seg.kind == "block" and (seg.index + 1 == len(block_of) or block_of[seg.index + 1] != block_of[
+            seg.index])
         if seg.kind == "block":
             if moe is not None and blocks_seen in moe.layers:  # a token's matmuls use its top-k experts only
                 mat += moe.top_k * 3 * hidden * moe.expert_inter - moe.expert_params(hidden)
@@ -366,7 +372,7 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                 seg_shape = dataclasses.replace(shape, inter=moe_block(moe, hidden)[2])
             elif moe is not None:
                 seg_shape = dataclasses.replace(shape, inter=moe.dense_inter)
-            blocks_seen += 1
+            blocks_seen += last_part
         # a dense block's MLP may run over tiles of the tokens (runtime.layers.tiling) where its forward takes the
         # hidden states alone; not a mixture of experts' block
         mlp = getattr(seg.template, "mlp", None)
@@ -379,7 +385,8 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                             grouped_attention=packed_attention.takes_flash(cfg))
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
-        seg.carries = carries.get(seg.index - 1, []) if seg.kind == "block" else []
+        seg.carries = carries.get(block_of[seg.index], []) if last_part else []
+        costs["act_bytes_per_token"] *= getattr(seg.template, "width_factor", 1)
         if seg.carries:
             try:
                 costs["carry_bytes_per_token"] = carry_bytes(cfg_dict)

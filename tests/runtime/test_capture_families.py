@@ -283,10 +283,7 @@ def test_glm_moe_dsa_whose_blocks_hand_the_next_their_top_k_indices_trains_as_pl
 
 def test_values_computed_from_an_earlier_block_are_refused_by_name():
     """A block that takes a value computed from the previous block's output (not one of its items, which it would
-    carry) is refused in one line naming the argument and the block it comes from; Zamba2's hybrid layers share
-    one attention block's weights: refused naming the layers whose parameters one layer uses."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    carry) is refused in one line naming the argument and the block it comes from."""
     class Handing(nn.Module):
         def __init__(self):
             super().__init__()
@@ -312,12 +309,38 @@ def test_values_computed_from_an_earlier_block_are_refused_by_name():
     msg = str(e.value)
     assert "\n" not in msg and "block 'layers.1' takes 'extra'" in msg, msg
     assert "computed from the output of block 'layers.0'" in msg, msg
-    zamba = AutoConfig.for_model(
+
+
+@pytest.mark.parametrize("saved_acts", [0, 1])
+@pytest.mark.parametrize("tied,adapters", [(True, True), (False, False)])
+def test_zamba2_hybrid_layers_sharing_a_transformer_block_train_as_plain_pytorch(tied, adapters, saved_acts):
+    """Zamba2's hybrid layers run one shared transformer block (its weights tied across them where the config ties
+    weights, with an adapter per layer inside it) on the hidden state and the embeddings (a side input computed
+    from parameters), then their own projection and Mamba-2 layer: each is cut into two layers
+    (capture.split_blocks), the shared part a whole layer tied to the first one's, the hidden state and the
+    transformer's output handed on side by side. 3 steps x 3 micro-batches against plain PyTorch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatrain.capture.split_blocks import OwnPart, SharedPart
+
+    cfg = AutoConfig.for_model(
         "zamba2", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=300, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=16,
+        num_key_value_heads=4, vocab_size=VOCAB, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=16,
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3], num_mem_blocks=1,
-        use_mem_rope=False)
-    with pytest.raises(CaptureError) as e:
-        capture(AutoModelForCausalLM.from_config(zamba))
-    msg = str(e.value)
-    assert "\n" not in msg and "uses parameters of layers" in msg and "only a whole layer may be tied" in msg, msg
+        use_mem_rope=False, use_shared_attention_adapter=adapters, use_shared_mlp_adapter=adapters, adapter_rank=4,
+        tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    shared = [m.shared_transformer.self_attn.q_proj.weight for m in model.model.layers[1::2]]
+    assert (shared[0] is shared[1]) == tied
+    ref = copy.deepcopy(model)
+    data = batches(n_steps=3)
+    ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
+    sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1, saved_acts=saved_acts)
+    kinds = [type(seg.template) for seg in sm.captured.segments]
+    assert kinds.count(SharedPart) == kinds.count(OwnPart) == 2
+    assert [lay.tie for lay in sm.graph.layers[1:7]] == [None, None, None, None, 2 if tied else None, None]
+    assert bool(sm.schedule_for(6, 12).config.saved_acts) == bool(saved_acts)
+    stats = [sm.train_step(*b) for b in data]
+    check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
+

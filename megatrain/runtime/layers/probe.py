@@ -29,23 +29,25 @@ def _embedded(ctx, seq_len: int, first: torch.Tensor, generator=None):
         return ctx.runner.run(0, first, (ids, mask, torch.arange(seq_len, device=device)[None]))
 
 
-def carried_in(ctx, layer: int, h: torch.Tensor, side: dict, weights) -> dict:
-    """``side`` with what the blocks before ``layer`` hand it besides the hidden state (capture's carries, the
-    micro-batch's shared object; none for most models): those blocks run on ``h`` (the embedding's output), each
-    with ``weights(owner)``."""
+def inputs_of(ctx, layer: int, h: torch.Tensor, side: dict, weights) -> tuple[torch.Tensor, dict]:
+    """``layer``'s input and side inputs, from ``h`` (the embedding's output) and ``side`` (its side inputs): for
+    most models those; where a layer before it hands on more than the hidden state (capture's carries, the
+    micro-batch's shared object, a block cut in two: capture.split_blocks) the layers before it run first, each with
+    ``weights(owner)``."""
     segs = ctx.captured.segments
-    if not any(seg.carries for seg in segs[:layer]) and not ctx.captured.shared_state:
-        return side
+    if not any(seg.carries or getattr(seg.template, "width_factor", 1) != 1 for seg in segs[:layer]) and \
+            not ctx.captured.shared_state:
+        return h, side
     with torch.no_grad():
         for i in range(1, layer):
             h = ctx.runner.run(i, weights(ctx.graph.owner(i)), h, side)
-    return side
+    return h, side
 
 
 def _measure(ctx, layer: int, seq_len: int, lean: bool) -> int:
     graph, device = ctx.graph, ctx.device
     h, side = _embedded(ctx, seq_len, ctx.store.master(graph.owner(0)).to(device, ctx.dtype))
-    side = carried_in(ctx, layer, h, side, lambda o: ctx.store.master(o).to(device, ctx.dtype))
+    h, side = inputs_of(ctx, layer, h, side, lambda o: ctx.store.master(o).to(device, ctx.dtype))
     flat = ctx.store.master(graph.owner(layer)).to(device, ctx.dtype)
     x = h.detach().requires_grad_()
     skip = {flat.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
@@ -94,7 +96,7 @@ def _unread_hold(ctx, layer: int, seq_len: int) -> bool:
         return (torch.randn(n, generator=gen, device=device) * 0.02).to(ctx.dtype)
 
     h, side = _embedded(ctx, seq_len, weights(graph.owner(0)), gen)
-    side = carried_in(ctx, layer, h, side, weights)
+    h, side = inputs_of(ctx, layer, h, side, weights)
     flat = weights(graph.owner(layer))
     dy = torch.randn(h.shape, generator=gen, device=device).to(h.dtype)
 

@@ -10,17 +10,20 @@ import torch
 from megatrain.capture import packed_attention
 
 from ..planner.test_moe import FAMILIES as MOE_FAMILIES
-from ..runtime.models import DROPOUT_FIELDS, FAMILIES, MORE_FAMILIES, VOCAB, hf_model, with_dropout
+from ..runtime.models import (DROPOUT_FIELDS, FAMILIES, MORE_FAMILIES, STATE_CASES, VOCAB, hf_model, state_model,
+                              with_dropout)
 from ..runtime.test_moe_parity import moe_model
 from .test_gpu_parity import LR, resident_reference, streamed
 
 pytestmark = pytest.mark.gpu
 
 STEPS = 2
-EVERY = sorted({*FAMILIES, *MORE_FAMILIES, *MOE_FAMILIES})
+EVERY = sorted({*FAMILIES, *MORE_FAMILIES, *MOE_FAMILIES, *STATE_CASES})
 
 
 def _model(family: str):
+    if family in STATE_CASES:  # blocks that hand state on, take per-layer inputs or share a block
+        return state_model(family)
     if family in MOE_FAMILIES:
         return moe_model(family)
     return hf_model(family, **(with_dropout(family, 0.0) if family in DROPOUT_FIELDS else {}))

@@ -105,6 +105,63 @@ def hf_model(family: str, seed: int = 0, **kw):
     return AutoModelForCausalLM.from_config(hf_config(family, **kw), attn_implementation="eager")
 
 
+def gemma_model(family: str, **kw):
+    """A tiny Gemma 3n or Gemma 4 (sliding and full attention alternating, untied head); ``kw``: config fields."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                               sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                               tie_word_embeddings=False, **kw)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+
+GLM_DSA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+               first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+               v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=4, max_position_embeddings=128,
+               indexer_types=["full", "shared", "full", "shared"])
+
+
+def zamba2_model(tied: bool = True, adapters: bool = True):
+    """A tiny Zamba2: Mamba-2 layers and two hybrid layers sharing one transformer block."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "zamba2", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=VOCAB, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=16,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3], num_mem_blocks=1,
+        use_mem_rope=False, use_shared_attention_adapter=adapters, use_shared_mlp_adapter=adapters, adapter_rank=4,
+        tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+
+def state_model(case: str):
+    """Models whose blocks hand state on or take it from outside the chain, by name: GLM-MoE-DSA's top-k indices,
+    Gemma 4's stored keys and values, Gemma 4's and 3n's per-layer inputs, Zamba2's shared transformer block."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if case == "glm_moe_dsa":
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model("glm_moe_dsa", vocab_size=VOCAB, **GLM_DSA),
+                                                attn_implementation="eager")
+    if case == "gemma4_kv_shared":
+        return gemma_model("gemma4_text", num_kv_shared_layers=2, hidden_size_per_layer_input=0)
+    if case == "gemma4_per_layer_inputs":
+        return gemma_model("gemma4_text", hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)
+    if case == "gemma3n_kv_shared":
+        return gemma_model("gemma3n_text", hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                           laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=2)
+    if case == "zamba2":
+        return zamba2_model()
+    raise KeyError(case)
+
+
+STATE_CASES = ("glm_moe_dsa", "gemma4_kv_shared", "gemma4_per_layer_inputs", "gemma3n_kv_shared", "zamba2")
+
+
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
         super().__init__()

@@ -13,7 +13,7 @@ from torch import nn
 import megatrain
 from megatrain.capture import CaptureError, capture
 
-from .models import VOCAB, TinyGPT, compile_cpu, hf_model, with_dropout
+from .models import VOCAB, TinyGPT, compile_cpu, gemma_model, hf_model, state_model, with_dropout, zamba2_model
 from .test_parity import OPT, batches, check, reference_train
 
 
@@ -185,17 +185,6 @@ def test_a_scaled_embedding_built_on_meta_gets_its_scale(family, dtype):
     assert on_meta.train_step(*data).loss == compile_cpu(real, compute_dtype=dtype).train_step(*data).loss
 
 
-def _gemma(family: str, **kw):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                               sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
-                               tie_word_embeddings=False, **kw)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-
-
 @pytest.mark.parametrize("saved_acts", [0, 1])
 def test_gemma4_blocks_that_reuse_keys_and_values_stored_by_earlier_blocks_train_as_plain_pytorch(saved_acts):
     """Gemma 4 with num_kv_shared_layers: its last blocks attend to the keys and values that the last earlier block
@@ -203,7 +192,7 @@ def test_gemma4_blocks_that_reuse_keys_and_values_stored_by_earlier_blocks_train
     (capture.shared_state.PerMicroBatch); the backward gives a reading block's gradient of them back to the block
     that stored them, and the planner counts them (two rows of k_proj's width a token, and their gradient). 3
     steps x 3 micro-batches, every backward recomputing and a layer keeping its activations."""
-    model = _gemma("gemma4_text", num_kv_shared_layers=2, hidden_size_per_layer_input=0)
+    model = gemma_model("gemma4_text", num_kv_shared_layers=2, hidden_size_per_layer_input=0)
     assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     ref = copy.deepcopy(model)
     data = batches(n_steps=3)
@@ -229,7 +218,7 @@ def test_gemma_per_layer_inputs_computed_before_the_blocks_take_their_gradient_b
     stored keys and values). The first step's weights as plain PyTorch's; the second step's gradient norm as plain
     PyTorch computes it at the streamed run's weights (over more steps the two runs part by the first step's
     rounding, which these models' growing gradients amplify: checked the same way, they agree)."""
-    model = _gemma(family, **kw)
+    model = gemma_model(family, **kw)
     data = batches(n_steps=2)
     ref = copy.deepcopy(model)
     ref_losses, ref_norms = reference_train(ref, data[:1], n_mb=3)
@@ -246,13 +235,6 @@ def test_gemma_per_layer_inputs_computed_before_the_blocks_take_their_gradient_b
     assert sm.train_step(*data[1]).grad_norm == pytest.approx(norms[0], rel=1e-6)
 
 
-GLM_DSA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-               first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-               v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=4, max_position_embeddings=128,
-               indexer_types=["full", "shared", "full", "shared"])
-
-
 @pytest.mark.parametrize("saved_acts", [0, 1])
 def test_glm_moe_dsa_whose_blocks_hand_the_next_their_top_k_indices_trains_as_plain_pytorch(saved_acts):
     """GLM-MoE-DSA's blocks return their sparse attention's top-k key indices with the hidden state, and the next
@@ -260,13 +242,9 @@ def test_glm_moe_dsa_whose_blocks_hand_the_next_their_top_k_indices_trains_as_pl
     the next as a side input of the micro-batch until its backward (Segment.carries), and the planner counts them
     (int32, index_topk a token, on the device from the forward to the end of the step's backward). Every backward
     recomputing, and a layer keeping its activations; 3 steps x 3 micro-batches against plain PyTorch."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from megatrain.planner.cost import device_memory
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("glm_moe_dsa", vocab_size=VOCAB, **GLM_DSA),
-                                             attn_implementation="eager")
+    model = state_model("glm_moe_dsa")
     ref = copy.deepcopy(model)
     data = batches(n_steps=3)
     ref_losses, ref_norms = reference_train(ref, data, n_mb=3)
@@ -318,18 +296,9 @@ def test_zamba2_hybrid_layers_sharing_a_transformer_block_train_as_plain_pytorch
     from parameters), then their own projection and Mamba-2 layer: each is cut into two layers
     (capture.split_blocks), the shared part a whole layer tied to the first one's, the hidden state and the
     transformer's output handed on side by side. 3 steps x 3 micro-batches against plain PyTorch."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from megatrain.capture.split_blocks import OwnPart, SharedPart
 
-    cfg = AutoConfig.for_model(
-        "zamba2", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=VOCAB, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=16,
-        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], hybrid_layer_ids=[1, 3], num_mem_blocks=1,
-        use_mem_rope=False, use_shared_attention_adapter=adapters, use_shared_mlp_adapter=adapters, adapter_rank=4,
-        tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = zamba2_model(tied, adapters)
     shared = [m.shared_transformer.self_attn.q_proj.weight for m in model.model.layers[1::2]]
     assert (shared[0] is shared[1]) == tied
     ref = copy.deepcopy(model)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ..planner.test_moe import FAMILIES as MOE_FAMILIES
-from .models import DROPOUT_FIELDS, FAMILIES, MORE_FAMILIES, compile_cpu, hf_model, with_dropout
+from .models import (DROPOUT_FIELDS, FAMILIES, MORE_FAMILIES, STATE_CASES, compile_cpu, hf_model, state_model,
+                     with_dropout)
 from .test_moe_parity import moe_model
 from .test_parity import batches
 
@@ -35,22 +36,11 @@ def test_compile_leaves_the_callers_model_as_it_was(family):
     assert config == before[2]
 
 
-@pytest.mark.parametrize("case", ["glm_moe_dsa", "gemma4_kv_shared", "gemma4_per_layer_inputs"])
+@pytest.mark.parametrize("case", STATE_CASES)
 def test_compile_leaves_a_model_with_carried_or_shared_state_as_it_was(case):
-    """The same for the models whose blocks hand state on: GLM-MoE-DSA's top-k indices, Gemma 4's stored keys
-    and values (its forward's slicing method patched for the trace only), Gemma 4's per-layer inputs."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .models import VOCAB
-    from .test_capture_families import GLM_DSA, _gemma
-
-    if case == "glm_moe_dsa":
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("glm_moe_dsa", vocab_size=VOCAB, **GLM_DSA))
-    elif case == "gemma4_kv_shared":
-        model = _gemma("gemma4_text", num_kv_shared_layers=2, hidden_size_per_layer_input=0)
-    else:
-        model = _gemma("gemma4_text", hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)
+    """The same for the models whose blocks hand state on (GLM-MoE-DSA's top-k indices, Gemma's stored keys and
+    values: Gemma 4's forward has a method patched for the trace only), take per-layer inputs or share a block."""
+    model = state_model(case)
     before = _snapshot(model)
     attrs = {id(m): set(vars(m)) for m in model.modules()}
     sm = compile_cpu(model, n_mb=1)

@@ -37,7 +37,8 @@ from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, 
                                     structural_copy)
 from megatrain.capture.params import no_decay_names, router_aux_of
 from megatrain.capture.shared_state import PerMicroBatch
-from megatrain.capture.tracer import CaptureError, Root, is_mask_builder, rebind_config, takes_positions, trace
+from megatrain.capture.tracer import (EXAMPLE_BATCH, EXAMPLE_SEQ, CaptureError, Root, is_mask_builder, rebind_config,
+                                      takes_positions, trace)
 from megatrain.ir import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
 from megatrain.planner.graph import DecoderShape, carry_bytes, latent_attention, layer_costs, moe_block, moe_of
@@ -216,7 +217,10 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
         sides.update(dict.fromkeys(args))
     # side inputs computed from parameters (Gemma 4's per-layer inputs, Zamba2's embeddings): the blocks' backward
     # gives them a gradient, which the embedding's backward takes on to those parameters
-    grad_sides = [n.name for n in sides if trained_ancestors(traced, n, block_set)]
+    grad_sides = [n for n in sides if trained_ancestors(traced, n, block_set)]
+    # their bytes a token (the examples' sizes over the example batch's tokens), and their gradients'
+    grad_side_bytes = 2 * sum(ex.numel() * ex.element_size() // (EXAMPLE_BATCH * EXAMPLE_SEQ) for n in grad_sides
+                              if isinstance(ex := n.meta.get("example"), torch.Tensor))
     out_node = next(n for n in graph.nodes if n.op == "output")
     logits = out_node.args[0]
     last = calls[-1]
@@ -284,9 +288,9 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
             head_nodes, norm_nodes = epilogue, []
     segs.append(("head", "head", *tail(head_nodes, head_in if norm_nodes else h_last, logits)))
     captured = _assemble(model, blocks_name, segs, [n.name for n in (*sides, *late)], tuple_out,
-                         torch.finfo(compute_dtype).bits // 8, carries, block_of)
+                         torch.finfo(compute_dtype).bits // 8, carries, block_of, grad_side_bytes)
     captured.mask_optional = mask_optional
-    captured.grad_sides = grad_sides
+    captured.grad_sides = [n.name for n in grad_sides]
     captured.shared_state = any(_shares(seg.call_args) for seg in captured.segments if seg.kind == "block")
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
     captured.packs = mask_optional and takes_positions(model, hf) and builders
@@ -302,7 +306,8 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
 
 
 def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], tuple_out: bool,
-              act_dtype_bytes: int, carries: dict[int, list[tuple[int, str]]], block_of: list) -> Captured:
+              act_dtype_bytes: int, carries: dict[int, list[tuple[int, str]]], block_of: list,
+              grad_side_bytes: int) -> Captured:
     canonical: dict[int, str] = {}
     tied_names: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -387,6 +392,8 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
         seg.carries = carries.get(block_of[seg.index], []) if last_part else []
         costs["act_bytes_per_token"] *= getattr(seg.template, "width_factor", 1)
+        if seg.kind == "embedding" and grad_side_bytes:  # side inputs the blocks give a gradient, and that gradient
+            costs["carry_bytes_per_token"] = grad_side_bytes
         if seg.carries:
             try:
                 costs["carry_bytes_per_token"] = carry_bytes(cfg_dict)

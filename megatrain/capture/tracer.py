@@ -207,7 +207,7 @@ class Tracer(torch.fx.Tracer):
     def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
         if isinstance(proxy, MetaProxy):
-            proxy.example = self._example(kind, target, args, kwargs, 0)
+            proxy.example = proxy.node.meta["example"] = self._example(kind, target, args, kwargs, 0)
             proxy.example2 = self._example(kind, target, args, kwargs, 1)
             inputs = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.fx.Proxy)]
             # a size read off a shape, the same for both example batches, is one no batch changes (e.g. the 4 of

@@ -225,6 +225,7 @@ def test_gemma_per_layer_inputs_computed_before_the_blocks_take_their_gradient_b
     sm = compile_cpu(copy.deepcopy(model), optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1,
                      saved_acts=saved_acts)
     assert len(sm.captured.grad_sides) == 4  # one slice a block
+    assert sm.graph[0].carry_bytes_per_token == 2 * 4 * 8 * 4  # the slices and their gradients, fp32, a token
     assert sm.captured.shared_state == (family == "gemma3n_text")
     assert bool(sm.schedule_for(6, 12).config.saved_acts) == bool(saved_acts)
     stats = [sm.train_step(*data[0])]
@@ -307,6 +308,7 @@ def test_zamba2_hybrid_layers_sharing_a_transformer_block_train_as_plain_pytorch
     sm = compile_cpu(model, optim=OPT, n_mb=3, weight_slots=2, host_checkpoints=1, saved_acts=saved_acts)
     kinds = [type(seg.template) for seg in sm.captured.segments]
     assert kinds.count(SharedPart) == kinds.count(OwnPart) == 2
+    assert sm.captured.grad_sides == ["clone"] and sm.graph[0].carry_bytes_per_token == 2 * 64 * 4  # embeddings
     assert [lay.tie for lay in sm.graph.layers[1:7]] == [None, None, None, None, 2 if tied else None, None]
     assert bool(sm.schedule_for(6, 12).config.saved_acts) == bool(saved_acts)
     stats = [sm.train_step(*b) for b in data]

@@ -127,6 +127,12 @@ def _setting(cfg, key: str, default=None):
     return max(v) if isinstance(v, (list, tuple)) and v else v  # (a size per layer: Gemma 3n's MLP widths)
 
 
+def _floating(node: torch.fx.Node) -> bool:
+    """Whether a traced value may take a gradient: not an integer or boolean tensor (by its example)."""
+    example = node.meta.get("example")
+    return not isinstance(example, torch.Tensor) or example.is_floating_point()
+
+
 def _shares(call) -> bool:
     """Whether a block's call (args, kwargs) hands it the micro-batch's shared object."""
     found: list = []
@@ -217,7 +223,12 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
         sides.update(dict.fromkeys(args))
     # side inputs computed from parameters (Gemma 4's per-layer inputs, Zamba2's embeddings): the blocks' backward
     # gives them a gradient, which the embedding's backward takes on to those parameters
-    grad_sides = [n for n in sides if trained_ancestors(traced, n, block_set)]
+    grad_sides = [n for n in sides if _floating(n) and trained_ancestors(traced, n, block_set)]
+    odd = next((n for n in grad_sides if not isinstance(n.meta.get("example"), torch.Tensor)), None)
+    if odd is not None:
+        raise CaptureError(f"{type(model).__name__}: the blocks take '{odd.name}', computed before the first block "
+                           f"from parameters, which is not one tensor: only a tensor side input takes its gradient "
+                           f"back to them")
     # their bytes a token (the examples' sizes over the example batch's tokens), and their gradients'
     grad_side_bytes = 2 * sum(ex.numel() * ex.element_size() // (EXAMPLE_BATCH * EXAMPLE_SEQ) for n in grad_sides
                               if isinstance(ex := n.meta.get("example"), torch.Tensor))

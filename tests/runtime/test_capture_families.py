@@ -314,3 +314,34 @@ def test_zamba2_hybrid_layers_sharing_a_transformer_block_train_as_plain_pytorch
     stats = [sm.train_step(*b) for b in data]
     check(sm, ref, [s.loss for s in stats], ref_losses, [s.grad_norm for s in stats], ref_norms)
 
+
+
+def test_a_side_input_computed_from_parameters_that_is_not_one_tensor_is_refused():
+    """Blocks given a tuple computed from the embeddings (a split of a projection of them): its gradient could not
+    be taken back, so capture says so in one line rather than train as if it were a constant."""
+
+    class Taking(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, parts=None):
+            return self.lin(x) + parts[0].sum(-1, keepdim=True)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.proj, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)
+            self.layers = nn.ModuleList(Taking() for _ in range(2))
+
+        def forward(self, input_ids):
+            x = self.embed(input_ids)
+            parts = torch.split(self.proj(x), 8, dim=-1)
+            for layer in self.layers:
+                x = layer(x, parts=parts)
+            return self.head(x)
+
+    with pytest.raises(CaptureError) as e:
+        capture(Model())
+    msg = str(e.value)
+    assert "\n" not in msg and "computed before the first block from parameters, which is not one tensor" in msg, msg

@@ -156,10 +156,18 @@ def state_model(case: str):
                            laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=2)
     if case == "zamba2":
         return zamba2_model()
+    if case == "deepseek_v32":  # its indexer's weights get no gradient
+        from ..planner.test_moe import FAMILIES as MOE, TINY
+
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model("deepseek_v32", **{**TINY, "vocab_size": VOCAB, **MOE["deepseek_v3"],
+                                                      "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4})
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     raise KeyError(case)
 
 
-STATE_CASES = ("glm_moe_dsa", "gemma4_kv_shared", "gemma4_per_layer_inputs", "gemma3n_kv_shared", "zamba2")
+STATE_CASES = ("glm_moe_dsa", "gemma4_kv_shared", "gemma4_per_layer_inputs", "gemma3n_kv_shared", "zamba2",
+               "deepseek_v32")
 
 
 class Block(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from megatrain.capture import grouped_experts
 
 from ..planner.test_moe import FAMILIES, TINY
-from .models import VOCAB, compile_cpu
+from .models import VOCAB, compile_cpu, state_model
 from .test_parity import OPT, batches, check, reference_train
 
 
@@ -207,14 +207,9 @@ def test_deepseek_v32_whose_indexer_gets_no_gradient_trains_as_plain_pytorch(sav
     """DeepSeek-V3.2's sparse-attention indexer only picks the top-k keys (its forward runs under no_grad): autograd
     gives its weights no gradient, so torch.optim.AdamW leaves them alone (no weight decay either), and so does the
     streamed run. Every backward recomputing, and a layer keeping its activations; 3 steps x 3 micro-batches."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("deepseek_v32", **{**TINY, "vocab_size": VOCAB, **FAMILIES["deepseek_v3"],
-                                                  "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = state_model("deepseek_v32")
     indexer = [n for n, _ in model.named_parameters() if ".indexer." in n]
-    assert len(indexer) == 5 * cfg.num_hidden_layers
+    assert len(indexer) == 5 * model.config.num_hidden_layers
     ref = copy.deepcopy(model)
     data = batches(n_steps=3)
     ref_losses, ref_norms = reference_train(ref, data, n_mb=3)

@@ -403,16 +403,18 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
         seg.carries = carries.get(block_of[seg.index], []) if last_part else []
         costs["act_bytes_per_token"] *= getattr(seg.template, "width_factor", 1)
-        if seg.kind == "embedding" and grad_side_bytes:  # side inputs the blocks give a gradient, and that gradient
-            costs["carry_bytes_per_token"] = grad_side_bytes
+        carried = grad_side_bytes if seg.kind == "embedding" else 0  # side inputs the blocks give a gradient, and
+        # that gradient
         if seg.carries:
             try:
-                costs["carry_bytes_per_token"] = carry_bytes(cfg_dict)
+                carried += carry_bytes(cfg_dict)
             except ValueError as e:
                 raise CaptureError(f"block '{seg.name}': {e}") from None
         if seg.kind == "block" and _shares(seg.call_args):  # keys and values stored for later blocks, their gradient
-            costs["carry_bytes_per_token"] = 4 * act_dtype_bytes * sum(
+            carried += 4 * act_dtype_bytes * sum(
                 m.k_proj.out_features for m in seg.template.modules() if getattr(m, "store_full_length_kv", False))
+        if carried:
+            costs["carry_bytes_per_token"] = carried
         layers.append(Layer(name=seg.name, kind=seg.kind, template=seg.template_key, params=seg.numel,
                             tie=seg.owner if seg.owner != seg.index else None, inactive_params=inactive, **costs))
     # in the model's parameter order (a global gradient norm sums per-parameter norms in it, as

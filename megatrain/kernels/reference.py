@@ -79,3 +79,18 @@ def sink_scale_backward(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     share = sink_share(lse, sinks)
     rows = (dout.to(share.dtype) * out.to(share.dtype)).sum(-1)
     return (dout.to(share.dtype) * share[..., None]).to(dout.dtype), (1 - share) * rows
+
+
+def delta_scan(qd, w, u, kd, p, g, s0=None, want_final: bool = False):
+    """The gated delta rule's scan over chunks (``kernels.delta_rule``): per chunk i, ``v = u_i - w_i S``,
+    ``o_i = qd_i S + P_i v``, ``S <- g_i S + kd_i^T v``, from S = ``s0`` (zeros if None). ``qd``, ``w``, ``kd``:
+    (BH, NC, C, K); ``u``: (BH, NC, C, V); ``p``: (BH, NC, C, C); ``g``: (BH, NC). Returns the outputs (BH, NC, C,
+    V) and the final state (BH, K, V) if ``want_final``, else None."""
+    bh, nc, _, k = qd.shape
+    s = s0 if s0 is not None else qd.new_zeros(bh, k, u.shape[-1])
+    out = []
+    for i in range(nc):
+        v = u[:, i] - w[:, i] @ s
+        out.append(qd[:, i] @ s + p[:, i] @ v)
+        s = s * g[:, i, None, None] + kd[:, i].transpose(-1, -2) @ v
+    return torch.stack(out, 1), (s if want_final else None)

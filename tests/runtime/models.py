@@ -56,6 +56,12 @@ MORE_FAMILIES = {
     "qwen3_5_text": dict(model_type="qwen3_5_text", head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
                          linear_num_key_heads=2, linear_num_value_heads=4,
                          layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # Qwen3.5's predecessor: the same hybrid with every MLP a mixture of experts and a shared expert
+    "qwen3_next": dict(model_type="qwen3_next", head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                       num_experts_per_tok=2),
     "qwen3_5_moe_text": dict(model_type="qwen3_5_moe_text", head_dim=16, linear_key_head_dim=16,
                              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                              layer_types=["linear_attention", "full_attention", "linear_attention"],

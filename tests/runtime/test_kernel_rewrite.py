@@ -17,6 +17,8 @@ from .test_parity import OPT, batches
     ("llama", {"rmsnorm", "swiglu", "rope", "linear_cross_entropy"}),
     ("qwen3", {"rmsnorm", "swiglu", "rope", "linear_cross_entropy"}),  # q/k norms too
     ("gemma2", {"rmsnorm", "rope", "linear_cross_entropy"}),  # gelu MLP: no SwiGLU; soft-capped head
+    # gated delta-net layers: the chunked rule's scan over chunks in the kernels
+    ("qwen3_5_text", {"rmsnorm", "swiglu", "rope", "gated_delta_rule", "linear_cross_entropy"}),
 ])
 def test_kernels_match_plain_templates(family, expect):
     model = hf_model(family)
@@ -26,6 +28,8 @@ def test_kernels_match_plain_templates(family, expect):
     assert set(fused.kernels) == expect, fused.kernels
     if family == "gemma2":
         assert "softcap 30.0" in fused.kernels["linear_cross_entropy"][0]
+    if family == "qwen3_5_text":
+        assert fused.kernels["gated_delta_rule"] == ["model.layers.0"]  # (layer 2 shares its template)
     grads = record_grads(plain), record_grads(fused)
     a, b = plain.train_step(*data[0]), fused.train_step(*data[0])
     assert abs(a.loss - b.loss) <= 1e-5 * a.loss

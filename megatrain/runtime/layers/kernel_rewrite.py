@@ -3,10 +3,13 @@
 Only megatrain's own weightless templates change; the user's model is never touched. Parameter names stay the
 same, so binding is unaffected. What is rewritten:
 
-- RMSNorm modules (class name ending in ``RMSNorm``; Gemma's ``1 + w`` form included) -> the RMSNorm kernel;
+- RMSNorm modules (class name ending in ``RMSNorm``; the ``1 + w`` form of Gemma, Qwen3-Next and Qwen3.5 included,
+  told apart by running the module) -> the RMSNorm kernel;
 - MLPs of the form ``down_proj(silu(gate_proj(x)) * up_proj(x))`` -> the SwiGLU kernel between the projections;
 - the blocks' ``apply_rotary_pos_emb`` (HF rotate-half, full head dim) -> the RoPE kernel, substituted in the
   block's modeling module only while megatrain calls the template;
+- the blocks' ``torch_chunk_gated_delta_rule`` (the linear-attention layers of Qwen3-Next, Qwen3.5, OLMo-hybrid)
+  -> the chunked rule with its scan over chunks in the kernels (``kernels.delta_rule``), substituted the same way;
 - a head that is a bias-free linear, optionally soft-capped (Gemma 2) -> the fused linear + cross-entropy
   (see :func:`head_loss_spec`).
 """
@@ -14,6 +17,7 @@ same, so binding is unaffected. What is rewritten:
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 import sys
 from dataclasses import dataclass
@@ -95,14 +99,34 @@ class KernelSwiGLUMLP(nn.Module):
         return down(swiglu(gate, up))
 
 
+def _norm_offset(mod: nn.Module, eps: float) -> float | None:
+    """Whether the norm scales by ``w`` (0.0) or ``1 + w`` (1.0; Gemma's, Qwen3-Next's and Qwen3.5's zero-centred
+    weights), found by running a CPU copy of the module with random weights; None where it computes neither."""
+    probe = copy.deepcopy(mod).to_empty(device="cpu").float()
+    hidden = probe.weight.shape[-1]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(hidden, generator=g))
+        x = torch.randn(3, hidden, generator=g)
+        try:
+            y = probe(x)
+        except Exception:
+            return None
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        for offset in (0.0, 1.0):
+            if torch.allclose(y, normed * (offset + probe.weight), rtol=1e-5, atol=1e-5):
+                return offset
+    return None
+
+
 def _rms_norm_replacement(mod: nn.Module) -> nn.Module | None:
     if not type(mod).__name__.endswith("RMSNorm") or not isinstance(getattr(mod, "weight", None), nn.Parameter):
         return None
     eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
     if eps is None:
         return None
-    offset = 1.0 if type(mod).__name__.startswith("Gemma") else 0.0  # Gemma scales by (1 + w)
-    return KernelRMSNorm(mod.weight, float(eps), offset)
+    offset = _norm_offset(mod, float(eps))
+    return KernelRMSNorm(mod.weight, float(eps), offset) if offset is not None else None
 
 
 def _swiglu_replacement(mod: nn.Module) -> nn.Module | None:
@@ -167,6 +191,30 @@ def _rope_patch(block: nn.Module, halves_equal: bool = False):
     return (mod, "apply_rotary_pos_emb", apply_rotary_pos_emb)
 
 
+def _delta_rule_patch(block: nn.Module):
+    """(module, name, replacement) substituting the kernels' chunked gated delta rule for the block module's
+    ``torch_chunk_gated_delta_rule``, and a line for the report; (None, why) where the layers' head dims are not
+    the kernels'; (None, None) where the block has none. A call with a chunk the kernels do not take runs the
+    original."""
+    from megatrain.kernels import delta_rule
+
+    mod = sys.modules.get(type(block).__module__)
+    original = getattr(mod, "torch_chunk_gated_delta_rule", None)
+    nets = [m for m in block.modules() if hasattr(m, "head_k_dim") and hasattr(m, "head_v_dim")]
+    if original is None or not nets:
+        return None, None
+    why = next((w for w in (delta_rule.supported(64, m.head_k_dim, m.head_v_dim) for m in nets) if w), None)
+    if why is not None:
+        return None, why
+
+    def torch_chunk_gated_delta_rule(*args, chunk_size: int = 64, **kwargs):
+        if delta_rule.supported(chunk_size, 16, 16) is not None:
+            return original(*args, chunk_size=chunk_size, **kwargs)
+        return delta_rule.chunk_gated_delta_rule(*args, chunk_size=chunk_size, **kwargs)
+
+    return (mod, "torch_chunk_gated_delta_rule", torch_chunk_gated_delta_rule), None
+
+
 @dataclass(frozen=True)
 class HeadLossSpec:
     weight_name: str  # template parameter name of the head weight
@@ -209,10 +257,19 @@ def use_kernels(captured: Captured) -> dict[str, list[str]]:
         seen.add(id(seg.template))
         _rewrite_modules(seg.template, replaced, f"{seg.name}:")
         if seg.kind == "block":
+            patches = []
             patch = _rope_patch(seg.template, halves)
             if patch is not None:
-                seg.patches = [patch]
+                patches.append(patch)
                 replaced.setdefault("rope", []).append(seg.name + (" (cos/sin halves equal)" if halves else ""))
+            patch, why = _delta_rule_patch(seg.template)
+            if patch is not None:
+                patches.append(patch)
+            if patch is not None or why is not None:
+                replaced.setdefault("gated_delta_rule", []).append(
+                    seg.name + (f" (transformers' loop kept: {why})" if why else ""))
+            if patches:
+                seg.patches = patches
     spec = head_loss_spec(captured)
     if spec is not None:
         replaced["linear_cross_entropy"] = [captured.segments[-1].name + (f" (softcap {spec.softcap})"

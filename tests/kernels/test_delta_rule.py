@@ -1,0 +1,100 @@
+"""The gated delta rule's chunk scan (kernels.delta_rule) against its pure-torch definition, and the whole chunked
+rule against transformers' own torch implementation of each family that has one (interpreter on CPU)."""
+
+import importlib
+
+import pytest
+import torch
+
+from megatrain.kernels import delta_rule, reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def scan_inputs(bh, nc, c, k, v, seed=0, s0=False):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g) * 0.3).to(DEV)  # noqa: E731
+    decay = torch.rand(bh, nc, generator=g).to(DEV) * 0.5 + 0.4
+    p = torch.randn(bh, nc, c, c, generator=g).tril().to(DEV) * 0.2
+    return [r(bh, nc, c, k), r(bh, nc, c, k), r(bh, nc, c, v), r(bh, nc, c, k), p, decay,
+            r(bh, k, v) if s0 else None]
+
+
+def grads_of(fn, ins, want_final, seed=1):
+    xs = [x.detach().clone().requires_grad_() if x is not None else None for x in ins]
+    o, sf = fn(*xs, want_final)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=g).to(DEV)).sum()
+    if want_final:
+        loss = loss + (sf * torch.randn(sf.shape, generator=g).to(DEV)).sum()
+    loss.backward()
+    return [o, sf] + [x.grad for x in xs if x is not None]
+
+
+@pytest.mark.parametrize("nc,c,k,v,block_v,s0,want_final", [
+    (3, 16, 16, 32, 16, False, False),  # two V blocks, their shares summed
+    (2, 16, 32, 16, None, True, True),  # an initial state and the final one's gradient
+    (1, 32, 16, 16, None, False, True),
+    (2, 16, 24, 40, 16, True, True),  # head dims that are no power of two (OLMo-hybrid's 96 and 192): masked
+])
+def test_scan_matches_its_definition(nc, c, k, v, block_v, s0, want_final, monkeypatch):
+    if block_v is not None:  # launchers take the block; the autograd Function uses the default
+        fwd, bwd = delta_rule.delta_scan_forward, delta_rule.delta_scan_backward
+        monkeypatch.setattr(delta_rule, "delta_scan_forward", lambda *a, **kw: fwd(*a, **kw, block_v=block_v))
+        monkeypatch.setattr(delta_rule, "delta_scan_backward", lambda *a, **kw: bwd(*a, **kw, block_v=block_v))
+    ins = scan_inputs(3, nc, c, k, v, s0=s0)
+    got = grads_of(delta_rule.delta_scan, ins, want_final)
+    want = grads_of(reference.delta_scan, ins, want_final)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+            continue
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_scan_refuses_a_shape_it_does_not_take():
+    ins = scan_inputs(1, 1, 16, 8, 16)
+    with pytest.raises(ValueError, match="key and value head dims 8 and 16"):
+        delta_rule.delta_scan(*ins)
+
+
+FAMILIES = ["qwen3_next", "qwen3_5", "olmo_hybrid"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("t,hk,hv,chunk,state", [(40, 2, 4, 16, False), (32, 2, 2, 16, True)])
+def test_chunked_rule_matches_the_family_torch_implementation(family, t, hk, hv, chunk, state):
+    """Outputs, final state and every input's gradient (padding to whole chunks, key heads repeated to the value
+    heads, an initial state) against the family's own ``torch_chunk_gated_delta_rule``."""
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    ref = getattr(mod, "torch_chunk_gated_delta_rule", None)
+    if ref is None:
+        pytest.skip(f"this transformers has no {family} torch_chunk_gated_delta_rule")
+    g = torch.Generator(device="cpu").manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEV)  # noqa: E731
+    dk = dv = 16
+    ins = [r(2, t, hk, dk), r(2, t, hk, dk), r(2, t, hv, dv), -torch.rand(2, t, hv, generator=g).to(DEV),
+           torch.rand(2, t, hv, generator=g).to(DEV), r(2, hv, dk, dv) * 0.1 if state else None]
+    if hk != hv and "repeat_interleave" not in _source(mod):  # older transformers repeat the heads in the layer
+        pytest.skip("this transformers' function takes value heads only")
+
+    def run(fn):
+        xs = [x.detach().clone().requires_grad_() if x is not None else None for x in ins]
+        out, sf = fn(*xs[:5], chunk_size=chunk, initial_state=xs[5], output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+        gen = torch.Generator(device="cpu").manual_seed(4)
+        ((out * torch.randn(out.shape, generator=gen).to(DEV)).sum()
+         + (sf * torch.randn(sf.shape, generator=gen).to(DEV)).sum()).backward()
+        return [out, sf] + [x.grad for x in xs if x is not None]
+
+    for a, b in zip(run(delta_rule.chunk_gated_delta_rule), run(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _source(mod):
+    """The text of the module's torch_chunk_gated_delta_rule."""
+    import inspect
+
+    text = inspect.getsource(mod)
+    start = text.index("def torch_chunk_gated_delta_rule")
+    return text[start:text.index("\ndef ", start)]

@@ -88,3 +88,16 @@ def mlp_tileable(mlp: nn.Module) -> bool:
         return False
     return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def recurrence(block: nn.Module) -> tuple[float, int] | None:
+    """A block whose mixer is a gated delta net (a module with ``num_v_heads``, ``head_k_dim`` and ``head_v_dim``:
+    Qwen3-Next, Qwen3.5, OLMo-hybrid) and no softmax attention: its recurrence's FLOPs and bytes kept per token
+    (``planner.hybrid.delta_rule_costs``); None for any other block."""
+    from megatrain.planner.hybrid import delta_rule_costs
+
+    nets = [m for m in block.modules() if all(hasattr(m, a) for a in ("num_v_heads", "head_k_dim", "head_v_dim"))]
+    if not nets or any(type(m).__name__.endswith("Attention") for m in block.modules()):
+        return None
+    costs = [delta_rule_costs(m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in nets]
+    return sum(c[0] for c in costs), sum(c[1] for c in costs)

@@ -30,7 +30,7 @@ import torch.fx
 from torch import nn
 
 from megatrain.capture import grouped_experts, packed_attention, split_blocks
-from megatrain.capture.blocks import find_blocks, mlp_tileable
+from megatrain.capture.blocks import find_blocks, mlp_tileable, recurrence
 from megatrain.capture.fx_graph import (ancestors, dependence, named_arg, node_params, only_mask_builders_read,
                                        reads_metadata, source_block, subgraph, trained_ancestors)
 from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, materialize_meta_buffers, meta_copy,
@@ -42,6 +42,7 @@ from megatrain.capture.tracer import (EXAMPLE_BATCH, EXAMPLE_SEQ, CaptureError, 
 from megatrain.ir import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP, UNREAD_PROJECTION
 from megatrain.planner.graph import DecoderShape, carry_bytes, latent_attention, layer_costs, moe_block, moe_of
+from megatrain.planner.hybrid import as_recurrence
 
 
 @dataclass
@@ -401,6 +402,8 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                             grouped_attention=packed_attention.takes_flash(cfg))
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
+        if seg.kind == "block" and (rec := recurrence(seg.template)) is not None:
+            costs = as_recurrence(costs, *rec)  # a gated delta net instead of softmax attention
         seg.carries = carries.get(block_of[seg.index], []) if last_part else []
         costs["act_bytes_per_token"] *= getattr(seg.template, "width_factor", 1)
         carried = grad_side_bytes if seg.kind == "embedding" else 0  # side inputs the blocks give a gradient, and

@@ -70,6 +70,10 @@ class Layer:
     # bytes per token of what the block hands the next besides its hidden state (GLM-MoE-DSA's top-k indices:
     # capture's Segment.carries), on the device from its forward to the end of the step's backward. 0: none
     carry_bytes_per_token: int = 0
+    # forward FLOPs per token of a linear-attention layer's recurrence (the gated delta rule's chunk-local products,
+    # triangular solves and its scan over chunks: ``planner.hybrid.delta_rule_costs``), linear in the tokens and run
+    # at ``HardwareSpec.scan_flops_per_s``. 0: none
+    scan_flops_per_token: float = 0.0
 
     @property
     def moment_params(self) -> int:
@@ -88,7 +92,7 @@ class Layer:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token at ``seq_len`` (causal attention: keys average seq_len / 2)."""
-        return self.matmul_flops_per_token + self.attn_flops_per_token_per_seq * seq_len
+        return self.matmul_flops_per_token + self.attn_flops_per_token_per_seq * seq_len + self.scan_flops_per_token
 
 
 class LayerGraph:

@@ -207,8 +207,8 @@ def matmul_and_attention_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -
 
 
 def compute_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
-    """FLOPs of a compute op, matmuls and attention."""
-    return sum(matmul_and_attention_flops(graph, cfg, op))
+    """FLOPs of a compute op: matmuls, attention and a linear-attention recurrence."""
+    return sum(matmul_and_attention_flops(graph, cfg, op)) + scan_flops(graph, cfg, op)
 
 
 # A mixture of experts' routing in a backward, in forwards' worth of its bytes: the gradients of the gathered,
@@ -227,14 +227,30 @@ def route_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
     return passes * per_token * cfg.mb_tokens
 
 
+# A linear-attention recurrence's backward in forwards: the scan's backward has twice the forward's products and
+# forms the chunk's values again; the chunk-local solves' gradients are two more solves
+SCAN_BWD_PASSES = 2.0
+
+
+def scan_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
+    """FLOPs of a compute op's linear-attention recurrence (Layer.scan_flops_per_token): a forward 1 pass, a backward
+    :data:`SCAN_BWD_PASSES` and 1 more where it recomputes the forward."""
+    per_token = graph[op.layer].scan_flops_per_token
+    if not per_token or op.kind not in (OpKind.FWD, OpKind.BWD, OpKind.EVAL):
+        return 0.0
+    passes = SCAN_BWD_PASSES + (1.0 if recomputes(cfg, op) else 0.0) if op.kind is OpKind.BWD else 1.0
+    return passes * per_token * cfg.mb_tokens
+
+
 def compute_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
-    """A compute op's arithmetic time: its matmuls at the matmul rate, its attention at the attention rate, and a
-    mixture of experts' routing (:func:`route_nbytes`) at the routing rate, after them (its kernels run between
-    the GEMMs, not under them)."""
+    """A compute op's arithmetic time: its matmuls at the matmul rate, its attention at the attention rate, a
+    linear-attention recurrence (:func:`scan_flops`) at the scan rate, and a mixture of experts' routing
+    (:func:`route_nbytes`) at the routing rate, after them (its kernels run between the GEMMs, not under them)."""
     mm, attn = matmul_and_attention_flops(graph, cfg, op)
-    route = route_nbytes(graph, cfg, op)
+    route, scan = route_nbytes(graph, cfg, op), scan_flops(graph, cfg, op)
     return mm / spec.matmul_flops_per_s + attn / (spec.attn_flops_per_s or spec.matmul_flops_per_s) + \
-        (route / (spec.route_bytes_per_s or spec.hbm_bytes_per_s) if route else 0.0)
+        (route / (spec.route_bytes_per_s or spec.hbm_bytes_per_s) if route else 0.0) + \
+        (scan / (spec.scan_flops_per_s or spec.matmul_flops_per_s) if scan else 0.0)
 
 
 def compute_traffic_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from megatrain.ir.graph import Layer, LayerGraph
 from megatrain.layout import NORM_WITH_MLP
+from megatrain.planner.hybrid import GATED_ATTENTION, as_recurrence, delta_net_block, linear_attention
 
 # The fused linear + cross-entropy of a training step forms its logits this many elements at a time, in the compute
 # dtype, one chunk alive at a time (kernels.linear_ce.LOGITS_PER_CHUNK; a test keeps the two equal, a GPU test
@@ -331,6 +332,9 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
             + (2 * head_dim if mtype.startswith("qwen3") or mtype == "hunyuan_v1_moe" else 0) \
             + (q_dim + kv_dim if mtype == "olmoe" else 0)  # GPT-OSS's sinks; Qwen3's, Hunyuan's, OLMoE's q/k norms
         attn_dims = 2 * q_dim
+        if mtype in GATED_ATTENTION:
+            attn_w += H * q_dim
+    lin = linear_attention(cfg, size)
     a = act_dtype_bytes
     layers = [Layer(name="embed", kind="embedding", template="embedding", params=V * H,
                     **layer_costs("embedding", DecoderShape(H, q_dim, kv_dim, inter, heads, V), 0, a))]
@@ -344,15 +348,22 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
             mlp_params = mlp_active = 3 * H * width
             template = "block"
         shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=width, heads=heads, vocab=V)
-        costs = layer_costs("block", shape, attn_w + mlp_active, a, tiles=moe is None,
+        mixer_w, mixer_extra = attn_w, attn_extra
+        recurrent = lin is not None and cfg["layer_types"][i] == "linear_attention"
+        if recurrent:
+            mixer_w, mixer_extra, scan, scan_bytes = delta_net_block(lin, H)
+            template = "linear-" + template
+        costs = layer_costs("block", shape, mixer_w + mlp_active, a, tiles=moe is None,
                             tile_norm=moe is None and mtype in NORM_WITH_MLP,
-                            moe=moe if template == "moe-block" else None,
+                            moe=moe if template.endswith("moe-block") else None,
                             unread_down=template == "block" and mtype in NORM_WITH_MLP)
         costs["attn_flops_per_token_per_seq"] = float(attn_dims)
+        if recurrent:
+            costs = as_recurrence(costs, scan, scan_bytes)
         if mtype in CARRIES and i < n_blocks - 1:
             costs["carry_bytes_per_token"] = carry_bytes(cfg)
         layers.append(Layer(name=f"block.{i}", kind="block", template=template,
-                            params=attn_w + mlp_params + 2 * H + attn_extra, inactive_params=inactive, **costs))
+                            params=mixer_w + mlp_params + 2 * H + mixer_extra, inactive_params=inactive, **costs))
     shape = DecoderShape(hidden=H, q_dim=q_dim, kv_dim=kv_dim, inter=inter, heads=heads, vocab=V)
     layers.append(Layer(name="norm", kind="norm", template="norm", params=H, **layer_costs("norm", shape, 0, a)))
     layers.append(Layer(name="head", kind="head", template="head", params=0 if tied else V * H,
@@ -386,6 +397,15 @@ PRESETS: dict[str, dict] = {
                           num_local_experts=8, num_experts_per_tok=2),
     "gpt-oss-120b": _cfg(2880, 2880, 36, 64, 8, 201088, False, head_dim=64, model_type="gpt_oss",
                          num_local_experts=128, num_experts_per_tok=4),
+    # hybrid: three gated delta-net blocks to one gated-attention block, every MLP 512 experts (10 routed a token)
+    # and a shared one
+    "qwen3-next-80b-a3b": _cfg(2048, 5120, 48, 16, 2, 151936, False, bias=False, head_dim=256,
+                               model_type="qwen3_next", num_experts=512, num_experts_per_tok=10,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1,
+                               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                               layer_types=[t for _ in range(12)
+                                            for t in ("linear_attention",) * 3 + ("full_attention",)]),
     "olmoe-1b-7b": _cfg(2048, 1024, 16, 16, 16, 50304, False, bias=False, model_type="olmoe", num_experts=64,
                         num_experts_per_tok=8),
 }

@@ -37,6 +37,8 @@ class HardwareSpec:
     # them); 0: the matmul rate
     route_bytes_per_s: float = 0.0  # the rate a mixture of experts' routing moves its rows at (gathers by expert,
     # gating, weighting, the sum back per token: Layer.route_bytes_per_token); 0: the device memory's
+    scan_flops_per_s: float = 0.0  # a linear-attention layer's recurrence (Layer.scan_flops_per_token: the gated
+    # delta rule's chunk-local algebra in fp32 and its scan kernel); 0: the matmul rate
     # the share of the host AdamW's rate lost while host-to-device (device-to-host) copies run at their full rate:
     # the copy engines read (write) the host's DRAM, which the update threads stream through; 0: not modelled
     cpu_h2d_slowdown: float = 0.0
@@ -94,7 +96,7 @@ class HardwareSpec:
             if f == "host_margin_bytes" and v is None:
                 continue
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
-                                 "route_bytes_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown",
+                                 "route_bytes_per_s", "scan_flops_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown",
                                  "cpu_adam_master_params_per_s", "h2d_cpu_slowdown", "d2h_cpu_slowdown",
                                  "gpu_gemm_workspace_bytes", "host_margin_bytes")
             # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order

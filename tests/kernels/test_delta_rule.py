@@ -98,3 +98,27 @@ def _source(mod):
     text = inspect.getsource(mod)
     start = text.index("def torch_chunk_gated_delta_rule")
     return text[start:text.index("\ndef ", start)]
+
+
+@pytest.mark.parametrize("k,v,chunk", [(32, 64, 64), (64, 32, 16)])
+def test_the_planner_counts_the_bytes_the_rule_keeps_for_its_backward(k, v, chunk):
+    """``planner.hybrid.delta_rule_costs``' bytes per token against what autograd keeps around the kernels' rule
+    (bf16 inputs, as a block computes them), within 5%."""
+    from megatrain.planner.hybrid import delta_rule_costs
+
+    b, t, heads = 1, 256, 2
+    g = torch.Generator(device="cpu").manual_seed(5)
+    ins = [torch.randn(b, t, heads, k, generator=g), torch.randn(b, t, heads, k, generator=g),
+           torch.randn(b, t, heads, v, generator=g), -torch.rand(b, t, heads, generator=g),
+           torch.rand(b, t, heads, generator=g)]
+    ins = [x.to(DEV, torch.bfloat16 if i != 3 else torch.float32).requires_grad_() for i, x in enumerate(ins)]
+    kept = {}
+
+    def pack(x):
+        kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        delta_rule.chunk_gated_delta_rule(*ins, chunk_size=chunk, use_qk_l2norm_in_kernel=True)
+    per_token = sum(kept.values()) / (b * t)
+    assert per_token == pytest.approx(delta_rule_costs(heads, k, v, chunk)[1], rel=0.05)

@@ -28,9 +28,15 @@ FAMILIES = {  # every MoE layout the planner reads: dense layers mixed in, share
                         n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4,
                         n_group=1, topk_group=1),  # MLA: as many key/value heads as query heads
+    # hybrid: gated delta-net blocks (a recurrence in place of attention) and gated attention, experts everywhere
+    "qwen3_next": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=32, head_dim=16, linear_key_head_dim=16,
+                       linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"]),
 }
 COST_FIELDS = ("kind", "params", "inactive_params", "matmul_flops_per_token", "attn_flops_per_token_per_seq",
-               "act_bytes_per_token", "work_bytes_per_token", "saved_bytes_per_token", "route_bytes_per_token")
+               "act_bytes_per_token", "work_bytes_per_token", "saved_bytes_per_token", "route_bytes_per_token",
+               "scan_flops_per_token", "attn_bwd_bytes_per_token")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -141,3 +147,36 @@ def test_a_host_too_small_before_any_gradient_buffer_gets_no_bf16_gradient_hint(
         assert m and "need less" not in err, err
         least.append(m.group(1))
     assert least[0] == least[1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+def test_gated_delta_net_blocks_cost_a_recurrence_not_attention(family):
+    """Hybrid blocks: a gated delta net's block has no attention FLOPs (nothing grows with the sequence) but its
+    recurrence's, at the scan rate; a softmax-attention block the opposite; the config formula's parameters are
+    the HF model's (Qwen3.5 splits the projections Qwen3-Next fuses)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatrain.ir import OpKind, ScheduleConfig
+    from megatrain.planner import cost
+    from megatrain.planner.passes import build_schedule
+    from megatrain.planner.hardware import PRESETS
+
+    kw = FAMILIES["qwen3_next"] if family == "qwen3_next" else {
+        k: v for k, v in FAMILIES["qwen3_next"].items() if k.startswith("linear") or k in ("layer_types", "head_dim",
+                                                                                           "intermediate_size")}
+    cfg = AutoConfig.for_model(family, **{**TINY, **kw})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    graph = from_config(cfg.to_dict())
+    assert graph.n_params == sum(p.numel() for p in model.parameters())
+    blocks = [lay for lay in graph.layers if lay.kind == "block"]
+    assert [lay.scan_flops_per_token > 0 for lay in blocks] == [True, False, True]
+    assert [lay.attn_flops_per_token_per_seq > 0 for lay in blocks] == [False, True, False]
+    # per value head: 6KV + 3CV + 5CK with K = 16, V = 32, C = 64
+    assert blocks[0].scan_flops_per_token == 4 * (6 * 16 * 32 + 3 * 64 * 32 + 5 * 64 * 16)
+    sc = ScheduleConfig(n_layers=len(graph), seq_len=256, mb_tokens=256)
+    bwd = next(op for op in build_schedule(graph, sc).ops if op.kind is OpKind.BWD and op.layer == 1)
+    spec = PRESETS["h200"]
+    slower = cost.compute_seconds(graph, sc, spec.__class__(**{**spec.__dict__, "scan_flops_per_s": 1e12}), bwd)
+    assert slower - cost.compute_seconds(graph, sc, spec, bwd) == pytest.approx(
+        cost.scan_flops(graph, sc, bwd) * (1 / 1e12 - 1 / (spec.scan_flops_per_s or spec.matmul_flops_per_s)))

@@ -50,6 +50,8 @@ def config_file(path: str, seq: int, layers: int | None):
         if layers < 1:
             raise SystemExit(f"--layers {layers}: a model needs at least one decoder block")
         fields["num_hidden_layers"] = layers
+        if "layer_types" in fields:  # (a hybrid's list of block kinds, cut with it)
+            fields["layer_types"] = fields["layer_types"][:layers]
     fields["max_position_embeddings"] = max(fields.get("max_position_embeddings", 0), seq)
     return AutoConfig.for_model(**fields)
 

@@ -72,6 +72,8 @@ def hf_config(preset: str, seq: int, layers: int | None = None):
     kind = shape.pop("model_type", kind)  # mixture-of-experts presets name their family
     if layers is not None:
         shape["num_hidden_layers"] = layers
+        if "layer_types" in shape:  # (a hybrid's list of block kinds, cut with it)
+            shape["layer_types"] = shape["layer_types"][:layers]
     return AutoConfig.for_model(model_type=kind, max_position_embeddings=max(4096, seq), **shape)
 
 

@@ -78,8 +78,9 @@ def _prepare(cfg: TrainConfig, dp=None):
     sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
                            device=cfg.device, **dataclasses.asdict(cfg.plan_options(world)))
     if cfg.packing and not sm.captured.packs and cfg.method == "sft":
-        raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart; train with "
-                         f"--no-packing (one document per row)")
+        raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart (its masks are "
+                         f"not built from positions, or its blocks carry a recurrent state or a convolution from token "
+                         f"to token); train with --no-packing (one document per row)")
     if cfg.resume:
         m = train_state.read_manifest(sm.captured, state)
         if "data_order" not in m["extra"]:

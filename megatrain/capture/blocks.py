@@ -101,3 +101,10 @@ def recurrence(block: nn.Module) -> tuple[float, int] | None:
         return None
     costs = [delta_rule_costs(m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in nets]
     return sum(c[0] for c in costs), sum(c[1] for c in costs)
+
+
+def mixes_tokens(block: nn.Module) -> bool:
+    """Whether the block carries something from one token to the next besides attention, which a packed row's
+    documents would share: a recurrence's state (a gated delta net's) or a convolution over the sequence (Mamba's,
+    LFM2's and the delta nets' ``nn.Conv1d``)."""
+    return recurrence(block) is not None or any(isinstance(m, nn.Conv1d) for m in block.modules())

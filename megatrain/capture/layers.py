@@ -30,7 +30,7 @@ import torch.fx
 from torch import nn
 
 from megatrain.capture import grouped_experts, packed_attention, split_blocks
-from megatrain.capture.blocks import find_blocks, mlp_tileable, recurrence
+from megatrain.capture.blocks import find_blocks, mixes_tokens, mlp_tileable, recurrence
 from megatrain.capture.fx_graph import (ancestors, dependence, named_arg, node_params, only_mask_builders_read,
                                        reads_metadata, source_block, subgraph, trained_ancestors)
 from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, materialize_meta_buffers, meta_copy,
@@ -305,7 +305,8 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     captured.grad_sides = [n.name for n in grad_sides]
     captured.shared_state = any(_shares(seg.call_args) for seg in captured.segments if seg.kind == "block")
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
-    captured.packs = mask_optional and takes_positions(model, hf) and builders
+    captured.packs = mask_optional and takes_positions(model, hf) and builders and not any(
+        mixes_tokens(s.template) for s in captured.segments if s.kind == "block")  # (a recurrence spans documents)
     switched = packed_attention.enable(meta_model)  # (a family with sinks takes the flash kernel packed or not)
     if switched:  # the mask builders were traced with the caller's config: they read the switched copy's instead
         for n in graph.nodes:

@@ -17,7 +17,8 @@ def test_every_preset_builds_a_chain_with_shared_block_template():
     for name in PRESETS:
         g = preset(name)
         templates = g.templates()
-        blocks = templates.get("block", []) + templates.get("moe-block", [])  # dense, MoE, or a mix of the two
+        # dense, MoE, or a mix of the two; a hybrid's gated delta-net blocks a template of their own
+        blocks = [i for kind in ("block", "moe-block", "linear-block", "linear-moe-block") for i in templates.get(kind, [])]
         assert len(blocks) == PRESETS[name]["num_hidden_layers"]
         assert list(g.g.successors(0)) == [1] and g[len(g) - 1].kind == "head"
 

@@ -74,6 +74,11 @@ def test_packing_is_refused_where_documents_cannot_be_kept_apart_and_positions_a
     sm = compile_cpu(TinyGPT(tied=False), n_mb=1)
     with pytest.raises(ValueError, match="cannot keep documents packed into one row apart"):
         sm.train_step(ids, position_ids=torch.arange(8).expand(2, 8))
+    # a hybrid's gated delta nets (their state, their convolution) would run on from one document into the next
+    hybrid = compile_cpu(hf_model("qwen3_5_text"), n_mb=1)
+    assert not hybrid.captured.packs
+    with pytest.raises(ValueError, match="cannot keep documents packed into one row apart"):
+        hybrid.train_step(ids, position_ids=torch.arange(8).expand(2, 8))
     sm = compile_cpu(hf_model("llama"), n_mb=1)
     for bad in (torch.arange(1, 9).expand(2, 8), torch.tensor([[0, 1, 2, 4, 5, 0, 1, 2]] * 2)):
         with pytest.raises(ValueError, match="position_ids must start each row at 0"):

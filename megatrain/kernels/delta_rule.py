@@ -30,22 +30,29 @@ DOT_PRECISION = "tf32x3"
 
 
 @triton.jit
+def _program_block(S, bh, HAS_S: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   KP: tl.constexpr, BV: tl.constexpr):
+    """A program's index ranges (chunk rows, K padded, its V block), their masks and state offsets, and the state
+    (or its gradient) it starts from: read from S where given, else zeros."""
+    c = tl.arange(0, C)
+    k = tl.arange(0, KP)
+    v = tl.program_id(0) * BV + tl.arange(0, BV)
+    m_kv = (k[:, None] < K) & (v[None, :] < V)
+    at_kv = k[:, None] * V + v[None, :]
+    if HAS_S:
+        s = tl.load(S + bh * K * V + at_kv, mask=m_kv, other=0.0)
+    else:
+        s = tl.zeros((KP, BV), dtype=tl.float32)
+    return c, k, v, m_kv, k[None, :] < K, v[None, :] < V, at_kv, s
+
+
+@triton.jit
 def _scan_forward_kernel(QD, W, U, KD, P, G, S0, O, STATES, SF, NC,
                          HAS_S0: tl.constexpr, STORE_SF: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     # K, V: the head dims; KP: K to a power of two; BV: this program's block of V (masked past V)
     bh = tl.program_id(1).to(tl.int64)
-    c = tl.arange(0, C)
-    k = tl.arange(0, KP)
-    v = tl.program_id(0) * BV + tl.arange(0, BV)
-    m_kv = (k[:, None] < K) & (v[None, :] < V)
-    m_ck = k[None, :] < K
-    m_cv = v[None, :] < V
-    at_kv = k[:, None] * V + v[None, :]
-    if HAS_S0:
-        s = tl.load(S0 + bh * K * V + at_kv, mask=m_kv, other=0.0)
-    else:
-        s = tl.zeros((KP, BV), dtype=tl.float32)
+    c, k, v, m_kv, m_ck, m_cv, at_kv, s = _program_block(S0, bh, HAS_S0, C, K, V, KP, BV)
     for i in range(NC):
         tl.store(STATES + (bh * NC + i) * K * V + at_kv, s, mask=m_kv)
         row = bh * NC * C + i * C + c
@@ -68,17 +75,7 @@ def _scan_backward_kernel(QD, W, U, KD, P, G, STATES, DO, DSF, DQD, DW, DU, DKD,
                           KP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     part = tl.program_id(0).to(tl.int64)  # this V block's share of the gradients that sum over V
     bh = tl.program_id(1).to(tl.int64)
-    c = tl.arange(0, C)
-    k = tl.arange(0, KP)
-    v = tl.program_id(0) * BV + tl.arange(0, BV)
-    m_kv = (k[:, None] < K) & (v[None, :] < V)
-    m_ck = k[None, :] < K
-    m_cv = v[None, :] < V
-    at_kv = k[:, None] * V + v[None, :]
-    if HAS_DSF:
-        ds = tl.load(DSF + bh * K * V + at_kv, mask=m_kv, other=0.0)
-    else:
-        ds = tl.zeros((KP, BV), dtype=tl.float32)
+    c, k, v, m_kv, m_ck, m_cv, at_kv, ds = _program_block(DSF, bh, HAS_DSF, C, K, V, KP, BV)
     for j in range(NC):
         i = NC - 1 - j
         s = tl.load(STATES + (bh * NC + i) * K * V + at_kv, mask=m_kv, other=0.0)

@@ -20,6 +20,9 @@ IO_CHUNK_BYTES = 64 << 20
 WIRE_STAGE_PARAMS = 1 << 27
 # an evaluation's logits are formed this many tokens at a time (fp32; runtime.ops.compute.evaluate)
 LOSS_CHUNK_TOKENS = 1024
+# tokens (over all rows) whose chunk-local gated delta rule algebra is formed at once (kernels.delta_rule): the rule
+# runs over a micro-batch in pieces of whole chunks, so its working set is a piece's at any length
+DELTA_PIECE_TOKENS = 8192
 # decoder layers (by model type) that compute ``mlp(post_attention_layernorm(h))`` and use the norm's output for
 # nothing else: the norm joins the MLP in its tiles (runtime.layers.tiling), so its output is not kept for the whole
 # sequence either

@@ -403,7 +403,7 @@ def _assemble(model: nn.Module, blocks_name: str, segs, side_names: list[str], t
                             grouped_attention=packed_attention.takes_flash(cfg))
         if seg.kind == "block" and mla is not None:
             costs["attn_flops_per_token_per_seq"] = float(mla[2])
-        if seg.kind == "block" and (rec := recurrence(seg.template)) is not None:
+        if seg.kind == "block" and (rec := recurrence(seg.template, act_dtype_bytes)) is not None:
             costs = as_recurrence(costs, *rec)  # a gated delta net instead of softmax attention
         seg.carries = carries.get(block_of[seg.index], []) if last_part else []
         costs["act_bytes_per_token"] *= getattr(seg.template, "width_factor", 1)

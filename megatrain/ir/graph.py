@@ -74,6 +74,9 @@ class Layer:
     # triangular solves and its scan over chunks: ``planner.hybrid.delta_rule_costs``), linear in the tokens and run
     # at ``HardwareSpec.scan_flops_per_s``. 0: none
     scan_flops_per_token: float = 0.0
+    # bytes per token of the recurrence's working set, formed for at most layout.DELTA_PIECE_TOKENS tokens at a time
+    # (kernels.delta_rule), in its forward and again in its backward. 0: none
+    scan_piece_bytes_per_token: int = 0
 
     @property
     def moment_params(self) -> int:

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from megatrain import layout
+
 # precision of the scan's fp32 dots on a GPU: three TF32 passes (about fp32's accuracy on tensor cores); the
 # interpreter computes them in fp32 whatever this says
 DOT_PRECISION = "tf32x3"
@@ -181,43 +183,90 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
-                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                           scan=delta_scan, **kwargs):
-    """transformers' ``torch_chunk_gated_delta_rule`` (same arguments and results; (batch, seq, heads, dim)
-    layouts; key heads repeated to the value heads where fewer) with the scan over chunks in the kernels. Like it,
-    ``cu_seqlens`` among ``kwargs`` is not read: a row's documents share one state."""
-    dtype = query.dtype
-    b, t, hk, _ = key.shape
-    hv, dv = value.shape[-2:]
-    if hk != hv:
-        query, key = (x.repeat_interleave(hv // hk, dim=2) for x in (query, key))
-    query, key, value, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-                                  for x in (query, key, value, beta, g))
-    if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query), _l2norm(key)
-    query = query * query.shape[-1] ** -0.5
-    pad = (chunk_size - t % chunk_size) % chunk_size
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+def _piece(q, k, v, g, beta, chunk: int, l2: bool):
+    """The scan's inputs for a piece of tokens: (b, t, h, d) ``q``, ``k``, ``v`` and (b, t, h) ``g``, ``beta``
+    (t padded here to whole chunks) -> (qd, w, u, kd, the chunks' attention, the chunks' decay), flattened to
+    (b h, chunks, ...), all fp32; as transformers' torch_chunk_gated_delta_rule forms them."""
+    b, t, h, _ = k.shape
+    q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g))
+    if l2:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (chunk - t % chunk) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    dk = key.shape[-1]
-    chunked = lambda x: x.reshape(b, hv, -1, chunk_size, x.shape[-1])  # noqa: E731
-    v_beta, k_beta = chunked(value * beta[..., None]), chunked(key * beta[..., None])
-    query, key = chunked(query), chunked(key)
-    cum = g.reshape(b, hv, -1, chunk_size).cumsum(dim=3)
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    chunked = lambda x: x.reshape(b, h, -1, chunk, x.shape[-1])  # noqa: E731
+    v_beta, k_beta = chunked(v * beta[..., None]), chunked(k * beta[..., None])
+    q, k = chunked(q), chunked(k)
+    cum = g.reshape(b, h, -1, chunk).cumsum(dim=3)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ key.transpose(-1, -2)) * decay
-    attn = (query @ key.transpose(-1, -2)) * decay
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    attn = (q @ k.transpose(-1, -2)) * decay
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    qd = query * cum.exp()[..., None]
-    kd = key * (cum[..., -1:] - cum).exp()[..., None]
-    nc = cum.shape[2]
-    flat = lambda x: x.reshape(b * hv, nc, *x.shape[3:])  # noqa: E731
-    s0 = initial_state.to(torch.float32).reshape(b * hv, dk, dv) if initial_state is not None else None
-    o, sf = scan(flat(qd), flat(w), flat(u), flat(kd), flat(attn), cum[..., -1].exp().reshape(b * hv, nc), s0,
-                 output_final_state)
-    o = o.reshape(b, hv, nc * chunk_size, dv)[:, :, :t]
-    out = o.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
-    return out, (sf.reshape(b, hv, dk, dv) if output_final_state else None)
+    qd, kd = q * cum.exp()[..., None], k * (cum[..., -1:] - cum).exp()[..., None]
+    flat = lambda x: x.reshape(b * h, *x.shape[2:]).contiguous()  # noqa: E731
+    return [flat(x) for x in (qd, w, u, kd, attn)] + [cum[..., -1].exp().reshape(b * h, -1).contiguous()]
+
+
+def _pieces(b: int, t: int, chunk: int) -> list[tuple[int, int]]:
+    """Token ranges of the pieces: whole chunks, about DELTA_PIECE_TOKENS tokens over the b rows (the state handed
+    from piece to piece)."""
+    step = chunk * max(1, layout.DELTA_PIECE_TOKENS // (b * chunk))
+    return [(a, min(t, a + step)) for a in range(0, t, step)]
+
+
+class GatedDeltaRule(torch.autograd.Function):
+    """The whole rule over the sequence in pieces. It keeps for its backward its inputs and the state before each
+    chunk; the backward forms each piece's chunk-local algebra again (autograd through it for the piece alone) and
+    runs the scan's backward over it, the state's gradient handed back from piece to piece."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, s0, chunk: int, l2: bool, want_final: bool):
+        b, t, h, _ = k.shape
+        dv = v.shape[-1]
+        out = torch.empty(b, t, h, dv, device=v.device, dtype=q.dtype)
+        s, states = (s0.to(torch.float32).reshape(b * h, *s0.shape[-2:]).contiguous() if s0 is not None else None), []
+        for a, z in _pieces(b, t, chunk):
+            pre = _piece(*(x[:, a:z] for x in (q, k, v, g, beta)), chunk, l2)
+            o, st, s = delta_scan_forward(*pre, s, want_final=True)
+            states.append(st)
+            out[:, a:z] = o.reshape(b, h, -1, dv)[:, :, :z - a].transpose(1, 2)
+        ctx.save_for_backward(q, k, v, g, beta, *states)
+        ctx.chunk, ctx.l2, ctx.has_s0, ctx.s0_shape = chunk, l2, s0 is not None, None if s0 is None else s0.shape
+        return out, (s.reshape(b, h, *s.shape[-2:]) if want_final else None)
+
+    @staticmethod
+    def backward(ctx, dout, dsf):
+        q, k, v, g, beta, *states = ctx.saved_tensors
+        b, t, h, _ = k.shape
+        grads = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
+        ds = dsf.to(torch.float32).reshape(b * h, *dsf.shape[-2:]).contiguous() if dsf is not None else None
+        for (a, z), st in reversed(list(zip(_pieces(b, t, ctx.chunk), states))):
+            with torch.enable_grad():
+                xs = [x[:, a:z].detach().requires_grad_() for x in (q, k, v, g, beta)]
+                pre = _piece(*xs, ctx.chunk, ctx.l2)
+            do = dout[:, a:z].transpose(1, 2).to(torch.float32)
+            do = F.pad(do, (0, 0, 0, pre[2].shape[1] * ctx.chunk - (z - a))).reshape_as(pre[2]).contiguous()
+            *dpre, ds = delta_scan_backward(*(x.detach() for x in pre), st, do, ds)
+            torch.autograd.backward(pre, dpre)
+            for full, x in zip(grads, xs):
+                full[:, a:z] = x.grad
+        ds0 = ds.reshape(ctx.s0_shape) if ctx.has_s0 else None
+        return (*grads, ds0, None, None, None)
+
+
+def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, **kwargs):
+    """transformers' ``torch_chunk_gated_delta_rule`` (same arguments and results; (batch, seq, heads, dim)
+    layouts; key heads repeated to the value heads where fewer) through :class:`GatedDeltaRule`. Like it,
+    ``cu_seqlens`` among ``kwargs`` is not read: a row's documents share one state (the capture refuses packed rows
+    for such blocks)."""
+    hk, hv = key.shape[2], value.shape[2]
+    if hk != hv:
+        query, key = (x.repeat_interleave(hv // hk, dim=2) for x in (query, key))
+    out, final = GatedDeltaRule.apply(query, key, value, g, beta, initial_state, chunk_size,
+                                      use_qk_l2norm_in_kernel, output_final_state)
+    return out, final

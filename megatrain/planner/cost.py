@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.ir import POOLS, Op, OpKind, Schedule, ScheduleConfig, Stream, op_params, slot_params
-from megatrain.layout import GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, LOSS_CHUNK_TOKENS, fmt_bytes, store_bytes
+from megatrain.layout import (DELTA_PIECE_TOKENS, GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, LOSS_CHUNK_TOKENS,
+                              fmt_bytes, store_bytes)
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -93,7 +94,7 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     """Transient device bytes a compute op allocates beyond the slots it names."""
     lay = graph[op.layer]
     t = cfg.mb_tokens
-    work = lay.work_bytes_per_token * t
+    work = lay.work_bytes_per_token * t + lay.scan_piece_bytes_per_token * min(t, DELTA_PIECE_TOKENS)
     if op.kind in (OpKind.FWD, OpKind.BWD) and cfg.tiled(lay, op.layer):  # the tiled part for one tile at a time
         work -= lay.tile_work_bytes_per_token * (t - cfg.seq_tile)
     if op.kind is OpKind.FWD:
@@ -288,9 +289,10 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k is OpKind.CHECK:  # on a step the clip factor leaves alone: the factor read, the moments made after the
         # update pass as a deferred update's are (not modelled; a clipped step's cost: speculation_redo_s)
         return 0.0
-    if loads_from_device(graph, cfg, op) or k in (OpKind.GUARD, OpKind.LOAD_IN, OpKind.LOSS_OUT):  # a device copy, a few scalars
-        # (the norms' norm, the factor, their copy out; the loss sums out), or a micro-batch's inputs (at most 32 B a token: 16 MB for
-        # 512K tokens, a third of a millisecond on the wire): not modelled
+    if loads_from_device(graph, cfg, op) or k in (OpKind.GUARD, OpKind.LOAD_IN, OpKind.LOSS_OUT):
+        # a device copy, a few scalars (the norms' norm, the factor, their copy out; the loss sums out), or a
+        # micro-batch's inputs (at most 32 B a token: 16 MB for 512K tokens, a third of a millisecond on the wire):
+        # not modelled
         return 0.0
     if k in (OpKind.LOAD_W, OpKind.KEEP_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
         return transfer_nbytes(graph, cfg, op, spec) / spec.h2d_bytes_per_s

@@ -351,7 +351,7 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
         mixer_w, mixer_extra = attn_w, attn_extra
         recurrent = lin is not None and cfg["layer_types"][i] == "linear_attention"
         if recurrent:
-            mixer_w, mixer_extra, scan, scan_bytes = delta_net_block(lin, H)
+            mixer_w, mixer_extra, *scan = delta_net_block(lin, H, a)
             template = "linear-" + template
         costs = layer_costs("block", shape, mixer_w + mlp_active, a, tiles=moe is None,
                             tile_norm=moe is None and mtype in NORM_WITH_MLP,
@@ -359,7 +359,7 @@ def from_config(cfg: dict, *, act_dtype_bytes: int = 2, name: str | None = None)
                             unread_down=template == "block" and mtype in NORM_WITH_MLP)
         costs["attn_flops_per_token_per_seq"] = float(attn_dims)
         if recurrent:
-            costs = as_recurrence(costs, scan, scan_bytes)
+            costs = as_recurrence(costs, *scan)
         if mtype in CARRIES and i < n_blocks - 1:
             costs["carry_bytes_per_token"] = carry_bytes(cfg)
         layers.append(Layer(name=f"block.{i}", kind="block", template=template,

@@ -61,33 +61,38 @@ def test_scan_refuses_a_shape_it_does_not_take():
 FAMILIES = ["qwen3_next", "qwen3_5", "olmo_hybrid"]
 
 
+def scan_rule_inputs(t=40, hk=2, hv=4, state=False, seed=3):
+    """q, k, v, g, beta and an initial state (or None) for the whole rule, fp32."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return [r(2, t, hk, 16), r(2, t, hk, 16), r(2, t, hv, 16), -torch.rand(2, t, hv, generator=g),
+            torch.rand(2, t, hv, generator=g)] + ([r(2, hv, 16, 16) * 0.1] if state else [])
+
+
+def rule_grads(fn, ins, chunk=16):
+    """Output, final state and every input's gradient of ``fn`` (the rule) under a random loss of both."""
+    xs = [x.detach().clone().requires_grad_() for x in ins]
+    out, sf = fn(*xs[:5], chunk_size=chunk, initial_state=xs[5] if len(xs) > 5 else None, output_final_state=True,
+                 use_qk_l2norm_in_kernel=True)
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    ((out * torch.randn(out.shape, generator=gen).to(DEV)).sum()
+     + (sf * torch.randn(sf.shape, generator=gen).to(DEV)).sum()).backward()
+    return [out, sf] + [x.grad for x in xs]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("t,hk,hv,chunk,state", [(40, 2, 4, 16, False), (32, 2, 2, 16, True)])
-def test_chunked_rule_matches_the_family_torch_implementation(family, t, hk, hv, chunk, state):
+@pytest.mark.parametrize("t,hk,hv,state", [(40, 2, 4, False), (32, 2, 2, True)])
+def test_chunked_rule_matches_the_family_torch_implementation(family, t, hk, hv, state):
     """Outputs, final state and every input's gradient (padding to whole chunks, key heads repeated to the value
     heads, an initial state) against the family's own ``torch_chunk_gated_delta_rule``."""
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     ref = getattr(mod, "torch_chunk_gated_delta_rule", None)
     if ref is None:
         pytest.skip(f"this transformers has no {family} torch_chunk_gated_delta_rule")
-    g = torch.Generator(device="cpu").manual_seed(3)
-    r = lambda *s: torch.randn(*s, generator=g).to(DEV)  # noqa: E731
-    dk = dv = 16
-    ins = [r(2, t, hk, dk), r(2, t, hk, dk), r(2, t, hv, dv), -torch.rand(2, t, hv, generator=g).to(DEV),
-           torch.rand(2, t, hv, generator=g).to(DEV), r(2, hv, dk, dv) * 0.1 if state else None]
     if hk != hv and "repeat_interleave" not in _source(mod):  # older transformers repeat the heads in the layer
         pytest.skip("this transformers' function takes value heads only")
-
-    def run(fn):
-        xs = [x.detach().clone().requires_grad_() if x is not None else None for x in ins]
-        out, sf = fn(*xs[:5], chunk_size=chunk, initial_state=xs[5], output_final_state=True,
-                     use_qk_l2norm_in_kernel=True)
-        gen = torch.Generator(device="cpu").manual_seed(4)
-        ((out * torch.randn(out.shape, generator=gen).to(DEV)).sum()
-         + (sf * torch.randn(sf.shape, generator=gen).to(DEV)).sum()).backward()
-        return [out, sf] + [x.grad for x in xs if x is not None]
-
-    for a, b in zip(run(delta_rule.chunk_gated_delta_rule), run(ref)):
+    ins = [x.to(DEV) for x in scan_rule_inputs(t, hk, hv, state)]
+    for a, b in zip(rule_grads(delta_rule.chunk_gated_delta_rule, ins), rule_grads(ref, ins)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -101,9 +106,9 @@ def _source(mod):
 
 
 @pytest.mark.parametrize("k,v,chunk", [(32, 64, 64), (64, 32, 16)])
-def test_the_planner_counts_the_bytes_the_rule_keeps_for_its_backward(k, v, chunk):
-    """``planner.hybrid.delta_rule_costs``' bytes per token against what autograd keeps around the kernels' rule
-    (bf16 inputs, as a block computes them), within 5%."""
+def test_the_planner_counts_the_bytes_the_rule_keeps_and_a_piece_works_in(k, v, chunk):
+    """``planner.hybrid.delta_rule_costs``' bytes per token against what autograd keeps (bf16 inputs, as a block
+    computes them) around the whole rule and through one piece's chunk-local algebra and scan, within 5%."""
     from megatrain.planner.hybrid import delta_rule_costs
 
     b, t, heads = 1, 256, 2
@@ -112,13 +117,31 @@ def test_the_planner_counts_the_bytes_the_rule_keeps_for_its_backward(k, v, chun
            torch.randn(b, t, heads, v, generator=g), -torch.rand(b, t, heads, generator=g),
            torch.rand(b, t, heads, generator=g)]
     ins = [x.to(DEV, torch.bfloat16 if i != 3 else torch.float32).requires_grad_() for i, x in enumerate(ins)]
-    kept = {}
 
-    def pack(x):
-        kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
+    def kept_per_token(fn):
+        kept = {}
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        delta_rule.chunk_gated_delta_rule(*ins, chunk_size=chunk, use_qk_l2norm_in_kernel=True)
-    per_token = sum(kept.values()) / (b * t)
-    assert per_token == pytest.approx(delta_rule_costs(heads, k, v, chunk)[1], rel=0.05)
+        def pack(x):
+            kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            fn()
+        return sum(kept.values()) / (b * t)
+
+    _, kept, piece = delta_rule_costs(heads, k, v, 2, chunk)
+    whole = kept_per_token(lambda: delta_rule.chunk_gated_delta_rule(*ins, chunk_size=chunk,
+                                                                     use_qk_l2norm_in_kernel=True))
+    assert whole == pytest.approx(kept, rel=0.05)
+    one = kept_per_token(lambda: reference.delta_scan(*delta_rule._piece(*ins, chunk, True), None))
+    assert one == pytest.approx(piece, rel=0.05)
+
+
+def test_the_rule_runs_in_pieces_with_the_state_handed_on(monkeypatch):
+    """Pieces of one chunk each (the state and its gradient handed from piece to piece) give the one-piece result."""
+    ins = [x.to(DEV) for x in scan_rule_inputs(seed=6)]
+    whole = rule_grads(delta_rule.chunk_gated_delta_rule, ins)
+    monkeypatch.setattr(delta_rule.layout, "DELTA_PIECE_TOKENS", 16)
+    assert len(delta_rule._pieces(2, 40, 16)) == 3
+    for a, b in zip(rule_grads(delta_rule.chunk_gated_delta_rule, ins), whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

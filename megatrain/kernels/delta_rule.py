@@ -120,7 +120,7 @@ def _dims(qd: torch.Tensor, u: torch.Tensor, p: torch.Tensor, block_v: int | Non
     why = supported(c, k, v)
     if why is not None:
         raise ValueError(f"delta_scan: {why}")
-    bv = block_v or min(triton.next_power_of_2(v), 64)
+    bv = block_v or min(triton.next_power_of_2(v), 32)
     if p.shape != (bh, nc, c, c):
         raise ValueError(f"delta_scan: P {tuple(p.shape)}, not {(bh, nc, c, c)}")
     return bh, nc, c, k, v, bv
@@ -137,7 +137,7 @@ def delta_scan_forward(qd, w, u, kd, p, g, s0=None, *, want_final: bool = False,
     _scan_forward_kernel[(triton.cdiv(v, bv), bh)](
         qd, w, u, kd, p, g, s0 if s0 is not None else o, o, states, sf, nc,
         HAS_S0=s0 is not None, STORE_SF=want_final, C=c, K=k, V=v, KP=triton.next_power_of_2(k), BV=bv,
-        PREC=DOT_PRECISION, num_warps=8 if k * bv >= 8192 else 4)
+        PREC=DOT_PRECISION, num_warps=8 if k * bv >= 8192 else 4, num_stages=1)
     return o, states, (sf if want_final else None)
 
 
@@ -152,7 +152,7 @@ def delta_scan_backward(qd, w, u, kd, p, g, states, do, dsf=None, *, block_v: in
     _scan_backward_kernel[(parts, bh)](
         qd, w, u, kd, p, g, states, do, dsf if dsf is not None else do, dqd, dw, du, dkd, dp, dg, ds0, nc, bh,
         HAS_DSF=dsf is not None, C=c, K=k, V=v, KP=triton.next_power_of_2(k), BV=bv, PREC=DOT_PRECISION,
-        num_warps=8 if k * bv >= 8192 else 4)
+        num_warps=8 if k * bv >= 8192 else 4, num_stages=1)
     return dqd.sum(0), dw.sum(0), du, dkd.sum(0), dp.sum(0), dg.sum(0), ds0
 
 

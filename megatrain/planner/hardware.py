@@ -140,7 +140,8 @@ PRESETS: dict[str, HardwareSpec] = {
     # each other: fitted to timed 7B steps ("Device budgets", "Copies slowed by the host pass"); the masters-alone
     # pass ("Moments after the update pass"). Routing: fitted to the OLMoE step ("Mixture-of-experts shapes").
     # cuBLAS: one 32 MiB workspace per thread and stream (torch 2.11). The reserve: the caching allocator's
-    # fragmentation, which plans do not count (their workspaces and rounding they do).
+    # fragmentation, which plans do not count (their workspaces and rounding they do). The gated delta rule's
+    # forward: Qwen3-Next's 32 heads at 32,768 tokens on the H100 (the same chip; docs/kernels.md).
     "h200": HardwareSpec(
         name="h200", gpu_bytes=139 * GiB, gpu_reserved_bytes=int(3.9 * GiB),
         h2d_bytes_per_s=51.6e9, d2h_bytes_per_s=55.3e9, duplex_bytes_per_s=91.7e9,
@@ -148,7 +149,7 @@ PRESETS: dict[str, HardwareSpec] = {
         cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
         fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, route_bytes_per_s=1.8e12,
         cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25, cpu_adam_master_params_per_s=4.5e9, h2d_cpu_slowdown=0.2,
-        gpu_gemm_workspace_bytes=32 << 20,
+        gpu_gemm_workspace_bytes=32 << 20, scan_flops_per_s=6.9e12,
     ),
     # The CPU runtime: "device" memory is host memory, copies are memcpy; rough rates of a 2-core machine.
     "cpu": HardwareSpec(

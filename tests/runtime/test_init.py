@@ -72,6 +72,18 @@ def test_seeded_init_writes_the_store_in_place_with_the_values_of_whole_modules(
         assert torch.equal(sm.store.param_view(name), value), name
 
 
+def test_a_parameter_its_module_leaves_is_initialized_as_its_holder_does():
+    """Qwen3-Next's router weight is set by the initializer's call on the MoE block that holds the router, not by the
+    call on the router: it gets the block's draw (normal, the config's std) instead of a refusal."""
+    cfg = hf_config("qwen3_next")
+    model = meta_model("qwen3_next")
+    state = compile_cpu(model, init_seed=7).state_dict()
+    w = state["model.layers.0.mlp.gate.weight"]
+    assert w.shape == (cfg.num_experts, cfg.hidden_size) and not torch.isnan(w).any()
+    assert abs(float(w.std()) - cfg.initializer_range) < 0.25 * cfg.initializer_range
+    assert not torch.equal(w, state["model.layers.1.mlp.gate.weight"])  # each layer its own seed
+
+
 def test_seeded_init_trains():
     sm = compile_cpu(meta_model(), init_seed=0, optim=megatrain.OptimConfig(lr=3e-3), n_mb=2)
     ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -31,6 +31,28 @@ def _unset(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     return any(bool(torch.isnan(flat[i: i + chunk]).any()) for i in range(0, flat.numel(), chunk))
 
 
+def _from_ancestor(model: nn.Module, init, path: str, pname: str) -> torch.Tensor:
+    """``path.pname`` as the initializer sets it when it runs on a module that holds ``path`` (Qwen3-Next's MoE
+    block initializes its router's weight; the router's own call leaves it): the nearest such ancestor, run on the
+    CPU with that one parameter real (the rest stay on the meta device)."""
+    parts = path.split(".") if path else []
+    for cut in range(len(parts) - 1, -1, -1):
+        anc, rel = ".".join(parts[:cut]), ".".join(parts[cut:] + [pname])
+        mod = meta_copy(model.get_submodule(anc))
+        owner, _, leaf = rel.rpartition(".")
+        p = mod.get_parameter(rel)
+        data = torch.full(p.shape, float("nan"), dtype=p.dtype)
+        mod.get_submodule(owner)._parameters[leaf] = nn.Parameter(data, requires_grad=p.requires_grad)
+        for sub in mod.modules():
+            if hasattr(sub, "_is_hf_initialized"):
+                del sub._is_hf_initialized
+        init(mod)
+        value = mod.get_parameter(rel)
+        if not _unset(value):
+            return value
+    raise ValueError(f"the initializer left {path}.{pname} unset ({type(model.get_submodule(path)).__name__})")
+
+
 @torch.no_grad()
 def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: int,
                 progress: Callable[[int], None] | None = None) -> None:
@@ -70,8 +92,8 @@ def init_seeded(model: nn.Module, captured: Captured, store: HostStore, seed: in
             init(mod)
             for pname in pnames:
                 value = getattr(mod, pname)
-                if _unset(value):
-                    raise ValueError(f"the initializer left {path}.{pname} unset ({type(mod).__name__})")
+                if _unset(value):  # (an architecture may set it from the module that holds this one)
+                    value = _from_ancestor(model, init, path, pname)
                 if pname not in views or value.data_ptr() != views[pname].data_ptr():
                     store.param_view(f"{path}.{pname}" if path else pname).copy_(value)
         if progress is not None:

@@ -194,8 +194,9 @@ def _piece(q, k, v, g, beta, chunk: int, l2: bool):
         q, k = _l2norm(q), _l2norm(k)
     q = q * q.shape[-1] ** -0.5
     pad = (chunk - t % chunk) % chunk
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    if pad:  # (a piece of whole chunks is not copied)
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
     chunked = lambda x: x.reshape(b, h, -1, chunk, x.shape[-1])  # noqa: E731
     v_beta, k_beta = chunked(v * beta[..., None]), chunked(k * beta[..., None])
     q, k = chunked(q), chunked(k)

@@ -17,12 +17,12 @@ def delta_rule_costs(v_heads: int, k_dim: int, v_dim: int, act_dtype_bytes: int 
     with key and value head dims K and V, chunks of C tokens and a-byte activations: FLOPs 6KV + 2CV (the scan:
     three K x V products and the chunk's attention) + 5CK + CV (the chunk-local products and the two triangular
     solves); kept a(2K + V) + a + 4 (q, k, v, the write strength and the fp32 decay) + 4KV/C (the fp32 state before
-    each chunk); a piece's 36K + 12V + 20C + 4KV/C + 24 (fp32: what autograd keeps through the chunk-local algebra
+    each chunk); a piece's 36K + 12V + 24C + 4KV/C + 24 (fp32: what autograd keeps through the chunk-local algebra
     and the scan). tests/kernels/test_delta_rule.py measures the two byte counts."""
     k, v, c, a = k_dim, v_dim, chunk, act_dtype_bytes
     return (float(v_heads * (6 * k * v + 3 * c * v + 5 * c * k)),
             v_heads * (a * (2 * k + v) + a + 4 + 4 * k * v // c),
-            v_heads * (36 * k + 12 * v + 20 * c + 4 * k * v // c + 24))
+            v_heads * (36 * k + 12 * v + 24 * c + 4 * k * v // c + 24))
 
 
 def linear_attention(cfg: dict, size) -> tuple[int, int, int, int, int] | None:

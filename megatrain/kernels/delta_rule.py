@@ -72,37 +72,57 @@ def _scan_forward_kernel(QD, W, U, KD, P, G, S0, O, STATES, SF, NC,
 
 
 @triton.jit
-def _scan_backward_kernel(QD, W, U, KD, P, G, STATES, DO, DSF, DQD, DW, DU, DKD, DP, DG, DS0, NC, BH,
+def _scan_backward_kernel(QD, W, KD, P, G, DO, DSF, DU, DSTATES, DS0, NC,
                           HAS_DSF: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           KP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    part = tl.program_id(0).to(tl.int64)  # this V block's share of the gradients that sum over V
+    # the part that runs chunk after chunk: the gradients of the chunks' values (du) and of the state after each
+    # chunk (DSTATES), back from the last chunk; what else the chunks need comes after, in parallel
     bh = tl.program_id(1).to(tl.int64)
     c, k, v, m_kv, m_ck, m_cv, at_kv, ds = _program_block(DSF, bh, HAS_DSF, C, K, V, KP, BV)
     for j in range(NC):
         i = NC - 1 - j
-        s = tl.load(STATES + (bh * NC + i) * K * V + at_kv, mask=m_kv, other=0.0)
+        tl.store(DSTATES + (bh * NC + i) * K * V + at_kv, ds, mask=m_kv)
         row = bh * NC * C + i * C + c
         at_ck = row[:, None] * K + k[None, :]
         at_cv = row[:, None] * V + v[None, :]
-        w = tl.load(W + at_ck, mask=m_ck, other=0.0)
-        vn = tl.load(U + at_cv, mask=m_cv, other=0.0) - tl.dot(w, s, input_precision=PREC)
         do = tl.load(DO + at_cv, mask=m_cv, other=0.0)
         p_t = tl.load(P + (bh * NC + i) * C * C + c[None, :] * C + c[:, None])  # (C, C) transposed
         kd = tl.load(KD + at_ck, mask=m_ck, other=0.0)
         dvn = tl.dot(p_t, do, input_precision=PREC) + tl.dot(kd, ds, input_precision=PREC)
         tl.store(DU + at_cv, dvn, mask=m_cv)
-        s_t = tl.trans(s)
-        shared = part * BH * NC * C * K + at_ck
-        tl.store(DQD + shared, tl.dot(do, s_t, input_precision=PREC), mask=m_ck)
-        tl.store(DW + shared, -tl.dot(dvn, s_t, input_precision=PREC), mask=m_ck)
-        tl.store(DKD + shared, tl.dot(vn, tl.trans(ds), input_precision=PREC), mask=m_ck)
-        tl.store(DP + (part * BH * NC + bh * NC + i) * C * C + c[:, None] * C + c[None, :],
-                 tl.dot(do, tl.trans(vn), input_precision=PREC))
-        tl.store(DG + part * BH * NC + bh * NC + i, tl.sum(tl.sum(s * ds, axis=1), axis=0))
         qd = tl.load(QD + at_ck, mask=m_ck, other=0.0)
+        w = tl.load(W + at_ck, mask=m_ck, other=0.0)
         ds = ds * tl.load(G + bh * NC + i) + tl.dot(tl.trans(qd), do, input_precision=PREC) \
             - tl.dot(tl.trans(w), dvn, input_precision=PREC)
     tl.store(DS0 + bh * K * V + at_kv, ds, mask=m_kv)
+
+
+@triton.jit
+def _chunk_grads_kernel(W, U, STATES, DSTATES, DO, DU, DQD, DW, DKD, DP, DG, NC, BH,
+                        C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+                        PREC: tl.constexpr):
+    # one program per (V block, sequence x head, chunk): the gradients that need the state before the chunk and the
+    # gradient of the one after it, each V block's share of those that sum over V
+    part = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(2).to(tl.int64)
+    c, k, v, m_kv, m_ck, m_cv, at_kv, s = _program_block(STATES + i * K * V, bh * NC, True, C, K, V, KP, BV)
+    ds = tl.load(DSTATES + (bh * NC + i) * K * V + at_kv, mask=m_kv, other=0.0)
+    row = bh * NC * C + i * C + c
+    at_ck = row[:, None] * K + k[None, :]
+    at_cv = row[:, None] * V + v[None, :]
+    vn = tl.load(U + at_cv, mask=m_cv, other=0.0) - tl.dot(tl.load(W + at_ck, mask=m_ck, other=0.0), s,
+                                                          input_precision=PREC)
+    do = tl.load(DO + at_cv, mask=m_cv, other=0.0)
+    dvn = tl.load(DU + at_cv, mask=m_cv, other=0.0)
+    s_t = tl.trans(s)
+    shared = part * BH * NC * C * K + at_ck
+    tl.store(DQD + shared, tl.dot(do, s_t, input_precision=PREC), mask=m_ck)
+    tl.store(DW + shared, -tl.dot(dvn, s_t, input_precision=PREC), mask=m_ck)
+    tl.store(DKD + shared, tl.dot(vn, tl.trans(ds), input_precision=PREC), mask=m_ck)
+    tl.store(DP + (part * BH * NC + bh * NC + i) * C * C + c[:, None] * C + c[None, :],
+             tl.dot(do, tl.trans(vn), input_precision=PREC))
+    tl.store(DG + part * BH * NC + bh * NC + i, tl.sum(tl.sum(s * ds, axis=1), axis=0))
 
 
 def supported(chunk: int, k: int, v: int) -> str | None:
@@ -148,11 +168,12 @@ def delta_scan_backward(qd, w, u, kd, p, g, states, do, dsf=None, *, block_v: in
     new = lambda *shape: torch.empty(*shape, device=u.device, dtype=torch.float32)  # noqa: E731
     dqd, dw, dkd = (new(parts, bh, nc, c, k) for _ in range(3))
     dp, dg = new(parts, bh, nc, c, c), new(parts, bh, nc)
-    du, ds0 = torch.empty_like(u), new(bh, k, v)
-    _scan_backward_kernel[(parts, bh)](
-        qd, w, u, kd, p, g, states, do, dsf if dsf is not None else do, dqd, dw, du, dkd, dp, dg, ds0, nc, bh,
-        HAS_DSF=dsf is not None, C=c, K=k, V=v, KP=triton.next_power_of_2(k), BV=bv, PREC=DOT_PRECISION,
-        num_warps=8 if k * bv >= 8192 else 4, num_stages=1)
+    du, ds0, dstates = torch.empty_like(u), new(bh, k, v), torch.empty_like(states)
+    shape = dict(C=c, K=k, V=v, KP=triton.next_power_of_2(k), BV=bv, PREC=DOT_PRECISION,
+                 num_warps=8 if k * bv >= 8192 else 4, num_stages=1)
+    _scan_backward_kernel[(parts, bh)](qd, w, kd, p, g, do, dsf if dsf is not None else do, du, dstates, ds0, nc,
+                                       HAS_DSF=dsf is not None, **shape)
+    _chunk_grads_kernel[(parts, bh, nc)](w, u, states, dstates, do, du, dqd, dw, dkd, dp, dg, nc, bh, **shape)
     return dqd.sum(0), dw.sum(0), du, dkd.sum(0), dp.sum(0), dg.sum(0), ds0
 
 

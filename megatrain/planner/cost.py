@@ -229,9 +229,9 @@ def route_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
 
 
 # A linear-attention recurrence's backward in forwards: it forms each piece's chunk-local algebra again and runs
-# back through it (two more triangular solves), and the scan's backward has twice the forward's products (measured:
-# 85 ms to a 25 ms forward, Qwen3-Next's heads at 32,768 tokens on the H100, docs/kernels.md)
-SCAN_BWD_PASSES = 3.4
+# back through it, and the scan's backward has twice the forward's products (measured: 58 ms to an 18 ms forward,
+# Qwen3-Next's heads at 32,768 tokens on the H100, docs/kernels.md)
+SCAN_BWD_PASSES = 3.3
 
 
 def scan_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:

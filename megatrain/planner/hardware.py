@@ -149,7 +149,7 @@ PRESETS: dict[str, HardwareSpec] = {
         cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
         fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, route_bytes_per_s=1.8e12,
         cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25, cpu_adam_master_params_per_s=4.5e9, h2d_cpu_slowdown=0.2,
-        gpu_gemm_workspace_bytes=32 << 20, scan_flops_per_s=6.9e12,
+        gpu_gemm_workspace_bytes=32 << 20, scan_flops_per_s=9.8e12,
     ),
     # The CPU runtime: "device" memory is host memory, copies are memcpy; rough rates of a 2-core machine.
     "cpu": HardwareSpec(

@@ -9,12 +9,15 @@ them (:mod:`megatrain.runtime.ops.compute`)."""
 
 from __future__ import annotations
 
+from collections import UserDict
+
 SHARED = "shared_state"  # the side-input name of a micro-batch's shared object
 
 
 def kv_sharing(v) -> bool:
-    """Whether ``v`` is transformers' object through which blocks share keys and values."""
-    return type(v).__name__ == "KVSharingDict"
+    """Whether ``v`` is transformers' object through which blocks share keys and values: its ``KVSharingDict``, or
+    the plain ``collections.UserDict`` the same models hand their blocks in transformers before it (5.17)."""
+    return type(v).__name__ == "KVSharingDict" or type(v) is UserDict
 
 
 class FreshPerCall:

@@ -49,6 +49,12 @@ def _prepare(cfg: TrainConfig, dp=None):
     if model.weights is None:  # from scratch: its special tokens are the tokenizer's
         set_special_ids(model.config, tok)
     _check_step_inputs(cfg)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(model.config, attn_implementation=attention_for(model.config),
+                                                trust_remote_code=cfg.trust_remote_code)
+    freeze(meta, cfg.freeze_patterns())
+    if cfg.packing and cfg.method == "sft" and _blocks_mix_tokens(meta):  # (refused before the data is read)
+        raise ValueError(_UNPACKABLE.format(model=cfg.model))
     if cfg.method == "dpo" and dp is not None:
         raise ValueError("--method dpo runs in one process (not with --gpus)")
     data = answering_signals(lambda: pair_source(cfg, tok) if cfg.method == "dpo" else data_source(
@@ -65,10 +71,6 @@ def _prepare(cfg: TrainConfig, dp=None):
                             f"({data.tokens:,} tokens now, {began.get('data_tokens', 0):,} then)")
     if cfg.method == "dpo" and cfg.ref_model and not cfg.resume:  # (alone: its store is freed before this one's)
         data.batches.ref_s = reference_model(cfg, data.batches, cfg.device)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(model.config, attn_implementation=attention_for(model.config),
-                                                trust_remote_code=cfg.trust_remote_code)
-    freeze(meta, cfg.freeze_patterns())
     optim = cfg.optim_config()
     # the state resumed from, found once: what is checked is what is read
     state = train_state.find(Path(cfg.resume) / STATE_DIR) if cfg.resume else None
@@ -78,9 +80,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
                            device=cfg.device, **dataclasses.asdict(cfg.plan_options(world)))
     if cfg.packing and not sm.captured.packs and cfg.method == "sft":
-        raise ValueError(f"{cfg.model}: this model cannot keep documents packed into one row apart (its masks are "
-                         f"not built from positions, or its blocks carry a recurrent state or a convolution from token "
-                         f"to token); train with --no-packing (one document per row)")
+        raise ValueError(_UNPACKABLE.format(model=cfg.model))
     if cfg.resume:
         m = train_state.read_manifest(sm.captured, state)
         if "data_order" not in m["extra"]:
@@ -103,6 +103,23 @@ def _prepare(cfg: TrainConfig, dp=None):
 
 
 STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and positions, int64
+
+
+_UNPACKABLE = ("{model}: this model cannot keep documents packed into one row apart (its masks are not built from "
+               "positions, or its blocks carry a recurrent state or a convolution from token to token); train with "
+               "--no-packing (one document per row)")
+
+
+def _blocks_mix_tokens(meta) -> bool:
+    """Whether the model's decoder blocks carry something from token to token besides attention (capture.blocks.
+    mixes_tokens); False where its blocks are not found here (the capture then says why)."""
+    from megatrain.capture.blocks import find_blocks, mixes_tokens
+    from megatrain.capture.tracer import CaptureError
+
+    try:
+        return any(mixes_tokens(b) for b in find_blocks(meta)[1])
+    except CaptureError:
+        return False
 
 
 def _check_step_inputs(cfg: TrainConfig) -> None:

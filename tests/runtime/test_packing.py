@@ -138,3 +138,25 @@ def test_rows_packed_whole_train_as_the_documents_one_per_row():
     for n, a in g_packed.items():
         b = g_single[n]
         assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()) + 1e-12, n
+
+
+def test_train_refuses_packed_rows_for_a_hybrid_before_it_reads_the_data(tmp_path, capsys, monkeypatch):
+    """``megatrain train`` on a Qwen3.5 checkpoint with packing (the default): one line naming --no-packing, from the
+    model's blocks alone, before the data is read or any store is built."""
+    from megatrain import train
+    from megatrain.cli import main
+
+    from ..data.tokenizers import llama3_tokenizer
+
+    tok = llama3_tokenizer()
+    hf_model("qwen3_5_text", vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+             pad_token_id=tok.pad_token_id).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    (tmp_path / "d.jsonl").write_text('{"text": "one document"}\n')
+    monkeypatch.setattr(train, "data_source", lambda *a, **kw: pytest.fail("the data was read"))
+    assert main(["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "d.jsonl"), "--steps", "1",
+                 "--out", str(tmp_path / "run")]) != 0
+    err = capsys.readouterr().err
+    assert "cannot keep documents packed into one row apart" in err and "--no-packing" in err
+    assert len(err.strip().splitlines()) == 1

@@ -57,8 +57,9 @@ def check_packing(captured, position_ids: torch.Tensor) -> torch.Tensor:
     start at 0 and either go on by one or restart at 0."""
     if not captured.packs:
         raise ValueError(f"{captured.graph.name}: this model cannot keep documents packed into one row apart "
-                         f"(position_ids given): its forward takes no position ids, or its attention mask is "
-                         f"read by more than HF's mask builders; pass one document per row, right-padded")
+                         f"(position_ids given): its forward takes no position ids, its attention mask is read by "
+                         f"more than HF's mask builders, or its blocks carry a recurrent state or a convolution from "
+                         f"token to token; pass one document per row, right-padded")
     step = position_ids[:, 1:] - position_ids[:, :-1]
     if bool((position_ids[:, 0] != 0).any()) or bool(((step != 1) & (position_ids[:, 1:] != 0)).any()):
         raise ValueError("position_ids must start each row at 0 and then go on by 1, or restart at 0 where the "

@@ -23,7 +23,7 @@ from megatrain.rundir import PLAN_FILE, RUN_FILE, STATE_DIR, RunDirectory, StopS
 from megatrain.runtime.state import train_state
 from megatrain.saving import outlook, save_state, save_weights, weights_nbytes
 from megatrain.stages import Stages
-from megatrain.train_config import TrainConfig
+from megatrain.train_config import UNPACKABLE, TrainConfig
 
 MAX_SKIPPED = 10  # with on_nonfinite "skip": this many steps in a row without an update stop the run
 
@@ -34,6 +34,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     from transformers import AutoModelForCausalLM
 
     import megatrain
+    from megatrain.capture.blocks import blocks_mix_tokens
     from megatrain.capture.packed_attention import attention_for
     from megatrain.export import set_special_ids, stop_ids
 
@@ -53,8 +54,8 @@ def _prepare(cfg: TrainConfig, dp=None):
         meta = AutoModelForCausalLM.from_config(model.config, attn_implementation=attention_for(model.config),
                                                 trust_remote_code=cfg.trust_remote_code)
     freeze(meta, cfg.freeze_patterns())
-    if cfg.packing and cfg.method == "sft" and _blocks_mix_tokens(meta):  # (refused before the data is read)
-        raise ValueError(_UNPACKABLE.format(model=cfg.model))
+    if cfg.packing and cfg.method == "sft" and blocks_mix_tokens(meta):  # (refused before the data is read)
+        raise ValueError(UNPACKABLE.format(model=cfg.model))
     if cfg.method == "dpo" and dp is not None:
         raise ValueError("--method dpo runs in one process (not with --gpus)")
     data = answering_signals(lambda: pair_source(cfg, tok) if cfg.method == "dpo" else data_source(
@@ -80,7 +81,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
                            device=cfg.device, **dataclasses.asdict(cfg.plan_options(world)))
     if cfg.packing and not sm.captured.packs and cfg.method == "sft":
-        raise ValueError(_UNPACKABLE.format(model=cfg.model))
+        raise ValueError(UNPACKABLE.format(model=cfg.model))
     if cfg.resume:
         m = train_state.read_manifest(sm.captured, state)
         if "data_order" not in m["extra"]:
@@ -103,23 +104,6 @@ def _prepare(cfg: TrainConfig, dp=None):
 
 
 STEP_INPUT_BYTES_PER_TOKEN = 4 * 8  # a step's input ids, mask, labels and positions, int64
-
-
-_UNPACKABLE = ("{model}: this model cannot keep documents packed into one row apart (its masks are not built from "
-               "positions, or its blocks carry a recurrent state or a convolution from token to token); train with "
-               "--no-packing (one document per row)")
-
-
-def _blocks_mix_tokens(meta) -> bool:
-    """Whether the model's decoder blocks carry something from token to token besides attention (capture.blocks.
-    mixes_tokens); False where its blocks are not found here (the capture then says why)."""
-    from megatrain.capture.blocks import find_blocks, mixes_tokens
-    from megatrain.capture.tracer import CaptureError
-
-    try:
-        return any(mixes_tokens(b) for b in find_blocks(meta)[1])
-    except CaptureError:
-        return False
 
 
 def _check_step_inputs(cfg: TrainConfig) -> None:

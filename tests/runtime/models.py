@@ -62,6 +62,11 @@ MORE_FAMILIES = {
                        layer_types=["linear_attention", "full_attention", "linear_attention"],
                        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
                        num_experts_per_tok=2),
+    # OLMo's hybrid: gated delta nets whose head dims are no power of two here (the kernel's masked path)
+    "olmo_hybrid": dict(model_type="olmo_hybrid", pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        linear_key_head_dim=24, linear_value_head_dim=40,
+                        linear_num_key_heads=2, linear_num_value_heads=2,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "qwen3_5_moe_text": dict(model_type="qwen3_5_moe_text", head_dim=16, linear_key_head_dim=16,
                              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                              layer_types=["linear_attention", "full_attention", "linear_attention"],

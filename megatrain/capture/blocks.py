@@ -90,13 +90,19 @@ def mlp_tileable(mlp: nn.Module) -> bool:
                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+def delta_nets(block: nn.Module) -> list[nn.Module]:
+    """The block's gated delta nets: modules with ``num_v_heads``, ``head_k_dim`` and ``head_v_dim`` (Qwen3-Next,
+    Qwen3.5, OLMo-hybrid)."""
+    return [m for m in block.modules() if all(hasattr(m, a) for a in ("num_v_heads", "head_k_dim", "head_v_dim"))]
+
+
 def recurrence(block: nn.Module, act_dtype_bytes: int = 2) -> tuple[float, int, int] | None:
-    """A block whose mixer is a gated delta net (a module with ``num_v_heads``, ``head_k_dim`` and ``head_v_dim``:
-    Qwen3-Next, Qwen3.5, OLMo-hybrid) and no softmax attention: its recurrence's FLOPs, bytes kept and bytes of a
-    piece per token (``planner.hybrid.delta_rule_costs``); None for any other block."""
+    """A block whose mixer is a gated delta net (:func:`delta_nets`) and no softmax attention: its recurrence's
+    FLOPs, bytes kept and bytes of a piece per token (``planner.hybrid.delta_rule_costs``); None for any other
+    block."""
     from megatrain.planner.hybrid import delta_rule_costs
 
-    nets = [m for m in block.modules() if all(hasattr(m, a) for a in ("num_v_heads", "head_k_dim", "head_v_dim"))]
+    nets = delta_nets(block)
     if not nets or any(type(m).__name__.endswith("Attention") for m in block.modules()):
         return None
     costs = [delta_rule_costs(m.num_v_heads, m.head_k_dim, m.head_v_dim, act_dtype_bytes) for m in nets]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain.capture import Captured
+from megatrain.capture.blocks import delta_nets
 from megatrain.runtime.layers.grad_sink import param_grads
 
 
@@ -192,15 +193,15 @@ def _rope_patch(block: nn.Module, halves_equal: bool = False):
 
 
 def _delta_rule_patch(block: nn.Module):
-    """(module, name, replacement) substituting the kernels' chunked gated delta rule for the block module's
-    ``torch_chunk_gated_delta_rule``, and a line for the report; (None, why) where the layers' head dims are not
+    """((module, name, replacement), None) substituting the kernels' chunked gated delta rule for the block module's
+    ``torch_chunk_gated_delta_rule``; (None, why) where the layers' head dims are not
     the kernels'; (None, None) where the block has none. A call with a chunk the kernels do not take runs the
     original."""
     from megatrain.kernels import delta_rule
 
     mod = sys.modules.get(type(block).__module__)
     original = getattr(mod, "torch_chunk_gated_delta_rule", None)
-    nets = [m for m in block.modules() if hasattr(m, "head_k_dim") and hasattr(m, "head_v_dim")]
+    nets = delta_nets(block)
     if original is None or not nets:
         return None, None
     why = next((w for w in (delta_rule.supported(64, m.head_k_dim, m.head_v_dim) for m in nets) if w), None)

@@ -232,7 +232,7 @@ class StreamedModel:
         packs sequences): every document attends to itself alone and is placed as if it were a row of its own, so
         the loss and gradients are those of the documents run one by one; labels then default to ignoring each
         document's first token (it is not predicted from the document before). Padding at a row's end is one more
-        such document, its labels ignored.
+        such document, its labels ignored. A hybrid's recurrences run the documents apart (capture.documents).
 
         ``objective``: what the head minimizes instead (:class:`megatrain.objectives.Objective`: a preference loss
         such as DPO, or an RL loop's per-sequence weights), reading each position's log-probability of its label

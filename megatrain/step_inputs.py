@@ -59,7 +59,8 @@ def check_packing(captured, position_ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{captured.graph.name}: this model cannot keep documents packed into one row apart "
                          f"(position_ids given): its forward takes no position ids, its attention mask is read by "
                          f"more than HF's mask builders, or its blocks carry a recurrent state or a convolution from "
-                         f"token to token; pass one document per row, right-padded")
+                         f"token to token that is not run a document at a time (capture.documents.FAMILIES); pass "
+                         f"one document per row, right-padded")
     step = position_ids[:, 1:] - position_ids[:, :-1]
     if bool((position_ids[:, 0] != 0).any()) or bool(((step != 1) & (position_ids[:, 1:] != 0)).any()):
         raise ValueError("position_ids must start each row at 0 and then go on by 1, or restart at 0 where the "

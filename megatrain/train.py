@@ -34,7 +34,7 @@ def _prepare(cfg: TrainConfig, dp=None):
     from transformers import AutoModelForCausalLM
 
     import megatrain
-    from megatrain.capture.blocks import blocks_mix_tokens
+    from megatrain.capture.documents import can_keep_apart
     from megatrain.capture.packed_attention import attention_for
     from megatrain.export import set_special_ids, stop_ids
 
@@ -54,7 +54,7 @@ def _prepare(cfg: TrainConfig, dp=None):
         meta = AutoModelForCausalLM.from_config(model.config, attn_implementation=attention_for(model.config),
                                                 trust_remote_code=cfg.trust_remote_code)
     freeze(meta, cfg.freeze_patterns())
-    if cfg.packing and cfg.method == "sft" and blocks_mix_tokens(meta):  # (refused before the data is read)
+    if cfg.packing and cfg.method == "sft" and not can_keep_apart(meta):  # (refused before the data is read)
         raise ValueError(UNPACKABLE.format(model=cfg.model))
     if cfg.method == "dpo" and dp is not None:
         raise ValueError("--method dpo runs in one process (not with --gpus)")

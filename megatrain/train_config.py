@@ -17,8 +17,8 @@ MAX_SEQ = 1 << 24  # 16,777,216 tokens: 16x the longest sequence a plan fits one
 MAX_VOCAB = 1 << 20  # the largest BPE built from the data (vocabularies of released models: up to 262,144)
 # what `megatrain train` says where packed rows (the default) cannot keep their documents apart
 UNPACKABLE = ("{model}: this model cannot keep documents packed into one row apart (its masks are not built from "
-              "positions, or its blocks carry a recurrent state or a convolution from token to token); train with "
-              "--no-packing (one document per row)")
+              "positions, or its blocks carry a recurrent state or a convolution from token to token that is not run "
+              "a document at a time); train with --no-packing (one document per row)")
 
 
 @dataclass(frozen=True, kw_only=True)

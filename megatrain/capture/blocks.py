@@ -114,12 +114,3 @@ def mixes_tokens(block: nn.Module) -> bool:
     documents would share: a recurrence's state (a gated delta net's) or a convolution over the sequence (Mamba's,
     LFM2's and the delta nets' ``nn.Conv1d``)."""
     return recurrence(block) is not None or any(isinstance(m, nn.Conv1d) for m in block.modules())
-
-
-def blocks_mix_tokens(model: nn.Module) -> bool:
-    """Whether any of ``model``'s decoder blocks :func:`mixes_tokens`; False where its blocks are not found here
-    (the capture then says why)."""
-    try:
-        return any(mixes_tokens(b) for b in find_blocks(model)[1])
-    except CaptureError:
-        return False

@@ -10,11 +10,10 @@ each rotary-embedding module and HF's attention-mask builders as leaves. The tra
 - the *head* layer: the last module call that owns parameters, and what follows it (e.g. logit soft-capping).
   It returns logits; megatrain computes the loss.
 
-Templates are GraphModules / modules over a copy of the model whose parameters are on the meta device, so they
-hold no weights; calling one puts views of a flat weight buffer in place of its parameters for that call
-(``runtime/layers/templates.py``).
-Blocks whose structure (class, parameter shapes, non-tensor attributes except ``layer_idx``) is equal share one.
-The user's model is only read.
+Templates are GraphModules / modules over a copy of the model whose parameters are on the meta device, so they hold
+no weights; calling one puts views of a flat weight buffer in place of its parameters for that call
+(``runtime/layers/templates.py``). Blocks whose structure (class, parameter shapes, non-tensor attributes except
+``layer_idx``) is equal share one. The user's model is only read.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from megatrain.capture import grouped_experts, packed_attention, split_blocks
-from megatrain.capture.blocks import find_blocks, mixes_tokens, mlp_tileable, recurrence
+from megatrain.capture import documents, grouped_experts, packed_attention, split_blocks
+from megatrain.capture.blocks import find_blocks, mlp_tileable, recurrence
 from megatrain.capture.fx_graph import (ancestors, dependence, named_arg, node_params, only_mask_builders_read,
                                        reads_metadata, source_block, subgraph, trained_ancestors)
 from megatrain.capture.meta import (block_buffers, block_buffers_as_parameters, materialize_meta_buffers, meta_copy,
@@ -88,13 +87,13 @@ class Captured:
     # a batch without padding can pass None and skip their check of the mask's values (a device-to-host sync)
     mask_optional: bool = False
     frozen: frozenset[str] = frozenset()  # parameters with requires_grad=False: no gradient, never updated
-    no_decay: frozenset[str] = frozenset()  # parameters the HF Trainer's rule exempts from weight decay (biases,
-    # norm weights)
+    no_decay: frozenset[str] = frozenset()  # exempt from weight decay by the HF Trainer's rule (biases, norm weights)
     # the model takes position ids, and its mask builders keep documents packed into one row apart by them (see
     # tracer.PACKED): rows may hold several documents
     packs: bool = False
     # packed rows' attention runs over their documents' offsets (capture.packed_attention) where the runtime gives them
     varlen: bool = False
+    docs_apart: bool = False  # the blocks' recurrences run packed rows' documents apart (capture.documents)
     # the router load-balancing loss HF adds to this mixture-of-experts model's loss (runtime.layers.router_aux), if any
     router_aux: object | None = None
     # side inputs of the blocks computed from parameters: their gradients from the blocks' backward go back through
@@ -305,8 +304,9 @@ def capture(model: nn.Module, *, compute_dtype: torch.dtype = torch.float32,
     captured.grad_sides = [n.name for n in grad_sides]
     captured.shared_state = any(_shares(seg.call_args) for seg in captured.segments if seg.kind == "block")
     builders = any(is_mask_builder(n.target) for n in emb_graph.nodes if n.op == "call_function")
-    captured.packs = mask_optional and takes_positions(model, hf) and builders and not any(
-        mixes_tokens(s.template) for s in captured.segments if s.kind == "block")  # (a recurrence spans documents)
+    apart, changed = documents.keep_apart(model, captured.segments, emb_graph)
+    captured.packs = mask_optional and takes_positions(model, hf) and builders and apart
+    captured.docs_apart = captured.packs and changed
     switched = packed_attention.enable(meta_model)  # (a family with sinks takes the flash kernel packed or not)
     if switched:  # the mask builders were traced with the caller's config: they read the switched copy's instead
         for n in graph.nodes:

@@ -43,6 +43,8 @@ class CaptureError(ValueError):
 # that are the same for both do)
 EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 8
 EXAMPLES = ((EXAMPLE_BATCH, EXAMPLE_SEQ), (3, 7))
+# HF's builder of the padding mask that recurrent mixers (delta nets, Mamba) take (transformers.masking_utils)
+RECURRENT_MASK_BUILDER = "create_recurrent_attention_mask"
 
 
 def leaf_function(fn):
@@ -63,6 +65,8 @@ def leaf_function(fn):
             if isinstance(packed, Packed):  # documents packed into each row, told apart by position ids
                 if packed.cu is not None and fn.__name__ in ("create_causal_mask", "create_sliding_window_causal_mask"):
                     return packed  # for the attention to read the documents' offsets from (and its window)
+                if packed.docs is not None and fn.__name__ == RECURRENT_MASK_BUILDER:
+                    return packed  # for the blocks' recurrences to run the documents apart (capture.documents)
                 # restarting at each: HF's mask builders keep them apart where no mask is given
                 k = {**k, "attention_mask": None}
             elif "position_ids" in k and "attention_mask" in k and k["attention_mask"] is None:
@@ -114,6 +118,7 @@ class Packed:
 
     cu: torch.Tensor | None = None
     max_len: int = 0
+    docs: Any = None  # the documents' layout for the blocks' recurrences where they take it (capture.documents)
 
     def __repr__(self) -> str:
         return "PACKED"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.capture import packed_attention
+from megatrain.capture import documents, packed_attention
 from megatrain.capture.tracer import Packed
 
 from .models import compile_cpu, hf_model, record_grads
@@ -67,14 +67,78 @@ def test_packed_documents_equal_documents_one_by_one(family, offsets, monkeypatc
         assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()) + 1e-12, n
 
 
-def test_packing_is_refused_where_documents_cannot_be_kept_apart_and_positions_are_checked():
+@pytest.mark.parametrize("family,n_mb", [("qwen3_next", 1), ("qwen3_5_text", 2), ("olmo_hybrid", 1),
+                                         ("nemotron_h", 2), ("zamba2", 1)])
+def test_packed_documents_in_recurrent_blocks_equal_documents_one_by_one(family, n_mb):
+    """Hybrids (gated delta nets, Mamba-2 with its convolution; Zamba2's shared attention block between them): two
+    packed rows of documents of several lengths (their buckets: 12 and 11, 7, 6, 5, the 2 padding tokens) train as
+    the documents one per row, right-padded: loss and gradients (fp32, CPU), every mixer given the layout."""
+    from .models import zamba2_model
+
+    make = zamba2_model if family == "zamba2" else lambda: hf_model(family)
+    g = torch.Generator().manual_seed(5)
+    lengths = ((7, 12, 5), (11, 6, 9))
+    docs = [[torch.randint(3, 97, (n,), generator=g) for n in row] for row in lengths]
+    T = 26  # the first row ends in two tokens of padding
+    packed = torch.stack([torch.cat([*row, torch.zeros(T - sum(map(len, row)), dtype=torch.long)]) for row in docs])
+    pos = torch.stack([torch.cat([*(torch.arange(len(d)) for d in row), torch.arange(T - sum(map(len, row)))])
+                       for row in docs])
+    mask = (torch.arange(T) < torch.tensor([[sum(map(len, row))] for row in docs])).long()
+    one = compile_cpu(make(), optim=NO_CLIP, n_mb=n_mb)
+    assert one.captured.packs and one.captured.docs_apart and not one.captured.varlen
+    runs = []
+    for seg in one.captured.segments:
+        for m in documents.mixers(seg.template) if seg.kind == "block" else []:
+            m.register_forward_pre_hook(lambda mod, a, kw: runs.append(any(isinstance(v, Packed) and v.docs
+                                                                           for v in (*a, *kw.values()))),
+                                        with_kwargs=True)
+    assert runs == [] and any(documents.mixers(s.template) for s in one.captured.segments if s.kind == "block")
+    g_packed = record_grads(one)
+    st_packed = one.train_step(packed, mask, position_ids=pos)
+    assert runs and all(runs)  # each mixer's forward (and recompute) was handed the documents' layout
+    flat = [d for row in docs for d in row]
+    rows = torch.zeros(len(flat), T, dtype=torch.long)
+    rmask = torch.zeros_like(rows)
+    for i, d in enumerate(flat):
+        rows[i, : len(d)] = d
+        rmask[i, : len(d)] = 1
+    other = compile_cpu(make(), optim=NO_CLIP, n_mb=n_mb)
+    g_rows = record_grads(other)
+    st_rows = other.train_step(rows, rmask)
+    assert st_packed.tokens == st_rows.tokens == sum(len(d) - 1 for d in flat)
+    assert st_packed.loss == pytest.approx(st_rows.loss, rel=1e-6)
+    scale = max(float(b.abs().max()) for b in g_rows.values())
+    for n, a in g_packed.items():  # (fp32 sums in other shapes: within 1e-6 of the largest gradient)
+        assert float((a - g_rows[n]).abs().max()) <= 1e-6 * scale, n
+
+
+def test_document_buckets_hold_every_token_once_and_pad_a_bucket_by_at_most_its_growth():
+    pos = torch.cat([torch.arange(n) for n in (3, 40, 9, 33, 2, 10, 3, 31, 32, 37)]).view(2, 100)
+    layout = documents.buckets(pos)
+    assert layout.tokens == 200 and layout.shapes == [(4, 40), (1, 31), (2, 10), (2, 3), (1, 2)]  # 32 x 1.25 = 40
+    gathered = torch.cat(layout.src)
+    real = gathered[gathered < 200]
+    assert sorted(real.tolist()) == list(range(200))  # every token once; the rest reads the zero row
+    for s, (n, longest) in zip(layout.src, layout.shapes):
+        lens = (s.view(n, longest) < 200).sum(1)
+        assert int(lens.max()) == longest and int(lens.min()) * documents.GROWTH >= longest
+        assert all(bool((r[: int(k)] == r[0] + torch.arange(int(k))).all()) for r, k in zip(s.view(n, longest), lens))
+    x = torch.randn(2, 100, 8)
+    seen = []
+    y = layout.run(lambda h: seen.append(h.shape) or h * 2, x)  # each document a row of its own, back in place
+    assert torch.equal(y, x * 2) and seen == [(n, longest, 8) for n, longest in layout.shapes]
+
+
+def test_packing_is_refused_where_documents_cannot_be_kept_apart_and_positions_are_checked(monkeypatch):
     from .models import TinyGPT
 
     ids = torch.randint(3, 97, (2, 8))
     sm = compile_cpu(TinyGPT(tied=False), n_mb=1)
     with pytest.raises(ValueError, match="cannot keep documents packed into one row apart"):
         sm.train_step(ids, position_ids=torch.arange(8).expand(2, 8))
-    # a hybrid's gated delta nets (their state, their convolution) would run on from one document into the next
+    # a hybrid family whose mixers are not run apart: their state and convolution would run from one document into
+    # the next
+    monkeypatch.setattr(documents, "FAMILIES", documents.FAMILIES - {"qwen3_5_text"})
     hybrid = compile_cpu(hf_model("qwen3_5_text"), n_mb=1)
     assert not hybrid.captured.packs
     with pytest.raises(ValueError, match="cannot keep documents packed into one row apart"):
@@ -141,8 +205,9 @@ def test_rows_packed_whole_train_as_the_documents_one_per_row():
 
 
 def test_train_refuses_packed_rows_for_a_hybrid_before_it_reads_the_data(tmp_path, capsys, monkeypatch):
-    """``megatrain train`` on a Qwen3.5 checkpoint with packing (the default): one line naming --no-packing, from the
-    model's blocks alone, before the data is read or any store is built."""
+    """``megatrain train`` on a checkpoint of a hybrid whose mixers are not run apart (Qwen3.5 taken out of
+    ``documents.FAMILIES``) with packing (the default): one line naming --no-packing, from the model's blocks alone,
+    before the data is read or any store is built."""
     from megatrain import train
     from megatrain.cli import main
 
@@ -155,6 +220,7 @@ def test_train_refuses_packed_rows_for_a_hybrid_before_it_reads_the_data(tmp_pat
     capsys.readouterr()  # (save_pretrained's progress bar)
     (tmp_path / "d.jsonl").write_text('{"text": "one document"}\n')
     monkeypatch.setattr(train, "data_source", lambda *a, **kw: pytest.fail("the data was read"))
+    monkeypatch.setattr(documents, "FAMILIES", documents.FAMILIES - {"qwen3_5_text"})
     assert main(["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "d.jsonl"), "--steps", "1",
                  "--out", str(tmp_path / "run")]) != 0
     err = capsys.readouterr().err

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.capture import Captured
-from megatrain.capture import packed_attention
+from megatrain.capture import documents, packed_attention
 from megatrain.capture.tracer import PACKED, Packed
 from megatrain.runtime.issue.step import StepState
 from megatrain.runtime.ops.compute import WeightRef
@@ -136,11 +136,14 @@ class OpContext:
 
     def packed_mask(self, position_ids: torch.Tensor) -> Packed:
         """The mask marker of a micro-batch of packed rows: with the documents' offsets, on the device, where the
-        model's attention reads them there (capture.packed_attention); else the mask builders work them out."""
+        model's attention reads them there (capture.packed_attention), else the mask builders work them out; and
+        with the documents' layout where the blocks' recurrences run them apart (capture.documents)."""
+        put = self.copies.input_to_device
+        docs = documents.buckets(position_ids).to(put) if self.captured.docs_apart else None
         if not (self.captured.varlen and self.device.type == "cuda"):
-            return PACKED
+            return PACKED if docs is None else Packed(docs=docs)
         cu, longest = packed_attention.doc_offsets(position_ids)
-        return Packed(self.copies.input_to_device(cu), longest)
+        return Packed(put(cu), longest, docs=docs)
 
     def unpack(self, packed):
         """The saved-tensor unpack hook of a saved forward (see ops.compute.WeightRef)."""

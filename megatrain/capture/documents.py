@@ -40,14 +40,17 @@ class Buckets:
     shapes: list[tuple[int, int]]  # per bucket: (documents, longest)
     where: torch.Tensor  # (tokens,)
     tokens: int
+    whole: bool = False  # every row is one document: the mixer runs on the rows as they are
 
     def to(self, put) -> "Buckets":
         """The same layout with its index tensors passed through ``put`` (to the device)."""
-        return Buckets([put(s) for s in self.src], self.shapes, put(self.where), self.tokens)
+        return Buckets([put(s) for s in self.src], self.shapes, put(self.where), self.tokens, self.whole)
 
     def run(self, mixer, x: torch.Tensor):
         """``mixer`` (hidden (n, L, H) -> (n, L, H')) over the documents of ``x`` (b, T, H) one per row; the
         outputs back as (b, T, H')."""
+        if self.whole:
+            return mixer(x)
         b, t, h = x.shape
         flat = torch.cat([x.reshape(b * t, h), x.new_zeros(1, h)])
         outs = []
@@ -85,7 +88,7 @@ def buckets(position_ids: torch.Tensor) -> Buckets:
         shapes.append((j - i, longest))
         done += (j - i) * longest
         i = j
-    return Buckets(src, shapes, where, tokens)
+    return Buckets(src, shapes, where, tokens, whole=len(starts) == position_ids.shape[0])
 
 
 class _DocumentsApart:

@@ -127,6 +127,9 @@ def test_document_buckets_hold_every_token_once_and_pad_a_bucket_by_at_most_its_
     seen = []
     y = layout.run(lambda h: seen.append(h.shape) or h * 2, x)  # each document a row of its own, back in place
     assert torch.equal(y, x * 2) and seen == [(n, longest, 8) for n, longest in layout.shapes]
+    # rows of one document each (one long sequence given its positions) run as they are, with no copy
+    whole = documents.buckets(torch.arange(100).expand(2, 100))
+    assert whole.whole and not layout.whole and whole.run(lambda h: h, x) is x
 
 
 def test_packing_is_refused_where_documents_cannot_be_kept_apart_and_positions_are_checked(monkeypatch):

@@ -67,12 +67,13 @@ def test_packed_documents_equal_documents_one_by_one(family, offsets, monkeypatc
         assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max()) + 1e-12, n
 
 
-@pytest.mark.parametrize("family,n_mb", [("qwen3_next", 1), ("qwen3_5_text", 2), ("olmo_hybrid", 1),
-                                         ("nemotron_h", 2), ("zamba2", 1)])
-def test_packed_documents_in_recurrent_blocks_equal_documents_one_by_one(family, n_mb):
+@pytest.mark.parametrize("family,n_mb,saved", [("qwen3_next", 1, 0), ("qwen3_5_text", 2, 2), ("olmo_hybrid", 1, 0),
+                                               ("nemotron_h", 2, 1), ("zamba2", 1, 0)])
+def test_packed_documents_in_recurrent_blocks_equal_documents_one_by_one(family, n_mb, saved):
     """Hybrids (gated delta nets, Mamba-2 with its convolution; Zamba2's shared attention block between them): two
     packed rows of documents of several lengths (their buckets: 12 and 11, 7, 6, 5, the 2 padding tokens) train as
-    the documents one per row, right-padded: loss and gradients (fp32, CPU), every mixer given the layout."""
+    the documents one per row, right-padded: loss and gradients (fp32, CPU), every mixer given the layout; ``saved``
+    layers keep their forward's activations for the backward instead of recomputing it."""
     from .models import zamba2_model
 
     make = zamba2_model if family == "zamba2" else lambda: hf_model(family)
@@ -84,8 +85,9 @@ def test_packed_documents_in_recurrent_blocks_equal_documents_one_by_one(family,
     pos = torch.stack([torch.cat([*(torch.arange(len(d)) for d in row), torch.arange(T - sum(map(len, row)))])
                        for row in docs])
     mask = (torch.arange(T) < torch.tensor([[sum(map(len, row))] for row in docs])).long()
-    one = compile_cpu(make(), optim=NO_CLIP, n_mb=n_mb)
+    one = compile_cpu(make(), optim=NO_CLIP, n_mb=n_mb, saved_acts=saved)
     assert one.captured.packs and one.captured.docs_apart and not one.captured.varlen
+    assert len(one.schedule_for(len(packed), T).config.saved_acts) == saved
     runs = []
     for seg in one.captured.segments:
         for m in documents.mixers(seg.template) if seg.kind == "block" else []:

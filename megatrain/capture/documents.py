@@ -22,6 +22,7 @@ import torch.fx
 from torch import nn
 
 from megatrain.capture.blocks import delta_nets, find_blocks, mixes_tokens
+from megatrain.capture.packed_attention import doc_offsets
 from megatrain.capture.tracer import RECURRENT_MASK_BUILDER, CaptureError, Packed
 
 # the model types whose blocks' mixers take HF's recurrent mask, where packed rows have been checked to train as the
@@ -66,11 +67,11 @@ class Buckets:
 def buckets(position_ids: torch.Tensor) -> Buckets:
     """The layout of (b, T) packed rows' documents (host position ids; a document starts at each row and wherever
     a position is not the one before plus one, as ``packed_attention.doc_offsets`` has it)."""
-    from megatrain.capture.packed_attention import doc_offsets
-
     cu, _ = doc_offsets(position_ids)
     tokens = int(cu[-1])
     starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
+    if len(starts) == position_ids.shape[0]:  # a document a row
+        return Buckets([], [], torch.empty(0, dtype=torch.long), tokens, whole=True)
     order = sorted(range(len(starts)), key=lambda d: -lengths[d])
     src, shapes, where = [], [], torch.empty(tokens, dtype=torch.long)
     i, done = 0, 0
@@ -88,7 +89,7 @@ def buckets(position_ids: torch.Tensor) -> Buckets:
         shapes.append((j - i, longest))
         done += (j - i) * longest
         i = j
-    return Buckets(src, shapes, where, tokens, whole=len(starts) == position_ids.shape[0])
+    return Buckets(src, shapes, where, tokens)
 
 
 class _DocumentsApart:

@@ -147,8 +147,8 @@ def can_keep_apart(model: nn.Module) -> bool:
 def keep_apart(model: nn.Module, segments: list, graph: torch.fx.Graph) -> tuple[bool, bool]:
     """Make the mixers of the block templates of the captured ``segments`` run packed documents one per row where
     ``model``'s family allows (:func:`can_keep_apart`) and its embedding layer's ``graph`` builds the recurrent mask
-    (which carries the layout to them). Returns (whether packed rows keep their documents apart in every block, whether any mixer was
-    changed: the runtime then gives packed micro-batches their layout)."""
+    (which carries the layout to them). Returns (whether packed rows keep their documents apart in every block,
+    whether any mixer was changed: the runtime then gives packed micro-batches their layout)."""
     mixing = [s.template for s in segments if s.kind == "block" and mixes_tokens(s.template)]
     if not mixing:
         return True, False

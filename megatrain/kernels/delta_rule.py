@@ -4,10 +4,10 @@
 The chunked form splits the work in two. Within a chunk of C tokens everything is batched matrix algebra over many
 chunks at once (the decays' cumulative sums, the unit-triangular system that folds C delta-rule updates into two
 matrices, the chunk's own attention): that part stays in torch, with autograd, formed a piece of the sequence at a
-time (:class:`GatedDeltaRule`). Across chunks a (K, V) state per
-head carries on, chunk by chunk; transformers runs that as a Python loop of small matmuls (five kernel launches a
-chunk, each chunk's state kept for the backward by autograd). Here one program per (sequence x head, block of V
-columns) holds its state block in registers for the whole sequence:
+time (:class:`GatedDeltaRule`). Across chunks a (K, V) state per head carries on, chunk by chunk; transformers runs
+that as a Python loop of small matmuls (five kernel launches a chunk, each chunk's state kept for the backward by
+autograd). Here one program per (sequence x head, block of V columns) holds its state block in registers for the
+whole sequence:
 
     v_i = u_i - w_i S_i                 (the part of the chunk's values the state does not already predict)
     o_i = qd_i S_i + P_i v_i            (the read of the state plus the chunk's own attention)
@@ -15,8 +15,9 @@ columns) holds its state block in registers for the whole sequence:
 
 and the backward runs the same loop in reverse with the state's gradient in registers for what must go chunk after
 chunk (the values' and the state's gradients), then forms every chunk's other gradients in parallel from the states
-the forward stored (S_i before each chunk: K x V fp32 per chunk and head) and the state gradients. Gradients that sum over V (those of qd, w, kd,
-P and g) are written per V block and summed after, so the result does not depend on the order programs finish in.
+the forward stored (S_i before each chunk: K x V fp32 per chunk and head) and the state gradients. Gradients that
+sum over V (those of qd, w, kd, P and g) are written per V block and summed after, so the result does not depend on
+the order programs finish in.
 Definitions: ``reference.delta_scan``."""
 
 from __future__ import annotations

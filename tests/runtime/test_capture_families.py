@@ -25,7 +25,8 @@ def test_family_matches_plain_pytorch(family):
     gradient's parts in another order than autograd (an ulp apart), which AdamW turns into an lr-sized step on the
     k-projection bias (an analytically zero gradient) after the first."""
     kw = with_dropout(family, 0.0) if family in ("gpt2", "gpt_bigcode", "falcon_alibi", "bloom") else {}
-    untied = family in ("nemotron_h", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")  # (their heads are untied)
+    # (the hybrids' heads are untied)
+    untied = family in ("nemotron_h", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
     runs = ((False, 3),) if untied else ((True, 1), (False, 3))
     for tied, n_steps in runs:
         model = hf_model(family, tie_word_embeddings=tied, **kw)

@@ -194,9 +194,8 @@ def _rope_patch(block: nn.Module, halves_equal: bool = False):
 
 def _delta_rule_patch(block: nn.Module):
     """((module, name, replacement), None) substituting the kernels' chunked gated delta rule for the block module's
-    ``torch_chunk_gated_delta_rule``; (None, why) where the layers' head dims are not
-    the kernels'; (None, None) where the block has none. A call with a chunk the kernels do not take runs the
-    original."""
+    ``torch_chunk_gated_delta_rule``; (None, why) where the layers' head dims are not the kernels'; (None, None)
+    where the block has none. A call with a chunk the kernels do not take runs the original."""
     from megatrain.kernels import delta_rule
 
     mod = sys.modules.get(type(block).__module__)

@@ -191,7 +191,7 @@ def test_sequence_weights_step_equals_plain_pytorch(monkeypatch, chunk):
     loss = -(weights * logps.sum(1)).mean()
     loss.backward()
     opt.step()
-    assert st.loss == pytest.approx(float(loss), abs=1e-5)  # (a sum whose terms nearly cancel)
+    assert st.loss == pytest.approx(loss.item(), abs=1e-5)  # (a sum whose terms nearly cancel)
     assert st.metrics["weights/mean"] == pytest.approx(float(weights.mean()))
     for name, p in sm.state_dict().items():
         assert torch.allclose(p, model.state_dict()[name], atol=1e-6), name

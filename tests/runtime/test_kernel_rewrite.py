@@ -19,6 +19,9 @@ from .test_parity import OPT, batches
     ("gemma2", {"rmsnorm", "rope", "linear_cross_entropy"}),  # gelu MLP: no SwiGLU; soft-capped head
     # gated delta-net layers: the chunked rule's scan over chunks in the kernels
     ("qwen3_5_text", {"rmsnorm", "swiglu", "rope", "gated_delta_rule", "linear_cross_entropy"}),
+    # one tensor rotated a call, apply_rotary_pos_emb(x, cos, sin): transformers' rotation kept
+    ("gemma3n_text", {"rmsnorm", "linear_cross_entropy"}),
+    ("gemma4_text", {"rmsnorm", "linear_cross_entropy"}),
 ])
 def test_kernels_match_plain_templates(family, expect):
     model = hf_model(family)

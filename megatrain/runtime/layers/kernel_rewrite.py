@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import operator
 import sys
 from dataclasses import dataclass
@@ -174,17 +175,34 @@ def rotary_halves_equal(captured: Captured) -> bool:
     return found
 
 
+def _rotates_q_and_k(fn) -> bool:
+    """Whether ``fn`` rotates a query and a key together, ``(q, k, cos, sin, ...)``, as the RoPE kernel does (a
+    wrapper that hides its parameters counts: each call is checked again). Gemma 3n and Gemma 4 rotate one tensor,
+    ``(x, cos, sin)``."""
+    try:
+        params = list(inspect.signature(inspect.unwrap(fn)).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    return [p.name for p in params[:4]] == ["q", "k", "cos", "sin"]
+
+
 def _rope_patch(block: nn.Module, halves_equal: bool = False):
-    """(module, name, replacement) substituting the RoPE kernel for the block module's apply_rotary_pos_emb."""
+    """(module, name, replacement) substituting the RoPE kernel for the block module's apply_rotary_pos_emb; None
+    where the module has none or its function rotates another way (:func:`_rotates_q_and_k`)."""
     mod = sys.modules.get(type(block).__module__)
     original = getattr(mod, "apply_rotary_pos_emb", None)
-    if original is None:
+    if original is None or not _rotates_q_and_k(original):
         return None
 
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        unsqueeze_dim = kwargs.get("unsqueeze_dim", args[-1] if args else 1)
+    def apply_rotary_pos_emb(*args, **kwargs):
+        if len(args) < 4 or not all(isinstance(t, torch.Tensor) for t in args[:4]):
+            return original(*args, **kwargs)  # not a (q, k, cos, sin) call
+        q, k, cos, sin, *rest = args
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", rest[-1] if rest else 1)
         if unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1] or q.dim() != 4:
-            return original(q, k, cos, sin, *args, **kwargs)  # partial rotary or another layout: not this kernel
+            return original(*args, **kwargs)  # partial rotary or another layout: not this kernel
         from megatrain.kernels import rope
 
         return rope(q, k, cos, sin, halves_equal=halves_equal)

@@ -71,7 +71,8 @@ def _measure(ctx, layer: int, seq_len: int, lean: bool) -> int:
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), keep_less(lean):
         out = ctx.runner.run(layer, flat, x, side, grad_views=[])
-    del out, held
+    del out
+    held.clear()
     return sum(kept.values())
 
 

@@ -54,6 +54,10 @@ class Layer:
     # expert, weighted and summed back per token (7 row reads and writes) and the gate / up rows the activation reads
     # and writes (3 of the expert's width). 0: a dense layer
     route_bytes_per_token: int = 0
+    # of ``params``, those whose weight gradient autograd returns in the compute dtype for the executor to add into
+    # the layer's fp32 gradient slot after each backward (a mixture of experts' routed experts, held as grouped
+    # weights; the linears write theirs into the slot from their GEMM): cost.GRAD_ADD_BYTES each a backward. 0: none
+    grad_add_params: int = 0
     # forward FLOPs per token a recomputing backward leaves out: the projection whose result only the block's
     # closing residual sum reads (a dense block's MLP down projection, :data:`UNREAD_PROJECTION`), which the
     # backward needs the input and weights of, not the product (runtime.layers.grad_sink.outputs_unread). 0: none

@@ -14,9 +14,8 @@ from megatrain.layout import (DELTA_PIECE_TOKENS, GRAD_BYTES, HOST_UPDATE_CHUNK,
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
-# host memory a training process holds besides the store, its buffers and checkpoints (the CUDA context, the
-# libraries, Python): measured on the H200 machine as peak RSS less the planned figure, 1.59-1.66 GiB in six runs
-# of 1.8B-7.6B models (docs/benchmark-history.md, "The host-lean store")
+# host memory a process holds besides the store, its buffers and checkpoints (CUDA context, libraries, Python): peak
+# RSS less the planned figure, 1.59-1.66 GiB in six H200 runs of 1.8B-7.6B models (benchmark-history, host-lean store)
 PROCESS_HOST_BYTES = int(1.7 * (1 << 30))
 # host memory the stages of a run besides its steps take beyond the store, the largest of them (they run one at a
 # time): loading a checkpoint (a chunk), saving or loading a state (none: straight from and into the store),
@@ -244,14 +243,23 @@ def scan_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
     return passes * per_token * cfg.mb_tokens
 
 
+GRAD_ADD_BYTES = 12  # a gradient in the compute dtype written, read, added to the fp32 slot (Layer.grad_add_params)
+
+
+def grad_add_nbytes(graph: LayerGraph, op: Op) -> float:
+    return graph[op.layer].grad_add_params * GRAD_ADD_BYTES if op.kind is OpKind.BWD else 0.0
+
+
 def compute_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
     """A compute op's arithmetic time: its matmuls at the matmul rate, its attention at the attention rate, a
     linear-attention recurrence (:func:`scan_flops`) at the scan rate, and a mixture of experts' routing
-    (:func:`route_nbytes`) at the routing rate, after them (its kernels run between the GEMMs, not under them)."""
+    (:func:`route_nbytes`) at the routing rate and its experts' gradients' sum (:func:`grad_add_nbytes`) at the
+    device memory's, after them (their kernels run between the GEMMs or after them, not under them)."""
     mm, attn = matmul_and_attention_flops(graph, cfg, op)
     route, scan = route_nbytes(graph, cfg, op), scan_flops(graph, cfg, op)
     return mm / spec.matmul_flops_per_s + attn / (spec.attn_flops_per_s or spec.matmul_flops_per_s) + \
         (route / (spec.route_bytes_per_s or spec.hbm_bytes_per_s) if route else 0.0) + \
+        grad_add_nbytes(graph, op) / spec.hbm_bytes_per_s + \
         (scan / (spec.scan_flops_per_s or spec.matmul_flops_per_s) if scan else 0.0)
 
 

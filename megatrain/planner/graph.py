@@ -112,7 +112,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     :data:`LOSS_LOGITS_PER_CHUNK` elements at a time, see ``cost.workspace_nbytes``). ``tiles``: a block whose MLP
     runs over tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts);
     ``tile_norm``: its post-attention norm with it (:data:`NORM_WITH_MLP`); ``moe``: a block whose MLP routes to
-    experts (its routing's bytes, ``Layer.route_bytes_per_token``); ``unread_down``: a dense block whose MLP's down
+    experts (its routing's bytes, ``Layer.route_bytes_per_token``; its experts' gradients added into the fp32 slot,
+    ``Layer.grad_add_params``); ``unread_down``: a dense block whose MLP's down
     projection a recomputing backward leaves out (:data:`UNREAD_PROJECTION`, ``Layer.unread_flops_per_token``);
     ``grouped_attention``: its attention takes the flash kernel, whose backward runs one key/value head's group of
     query heads at a time on long micro-batches (``Layer.attn_bwd_group_bytes_per_token``,
@@ -140,6 +141,7 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),
         lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True),
         route_bytes_per_token=moe.top_k * (7 * H + 3 * moe.expert_inter) * a if moe is not None else 0,
+        grad_add_params=moe.expert_params(H) if moe is not None else 0,
         unread_flops_per_token=2.0 * H * inter if unread_down and moe is None else 0.0,
         attn_bwd_bytes_per_token=(4 + (2 * a if kv < q else 0)) * q,
         attn_bwd_group_bytes_per_token=attn_group_bytes(q, kv, heads, a) if grouped_attention else 0)

@@ -36,7 +36,7 @@ FAMILIES = {  # every MoE layout the planner reads: dense layers mixed in, share
 }
 COST_FIELDS = ("kind", "params", "inactive_params", "matmul_flops_per_token", "attn_flops_per_token_per_seq",
                "act_bytes_per_token", "work_bytes_per_token", "saved_bytes_per_token", "route_bytes_per_token",
-               "scan_flops_per_token", "attn_bwd_bytes_per_token")
+               "scan_flops_per_token", "attn_bwd_bytes_per_token", "grad_add_params")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -88,6 +88,38 @@ def test_a_moe_blocks_compute_time_adds_its_routing_bytes_at_the_routing_rate():
             op = Op(0, kind, Stream.COMPUTE, step=0, layer=1, mb=0)
             extra = compute_seconds(g, cfg, spec, op) - compute_seconds(bare, cfg, spec, op)
             assert extra == pytest.approx(n * 278_528 * 32768 / spec.route_bytes_per_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "llama4_text", "deepseek_v3"])
+def test_a_moe_blocks_backward_adds_its_grouped_experts_gradients_once_a_micro_batch(family):
+    """The experts' grouped weights (each ``experts`` module's own parameters: no linears, so autograd returns their
+    gradients for the executor to add into the fp32 slot) are a block's grad_add_params; a backward costs 12 bytes
+    each at the device memory's rate whatever its tokens, so a step of more micro-batches pays it more often."""
+    import dataclasses
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatrain.ir import Op, OpKind, ScheduleConfig, Stream
+    from megatrain.planner.cost import GRAD_ADD_BYTES, compute_seconds
+    from megatrain.planner.graph import LayerGraph
+    from megatrain.planner.hardware import PRESETS as HW
+
+    cfg = AutoConfig.for_model(family, **{**TINY, **FAMILIES[family]})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    own = [sum(p.numel() for name, mod in layer.named_modules() if name.split(".")[-1] == "experts"
+               for p in mod.parameters(recurse=False)) for layer in model.model.layers]
+    g = from_config(cfg.to_dict())
+    assert [lay.grad_add_params for lay in g.layers if lay.kind == "block"] == own and any(own)
+    assert all(lay.grad_add_params == 0 for lay in preset("qwen2.5-1.5b").layers)
+    bare = LayerGraph([dataclasses.replace(lay, grad_add_params=0) for lay in g.layers])
+    spec, i = HW["h200"], next(i for i, lay in enumerate(g.layers) if lay.grad_add_params)
+    for tokens in (4096, 32768):
+        sc = ScheduleConfig(n_layers=len(g), mb_tokens=tokens, seq_len=1024)
+        for kind, n in ((OpKind.FWD, 0), (OpKind.BWD, g[i].grad_add_params * GRAD_ADD_BYTES)):
+            op = Op(0, kind, Stream.COMPUTE, step=0, layer=i, mb=0)
+            extra = compute_seconds(g, sc, spec, op) - compute_seconds(bare, sc, spec, op)
+            assert extra == pytest.approx(n / spec.hbm_bytes_per_s, rel=1e-9, abs=1e-15)
 
 
 @pytest.mark.parametrize("name,total,active", [

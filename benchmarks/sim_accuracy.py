@@ -71,7 +71,9 @@ def predict(r: dict, spec) -> tuple[float, float, str]:
                          saved_acts=tuple(r.get("saved_acts", ())), saved_lean=r.get("saved_lean", False),
                          resident_opt=tuple(r.get("resident_opt") or ()), grad_kept=tuple(r.get("grad_kept") or ()),
                          grad_host_bytes=r.get("grad_host_bytes", 4), split_opt=tuple(r.get("split_opt") or ()),
-                         opt_part=r.get("opt_part") or 0, seq_tile=r.get("seq_tile") or 0)
+                         opt_part=r.get("opt_part") or 0, seq_tile=r.get("seq_tile") or 0,
+                         speculate=tuple(r.get("speculate") or ()), host_grad_part=r.get("host_grad_part") or 0,
+                         host_grad_slots=r.get("host_grad_slots", 2))
     s = build_schedule(graph, cfg)
     b = bound(s, graph, spec)
     return simulate(s, graph, spec).steady_step_s, b.step_s, b.limiter

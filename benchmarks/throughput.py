@@ -503,6 +503,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "planned_host_gib": sum(host_memory(graph, sched).values()) / (1 << 30),
         "planned_host_bytes_per_param": sum(host_memory(graph, sched).values()) / n,
         "saved_lean": c.saved_lean, "seq_tile": c.seq_tile, "split_opt": list(c.split_opt), "opt_part": c.opt_part,
+        "host_grad_part": c.host_grad_part, "host_grad_slots": c.host_grad_slots,
         "speculate": list(c.speculate), "max_grad_norm": sm.optimizer.cfg.max_grad_norm,
         # the simulator's device memory in use at its peak, for the measured peak below
         "planned_gpu_peak_gib": planned_peak / (1 << 30),

@@ -140,11 +140,18 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         tile_flops_per_token=6.0 * H * inter if tiles else 0.0,
         saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),
         lean_saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a, lean=True),
-        route_bytes_per_token=moe.top_k * (7 * H + 3 * moe.expert_inter) * a if moe is not None else 0,
+        route_bytes_per_token=moe.top_k * (7 * H + (3 + (CLAMPED_GATE_PASSES if moe.expert_bias else 0))
+                                           * moe.expert_inter) * a if moe is not None else 0,
         grad_add_params=moe.expert_params(H) if moe is not None else 0,
         unread_flops_per_token=2.0 * H * inter if unread_down and moe is None else 0.0,
         attn_bwd_bytes_per_token=(4 + (2 * a if kv < q else 0)) * q,
         attn_bwd_group_bytes_per_token=attn_group_bytes(q, kv, heads, a) if grouped_attention else 0)
+
+
+# GPT-OSS's experts beyond a SwiGLU expert's routing, in passes of an expert's width a pair: the biases gathered per
+# pair and added, and the clamped gate's elementwise kernels over strided halves (fitted: 69 ns a pair against 32
+# at the routing rate, the experts of its 120B shape at 128-1,024 rows an expert, H100; docs/benchmarks.md)
+CLAMPED_GATE_PASSES = 12
 
 
 @dataclass(frozen=True)

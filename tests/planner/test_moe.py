@@ -8,7 +8,7 @@ import torch
 
 from megatrain.capture import capture
 from megatrain.cli import main
-from megatrain.planner.graph import from_config, moe_of, preset
+from megatrain.planner.graph import CLAMPED_GATE_PASSES, from_config, moe_of, preset
 
 TINY = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
             max_position_embeddings=128)
@@ -80,6 +80,8 @@ def test_a_moe_blocks_compute_time_adds_its_routing_bytes_at_the_routing_rate():
     block = g[1]
     assert block.route_bytes_per_token == 8 * (7 * 2048 + 3 * 1024) * 2 == 278_528
     assert all(lay.route_bytes_per_token == 0 for lay in preset("qwen2.5-1.5b").layers)
+    # GPT-OSS's biased experts and clamped gate: CLAMPED_GATE_PASSES more passes of the expert width a pair
+    assert preset("gpt-oss-120b")[1].route_bytes_per_token == 4 * (7 * 2880 + (3 + CLAMPED_GATE_PASSES) * 2880) * 2
     bare = LayerGraph([dataclasses.replace(lay, route_bytes_per_token=0) for lay in g.layers])
     spec = HW["h200"]
     for saved, passes in (((), 2.5), ((1,), 1.5)):

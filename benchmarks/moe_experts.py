@@ -62,7 +62,9 @@ def gemms_only(experts, x: torch.Tensor, offs: torch.Tensor, backward: bool):
     def run():
         h = mm(x, up, offs=offs)
         y = mm(h[..., :down.shape[-2]].contiguous(), down, offs=offs)
-        if backward:
+        if backward:  # (each call's gradients fresh, as the full path's below)
+            experts.zero_grad(set_to_none=True)
+            x.grad = None
             y.backward(torch.ones_like(y))
         return y
     return run
@@ -101,7 +103,7 @@ def main() -> None:
         with torch.no_grad():
             gemm_fwd_ms = timed(gemms_only(experts, pairs, offs, False), warmup=2, reps=5, batches=3)
         gemm_step_ms = timed(gemms_only(experts, pairs, offs, True), warmup=2, reps=5, batches=3)
-        flops = 2 * tokens * k * p  # one forward's multiply-adds over the experts' weights, each pair once
+        flops = 2 * tokens * k * p / n_exp  # one forward: each routed pair through one expert's weights
         res = {"preset": args.preset, "rows_per_expert": rows, "tokens": tokens, "experts": n_exp, "k": k,
                "expert_params": p, "fwd_ms": fwd_ms, "fwd_bwd_ms": step_ms, "gemm_fwd_ms": gemm_fwd_ms,
                "gemm_fwd_bwd_ms": gemm_step_ms, "fwd_tflops": flops / fwd_ms / 1e9,

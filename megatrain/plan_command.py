@@ -207,7 +207,9 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
            if cfg.saved_acts else "; every backward recomputes its forward")
         + (f"; the blocks' MLPs over {cfg.seq_tile}-token tiles" if cfg.seq_tile else "")
         + (f"; layers {list(cfg.speculate)} updated before the step's global norm, checked after it (a clipped "
-           f"step makes them again: +{speculation_redo_s(graph, cfg, spec):.3f} s)" if cfg.speculate else ""),
+           f"step makes them again: +{speculation_redo_s(graph, cfg, spec):.3f} s)" if cfg.speculate else "")
+        + ("; every host update makes its moments in its pass (none left for after it)"
+           if cfg.clip and not cfg.defer_moments else ""),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
         f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "

@@ -208,7 +208,7 @@ def choose_grad_kept(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str) 
 # loads in ~10 ms on the H200's PCIe, so the update pass's first device update starts that soon after the norm
 SPLIT_PART = 1 << 25
 # candidates of plan() that get split updates tried (the fastest ones without them)
-SPLIT_TRIED = 3
+SPLIT_TRIED = 5
 
 
 def split_eligible(graph: LayerGraph, cfg: ScheduleConfig) -> list[int]:

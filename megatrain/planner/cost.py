@@ -15,12 +15,11 @@ from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
 # host memory a process holds besides the store, its buffers and checkpoints (CUDA context, libraries, Python): peak
-# RSS less the planned figure, 1.59-1.66 GiB in six H200 runs of 1.8B-7.6B models (benchmark-history, host-lean store)
+# RSS less the planned figure, 1.59-1.66 GiB in six H200 runs of 1.8B-7.6B models (benchmark-history, lean store)
 PROCESS_HOST_BYTES = int(1.7 * (1 << 30))
-# host memory the stages of a run besides its steps take beyond the store, the largest of them (they run one at a
-# time): loading a checkpoint (a chunk), saving or loading a state (none: straight from and into the store),
-# exporting (a chunk read and its cast), each measured within it on a 291M-parameter store
-# (tests/runtime/test_host_memory.py)
+# host memory the stages of a run besides its steps take beyond the store, the largest of them (one at a time):
+# loading a checkpoint (a chunk), saving or loading a state (none), exporting (a chunk read and its cast), each
+# measured within it on a 291M-parameter store (tests/runtime/test_host_memory.py)
 STAGE_HOST_BYTES = 2 * IO_CHUNK_BYTES
 OPT_IN_BYTES = 12  # LOAD_OPT: master and moments (the gradient comes from the gradient slot on the device)
 OPT_SLOT_BYTES = 16  # an optimizer slot: master, moments and gradient, fp32
@@ -149,9 +148,10 @@ def loads_from_device(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> bool:
     return op.kind is OpKind.LOAD_W and weights_kept(cfg, graph.owner(op.layer))
 
 
-def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op, spec: HardwareSpec | None = None) -> int:
+def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op, spec: HardwareSpec | None = None,
+                    deferred: frozenset[int] | None = None) -> int:
     """Bytes an h2d/d2h op moves (0 for other ops); ``spec``: the hardware, where it decides what moves (a split
-    update's store of a plan whose moments are deferred: :func:`defers_moments`)."""
+    update's store of a plan whose moments are deferred: :func:`defers_moments`, ``deferred`` as there)."""
     if op.kind is OpKind.LOAD_W:
         return 0 if loads_from_device(graph, cfg, op) else graph.weight_params(op.layer) * cfg.wire_bytes_per_param
     if op.kind is OpKind.KEEP_W:
@@ -163,7 +163,7 @@ def transfer_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op, spec: Hardwa
         grad = cfg.grad_host_bytes if op.mb is not None and op.layer not in cfg.grad_kept else 0
         return op_params(graph, cfg, op) * (OPT_IN_BYTES + grad)
     if op.kind is OpKind.STORE_OPT:  # plus the refreshed bf16 shadow when that is what goes on the wire
-        out = OPT_MASTER_BYTES if spec is not None and defers_moments(cfg, spec, op) else OPT_OUT_BYTES
+        out = OPT_MASTER_BYTES if spec is not None and defers_moments(cfg, spec, op, deferred) else OPT_OUT_BYTES
         return op_params(graph, cfg, op) * (out + (2 if cfg.wire_bytes_per_param == 2 else 0))
     if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT):
         return checkpoint_nbytes(graph, cfg, op.layer)
@@ -246,20 +246,16 @@ def scan_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
 GRAD_ADD_BYTES = 12  # a gradient in the compute dtype written, read, added to the fp32 slot (Layer.grad_add_params)
 
 
-def grad_add_nbytes(graph: LayerGraph, op: Op) -> float:
-    return graph[op.layer].grad_add_params * GRAD_ADD_BYTES if op.kind is OpKind.BWD else 0.0
-
-
 def compute_seconds(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
     """A compute op's arithmetic time: its matmuls at the matmul rate, its attention at the attention rate, a
     linear-attention recurrence (:func:`scan_flops`) at the scan rate, and a mixture of experts' routing
-    (:func:`route_nbytes`) at the routing rate and its experts' gradients' sum (:func:`grad_add_nbytes`) at the
+    (:func:`route_nbytes`) at the routing rate and its experts' gradients' sum (Layer.grad_add_params) at the
     device memory's, after them (their kernels run between the GEMMs or after them, not under them)."""
     mm, attn = matmul_and_attention_flops(graph, cfg, op)
     route, scan = route_nbytes(graph, cfg, op), scan_flops(graph, cfg, op)
     return mm / spec.matmul_flops_per_s + attn / (spec.attn_flops_per_s or spec.matmul_flops_per_s) + \
         (route / (spec.route_bytes_per_s or spec.hbm_bytes_per_s) if route else 0.0) + \
-        grad_add_nbytes(graph, op) / spec.hbm_bytes_per_s + \
+        (graph[op.layer].grad_add_params * GRAD_ADD_BYTES if op.kind is OpKind.BWD else 0) / spec.hbm_bytes_per_s + \
         (scan / (spec.scan_flops_per_s or spec.matmul_flops_per_s) if scan else 0.0)
 
 
@@ -288,8 +284,9 @@ def opt_seconds(cfg: ScheduleConfig, spec: HardwareSpec, p: int, deferred: bool 
     return t
 
 
-def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> float:
-    """Seconds ``op`` takes with its resource to itself."""
+def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: Op,
+               deferred: frozenset[int] | None = None) -> float:
+    """Seconds ``op`` takes with its resource to itself (``deferred``: as :func:`defers_moments` takes it)."""
     k = op.kind
     if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL):
         return max(compute_seconds(graph, cfg, spec, op),
@@ -304,7 +301,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
         # not modelled
         return 0.0
     if k in (OpKind.LOAD_W, OpKind.KEEP_W, OpKind.LOAD_ACT, OpKind.LOAD_OPT):
-        return transfer_nbytes(graph, cfg, op, spec) / spec.h2d_bytes_per_s
+        return transfer_nbytes(graph, cfg, op, spec, deferred) / spec.h2d_bytes_per_s
     if k is OpKind.STORE_G and op.stream is Stream.COMPUTE:  # read from the gradient slot, write the optimizer slot
         return graph.weight_params(op.layer) * 2 * GRAD_BYTES / spec.hbm_bytes_per_s
     if tied_part(graph, op):  # added to the owner's on the device, well under a millisecond: not modelled
@@ -312,13 +309,13 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     if k is OpKind.NORM:  # the gradient read (twice: norms, copy), its copy written in the kept slot's dtype
         return graph.weight_params(op.layer) * (2 * GRAD_BYTES + cfg.grad_host_bytes) / spec.hbm_bytes_per_s
     if k in (OpKind.STORE_G, OpKind.SAVE_ACT, OpKind.STORE_OPT):
-        return transfer_nbytes(graph, cfg, op, spec) / spec.d2h_bytes_per_s
+        return transfer_nbytes(graph, cfg, op, spec, deferred) / spec.d2h_bytes_per_s
     if k is OpKind.OPT and op.stream is Stream.COMPUTE:
         return max(op_params(graph, cfg, op) * OPT_DEVICE_BYTES / spec.hbm_bytes_per_s, spec.fwd_issue_s)
     if k is OpKind.OPT and op.layer in cfg.speculate:
         return early_update_s(cfg, spec, op_params(graph, cfg, op))
     if k is OpKind.OPT:
-        return opt_seconds(cfg, spec, op_params(graph, cfg, op), defers_moments(cfg, spec, op))
+        return opt_seconds(cfg, spec, op_params(graph, cfg, op), defers_moments(cfg, spec, op, deferred))
     raise AssertionError(k)
 
 
@@ -337,17 +334,18 @@ def speculation_redo_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpe
     return early_update_s(cfg, spec, sum(graph.weight_params(l) for l in cfg.speculate))
 
 
-def defers_moments(cfg: ScheduleConfig, spec: HardwareSpec, op: Op) -> bool:
-    """Whether the host update ``op`` -- or the store of one part of a split update -- is modelled as writing the
-    masters alone, the moments left for the host after the update pass (where the spec gives that pass's rate):
-    with clipping, a layer whose gradient has a host buffer of its own from the backward on (the streaming
-    executor defers exactly the updates whose buffer no later op of the step writes: runtime.issue.streams.
-    deferrable_opts; a kept gradient's buffer may be shared in turn, and a split layer's kept gradient has none, so
-    those are counted in full). The moments pass itself, 20 bytes a parameter on the host while the GPU runs the
-    next forward and backward, is not modelled."""
+def defers_moments(cfg: ScheduleConfig, spec: HardwareSpec, op: Op, deferred: frozenset[int] | None = None) -> bool:
+    """Whether the host update ``op`` (or a split update part's store) writes the masters alone, the moments left
+    for the host after the update pass (20 B a parameter while the GPU runs on: not modelled), with clipping where
+    the spec gives that pass's rate: ``op`` is in ``deferred`` (``ir.deferrable_opts`` of its schedule, what the
+    streaming executor defers); without it, its layer's gradient is not kept on the device."""
+    if not (spec.cpu_adam_master_params_per_s and cfg.clip):
+        return False
+    if deferred is not None:
+        return op.id in deferred
     if op.kind is OpKind.STORE_OPT and not (op.mb is not None and op.layer in cfg.split_opt):
         return False  # a whole-layer device update's state goes back in full
-    return bool(spec.cpu_adam_master_params_per_s) and cfg.clip and op.layer not in cfg.grad_kept
+    return op.layer not in cfg.grad_kept
 
 
 @dataclass(frozen=True)

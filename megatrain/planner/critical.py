@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from megatrain.ir import Op, Schedule, Stream, issue_preds
+from megatrain.ir import Op, Schedule, Stream, deferrable_opts, issue_preds
 from megatrain.layout import OPT_STATE_ROWS
 from megatrain.planner.cost import duration_s
 from megatrain.planner.graph import LayerGraph
@@ -41,13 +41,14 @@ def event_dag(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> nx.D
     g = nx.DiGraph()
     row = 1.0 / OPT_STATE_ROWS
     ops = schedule.ops
+    cfg, deferred = schedule.config, deferrable_opts(schedule)
     for op, implicit in zip(ops, issue_preds(ops)):
-        d = duration_s(graph, schedule.config, spec, op)
+        d = duration_s(graph, cfg, spec, op, deferred)
         g.add_edge(("s", op.id), ("e", op.id), weight=d, op=op.id)
         preds = set(op.deps) | set(implicit)
         for x in preds:
             if x in op.deps and same_state(op, ops[x]):  # after the store's first row; ends after the store
-                g.add_edge(("s", x), ("s", op.id), weight=row * duration_s(graph, schedule.config, spec, ops[x]))
+                g.add_edge(("s", x), ("s", op.id), weight=row * duration_s(graph, cfg, spec, ops[x], deferred))
                 g.add_edge(("e", x), ("e", op.id), weight=0.0)
             else:
                 g.add_edge(("e", x), ("s", op.id), weight=0.0)

@@ -48,6 +48,9 @@ class HardwareSpec:
     # backward, when the host is otherwise idle (StreamExecutor.defer_moments); 0: not modelled (every host
     # update at cpu_adam_params_per_s)
     cpu_adam_master_params_per_s: float = 0.0
+    # the deferred moments' pass alone (cost.moments_s): after the update pass, on the host's update worker, before
+    # the next gradient store into each buffer it reads; 0: not modelled (free)
+    cpu_moments_params_per_s: float = 0.0
     # the share of a copy direction's rate it loses while the host's AdamW runs (the update threads' DRAM traffic,
     # the other side of cpu_h2d_slowdown / cpu_d2h_slowdown): the weight and state loads of the update window run
     # slower than alone; 0: not modelled
@@ -97,7 +100,8 @@ class HardwareSpec:
                 continue
             may_be_zero = f in ("gpu_reserved_bytes", "fwd_issue_s", "bwd_issue_s", "attn_flops_per_s",
                                  "route_bytes_per_s", "scan_flops_per_s", "cpu_h2d_slowdown", "cpu_d2h_slowdown",
-                                 "cpu_adam_master_params_per_s", "h2d_cpu_slowdown", "d2h_cpu_slowdown",
+                                 "cpu_adam_master_params_per_s", "cpu_moments_params_per_s", "h2d_cpu_slowdown",
+                                 "d2h_cpu_slowdown",
                                  "gpu_gemm_workspace_bytes", "host_margin_bytes")
             # a rate of Infinity would make times of inf x 0 = NaN, which the simulator cannot order
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
@@ -138,7 +142,10 @@ PRESETS: dict[str, HardwareSpec] = {
     # GEMM reaches 784 TFLOP/s). Issue floors: the host's cost of issuing one FWD / BWD op. Attention: cuDNN through
     # SDPA, fitted to 131K- and 262K-token steps ("Long sequences"). Host AdamW and the shares copies and it take of
     # each other: fitted to timed 7B steps ("Device budgets", "Copies slowed by the host pass"); the masters-alone
-    # pass ("Moments after the update pass"). Routing: fitted to the OLMoE step ("Mixture-of-experts shapes").
+    # pass ("Moments after the update pass"); the deferred moments' pass, fitted to GPT-OSS's 2-block steps on the
+    # H100 machine's host (3.4-4.1 G params/s beside the next forward's weight loads; docs/benchmarks.md, "Mixture-of-
+    # experts shapes"; the H200 machine's 7B steps ran it at 6.05, where it hides behind the step). Routing: fitted to the OLMoE step ("Mixture-of-experts
+    # shapes").
     # cuBLAS: one 32 MiB workspace per thread and stream (torch 2.11). The reserve: the caching allocator's
     # fragmentation, which plans do not count (their workspaces and rounding they do). The gated delta rule's
     # forward: Qwen3-Next's 32 heads at 32,768 tokens on the H100 (the same chip; docs/kernels.md).
@@ -149,6 +156,7 @@ PRESETS: dict[str, HardwareSpec] = {
         cpu_adam_params_per_s=3.7e9, cpu_cast_params_per_s=5.2e9, host_bytes=125 * GiB,
         fwd_issue_s=1.2e-3, bwd_issue_s=4.4e-3, attn_flops_per_s=510e12, route_bytes_per_s=1.8e12,
         cpu_h2d_slowdown=0.125, cpu_d2h_slowdown=0.25, cpu_adam_master_params_per_s=4.5e9, h2d_cpu_slowdown=0.2,
+        cpu_moments_params_per_s=4.5e9,
         gpu_gemm_workspace_bytes=32 << 20, scan_flops_per_s=9.8e12,
     ),
     # The CPU runtime: "device" memory is host memory, copies are memcpy; rough rates of a 2-core machine.

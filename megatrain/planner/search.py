@@ -385,6 +385,14 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             share = functools.partial(_try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
                                       _cutoff(outcomes, 1) if prune else None, undecided(outcomes[top[0]][0]))
             outcomes += run(share, AUTO_SHARES[1:])
+        top = rank([o[2] for o in outcomes])[:1]
+        if split_opt == "auto" and clip and spec.cpu_adam_master_params_per_s and top:  # with the update pass
+            # searched, the fastest again with every host update in one pass: where the host is what a step waits
+            # for, the moments' second pass costs more than it saves
+            again = functools.partial(job, _cutoff(outcomes, 1) if prune else None)
+            outcomes += run(again, [replace(undecided(outcomes[top[0]][0]), defer_moments=False)])
+            if progress is not None:
+                progress(len(outcomes), len(outcomes))
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
     for i in rank([o[2] for o in outcomes]):
         cfg = outcomes[i][0]

@@ -5,22 +5,22 @@ the stream issuer runs them: ``ir.queue_of``); an op starts when its queue is fr
 predecessors are done. Compute and cpu ops take the cost model's seconds, transfers move their bytes, all fluid:
 alone, a copy direction moves at its own rate; when both directions run, each is slowed so that together they stay
 within the duplex rate; queues of one direction (or of the GPU's compute) share it; the host's AdamW slows while
-copies run (the spec's ``cpu_h2d_slowdown`` / ``cpu_d2h_slowdown``: they share the host's DRAM). A device update's
-state moves a row at a time (``layout.OPT_STATE_ROWS``): its LOAD_OPT may start once the STORE_OPT it waits for has
-stored the first row, and ends no earlier than that store.
-"""
+copies run (``cpu_h2d_slowdown`` / ``cpu_d2h_slowdown``: they share the host's DRAM), and runs the deferred moments
+(``planner.moments``). A device update's state moves a row at a time (``layout.OPT_STATE_ROWS``): its LOAD_OPT may
+start once the STORE_OPT it waits for has stored the first row, and ends no earlier than that store."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, ScheduleConfig, Stream,
-                          Timeline, issue_preds, queue_of, resident_slots)
+                          Timeline, deferrable_opts, issue_preds, queue_of, resident_slots)
 from megatrain.layout import OPT_STATE_ROWS
 from megatrain.planner.cost import (POOLS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
                                     transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
+from megatrain.planner.moments import plan_moments
 
 RESOURCES = ("compute", "h2d", "d2h", "pcie", "cpu")
 
@@ -120,11 +120,12 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
     row = 1.0 / OPT_STATE_ROWS
     durations = []
     issued_after = issue_preds(schedule.ops)
+    deferred = deferrable_opts(schedule)
     for op, implicit in zip(schedule.ops, issued_after):
-        d = duration_s(graph, cfg, spec, op)
+        d = duration_s(graph, cfg, spec, op, deferred)
         durations.append(d)
         busy[op.stream.value] += d
-        b = transfer_nbytes(graph, cfg, op, spec)
+        b = transfer_nbytes(graph, cfg, op, spec, deferred)
         nbytes += b
         if op.step == cfg.n_steps - 1:
             last[op.stream.value] += d
@@ -137,12 +138,15 @@ def bound(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec) -> Bound:
         finish.append(max([begin[-1] + d] + [finish[x] for x in rows]))
     busy["pcie"] = nbytes / spec.duplex_bytes_per_s
     last["pcie"] = last_nbytes / spec.duplex_bytes_per_s
+    moments = plan_moments(schedule, graph, spec, deferred)  # the host's deferred moments
+    busy["cpu"] += sum(secs for _, secs, _ in moments.tasks)
+    last["cpu"] += moments.seconds(cfg.n_steps - 1)
     return Bound(busy, max(finish, default=0.0), cfg.n_steps, last,
-                 _chain(schedule, graph, spec, durations, issued_after))
+                 _chain(schedule, graph, spec, durations, issued_after, deferred))
 
 
 def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[float],
-           issued_after: list[tuple[int, ...]]) -> tuple[float, str] | None:
+           issued_after: list[tuple[int, ...]], deferred: frozenset[int]) -> tuple[float, str] | None:
     """The shortest, over consecutive steps k, k+1, of: the work on the busiest resource among the ops that follow
     step k's last gradient op (BWD or NORM on the compute stream) and precede step k+1's first BWD, through
     dependencies and issue order, plus the busiest resource's work among the ops from that BWD to step k+1's last
@@ -153,7 +157,7 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
     roofline misses where the host update pass, not a resource's total, is what a step waits for. The host's
     updates count the share of the window's copies they lose to them (``spec.cpu_h2d_slowdown``,
     ``cpu_d2h_slowdown``). ``dur``: each op's modelled duration; ``issued_after``: :func:`~megatrain.ir.issue_preds`
-    of the ops."""
+    of the ops; ``deferred``: :func:`~megatrain.ir.deferrable_opts` of the schedule."""
     cfg, ops = schedule.config, schedule.ops
     if cfg.n_steps < 2 or not cfg.train:
         return None
@@ -181,7 +185,7 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
         busy = dict.fromkeys(RESOURCES, 0.0)
         for i in ids:
             busy[ops[i].stream.value] += dur[i]
-            busy["pcie"] += transfer_nbytes(graph, cfg, ops[i], spec) / spec.duplex_bytes_per_s
+            busy["pcie"] += transfer_nbytes(graph, cfg, ops[i], spec, deferred) / spec.duplex_bytes_per_s
         return busy
 
     slowdown = {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}
@@ -277,6 +281,9 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
             a[0].id == d and a[1] <= (1 - row) * a[2] * (1 + 1e-9) for q, a in active.items() if q[0] is Stream.D2H)
 
     known: dict[tuple, float] = {}  # an op's units by what they depend on: the steps repeat each other's ops
+    deferred = deferrable_opts(schedule)
+    moments = plan_moments(schedule, graph, spec, deferred)
+    pending, moments_end = list(range(len(moments.tasks))), {}  # (moments tasks not started; task -> its end)
     blocked: dict[Queue, int] = {}  # queue -> a dependency its next op was last found waiting for
     rates: dict[frozenset, dict[Queue, float]] = {}
     while finished < n:
@@ -284,9 +291,17 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
         while progress:
             progress = False
             for q in QUEUES:
+                k, secs, after = moments.tasks[pending[0]] if pending and q[0] is Stream.CPU and q not in active \
+                    else (None, 0.0, ())
+                if k is not None and all(end[d] is not None for d in after):  # the host's queue runs a moments
+                    active[q], progress = [moments.pseudo_op(pending.pop(0)), secs, secs], True  # task (plan_moments)
+                    continue
                 if q in active or head[q] >= len(queues[q]):
                     continue
                 op = queues[q][head[q]]
+                g = moments.gate.get(op.id)
+                if k is not None and op.step > k or g is not None and g not in moments_end:
+                    continue  # (a later step's host op after the pass; a gated op after it ends)
                 b = blocked.get(q)
                 if b is not None and end[b] is None and op.kind is not OpKind.LOAD_OPT:
                     continue  # still waiting for it (a state load may also go on a store's first row)
@@ -302,11 +317,12 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
                 blocked.pop(q, None)
                 head[q] += 1
                 start[op.id] = t
-                key = (op.kind, op.stream, op.layer, op.mb, op.slots)  # (what an op's cost reads: not its step)
+                # (what an op's cost reads: not its step)
+                key = (op.kind, op.stream, op.layer, op.mb, op.slots, op.id in deferred)
                 units = known.get(key)
                 if units is None:
-                    units = known[key] = transfer_nbytes(graph, cfg, op, spec) if q[0] in alone else \
-                        duration_s(graph, cfg, spec, op)
+                    units = known[key] = transfer_nbytes(graph, cfg, op, spec, deferred) if q[0] in alone else \
+                        duration_s(graph, cfg, spec, op, deferred)
                 if units <= 0:
                     end[op.id] = t
                     finished += 1
@@ -340,7 +356,10 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
             a = active[q]
             if q not in waiting:
                 a[1] -= rate[q] * dt
-            if a[1] <= 1e-12 * a[2]:
+            if a[1] <= 1e-12 * a[2] and a[0].id < 0:  # a moments task
+                moments_end[-1 - a[0].id] = t
+                del active[q]
+            elif a[1] <= 1e-12 * a[2]:
                 if a[0].kind is OpKind.LOAD_OPT and any(end[d] is None for d in a[0].deps
                                                         if same_state(a[0], ops[d])):
                     held = True

@@ -226,3 +226,15 @@ def test_a_descent_that_starts_where_nothing_fits_moves_towards_a_fit():
     fast, every = plan(G, spec, **kw), plan(G, spec, order="exhaustive", prune=False, **kw)
     assert fast.schedule.to_text() == every.schedule.to_text()
     assert sum(host_memory(G, fast.schedule).values()) <= spec.host_bytes
+
+
+def test_the_search_makes_updates_in_one_pass_where_the_moments_pass_would_hold_the_step_back():
+    """With clipping (and the update pass searched) the fastest candidate is tried again with every host update's
+    moments in its pass (``defer_moments=False``); on a host whose moments pass is slow that is the plan, and faster
+    than the same plan deferring them."""
+    slow = dataclasses.replace(SPEC, cpu_moments_params_per_s=SPEC.cpu_adam_params_per_s / 20)
+    p = plan(G, slow, **REQUEST, **{**FIXED, "gpu_opt_every": 0}, split_opt="auto")  # (every update on the host)
+    assert p.schedule.config.defer_moments is False
+    deferring = build_schedule(G, dataclasses.replace(p.schedule.config, defer_moments=True))
+    assert p.timeline.steady_step_s < simulate(deferring, G, slow).steady_step_s
+    assert any(not c.defer_moments for c, _ in plan(G, SPEC, **REQUEST, **FIXED, split_opt="auto").tried)

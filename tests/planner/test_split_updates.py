@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from megatrain.ir import OpKind, Schedule
-from megatrain.planner.cost import OPT_IN_BYTES, OPT_SLOT_BYTES, device_memory, transfer_nbytes
+from megatrain.ir import OpKind, Schedule, deferrable_opts, op_params
+from megatrain.planner.cost import (OPT_IN_BYTES, OPT_MASTER_BYTES, OPT_OUT_BYTES, OPT_SLOT_BYTES, device_memory,
+                                    duration_s, transfer_nbytes)
 from megatrain.planner.graph import preset
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule
@@ -174,3 +175,34 @@ def test_the_search_tries_split_counts_next_to_the_fastest():
     for k in (n - 1, n + 1):
         other = plan(graph, slow, 32768, 1024, split_opt=k, **fixed)
         assert best.timeline.steady_step_s <= other.timeline.steady_step_s, k
+
+
+def test_the_cost_model_defers_what_the_executor_defers():
+    """A split layer's parts store the masters alone, and a host update is timed as writing the masters alone,
+    exactly where the schedule lets the streaming executor leave the moments for after the update pass
+    (``ir.deferrable_opts``: the layer's host buffer is not written again in its step). Here the kept gradients pass
+    through the buffers the first updates read (so those updates make their moments in the pass); with one of them
+    put in the split layer's buffer instead, after its parts read it, the parts store master and moments."""
+    spec = PRESETS["h200"]
+    s = _schedule(split_opt=(1,), grad_kept=(2, 3, 4), wire_bytes_per_param=4)
+    deferred = deferrable_opts(s)
+    host = [op for op in s.ops if op.kind is OpKind.OPT and op.stream.value == "cpu"]
+    for op in host:
+        p = op_params(G, s.config, op)
+        rate = spec.cpu_adam_master_params_per_s if op.id in deferred else spec.cpu_adam_params_per_s
+        assert duration_s(G, s.config, spec, op, deferred) == pytest.approx(p / rate)
+    assert {op.id in deferred for op in host} == {True, False}
+    parts = [op for op in s.ops if op.kind is OpKind.STORE_OPT and op.layer == 1 and op.step == 0]
+    split_h = _find(s, OpKind.LOAD_OPT, step=0, layer=1, mb=0).slot("h")
+    for moved in (False, True):
+        for op in parts:
+            p = op_params(G, s.config, op)
+            want = (OPT_OUT_BYTES if moved else OPT_MASTER_BYTES) * p
+            assert transfer_nbytes(G, s.config, op, spec, deferred) == want
+            assert duration_s(G, s.config, spec, op, deferred) == pytest.approx(want / spec.d2h_bytes_per_s)
+        loads = max(op.id for op in s.ops if op.kind is OpKind.LOAD_OPT and op.layer == 1 and op.step == 0)
+        late = next(op for op in s.ops if op.kind is OpKind.STORE_G and op.step == 0 and op.id > loads)
+        s = dataclasses.replace(s, ops=tuple(dataclasses.replace(op, slots=tuple((r, split_h if r == "h" else k)
+                                                                                  for r, k in op.slots))
+                                             if op.id == late.id else op for op in s.ops))
+        deferred = deferrable_opts(s)

@@ -17,7 +17,8 @@ import torch
 from megatrain.ir import OpKind, Stream
 from megatrain.runtime.optim import cpu_adamw
 from megatrain.runtime.issue.stream_copies import StreamCopies
-from megatrain.runtime.issue.streams import StreamExecutor, deferrable_opts
+from megatrain.ir import deferrable_opts
+from megatrain.runtime.issue.streams import StreamExecutor
 
 from .fake_cuda import FakeCuda
 from .models import compile_cpu, hf_model

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatrain.ir import Op, OpKind, Schedule, Stream, queue_of
+from megatrain.ir import Op, OpKind, Schedule, Stream, deferrable_opts, queue_of
 from megatrain.runtime.ops import HANDLERS
 from megatrain.runtime.ops import update as update_ops
 from megatrain.runtime.issue.cuda_api import TORCH_CUDA
@@ -327,31 +327,3 @@ class StreamExecutor(Executor):
         # and end, seconds from the step's start
         self.drain()
         return self.timer.timeline(marked)
-
-
-def deferrable_opts(schedule: Schedule) -> frozenset[int]:
-    """The host OPTs and CHECKs of ``schedule`` whose gradient buffer no later op of their step writes: their moments
-    can be computed from it after the step's update pass (a buffer a kept gradient passes through in turn is written
-    again in the pass); and the STORE_OPTs of every part of a split update whose parts' state loads all read the
-    gradient from such a buffer (not one kept on the device): they can store the masters alone."""
-    out, written = set(), set()
-    step = None
-    split_ok: dict[tuple[int, int], bool] = {}  # (step, split layer) -> every part's gradient from a buffer so
-    for op in reversed(schedule.ops):
-        if op.step != step:
-            step, written = op.step, set()
-        h = op.slot("h")
-        if op.kind is OpKind.LOAD_OPT and op.mb is not None:  # a split update's part
-            key = (op.step, op.layer)
-            split_ok[key] = split_ok.get(key, True) and h is not None and h not in written
-        if h is None:
-            continue
-        if op.kind is OpKind.STORE_G and op.stream is Stream.D2H:
-            written.add(h)
-        elif (op.kind is OpKind.CHECK or op.kind is OpKind.OPT and op.stream is Stream.CPU
-              and op.layer not in schedule.config.speculate) and h not in written:  # (an update made before the
-            # guard writes the masters alone anyway: its CHECK makes the moments)
-            out.add(op.id)
-    out.update(op.id for op in schedule.ops if op.kind is OpKind.STORE_OPT and op.mb is not None
-               and split_ok.get((op.step, op.layer), False))
-    return frozenset(out)

@@ -42,20 +42,24 @@ def plan_moments(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, defe
     if not (spec.cpu_moments_params_per_s and spec.cpu_adam_master_params_per_s and cfg.clip):
         return out
     rate = spec.cpu_moments_params_per_s
+    host_end: dict[int, int] = {}  # step -> its last host op
+    loads: dict[tuple[int, object], list[Op]] = {}  # (step, ("L", split layer)) -> its parts' state loads
+    params: dict[int, dict[object, int]] = {}  # step -> task key -> its parameters, in the order the step defers them
+    for op in schedule.ops:
+        if op.stream is Stream.CPU:
+            host_end[op.step] = op.id
+        if op.kind is OpKind.LOAD_OPT and op.mb is not None:
+            loads.setdefault((op.step, _key(op)), []).append(op)
+        if op.id in deferred:
+            keys = params.setdefault(op.step, {})
+            keys[_key(op)] = keys.get(_key(op), 0) + op_params(graph, cfg, op)
     names: dict[tuple[int, object], list[object]] = {}  # (step, task key) -> what waits for the task: the key and
     # for a split layer its host buffer (key: a host buffer, or ("L", split layer))
-    for k in range(cfg.n_steps):
-        ops = [op for op in schedule.ops if op.step == k]
-        host_end = [max(op.id for op in ops if op.stream is Stream.CPU)] if any(
-            op.stream is Stream.CPU for op in ops) else []
-        params: dict[object, int] = {}  # key -> its parameters, in the order the step defers them
-        for op in ops:
-            if op.id in deferred:
-                params[_key(op)] = params.get(_key(op), 0) + op_params(graph, cfg, op)
-        for key in reversed(params):  # the last deferred first
-            loads = [op for op in ops if op.kind is OpKind.LOAD_OPT and _key(op) == key]
-            names[(k, key)] = list(dict.fromkeys([key, *(op.slot("h") for op in loads)]))
-            out.tasks.append((k, params[key] / rate, host_end + [op.id for op in loads]))
+    for k, keys in params.items():
+        for key in reversed(keys):  # the last deferred first
+            parts = loads.get((k, key), [])
+            names[(k, key)] = list(dict.fromkeys([key, *(op.slot("h") for op in parts)]))
+            out.tasks.append((k, keys[key] / rate, [host_end[k]] * (k in host_end) + [op.id for op in parts]))
     task = {key: i for i, key in enumerate(names)}
     latest: dict[object, tuple[int, int]] = {}  # a name -> (step, task) of its latest task, as ops go by
     for op in schedule.ops:

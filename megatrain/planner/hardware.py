@@ -143,9 +143,9 @@ PRESETS: dict[str, HardwareSpec] = {
     # SDPA, fitted to 131K- and 262K-token steps ("Long sequences"). Host AdamW and the shares copies and it take of
     # each other: fitted to timed 7B steps ("Device budgets", "Copies slowed by the host pass"); the masters-alone
     # pass ("Moments after the update pass"); the deferred moments' pass, fitted to GPT-OSS's 2-block steps on the
-    # H100 machine's host (3.4-4.1 G params/s beside the next forward's weight loads; docs/benchmarks.md, "Mixture-of-
-    # experts shapes"; the H200 machine's 7B steps ran it at 6.05, where it hides behind the step). Routing: fitted to the OLMoE step ("Mixture-of-experts
-    # shapes").
+    # H100 machine's host (3.4-4.1 G params/s beside the next forward's weight loads, "GPT-OSS's 2-block slice"; the
+    # H200 machine's 7B steps ran it at 6.05, where it hides behind the step). Routing: fitted to the OLMoE step
+    # (docs/benchmarks.md, "Mixture-of-experts shapes").
     # cuBLAS: one 32 MiB workspace per thread and stream (torch 2.11). The reserve: the caching allocator's
     # fragmentation, which plans do not count (their workspaces and rounding they do). The gated delta rule's
     # forward: Qwen3-Next's 32 heads at 32,768 tokens on the H100 (the same chip; docs/kernels.md).

@@ -28,7 +28,7 @@ import resource
 import statistics
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -527,6 +527,10 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         # (the peak statistic is reset before each op of a --memory-by-op step: the most over every op then)
         "gpu_peak_gib": max([torch.cuda.max_memory_allocated()] + [p for _, _, p in by_op]) / (1 << 30) if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
+        # what the simulation above ran on, for benchmarks/sim_accuracy.py to rebuild it as it was: the plan's
+        # config, the layer graph (as captured, with the saved bytes measured here) and the hardware spec
+        "seq": args.seq, "schedule_config": c.to_dict(), "graph": [asdict(lay) for lay in graph.layers],
+        "hardware_spec": asdict(spec),
     }
     if last is not None:  # the last timed step's host thread: issuing ops, and waiting within that
         marked, moments_s, moments_wait_s = last

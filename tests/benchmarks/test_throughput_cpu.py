@@ -56,6 +56,14 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
     assert abs(pairs["losses"][0] - math.log(2)) < 1e-5 and pairs["losses"][-1] < pairs["losses"][0]
     assert pairs["trained_tokens_per_step"] == [4 * 48] * 4  # 4 rows: 2 pairs, a completion of 48 tokens a row
     assert set(pairs["dpo_metrics"]) >= {"rewards/chosen", "rewards/margins", "rewards/accuracies"}
+    # each record keeps what its simulation ran on: sim_accuracy.py rebuilds each run's plan from it and simulates
+    # the step the run recorded
+    again = tmp_path / "sim.json"
+    proc = run([os.path.join(ROOT, "benchmarks", "sim_accuracy.py"), str(out), "--hardware", "recorded",
+                "--json", str(again)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sims = [r["simulated_s"] for r in json.loads(again.read_text())]
+    assert sims == [r["simulated_steady_step_s"] for r in rows[:5]], proc.stdout
 
 
 def test_sim_accuracy_reads_the_recorded_runs():

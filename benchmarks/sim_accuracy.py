@@ -136,7 +136,8 @@ def main():
         ratios.append(meas / b)
         sync = {True: "yes", False: "no"}.get(r.get("sync_between_steps"), "yes")  # older runs: a sync
         print(f"{r.get('preset') or 'config':14s} {r['n_mb']:3d} {r['weight_slots']:5d} {str(r['clip']):>5s} "
-              f"{len(r['gpu_opt']):4d} {sync:>5s} {meas:9.3f} {sim:7.3f} {sim / meas:8.2f} {b:7.3f} {meas / b:10.2f} {limiter}")
+              f"{len(r['gpu_opt']):4d} {sync:>5s} {meas:9.3f} {sim:7.3f} {sim / meas:8.2f} {b:7.3f} {meas / b:10.2f} "
+              f"{limiter}")
     within = sum(e <= 0.15 for e in errs)
     bounded = sum(m <= 1.2 for m in ratios)
     print(f"{within} of {len(errs)} within 15%; mean |sim/measured - 1| = {sum(errs) / len(errs):.2f}; "

@@ -39,7 +39,7 @@ def _torch_reference(master, exp_avg, exp_avg_sq, grads, weight_decay, scale):
 @pytest.mark.parametrize("n", [5, 16, 1000, 4099, 65536 + 3])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("scale", [None, 1 / 0.37])
-@pytest.mark.parametrize("split", [False, True], ids=["full", "master-then-moments"])
+@pytest.mark.parametrize("split", [False, True, "to"], ids=["full", "master-then-moments", "into-other-rows"])
 def test_the_kernel_gives_torch_fused_adamws_bits(n, weight_decay, scale, split):
     master, exp_avg, exp_avg_sq, grads = _rows(n, seed=n)
     scale = None if scale is None else torch.tensor(scale, dtype=torch.float32).item()
@@ -49,7 +49,12 @@ def test_the_kernel_gives_torch_fused_adamws_bits(n, weight_decay, scale, split)
     for step, g in enumerate(grads, 1):
         kept = g.clone()
         kw = dict(**HP, weight_decay=weight_decay, step=step, grad_scale=scale)
-        if split:
+        if split == "to":  # the rows read stay as they were; the new ones are read by the next step
+            to, before = tuple(torch.full_like(t, float("nan")) for t in (p, m, v)), (p.clone(), m.clone(), v.clone())
+            cpu_adamw.adamw(p, m, v, g, **kw, out=shadow, to=to)
+            assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
+            p, m, v = to
+        elif split:
             cpu_adamw.adamw(p, m, v, g, **kw, out=shadow, mode=cpu_adamw.MASTER)
             cpu_adamw.adamw(p, m, v, g, **kw, mode=cpu_adamw.MOMENTS)
         else:
@@ -75,6 +80,11 @@ def test_bad_rows_are_refused_by_name():
     with pytest.raises(ValueError, match="exp_avg_sq must be a contiguous torch.float32"):
         cpu_adamw.adamw(rows[0], rows[1], torch.zeros(8, dtype=torch.float64), rows[3], **HP, weight_decay=0.0,
                         step=1)
+    with pytest.raises(ValueError, match="separate memory"):
+        cpu_adamw.adamw(*rows, **HP, weight_decay=0.0, step=1, to=(torch.zeros(8), rows[1], torch.zeros(8)))
+    with pytest.raises(ValueError, match="writes every row"):
+        cpu_adamw.adamw(*rows, **HP, weight_decay=0.0, step=1, to=tuple(torch.zeros(8) for _ in range(3)),
+                        mode=cpu_adamw.MASTER)
     with pytest.raises(ValueError, match="step counts updates from 1"):
         cpu_adamw.adamw(*rows, **HP, weight_decay=0.0, step=0)
 

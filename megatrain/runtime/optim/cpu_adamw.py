@@ -98,6 +98,9 @@ def library() -> ctypes.CDLL:
         lib.mt_adamw.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(_Args), ctypes.c_int,
                                                          ctypes.c_int, ctypes.c_int64]
         lib.mt_adamw.restype = ctypes.c_double
+        lib.mt_adamw_to.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.POINTER(_Args), ctypes.c_int,
+                                                            ctypes.c_int64]
+        lib.mt_adamw_to.restype = ctypes.c_double
         _calibrate(lib)
         _lib = lib
         return lib
@@ -137,10 +140,11 @@ def _torch_step(master, exp_avg, exp_avg_sq, grad, hp, step, grad_scale) -> None
 
 
 def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode, threads, form,
-         whole=False, block=0) -> float:
+         whole=False, block=0, to=None) -> float:
     """The update over the rows' first multiple of the vector width in the kernel, the rest (fewer than the width)
-    by torch on copies, of which ``mode``'s rows are kept; ``whole``: every element in the kernel. Returns the
-    seconds the kernel's pass took by its own clock."""
+    by torch on copies, of which ``mode``'s rows are kept; ``whole``: every element in the kernel; ``to``: three
+    rows the new master and moments go to instead (``FULL``; the rows read stay as they were). Returns the seconds
+    the kernel's pass took by its own clock."""
     v_fma, width = form
     n = master.numel()
     main = n if whole else n - n % width
@@ -148,15 +152,19 @@ def _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode
     if main:
         args = _Args(**scalars(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"], step),
                      scale=0.0 if grad_scale is None else grad_scale, v_fma=v_fma)
-        secs = lib.mt_adamw(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                            out.data_ptr() if out is not None else None, main, ctypes.byref(args), mode, threads,
-                            block)
+        ptrs = [t.data_ptr() for t in (master, exp_avg, exp_avg_sq, grad)]
+        out_ptr = out.data_ptr() if out is not None else None
+        if to is not None:
+            secs = lib.mt_adamw_to(*ptrs, *(t.data_ptr() for t in to), out_ptr, main, ctypes.byref(args), threads,
+                                   block)
+        else:
+            secs = lib.mt_adamw(*ptrs, out_ptr, main, ctypes.byref(args), mode, threads, block)
     if main < n:
         rest = [t[main:].clone() for t in (master, exp_avg, exp_avg_sq, grad)]
         _torch_step(*rest, hp, step, grad_scale)
         keep = {FULL: (0, 1, 2), MASTER: (0,), MOMENTS: (1, 2)}[mode]
         for i in keep:
-            (master, exp_avg, exp_avg_sq)[i][main:].copy_(rest[i])
+            (to or (master, exp_avg, exp_avg_sq))[i][main:].copy_(rest[i])
         if out is not None and mode != MOMENTS:
             out[main:].copy_(rest[0])
     return secs
@@ -187,7 +195,7 @@ def _check(name: str, t: torch.Tensor, n: int, dtype: torch.dtype) -> None:
 def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *, lr: float,
           betas: tuple[float, float], eps: float, weight_decay: float, step: int, grad_scale: float | None = None,
           out: torch.Tensor | None = None, mode: int = FULL, threads: int | None = None, whole: bool = False,
-          block: int = 0) -> float:
+          block: int = 0, to: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> float:
     """AdamW's update ``step`` (1 for the first) of fp32 ``master`` / ``exp_avg`` / ``exp_avg_sq`` in place from
     ``grad`` (divided by ``grad_scale`` as it is read; ``grad`` is not written), as torch.optim.AdamW(fused=True)
     computes it; ``out``: the new master rounded to bf16 (not in ``MOMENTS``); ``mode``: which rows are written
@@ -195,9 +203,18 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     ``n % width`` elements too in torch's vector-loop arithmetic, not in its remainder loop's (which may round
     differently): every element as the GPU's kernel computes it (``kernels.adamw``). ``block``: 0, each thread
     updates one equal contiguous share; N > 0, threads take runs of N elements as they come free (the same bits).
+    ``to``: (master, exp_avg, exp_avg_sq) rows of other memory the new values go to (``FULL`` only), the three
+    rows read left as they were: the same bits as the update in place.
     Returns the seconds the kernel's pass took by its own clock (torch's share, the remainder, not counted)."""
     n = master.numel()
-    for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
+    named = (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad))
+    if to is not None:
+        if mode != FULL:
+            raise ValueError("cpu_adamw: an update into other rows writes every row (mode FULL)")
+        named += tuple(zip(("to master", "to exp_avg", "to exp_avg_sq"), to))
+        if len({t.data_ptr() for _, t in named}) < len(named):
+            raise ValueError("cpu_adamw: the rows an update reads and those it writes to must be separate memory")
+    for name, t in named:
         _check(name, t, n, torch.float32)
     if out is not None:
         _check("out", out, n, torch.bfloat16)
@@ -212,4 +229,4 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     lib = library()
     hp = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return _run(lib, master, exp_avg, exp_avg_sq, grad, out, hp, step, grad_scale, mode,
-                threads or torch.get_num_threads(), _form, whole, block)
+                threads or torch.get_num_threads(), _form, whole, block, to)

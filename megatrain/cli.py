@@ -165,6 +165,9 @@ def _main(argv: list[str]) -> int:
                                                     "before the step's global norm, checked and made again where "
                                                     "the step is clipped (off: none; auto: the planner's window; "
                                                     "default auto on a GPU, off on the CPU)"),
+                           ("speculate_keeps", str, "what an update before the norm keeps to be made again: "
+                                                    "masters (the default), state (a spare block, 12 bytes a "
+                                                    "parameter, one pass) or auto (the planner's choice)"),
                            ("clip_rate", float, "the share of steps expected to be clipped, which --speculate auto "
                                                 "weighs (0.1)"),
                            ("wire", str, "weights on the wire: fp32 (default) or bf16 (host shadow, bf16 compute)"),
@@ -287,6 +290,11 @@ def _main(argv: list[str]) -> int:
                         "where the step is clipped (with clipping; 4 bytes of host memory a parameter); auto: the "
                         "window the host memory, the backward and --clip-rate allow; default: auto, or off for "
                         "--hardware cpu")
+    p.add_argument("--speculate-keeps", choices=["auto", "masters", "state"], default="masters",
+                   help="what an update made before the norm keeps to be made again where the step is clipped: "
+                        "masters (4 bytes a parameter; its moments made after the norm, in a second pass over the "
+                        "layer), state (it writes its whole update to a spare block, 12 bytes a parameter, in one "
+                        "pass) or auto (the search's choice); default: masters")
     p.add_argument("--clip-rate", type=float, default=0.1, metavar="P",
                    help="the share of steps expected to be clipped, which --speculate auto weighs (default 0.1)")
     p.add_argument("--saved-acts", default="auto", metavar="N|auto",

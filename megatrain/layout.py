@@ -33,11 +33,21 @@ NORM_WITH_MLP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 UNREAD_PROJECTION = "mlp.down_proj"
 
 
+# an update made before the step's global norm (ScheduleConfig.speculate) keeps the fp32 masters it rewrites, or
+# (speculate_keeps "state") writes the new state to a spare block the size of the layer's (block_bytes)
+KEPT_MASTER_BYTES = 4
+
+
+def block_bytes(layer) -> int:
+    """Host bytes of ``layer``'s block of the store (a planner Layer): fp32 master weights and two Adam moments per
+    parameter, moments only for the parameters that train (none in a layer frozen whole, ``Layer.frozen``;
+    ``Layer.trainable`` of a layer frozen in part)."""
+    return layer.params * 4 + layer.moment_params * (STORE_BYTES_PER_PARAM - 4)
+
+
 def store_bytes(graph) -> int:
-    """Host bytes of the store of ``graph`` (a LayerGraph): fp32 master weights and two Adam moments per parameter,
-    moments only for the parameters that train (none in a layer frozen whole, ``Layer.frozen``; ``Layer.trainable``
-    of a layer frozen in part)."""
-    return sum(lay.params * 4 + lay.moment_params * (STORE_BYTES_PER_PARAM - 4) for lay in graph.layers)
+    """Host bytes of the store of ``graph`` (a LayerGraph): every layer's :func:`block_bytes`."""
+    return sum(block_bytes(lay) for lay in graph.layers)
 
 
 def fmt_bytes(n: float) -> str:

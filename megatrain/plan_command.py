@@ -115,7 +115,7 @@ def plan(args) -> int:
                            grad_kept=grad_kept(args.grad_kept), grad_host_dtype=args.grad_host_dtype,
                            seq_tile=auto(args.seq_tile),
                            speculate=None if args.speculate is None else speculate(args.speculate),
-                           clip_rate=args.clip_rate)
+                           clip_rate=args.clip_rate, speculate_keeps=args.speculate_keeps)
         # what compile() plans on that device: the hardware spec of the CPU runtime, or a GPU's
         fixed = opts.search_kwargs(args.seq, on_gpu=spec.name != "cpu")
         budget = int(args.gpu_gib * GiB) if args.gpu_gib is not None else None
@@ -207,7 +207,9 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
            if cfg.saved_acts else "; every backward recomputes its forward")
         + (f"; the blocks' MLPs over {cfg.seq_tile}-token tiles" if cfg.seq_tile else "")
         + (f"; layers {list(cfg.speculate)} updated before the step's global norm, checked after it (a clipped "
-           f"step makes them again: +{speculation_redo_s(graph, cfg, spec):.3f} s)" if cfg.speculate else "")
+           f"step makes them again: +{speculation_redo_s(graph, cfg, spec):.3f} s; "
+           f"{'a spare block each for their new state' if cfg.speculate_keeps == 'state' else 'their masters kept'})"
+           if cfg.speculate else "")
         + ("; every host update makes its moments in its pass (none left for after it)"
            if cfg.clip and not cfg.defer_moments else ""),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "

@@ -66,6 +66,8 @@ class TrainConfig:
     # in parts (0: none; "auto": the planner's; None: compile()'s default, "auto" on a GPU and 0 on the CPU)
     speculate: int | str | None = None  # host-updated layers whose update starts before the step's global norm (0:
     # none; "auto": the planner's; None: compile()'s default, "auto" on a GPU and 0 on the CPU)
+    speculate_keeps: str = "masters"  # what such an update keeps to be made again: "masters", "state" (a spare
+    # block, 12 bytes a parameter, one update pass) or "auto": the planner's choice
     clip_rate: float = 0.1  # the share of steps expected to be clipped ("auto" speculation weighs it)
     wire: str = "fp32"  # weights on the wire: fp32 (cast on the device) or bf16 (host shadow; needs bf16 compute)
     saved_acts: int | str = "auto"  # layers whose backward reuses the forward's activations, no recompute (a
@@ -151,7 +153,7 @@ class TrainConfig:
 
         return PlanOptions(n_mb=self.mb // world, weight_slots=self.slots, host_checkpoints=self.host_checkpoints,
                            gpu_opt_every=self.gpu_opt_every, split_opt=self.split_opt, speculate=self.speculate,
-                           clip_rate=self.clip_rate, wire=self.wire,
+                           clip_rate=self.clip_rate, speculate_keeps=self.speculate_keeps, wire=self.wire,
                            saved_acts=self.saved_acts, resident_opt=self.resident_opt, grad_kept=self.grad_kept,
                            grad_host_dtype=self.grad_host_dtype, seq_tile=self.seq_tile,
                            host_budget_gib=self.host_gib, device_budget_gib=self.gpu_gib)

@@ -211,9 +211,11 @@ def deferrable_opts(schedule: Schedule) -> frozenset[int]:
             continue
         if op.kind is OpKind.STORE_G and op.stream is Stream.D2H:
             written.add(h)
-        elif (op.kind is OpKind.CHECK or op.kind is OpKind.OPT and op.stream is Stream.CPU
+        elif (op.kind is OpKind.CHECK and schedule.config.speculate_keeps == "masters"
+              or op.kind is OpKind.OPT and op.stream is Stream.CPU
               and op.layer not in schedule.config.speculate) and h not in written:  # (an update made before the
-            # guard writes the masters alone anyway: its CHECK makes the moments)
+            # guard that keeps the masters writes them alone anyway: its CHECK makes the moments; one that keeps
+            # the state made them)
             out.add(op.id)
     out.update(op.id for op in schedule.ops if op.kind is OpKind.STORE_OPT and op.mb is not None
                and split_ok.get((op.step, op.layer), False))

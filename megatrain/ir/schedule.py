@@ -17,7 +17,7 @@ TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt",
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
 QUIET_DEFAULTS = {"saved_lean": False, "train": True, "setup": False, "write_back": False, "grad_host_bytes": 4,
                   "host_grad_slots": 2, "host_grad_part": 0, "seq_tile": 0, "opt_part": 0,
-                  "gemm_workspace_bytes": 0, "defer_moments": True}
+                  "gemm_workspace_bytes": 0, "defer_moments": True, "speculate_keeps": "masters"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +97,12 @@ class ScheduleConfig:
     # again with the step's factor (or not at all where the step must not update). Bit for bit what the update
     # after the GUARD leaves; host memory for the kept masters (4 bytes a parameter)
     speculate: tuple[int, ...] = ()
+    # what an update made before the guard keeps to be undone: "masters" (above: the masters it rewrites, its moments
+    # made by its CHECK, two passes over the layer), or "state": it writes its new masters and moments to a spare
+    # block (one pass, as an update after the guard), which its CHECK makes the layer's where the step is not
+    # clipped; the layer's block, untouched, is where a clipped step updates again. Host memory: the spare, 12 bytes
+    # a parameter
+    speculate_keeps: str = "masters"
     # with clipping, host updates whose gradient buffer no later op of the step writes make their moments after the
     # update pass, from that buffer (``ir.deferrable_opts``; the streaming executor): a shorter pass behind the
     # backward, a second pass the next step's stores into those buffers wait for. False: each update in one pass

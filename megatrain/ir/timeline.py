@@ -24,6 +24,9 @@ class Timeline:
     reserved_nbytes: int = 0  # device bytes allocated for slots + largest working set
     host_nbytes: int = 0
     n_steps: int = 1
+    # the simulator's floor under the steady step (planner.floor: a middle step's work on its busiest resource);
+    # 0 for a measured timeline
+    floor_s: float = 0.0
 
     @property
     def makespan_s(self) -> float:
@@ -44,10 +47,10 @@ class Timeline:
     def steady_step_s(self) -> float:
         """Seconds per step in the steady state: between the ends of the first and the second-to-last step (the
         last step's tail runs with no next step sharing the streams, so it can end early); for two steps the
-        seconds between their ends, for one the makespan."""
+        seconds between their ends, for one the makespan; never under ``floor_s``."""
         ends = self.step_end_s()
         if len(ends) >= 3:
-            return (ends[-2] - ends[0]) / (len(ends) - 2)
+            return max((ends[-2] - ends[0]) / (len(ends) - 2), self.floor_s)
         return ends[-1] - ends[-2] if len(ends) == 2 else ends[-1]
 
     @property
@@ -58,7 +61,7 @@ class Timeline:
         return json.dumps({"format": "megatrain-timeline", "source": self.source, "n_steps": self.n_steps,
                            "ops": [str(op) for op in self.ops], "start_s": self.start_s, "end_s": self.end_s,
                            "memory": self.memory, "reserved_nbytes": self.reserved_nbytes,
-                           "host_nbytes": self.host_nbytes})
+                           "host_nbytes": self.host_nbytes, "floor_s": self.floor_s})
 
     @classmethod
     def from_json(cls, text: str) -> "Timeline":
@@ -68,7 +71,7 @@ class Timeline:
         return cls(source=d["source"], ops=tuple(Op.from_str(o) for o in d["ops"]), start_s=list(d["start_s"]),
                    end_s=list(d["end_s"]), memory=[tuple(m) for m in d.get("memory", [])],
                    reserved_nbytes=d.get("reserved_nbytes", 0), host_nbytes=d.get("host_nbytes", 0),
-                   n_steps=d.get("n_steps", 1))
+                   n_steps=d.get("n_steps", 1), floor_s=d.get("floor_s", 0.0))
 
     def busy_s(self) -> dict[str, float]:
         out = {s.value: 0.0 for s in STREAM_ORDER}

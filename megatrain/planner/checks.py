@@ -36,6 +36,9 @@ def check_split_opt(graph: LayerGraph, cfg: ScheduleConfig) -> None:
                          f"are not in gpu_opt (not {bad}); parts of >= 0 elements")
 
 
+SPECULATE_KEEPS = ("masters", "state")  # ScheduleConfig.speculate_keeps
+
+
 def check_speculate(graph: LayerGraph, cfg: ScheduleConfig) -> None:
     """Refuse ``speculate`` layers whose update cannot start before the step's global norm: it is for layers
     updated on the host (not in ``gpu_opt`` or ``split_opt``) whose gradient goes to the host during the backward
@@ -49,3 +52,5 @@ def check_speculate(graph: LayerGraph, cfg: ScheduleConfig) -> None:
                          f"updated on the host whose gradient goes to the host during the backward (not in gpu_opt, "
                          f"split_opt or grad_kept), that own their weights, share them with none and train "
                          f"(not {bad})")
+    if cfg.speculate_keeps not in SPECULATE_KEEPS:
+        raise ValueError(f"speculate_keeps must be one of {', '.join(SPECULATE_KEEPS)}, got {cfg.speculate_keeps!r}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.ir import POOLS, Op, OpKind, Schedule, ScheduleConfig, Stream, op_params, slot_params
-from megatrain.layout import (DELTA_PIECE_TOKENS, GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, LOSS_CHUNK_TOKENS,
-                              fmt_bytes, store_bytes)
+from megatrain.layout import (DELTA_PIECE_TOKENS, GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, KEPT_MASTER_BYTES,
+                              LOSS_CHUNK_TOKENS, block_bytes, fmt_bytes, store_bytes)
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -319,14 +319,14 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     raise AssertionError(k)
 
 
-KEPT_MASTER_BYTES = 4  # host bytes per parameter an update made before the guard keeps (its fp32 masters)
 
 
 def early_update_s(cfg: ScheduleConfig, spec: HardwareSpec, p: int) -> float:
     """Host seconds of an update of ``p`` parameters made before the guard (``speculate``): the masters kept (read
-    4 bytes a parameter, write 4) and the new masters written alone. A clipped step's CHECK takes as long again:
-    the masters put back, the update made again."""
-    return p / spec.cpu_cast_params_per_s + opt_seconds(cfg, spec, p, bool(spec.cpu_adam_master_params_per_s))
+    4 bytes a parameter, write 4) and the new masters written alone, or (``speculate_keeps`` "state") one whole
+    update into the spare. A clipped step's CHECK takes as long again (the update made again)."""
+    return opt_seconds(cfg, spec, p) if cfg.speculate_keeps == "state" else \
+        p / spec.cpu_cast_params_per_s + opt_seconds(cfg, spec, p, bool(spec.cpu_adam_master_params_per_s))
 
 
 def speculation_redo_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec) -> float:
@@ -404,7 +404,9 @@ def host_memory(graph: LayerGraph, schedule: Schedule) -> dict[str, int]:
     out["gradients"] = sum(numels) * cfg.grad_host_bytes + (
         min(max(numels, default=0), HOST_UPDATE_CHUNK) * 4 if cfg.grad_host_bytes == 2 else 0)
     if cfg.speculate:  # the masters an update made before the guard rewrote, kept until its CHECK
-        out["kept_masters"] = sum(graph.weight_params(l) for l in cfg.speculate) * KEPT_MASTER_BYTES
+        state = cfg.speculate_keeps == "state"
+        out["spare_states" if state else "kept_masters"] = sum(
+            block_bytes(graph[l]) if state else graph.weight_params(l) * KEPT_MASTER_BYTES for l in cfg.speculate)
     return out
 
 

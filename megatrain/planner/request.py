@@ -54,6 +54,10 @@ class PlanOptions:
     # once it is, and made again where the step is clipped (bit for bit the update after the norm; 4 bytes of host
     # memory per parameter); 0: none; "auto": the search's window (see megatrain.planner.speculation); None: the
     # device's default (as gpu_opt_every)
+    speculate_keeps: str = "masters"  # what an update before the norm keeps to be made again: "masters" (4 bytes a
+    # parameter; its moments made after the norm, a second pass), "state" (a spare block of 12 bytes a parameter
+    # its whole update goes to, one pass), or "auto": the search's choice (not yet the default: "state" has not
+    # run on a GPU)
     clip_rate: float = 0.1  # the share of steps expected to be clipped, which the search weighs "auto" speculation by
     device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
     # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),
@@ -62,6 +66,8 @@ class PlanOptions:
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16", "auto"):
             raise ValueError(f"wire must be 'fp32', 'bf16' or 'auto', got {self.wire!r}")
+        if self.speculate_keeps not in ("auto", "masters", "state"):
+            raise ValueError(f"speculate_keeps must be 'masters', 'state' or 'auto', got {self.speculate_keeps!r}")
         if self.grad_host_dtype not in ("fp32", "bf16"):
             raise ValueError(f"grad_host_dtype must be 'fp32' or 'bf16', got {self.grad_host_dtype!r}")
         for name in ("n_mb", "grad_slots"):
@@ -116,7 +122,8 @@ class PlanOptions:
                     grad_slots=auto(o.grad_slots), wire_bytes={"bf16": 2, "fp32": 4, "auto": None}[o.wire],
                     host_checkpoints=host_checkpoints(o.host_checkpoints, seq_len, on_gpu),
                     gpu_opt_every=auto(o.gpu_opt_every), resident_opt=auto(o.resident_opt),
-                    seq_tile=auto(o.seq_tile), speculate=o.speculate, clip_rate=o.clip_rate)
+                    seq_tile=auto(o.seq_tile), speculate=o.speculate, clip_rate=o.clip_rate,
+                    speculate_keeps=o.speculate_keeps)
 
 
 # decisions whose default depends on the device: (on a GPU, on the CPU). On the H200 device updates and split

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from megatrain.ir import Schedule, ScheduleConfig
-from megatrain.planner.checks import PlanError
+from megatrain.planner.checks import SPECULATE_KEEPS, PlanError
 from megatrain.planner.descent import descend
 from megatrain.planner.choices import (GRAD_HOST_BYTES, LONG_SEQ, SPLIT_TRIED, check_resident, choose_grad_kept,
                                        device_update_sets, resident_sets, saved_act_layers, split_eligible, split_sets,
@@ -133,7 +133,7 @@ def _screen(graph: LayerGraph, spec: HardwareSpec, budget: int, cutoff: tuple[bo
 
 def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
          speculate: int | str, clip_rate: float, cutoff: tuple[bool, float] | None,
-         cfg: ScheduleConfig) -> tuple[ScheduleConfig, str, tuple | None, tuple | None, float | None]:
+         cfg: ScheduleConfig, keeps: str = "") -> tuple[ScheduleConfig, str, tuple | None, tuple | None, float | None]:
     """One candidate of :func:`plan`: its config with the kept gradients and saved activations chosen, the outcome,
     its rank (None where it cannot run), and for a candidate refused only because it would take some of the host
     margin (``HardwareSpec.host_margin``), the rank it would have had (else None), and where it does not fit, by
@@ -150,6 +150,14 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     refused = _screen(graph, spec, budget, cutoff, cfg)
     if refused is not None:
         return refused
+    if keeps == "auto" and speculate:  # keeping the state where its window is as long as keeping the masters' (one
+        # pass an update where there were two and a copy: as fast or faster); where it is shorter, both are tried
+        forms = [replace(cfg, speculate_keeps=k) for k in ("state", "masters")]
+        if not _state_holds(graph, spec, cfg, speculate, clip_rate):
+            outs = [_try(graph, spec, budget, saved_acts, grad_kept, speculate, clip_rate, cutoff, c) for c in forms]
+            ran = [o for o in outs if o[2] is not None]
+            return min(ran, key=lambda o: o[2]) if ran else outs[1]
+        cfg = forms[0]
     limit = spec.host_plan_bytes
     steps, cfg = cfg.n_steps, replace(cfg, n_steps=1)  # decided and checked on one step's schedule
     try:  # a count of kept gradients or saved layers this candidate cannot take
@@ -171,7 +179,7 @@ def _try(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | s
     except ValueError as e:
         return replace(cfg, n_steps=steps), str(e), None, None, device_memory(graph, s).total_nbytes / budget
     s = repeat(graph, s, steps)
-    cfg = s.config
+    cfg = s.config if s.config.speculate else replace(s.config, speculate_keeps="masters")  # (no window: no keeping)
     try:  # (one that cannot rank before the cutoff's is not simulated to its end)
         tl = simulate(s, graph, spec, curve=False, steady_only=True, give_up_s=cutoff[1] if cutoff is not None and (
             cfg.grad_host_bytes != 4) == cutoff[0] else None)
@@ -199,10 +207,20 @@ HOST_LEAN_SLACK = 0.01
 
 
 def _try_share(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
-               clip_rate: float, cutoff: tuple[bool, float] | None, cfg: ScheduleConfig, share: float):
+               clip_rate: float, cutoff: tuple[bool, float] | None, cfg: ScheduleConfig, share: float,
+               keeps: str = ""):
     """:func:`_try` of ``cfg`` with ``share`` of its "auto" window of updates before the guard (module level, for
     the worker processes)."""
-    return _try(graph, spec, budget, saved_acts, grad_kept, share, clip_rate, cutoff, cfg)
+    return _try(graph, spec, budget, saved_acts, grad_kept, share, clip_rate, cutoff, cfg, keeps)
+
+
+def _state_holds(graph: LayerGraph, spec: HardwareSpec, cfg: ScheduleConfig, speculate: int | float,
+                 clip_rate: float) -> bool:
+    """Whether ``cfg``'s window of updates before the guard is as long keeping the state as keeping the masters."""
+    free = host_left(graph, cfg, spec)
+    state, masters = (len(with_speculation(graph, replace(cfg, speculate_keeps=k), spec, speculate, free,
+                                           clip_rate).speculate) for k in ("state", "masters"))
+    return state >= masters
 
 
 def undecided(cfg: ScheduleConfig) -> ScheduleConfig:
@@ -264,6 +282,7 @@ def _refine_split(graph: LayerGraph, outcomes: list, split: list[tuple[ScheduleC
 def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, budget_bytes: int | None = None,
          clip: bool = True, n_steps: int = 3, saved_acts: int | str = "auto", grad_kept: int | str = "auto",
          split_opt: int | str = 0, opt_part: int | None = None, speculate: int | str = 0, clip_rate: float = 0.1,
+         speculate_keeps: str = "masters",
          workers: int = 1, order: str = "descent", prune: bool = True,
          progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, the leanest on host memory among those within
@@ -285,7 +304,8 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
     :data:`~megatrain.planner.speculation.AUTO_SHARES` of the window
     :func:`~megatrain.planner.speculation.speculation_set` gives it, and the fastest is tried again with the
     others (none among them); each ranked with ``clip_rate`` (the share of steps expected to be clipped) times what
-    a clipped step adds."""
+    a clipped step adds. ``speculate_keeps``: what those updates keep (``ScheduleConfig.speculate_keeps``), or
+    "auto": the masters, and the fastest is tried again keeping the state (with each share of its window)."""
     budget = spec.budget_bytes if budget_bytes is None else int(budget_bytes)
     check_request(graph, spec, tokens, seq_len, budget)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -323,8 +343,14 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
                         f"clipping (without it each update follows its gradient)")
     if isinstance(clip_rate, bool) or not isinstance(clip_rate, (int, float)) or not 0 <= clip_rate <= 1:
         raise PlanError(f"clip_rate must be a share of steps in 0..1, got {clip_rate!r}")
+    if speculate_keeps not in ("auto", *SPECULATE_KEEPS):
+        raise PlanError(f"speculate_keeps must be 'auto' or one of {', '.join(SPECULATE_KEEPS)}, got "
+                        f"{speculate_keeps!r}")
+    if speculate_keeps != "auto":
+        configs = [replace(c, speculate_keeps=speculate_keeps) for c in configs]
     fixed_spec = AUTO_SHARES[0] if speculate == "auto" else speculate
-    job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept, fixed_spec, clip_rate)
+    keeps = speculate_keeps if speculate_keeps == "auto" else ""  # (where fixed, each config has it)
+    job = functools.partial(_try, graph, spec, budget, saved_acts, grad_kept, fixed_spec, clip_rate, keeps=keeps)
     keep = SPLIT_TRIED if split_opt == "auto" and clip else 1  # the best candidates pruning must leave
     results: dict[int, tuple] = {}  # config index -> its outcome
     with contextlib.ExitStack() as stack:
@@ -383,8 +409,18 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         if speculate == "auto" and clip and top:  # the fastest again with the other shares of its window (none
             # among them)
             share = functools.partial(_try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
-                                      _cutoff(outcomes, 1) if prune else None, undecided(outcomes[top[0]][0]))
+                                      _cutoff(outcomes, 1) if prune else None, undecided(outcomes[top[0]][0]),
+                                      keeps=keeps)
             outcomes += run(share, AUTO_SHARES[1:])
+        top = rank([o[2] for o in outcomes])[:1]
+        if speculate and speculate_keeps == "auto" and clip and top:  # the fastest again, its window keeping the
+            # state: one update pass instead of two, for the host memory of a spare block
+            base = replace(undecided(outcomes[top[0]][0]), speculate_keeps="state")
+            cut = _cutoff(outcomes, 1) if prune else None
+            outcomes += run(functools.partial(_try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate, cut,
+                                              base), AUTO_SHARES[:-1]) if speculate == "auto" else \
+                run(functools.partial(_try, graph, spec, budget, saved_acts, grad_kept, fixed_spec, clip_rate, cut),
+                    [base])
         top = rank([o[2] for o in outcomes])[:1]
         if split_opt == "auto" and clip and spec.cpu_adam_master_params_per_s and top:  # with the update pass
             # searched, the fastest again with every host update in one pass: where the host is what a step waits

@@ -5,9 +5,9 @@ the stream issuer runs them: ``ir.queue_of``); an op starts when its queue is fr
 predecessors are done. Compute and cpu ops take the cost model's seconds, transfers move their bytes, all fluid:
 alone, a copy direction moves at its own rate; when both directions run, each is slowed so that together they stay
 within the duplex rate; queues of one direction (or of the GPU's compute) share it; the host's AdamW slows while
-copies run (``cpu_h2d_slowdown`` / ``cpu_d2h_slowdown``: they share the host's DRAM), and runs the deferred moments
-(``planner.moments``). A device update's state moves a row at a time (``layout.OPT_STATE_ROWS``): its LOAD_OPT may
-start once the STORE_OPT it waits for has stored the first row, and ends no earlier than that store."""
+copies run (they share the host's DRAM), and runs the deferred moments (``planner.moments``). A device update's
+state moves a row at a time (``layout.OPT_STATE_ROWS``): its LOAD_OPT may start once the STORE_OPT it waits for has
+stored the first row, and ends no earlier than that store. The steady step holds to ``planner.floor``'s floor."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from megatrain.layout import OPT_STATE_ROWS
 from megatrain.planner.cost import (POOLS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
                                     transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
+from megatrain.planner.floor import step_floor_s
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.moments import plan_moments
 
@@ -283,6 +284,8 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
     known: dict[tuple, float] = {}  # an op's units by what they depend on: the steps repeat each other's ops
     deferred = deferrable_opts(schedule)
     moments = plan_moments(schedule, graph, spec, deferred)
+    if watch and (floor := step_floor_s(schedule, graph, spec, deferred, moments)) > give_up_s:
+        raise Slower(f"steady step at least {floor:.4f} s, a step's work on its busiest resource")
     pending, moments_end = list(range(len(moments.tasks))), {}  # (moments tasks not started; task -> its end)
     blocked: dict[Queue, int] = {}  # queue -> a dependency its next op was last found waiting for
     rates: dict[frozenset, dict[Queue, float]] = {}
@@ -386,7 +389,7 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
         source="simulated", ops=ops, start_s=start, end_s=end_s,
         memory=memory_curve(schedule, graph, start, end_s) if curve else [],
         reserved_nbytes=mem.total_nbytes, host_nbytes=sum(host_memory(graph, schedule).values()), n_steps=cfg.n_steps,
-    )
+        floor_s=floor if watch else step_floor_s(schedule, graph, spec, deferred, moments))
 
 
 def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end: list[float]) -> list[tuple[float, int]]:

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Op, OpKind, ScheduleConfig, Stream
 from megatrain.planner.checks import PlanError
-from megatrain.planner.cost import KEPT_MASTER_BYTES as KEPT_BYTES
+from megatrain.layout import KEPT_MASTER_BYTES, block_bytes
 from megatrain.planner.cost import duration_s, early_update_s, host_floor, opt_seconds
 from megatrain.planner.hardware import HardwareSpec
 
@@ -70,10 +70,11 @@ def speculation_set(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, 
     for l in able:
         p = graph.weight_params(l)
         early, gain = early_update_s(cfg, spec, p), opt_seconds(cfg, spec, p, master)
-        if used + p * KEPT_BYTES > host_free or busy + early > hide or gain <= clip_rate * early:
+        kept = block_bytes(graph[l]) if cfg.speculate_keeps == "state" else p * KEPT_MASTER_BYTES
+        if used + kept > host_free or busy + early > hide or gain <= clip_rate * early:
             break
         out.append(l)
-        used += p * KEPT_BYTES
+        used += kept
         busy += early
     return tuple(out)
 

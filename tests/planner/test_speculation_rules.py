@@ -7,12 +7,13 @@ import dataclasses
 
 import pytest
 
-from megatrain.ir import OpKind, Schedule, Stream
+from megatrain.ir import OpKind, Schedule, Stream, deferrable_opts
+from megatrain.layout import KEPT_MASTER_BYTES as KEPT_BYTES
 from megatrain.planner.cost import host_memory, speculation_redo_s
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule
 from megatrain.planner.simulate import simulate
-from megatrain.planner.speculation import KEPT_BYTES, speculate_eligible, speculation_set
+from megatrain.planner.speculation import speculate_eligible, speculation_set
 from megatrain.planner.verify import ScheduleError, verify
 
 from .helpers import config, renumber, tiny_graph
@@ -131,3 +132,33 @@ def test_the_window_follows_the_host_memory_left_and_the_rate_of_clipped_steps()
     assert speculation_set(G, cfg, spec, "auto", int(per * 2.5), 0.1) == (5, 4, 3)  # the host holds two blocks
     assert speculation_set(G, cfg, spec, "auto", 10 * per, 0.9) == ()  # nearly every step clipped: none pays
     assert speculation_set(G, cfg, spec, 3, 0, 0.9) == (5, 4, 3)  # a count is taken as asked
+
+
+def test_keeping_the_state_takes_one_update_pass_and_a_spare_block_of_host_memory():
+    """``speculate_keeps`` "state": each update of the window is one whole update (into its spare block), not the
+    masters' copy, the masters' pass and the moments' pass; the host holds a block of the layer's size for it
+    (12 bytes a parameter), so the same host memory takes a third of the window."""
+    base = config(G, n_steps=3, n_mb=3, wire_bytes_per_param=4, speculate=SPEC)
+    masters, state = build_schedule(G, base), build_schedule(G, dataclasses.replace(base, speculate_keeps="state"))
+    kept = sum(G.weight_params(l) for l in SPEC)
+    assert host_memory(G, state)["spare_states"] == kept * 12 and "kept_masters" not in host_memory(G, state)
+    # a clipped step makes the update again in the layer's block, untouched: one pass
+    assert speculation_redo_s(G, state.config, HOST_BOUND) == pytest.approx(kept / 2e7)
+    assert speculation_redo_s(G, masters.config, HOST_BOUND) == pytest.approx(kept / 1e8 + kept / 2e7)
+    # its CHECK has no moments left to make: none is deferred to the moments' pass
+    checks = {op.id for op in state.ops if op.kind is OpKind.CHECK}
+    assert checks and not checks & deferrable_opts(state)
+    assert checks <= deferrable_opts(masters) | {op.id for op in masters.ops if op.kind is OpKind.CHECK}
+    # where the host's two passes cost more than one (the moments' pass at a third of the whole update's rate),
+    # the step is shorter keeping the state
+    slow = dataclasses.replace(HOST_BOUND, cpu_adam_params_per_s=2e7, cpu_adam_master_params_per_s=2e7,
+                               cpu_moments_params_per_s=2e7 / 3)
+    assert simulate(state, G, slow).steady_step_s < simulate(masters, G, slow).steady_step_s
+    cfg = dataclasses.replace(config(G, n_mb=3, wire_bytes_per_param=4), speculate_keeps="state")
+    spec = dataclasses.replace(HOST_BOUND, matmul_flops_per_s=1e6)
+    room = 10 * G.weight_params(4) * KEPT_BYTES  # five layers' masters (above), fewer layers' whole blocks
+    blocks = [G.weight_params(l) * 12 for l in (5, 4, 3, 2, 1)]
+    fit = max(k for k in range(6) if sum(blocks[:k]) <= room)
+    assert 0 < fit < 5 and speculation_set(G, cfg, spec, "auto", room, 0.1) == (5, 4, 3, 2, 1)[:fit]
+    with pytest.raises(ValueError, match="speculate_keeps must be one of masters, state"):
+        build_schedule(G, dataclasses.replace(base, speculate_keeps="both"))

@@ -2,7 +2,9 @@
 gradient is on the host with a clip factor of 1, and its CHECK after the guard keeps it where the step is not
 clipped, or puts the masters back and makes it again with the step's factor where it is, or undoes it where the step
 must not update. Masters, moments and step counts bit-identical to the same plan without it, on the program-order
-executor and the streaming one (fake CUDA), over steps clipped and not, a step that must not update, and a resume."""
+executor and the streaming one (fake CUDA), over steps clipped and not, a step that must not update, and a resume;
+whether the update keeps the masters it rewrites (its moments made by the CHECK) or writes its whole update to a
+spare block that the CHECK makes the layer's (``speculate_keeps``)."""
 
 import copy
 import dataclasses
@@ -41,14 +43,15 @@ def _norms(model, data):
     return [sm.train_step(*b).grad_norm for b in data]
 
 
+@pytest.mark.parametrize("keeps", ["masters", "state"])
 @pytest.mark.parametrize("executor", ["program", "streams"])
 @pytest.mark.parametrize("clipped", ["never", "some", "every"])
-def test_updates_before_the_norm_leave_the_bits_of_updates_after_it(executor, clipped, monkeypatch):
+def test_updates_before_the_norm_leave_the_bits_of_updates_after_it(executor, clipped, keeps, monkeypatch):
     model, data = hf_model("qwen2"), batches(n_steps=4)
     norms = sorted(_norms(model, data))
     limit = {"never": 1e9, "some": (norms[1] + norms[2]) / 2, "every": norms[0] / 100}[clipped]
     optim = dataclasses.replace(NATIVE, max_grad_norm=limit)
-    ref, sm = _compile(model, 0, executor, optim), _compile(model, 3, executor, optim)
+    ref, sm = _compile(model, 0, executor, optim), _compile(model, 3, executor, optim, speculate_keeps=keeps)
     restored = []
     restore = sm.optimizer.restore_masters
     monkeypatch.setattr(sm.optimizer, "restore_masters", lambda layer: (restored.append(layer), restore(layer)))
@@ -65,16 +68,22 @@ def test_updates_before_the_norm_leave_the_bits_of_updates_after_it(executor, cl
     a, b = snapshot(ref), snapshot(sm)  # (the worker's last tasks done)
     assert same(a, b)
     assert len(restored) == 3 * sum(clips)  # each clipped step put every layer of the window back
+    assert sched.config.speculate_keeps == keeps
+    # the spare blocks: one a layer of the window where the update went there, each the size of the layer's
+    assert sorted(sm.store.spares) == (sorted(sched.config.speculate) if keeps == "state" else [])
+    assert all(sm.store.spares[l].numel() == sm.store.flat(l).numel() for l in sm.store.spares)
+    assert all((m is None) == (keeps == "state") for m, _ in sm.optimizer._kept.values())
 
 
+@pytest.mark.parametrize("keeps", ["masters", "state"])
 @pytest.mark.parametrize("executor", ["program", "streams"])
-def test_a_step_that_must_not_update_undoes_the_updates_made_before_its_norm(executor):
+def test_a_step_that_must_not_update_undoes_the_updates_made_before_its_norm(executor, keeps):
     """An inf weight makes the loss not finite: the updates already made go back, nothing is applied, and the
     run goes on as the same plan without updates before the norm does."""
     model, data = hf_model("qwen2"), batches(n_steps=5)
     runs = []
     for speculate in (0, 3):
-        sm = _compile(model, speculate, executor, nonfinite="skip")
+        sm = _compile(model, speculate, executor, nonfinite="skip", speculate_keeps=keeps)
         for b in data[:2]:
             sm.train_step(*b)
         kept = set_weight(sm, "lm_head.weight", 5, float("inf"))
@@ -87,18 +96,19 @@ def test_a_step_that_must_not_update_undoes_the_updates_made_before_its_norm(exe
     assert same(*runs)
 
 
-def test_a_run_resumed_between_steps_goes_on_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("keeps", ["masters", "state"])
+def test_a_run_resumed_between_steps_goes_on_bit_for_bit(tmp_path, keeps):
     model, data = hf_model("qwen2"), batches(n_steps=4)
     optim = dataclasses.replace(NATIVE, max_grad_norm=(lambda n: (n[1] + n[2]) / 2)(sorted(_norms(model, data))))
-    whole = _compile(model, 3, "streams", optim)
+    whole = _compile(model, 3, "streams", optim, speculate_keeps=keeps)
     for b in data:
         whole.train_step(*b)
-    first = _compile(model, 3, "streams", optim)
+    first = _compile(model, 3, "streams", optim, speculate_keeps=keeps)
     for b in data[:2]:
         first.train_step(*b)
     first.save_state(tmp_path / "state")
     second = megatrain.compile(hf_model("qwen2"), device="cpu", optim=optim, state=tmp_path / "state",
-                               speculate=3, saved_acts=0, **PLAN)
+                               speculate=3, speculate_keeps=keeps, saved_acts=0, **PLAN)
     for b in data[2:]:
         second.train_step(*b)
     assert same(snapshot(whole), snapshot(second))
@@ -121,3 +131,14 @@ def test_a_plan_with_another_window_lets_the_masters_kept_for_the_last_one_go():
     sm.train_step(*data[1], speculate=1)
     one = sm.schedule_for(*data[1][0].shape, speculate=1).config.speculate
     assert len(one) == 1 and sorted(sm.optimizer._kept) == list(one)
+
+
+def test_a_plan_with_another_window_lets_the_spare_blocks_of_the_last_one_go():
+    model, data = hf_model("qwen2"), batches(n_steps=3)
+    sm = _compile(model, 3, "program", speculate_keeps="state")
+    sm.train_step(*data[0])
+    assert len(sm.store.spares) == 3
+    sm.train_step(*data[1], speculate=1)
+    assert list(sm.store.spares) == list(sm.schedule_for(*data[1][0].shape, speculate=1).config.speculate)
+    sm.train_step(*data[2], speculate_keeps="masters")  # the masters kept again: no spare is needed
+    assert not sm.store.spares

@@ -113,6 +113,11 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _rows(f: torch.Tensor, n: int, t: int) -> tuple[torch.Tensor, ...]:
+    """A layer's rows in block ``f``: its ``n`` masters, then the moments of its ``t`` elements that train."""
+    return (f[:n],) if not t else (f[:n], f[n: n + t], f[n + t:])
+
+
 def grad_host_dtype(cfg) -> torch.dtype:
     """The dtype of a schedule's host gradient buffers (``ScheduleConfig.grad_host_bytes``)."""
     return torch.bfloat16 if cfg.grad_host_bytes == 2 else torch.float32
@@ -207,6 +212,7 @@ class HostStore:
         self.shared = base is not None
         self.grads = GradBuffers(self.pinned)
         self.shadows: dict[int, torch.Tensor] | None = None  # bf16 copies of the masters (plans with a bf16 wire)
+        self.spares: dict[int, torch.Tensor] = {}  # layer -> a block of its size (:meth:`spare`)
         self.generation = 0  # counts loads of new weights from outside (copies made of the masters go stale)
         # called before new weights come in from outside: whoever holds a newer copy of any row (an executor
         # keeping states on the device) writes it back first, so the moments survive as they do in the store
@@ -231,7 +237,26 @@ class HostStore:
         """Views of the layer's rows in ``ROWS`` order: the master weights (n), exp_avg and exp_avg_sq (t, the
         elements that train); the master alone for a layer frozen whole."""
         f, n, t = self._split(layer)
-        return (f[:n],) if not t else (f[:n], f[n: n + t], f[n + t:])
+        return _rows(f, n, t)
+
+    # ---- spare blocks: where an update made before the step's global norm writes the layer's new state ---------
+    def spare(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Rows (as :meth:`rows`) of a block the size of ``layer``'s, made on first use and pinned like the store:
+        where an update made before the step's guard writes (``ScheduleConfig.speculate_keeps`` "state")."""
+        f, n, t = self._split(layer)
+        b = self.spares.get(layer)
+        if b is None:
+            b = self.spares[layer] = pinned_empty(f.numel()) if self.pinned else torch.empty(f.numel())
+        return _rows(b, n, t)
+
+    def take_spare(self, layer: int) -> None:
+        """The spare becomes the layer's block (the update written there stands) and its block the spare."""
+        self.flats[layer], self.spares[layer] = self.spares[layer], self.flats[layer]
+
+    def drop_spares(self, keep: tuple[int, ...]) -> None:
+        """Let the spares of layers not in ``keep`` go (a plan with another window)."""
+        for layer in [l for l in self.spares if l not in keep]:
+            del self.spares[layer]
 
     def row_pairs(self, layer: int, block: torch.Tensor, lo: int = 0):
         """(host row, ``block`` row) pairs of the same elements: ``block`` (an optimizer slot's, rows as

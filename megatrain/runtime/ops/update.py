@@ -119,14 +119,18 @@ def form_guard(ctx, st: StepState) -> None:
 # ---- updates ---------------------------------------------------------------------------------------------------
 def opt_on_host(ctx, op: Op, st: StepState) -> None:
     """AdamW on the layer's host block (the optimizer worker's task on a GPU), unless the step must not update. A
-    layer of ``speculate``: before the step's guard, with a clip factor of 1, the masters alone, after keeping
-    them (its CHECK finishes or undoes it: :func:`check`)."""
-    if op.layer in st.schedule.config.speculate:
+    layer of ``speculate``: before the step's guard, with a clip factor of 1, the masters alone after keeping them,
+    or (``speculate_keeps`` "state") the whole update into the layer's spare block (its CHECK finishes or undoes
+    it: :func:`check`)."""
+    cfg = st.schedule.config
+    if op.layer in cfg.speculate:
         if not ctx.optimizer.native or ctx.dp is not None:
             raise AssertionError("an update before the step's guard needs megatrain's host kernel (it writes the "
-                                 "masters alone) and one process")
-        ctx.optimizer.keep_masters(op.layer, st.schedule.config.speculate)
-        ctx.optimizer.step_layer(op.layer, _host_grad(ctx, op), moments=False, absent=st.absent.get(op.layer))
+                                 "masters alone, or to a spare block) and one process")
+        state = cfg.speculate_keeps == "state"
+        ctx.optimizer.keep_masters(op.layer, cfg.speculate, masters=not state)
+        ctx.optimizer.step_layer(op.layer, _host_grad(ctx, op), moments=state, absent=st.absent.get(op.layer),
+                                 spare=state)
         return
     if not st.ok():
         return
@@ -145,19 +149,23 @@ def _host_grad(ctx, op: Op) -> torch.Tensor:
 
 def check(ctx, op: Op, st: StepState) -> None:
     """CHECK of an update made before the step's guard (:func:`opt_on_host`) with a factor of 1: where the step's
-    clip factor is 1 the masters stand; else they go back, with the step count, and (unless the step must not
-    update) the update is made again with the factor. Then the moments, with the step's factor (left for after the
-    update pass where the executor defers them: ``st.deferred_moments``). The same bits as one update after the
-    guard."""
+    clip factor is 1 the masters stand (or the spare block becomes the layer's); else they go back, with the step
+    count, and (unless the step must not update) the update is made again with the factor (in the layer's block,
+    untouched, where the update went to the spare). Then, where it kept the masters, the moments with the step's
+    factor (left for after the update pass where the executor defers them: ``st.deferred_moments``). The same bits
+    as one update after the guard."""
     opt, absent = ctx.optimizer, st.absent.get(op.layer)
     coef = st.coef_value() if st.ok() else None
+    state = st.schedule.config.speculate_keeps == "state"
+    if coef == 1.0 and state:
+        ctx.store.take_spare(op.layer)
     if coef != 1.0:
         opt.restore_masters(op.layer)
         st.redone.append(op.layer)
         if coef is None:
             return
-        opt.step_layer(op.layer, _host_grad(ctx, op), coef=coef, moments=False, absent=absent)
-    if op.id not in st.deferred_moments:
+        opt.step_layer(op.layer, _host_grad(ctx, op), coef=coef, moments=state, absent=absent)
+    if not state and op.id not in st.deferred_moments:
         opt.step_moments(op.layer, _host_grad(ctx, op), coef=coef, absent=absent)
 
 

@@ -12,7 +12,7 @@ from megatrain.layout import HOST_UPDATE_CHUNK
 from megatrain.runtime.optim import cpu_adamw
 from megatrain.runtime.optim.cpu_adamw import FULL, MASTER, MOMENTS
 from megatrain.runtime.optim.config import OptimConfig, lr_at
-from megatrain.runtime.memory.store import ROWS, HostStore
+from megatrain.runtime.memory.store import HostStore
 
 _SAID_TORCH_KERNEL = False  # the notice that megatrain's host kernel could not be built is printed once
 
@@ -200,7 +200,7 @@ class HostAdamW:
         return None
 
     def step_layer(self, layer: int, grad: torch.Tensor, coef: float = 1.0, span: tuple[int, int] | None = None,
-                   moments: bool = True, absent: frozenset[int] | None = None) -> None:
+                   moments: bool = True, absent: frozenset[int] | None = None, spare: bool = False) -> None:
         """AdamW on one layer's host block with its gradient ``grad`` (a host buffer: fp32, changed in place where
         the update scales it, or bf16, read back into fp32 first: ``GradBuffers.as_fp32``) scaled by ``coef`` (the
         step's clip factor). ``span``: (lo, hi), the elements of the block ``grad`` holds the gradient of (one part
@@ -208,7 +208,9 @@ class HostAdamW:
         end); None: all. ``moments=False`` (megatrain's kernel only): the new masters alone, the moments left for
         :meth:`step_moments` with the same gradient and factor, before anything else reads them or the gradient
         changes (the two leave the bits one update leaves). ``absent``: the offsets of the parameters the step gave
-        no gradient (``StepState.absent``): left alone, their step counts too."""
+        no gradient (``StepState.absent``): left alone, their step counts too. ``spare`` (megatrain's kernel, the
+        whole block): the new state written to the store's spare block for the layer (``HostStore.spare``), the
+        rest of the block copied there, the layer's block left as it was."""
         opt = self.opts.get(layer)
         if opt is None:
             return
@@ -221,10 +223,12 @@ class HostAdamW:
             raise AssertionError(f"layer {layer}: span {lo}..{hi} cuts an update chunk (chunks of "
                                  f"{HOST_UPDATE_CHUNK} elements)")
         if self.native:
-            self._native_step(layer, opt, grad, coef, lo, hi, FULL if moments else MASTER, absent=absent)
+            self._native_step(layer, opt, grad, coef, lo, hi, FULL if moments else MASTER, absent=absent,
+                              spare=spare)
             return
-        if not moments:
-            raise AssertionError("an update without its moments needs megatrain's host kernel")
+        if not moments or spare:
+            raise AssertionError("an update without its moments, or into the spare block, needs megatrain's host "
+                                 "kernel")
         if grad.dtype == torch.float32:
             self._torch_step(opt, [v for v, _ in pairs], [grad[a - lo:b - lo] for _, (a, b) in pairs],
                              self._grad_scale(grad, coef))
@@ -247,12 +251,14 @@ class HostAdamW:
         self._native_step(layer, opt, grad, coef, lo, hi, MOMENTS, whole=device, absent=absent)
 
     def _native_step(self, layer: int, opt: torch.optim.AdamW, grad: torch.Tensor, coef: float, lo: int, hi: int,
-                     mode: int, whole: bool = False, absent: frozenset[int] | None = None) -> None:
+                     mode: int, whole: bool = False, absent: frozenset[int] | None = None, spare: bool = False) -> None:
         """:meth:`step_layer` by megatrain's kernel, a chunk at a time: the same arithmetic as torch's fused
         AdamW (each chunk's step count and its group's lr and weight decay as torch would take them), the
         gradient only read, the shadow (where the store has one) written by the same pass. ``mode``: the rows
         written (``cpu_adamw.FULL``, ``MASTER``: the step counts advance; ``MOMENTS``: of the update just made)."""
-        master, exp_avg, exp_avg_sq = (self.store.row(layer, r) for r in ROWS)
+        master, exp_avg, exp_avg_sq = rows = self.store.rows(layer)
+        to = self.store.spare(layer) if spare else None
+        done = []  # the spans updated into the spare: the rest of its rows are copied from the block
         shadow = self.store.shadows[layer] if self.store.shadows is not None else None
         # the clip factor as the fused kernel takes it: the gradient divided by 1 / coef, rounded to fp32
         scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32).item()
@@ -270,7 +276,9 @@ class HostAdamW:
             secs = cpu_adamw.adamw(master[a:b], exp_avg[a:b], exp_avg_sq[a:b], g, lr=lr, betas=cfg.betas,
                                    eps=cfg.eps, weight_decay=self._decay(decay), step=int(count), grad_scale=scale,
                                    out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
-                                   threads=self.threads, whole=whole, block=self.block)
+                                   threads=self.threads, whole=whole, block=self.block,
+                                   to=None if to is None else tuple(r[a:b] for r in to))
+            done.append((a, b))
             if mode != MOMENTS:
                 kt = self.kernel_time.get(self.step_index)
                 if kt is None:  # a new step's: the oldest steps' go
@@ -279,6 +287,9 @@ class HostAdamW:
                     kt = self.kernel_time[self.step_index] = [0.0, 0]
                 kt[0] += secs
                 kt[1] += b - a
+        for src, dst in zip(rows, to or ()):  # (the gaps between the spans updated, in order)
+            for a, b in zip([0] + [b for _, b in sorted(done)], [a for a, _ in sorted(done)] + [src.numel()]):
+                dst[a:b].copy_(src[a:b]) if a < min(b, src.numel()) else None
 
     def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
         """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by
@@ -406,23 +417,28 @@ class HostAdamW:
         return self._device_opts[key]
 
     # ---- updates made before the step's global norm is known (ScheduleConfig.speculate) ------------------
-    def keep_masters(self, layer: int, window: tuple[int, ...] = ()) -> None:
+    def keep_masters(self, layer: int, window: tuple[int, ...] = (), masters: bool = True) -> None:
         """Keep ``layer``'s master weights and Adam step count as they are, for :meth:`restore_masters` (one copy
-        per layer, made once and rewritten each time: the host bytes the plan counts for it). ``window``: the
-        schedule's layers that keep theirs; copies of others (a plan run before) are let go."""
+        per layer, made once and rewritten each time: the host bytes the plan counts for it); ``masters=False``:
+        the step count alone (an update into the spare block leaves the masters where they are). ``window``: the
+        schedule's layers that keep theirs; copies and spare blocks of others (a plan run before) are let go."""
         for other in [l for l in self._kept if l != layer and window and l not in window]:
             del self._kept[other]
+        if window:
+            self.store.drop_spares(window if not masters else ())
         kept = self._kept.get(layer)
-        if kept is None:
-            kept = self._kept[layer] = [torch.empty_like(self.store.master(layer)), 0]
-        kept[0].copy_(self.store.master(layer))
+        if kept is None or (kept[0] is not None) != masters:
+            kept = self._kept[layer] = [torch.empty_like(self.store.master(layer)) if masters else None, 0]
+        if masters:
+            kept[0].copy_(self.store.master(layer))
         kept[1] = self.counts(layer)
 
     def restore_masters(self, layer: int) -> None:
         """Put back the master weights and step count :meth:`keep_masters` kept (and the bf16 shadow made from
-        them), undoing an update that wrote the masters alone."""
+        them), undoing an update that wrote the masters alone (or one into the spare block: the count alone)."""
         master, count = self._kept[layer]
-        self.store.master(layer).copy_(master)
+        if master is not None:
+            self.store.master(layer).copy_(master)
         self.store.refresh_shadow(layer)
         self.set_counts(layer, count)
 

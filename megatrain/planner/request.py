@@ -56,8 +56,8 @@ class PlanOptions:
     # device's default (as gpu_opt_every)
     speculate_keeps: str = "masters"  # what an update before the norm keeps to be made again: "masters" (4 bytes a
     # parameter; its moments made after the norm, a second pass), "state" (a spare block of 12 bytes a parameter
-    # its whole update goes to, one pass), or "auto": the search's choice (not yet the default: "state" has not
-    # run on a GPU)
+    # its whole update goes to, one pass), or "auto": the search's choice (not the default until its speed is
+    # measured on a GPU)
     clip_rate: float = 0.1  # the share of steps expected to be clipped, which the search weighs "auto" speculation by
     device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
     # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),

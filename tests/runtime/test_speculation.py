@@ -43,9 +43,9 @@ def _norms(model, data):
     return [sm.train_step(*b).grad_norm for b in data]
 
 
-@pytest.mark.parametrize("keeps", ["masters", "state"])
 @pytest.mark.parametrize("executor", ["program", "streams"])
-@pytest.mark.parametrize("clipped", ["never", "some", "every"])
+@pytest.mark.parametrize("clipped,keeps", [("never", "masters"), ("some", "masters"), ("every", "masters"),
+                                           ("some", "state")])  # (some: the spare swapped in, and the redo)
 def test_updates_before_the_norm_leave_the_bits_of_updates_after_it(executor, clipped, keeps, monkeypatch):
     model, data = hf_model("qwen2"), batches(n_steps=4)
     norms = sorted(_norms(model, data))

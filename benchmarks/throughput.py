@@ -81,6 +81,8 @@ def main():
                          "parts (0: none; auto: the planner's choice)")
     ap.add_argument("--speculate", type=speculate, default="auto", metavar="N|auto|off",
                     help="host updates made before the step's global norm (the planner's --speculate)")
+    ap.add_argument("--speculate-keeps", choices=["masters", "state", "auto"], default="masters",
+                    help="what those updates keep to be made again (the planner's --speculate-keeps)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="the clipping threshold (1.0); a large one keeps exact clipping with no step clipped, a tiny "
                          "one clips every step")
@@ -159,7 +161,7 @@ def main():
                            wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt,
                            grad_kept=args.grad_kept, grad_host_dtype=args.grad_host_dtype,
                            seq_tile=args.seq_tile, host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib,
-                           split_opt=args.split_opt, speculate=args.speculate)
+                           split_opt=args.split_opt, speculate=args.speculate, speculate_keeps=args.speculate_keeps)
     t_init = time.perf_counter() - t0
     args.sync = args.sync or args.device == "cpu"
     sm.overlap_steps = not args.sync  # steady state: a step's optimizer overlaps the next step's start
@@ -170,7 +172,8 @@ def main():
     base = {"gpu_opt_every": args.gpu_opt_every, "wire": args.wire, "n_mb": args.mb, "weight_slots": args.slots,
             "saved_acts": args.saved_acts, "resident_opt": args.resident_opt, "grad_kept": args.grad_kept,
             "grad_host_dtype": args.grad_host_dtype, "host_checkpoints": args.host_checkpoints,
-            "seq_tile": args.seq_tile, "split_opt": args.split_opt, "speculate": sm.plan_options.speculate}
+            "seq_tile": args.seq_tile, "split_opt": args.split_opt, "speculate": sm.plan_options.speculate,
+            "speculate_keeps": args.speculate_keeps}
     for variant in [{}, *args.variant]:
         clip = variant.pop("clip", not args.no_clip)
         data = variant.pop("data", args.data)
@@ -314,7 +317,7 @@ VARIANT_KEYS = {"gpu_opt": ("gpu_opt_every", gpu_opt_every), "wire": ("wire", st
                 "pace": ("pace_split", lambda v: bool(int(v))),
                 "host_kernel": ("host_native", host_kernel), "defer": ("defer_moments", lambda v: bool(int(v))),
                 "stage": ("stage_params", int), "host_block": ("host_block", int), "spec": ("speculate", speculate),
-                "max_norm": ("max_grad_norm", float)}
+                "max_norm": ("max_grad_norm", float), "keeps": ("speculate_keeps", str)}
 
 
 def parse_variant(text: str) -> dict:
@@ -504,7 +507,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "planned_host_bytes_per_param": sum(host_memory(graph, sched).values()) / n,
         "saved_lean": c.saved_lean, "seq_tile": c.seq_tile, "split_opt": list(c.split_opt), "opt_part": c.opt_part,
         "host_grad_part": c.host_grad_part, "host_grad_slots": c.host_grad_slots,
-        "speculate": list(c.speculate), "max_grad_norm": sm.optimizer.cfg.max_grad_norm,
+        "speculate": list(c.speculate), "speculate_keeps": c.speculate_keeps,
+        "max_grad_norm": sm.optimizer.cfg.max_grad_norm,
         # the simulator's device memory in use at its peak, for the measured peak below
         "planned_gpu_peak_gib": planned_peak / (1 << 30),
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),

@@ -278,7 +278,7 @@ class HostAdamW:
                                    out=shadow[a:b] if shadow is not None and mode != MOMENTS else None, mode=mode,
                                    threads=self.threads, whole=whole, block=self.block,
                                    to=None if to is None else tuple(r[a:b] for r in to))
-            done.append((a, b))
+            bisect.insort(done, (a, b))
             if mode != MOMENTS:
                 kt = self.kernel_time.get(self.step_index)
                 if kt is None:  # a new step's: the oldest steps' go
@@ -287,9 +287,10 @@ class HostAdamW:
                     kt = self.kernel_time[self.step_index] = [0.0, 0]
                 kt[0] += secs
                 kt[1] += b - a
-        for src, dst in zip(rows, to or ()):  # (the gaps between the spans updated, in order)
-            for a, b in zip([0] + [b for _, b in sorted(done)], [a for a, _ in sorted(done)] + [src.numel()]):
-                dst[a:b].copy_(src[a:b]) if a < min(b, src.numel()) else None
+        for src, dst in zip(rows, to or ()):  # the gaps between the spans updated (a row's end: its length)
+            for a, b in zip([0] + [b for _, b in done], [a for a, _ in done] + [src.numel()]):
+                if a < min(b, src.numel()):
+                    dst[a:b].copy_(src[a:b])
 
     def count_step(self, layer: int, span: tuple[int, int] | None = None) -> None:
         """The update of ``layer`` (of its elements in ``span``, as :meth:`step_layer` takes it) was applied by

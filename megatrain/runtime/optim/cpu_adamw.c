@@ -93,6 +93,12 @@ static inline __attribute__((always_inline)) void element_to(
     if (write_out) out[i] = to_bf16(p);
 }
 
+/* torch's lerp: a small weight steps from the start (exp_avg), a large one back from the end (grad) */
+static inline int lerp_big(const mt_adamw_args a) { return !(fabsf(a.w1) < 0.5f); }
+
+/* what the gradient is divided by as it is read (1: no clip factor) */
+static inline float grad_scale(const mt_adamw_args a) { return a.scale != 0.0f ? a.scale : 1.0f; }
+
 /* One pass over [0, n). ``block`` 0: each thread takes one contiguous n / threads (a static schedule); > 0: threads
  * take runs of ``block`` elements as they come free (a dynamic schedule), so that a thread the OS runs late (the
  * host has as many cores as threads, and the thread issuing GPU work shares them) holds up only its last run, not a
@@ -101,10 +107,9 @@ static inline __attribute__((always_inline)) void pass(
         float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq, const float *restrict grad,
         uint16_t *restrict out, int64_t n, const mt_adamw_args a, int threads, int64_t block, const int write_master,
         const int write_moments, const int write_out) {
-    /* torch's lerp: a small weight steps from the start (exp_avg), a large one back from the end (grad) */
-    const int big = !(fabsf(a.w1) < 0.5f);
+    const int big = lerp_big(a);
     const float coeff = big ? a.w1 - 1.0f : a.w1;
-    const float scale = a.scale != 0.0f ? a.scale : 1.0f;
+    const float scale = grad_scale(a);
     if (block > 0) {
 #pragma omp parallel for simd schedule(dynamic, block) num_threads(threads)
         for (int64_t i = 0; i < n; i++)
@@ -149,9 +154,9 @@ static inline __attribute__((always_inline)) void pass_to(
         const float *restrict master, const float *restrict exp_avg, const float *restrict exp_avg_sq,
         const float *restrict grad, float *restrict to_master, float *restrict to_avg, float *restrict to_avg_sq,
         uint16_t *restrict out, int64_t n, const mt_adamw_args a, int threads, int64_t block, const int write_out) {
-    const int big = !(fabsf(a.w1) < 0.5f);
+    const int big = lerp_big(a);
     const float coeff = big ? a.w1 - 1.0f : a.w1;
-    const float scale = a.scale != 0.0f ? a.scale : 1.0f;
+    const float scale = grad_scale(a);
     if (block > 0) {
 #pragma omp parallel for simd schedule(dynamic, block) num_threads(threads)
         for (int64_t i = 0; i < n; i++)

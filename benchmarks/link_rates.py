@@ -68,6 +68,12 @@ def spec_with(base: str, fields: dict):
     return HardwareSpec.from_dict(d)
 
 
+def write_spec(spec, path: str) -> None:
+    """``spec`` as a file ``--hardware`` reads (``HardwareSpec.from_json``)."""
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(spec), f, indent=1)
+
+
 def measure(numel: int, layers: int, seconds: float, gib: float) -> dict:
     """The rates ``fit`` takes, each case run for about ``seconds``."""
     import torch
@@ -142,8 +148,7 @@ def main():
     print("\n".join(report(m, spec)).replace(" (", "  (").replace("adam ", "AdamW "))
     print("fitted: " + ", ".join(f"{k}={v:.4g}" for k, v in fields.items()))
     if args.spec_out:
-        with open(args.spec_out, "w") as f:
-            json.dump(dataclasses.asdict(spec), f, indent=1)
+        write_spec(spec, args.spec_out)
         print(f"wrote {args.spec_out} ({args.base}'s other fields)")
     if args.json:
         with open(args.json, "w") as f:

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from benchmarks.link_rates import fit, predict, report, spec_with
+from benchmarks.link_rates import fit, predict, report, spec_with, write_spec
 from megatrain.planner.hardware import PRESETS, HardwareSpec
 
 
@@ -22,7 +22,7 @@ def measured_by(spec: HardwareSpec) -> dict:
 @pytest.mark.parametrize("fields", [{}, dict(h2d_bytes_per_s=40e9, d2h_bytes_per_s=45e9, duplex_bytes_per_s=70e9,
                                              cpu_h2d_slowdown=0.3, cpu_d2h_slowdown=0.1, h2d_cpu_slowdown=0.05,
                                              d2h_cpu_slowdown=0.35, cpu_adam_params_per_s=2.9e9)])
-def test_fit_recovers_the_spec_that_made_the_rates(fields):
+def test_fit_recovers_the_spec_that_made_the_rates(fields, tmp_path):
     truth = dataclasses.replace(PRESETS["h200"], **fields)
     got = fit(measured_by(truth))
     for k, v in got.items():
@@ -30,6 +30,8 @@ def test_fit_recovers_the_spec_that_made_the_rates(fields):
     spec = spec_with("h200", got)
     assert spec.name == "h200-measured" and spec.matmul_flops_per_s == truth.matmul_flops_per_s
     # every case's line shows the measured rate and the model's, here the same figures
+    write_spec(spec, tmp_path / "spec.json")
+    assert HardwareSpec.from_json(tmp_path / "spec.json") == spec
     lines = report(measured_by(truth), spec)
     assert len(lines) == 7
     for line in lines:

@@ -15,25 +15,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import threading
 import time
 
 import torch
 
 from megatrain.layout import HOST_UPDATE_CHUNK
-
-
-def blocks(layers: int, numel: int, pinned: bool) -> list[torch.Tensor]:
-    """``layers`` (4, numel) fp32 blocks: master, exp_avg, exp_avg_sq, gradient."""
-    from megatrain.runtime.memory.store import pinned_zeros
-
-    out = []
-    for _ in range(layers):
-        b = pinned_zeros(4, numel) if pinned else torch.zeros(4, numel)
-        b[0].normal_()
-        b[3].normal_()
-        out.append(b)
-    return out
+from megatrain.probe import Traffic, blocks, native_all
 
 
 def anon_huge_gib() -> float:
@@ -61,21 +48,6 @@ def optimizers(bs: list[torch.Tensor], chunk: int) -> list[tuple[torch.optim.Ada
     return out
 
 
-def native_all(bs: list[torch.Tensor], chunk: int, mode: int, threads: int | None, scale: float | None) -> float:
-    """Seconds for one update of every block by megatrain's host kernel (``cpu_adamw``) in ``mode``, a chunk at a
-    time, in the calling thread."""
-    from megatrain.runtime.optim import cpu_adamw
-
-    t = time.perf_counter()
-    for b in bs:
-        n = b.shape[1]
-        for a in range(0, n, chunk):
-            e = min(a + chunk, n)
-            cpu_adamw.adamw(b[0, a:e], b[1, a:e], b[2, a:e], b[3, a:e], lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.1, step=1, grad_scale=scale, mode=mode, threads=threads)
-    return time.perf_counter() - t
-
-
 def step_all(opts, threads: int | None, scale: torch.Tensor | None) -> float:
     """Seconds for one AdamW step over every block, in the calling thread."""
     if threads:
@@ -92,46 +64,6 @@ def step_all(opts, threads: int | None, scale: torch.Tensor | None) -> float:
         for v in views:
             v.grad = None
     return time.perf_counter() - t
-
-
-class Traffic:
-    """Copies between pinned host buffers and the GPU in a loop on side streams (both directions), as the next
-    step's weight loads and the gradient stores run while the worker updates; ``gbps`` once stopped."""
-
-    def __init__(self, gib: float, h2d: bool, d2h: bool):
-        n = int(gib * (1 << 30)) // 4
-        from megatrain.runtime.memory.store import pinned_zeros
-
-        self.host = [pinned_zeros(n), pinned_zeros(n)]
-        self.dev = [torch.empty(n, device="cuda"), torch.empty(n, device="cuda")]
-        self.dirs = [d for d, on in (("h2d", h2d), ("d2h", d2h)) if on]
-        self.stop, self.bytes = threading.Event(), {d: 0 for d in self.dirs}
-        self.threads = [threading.Thread(target=self._loop, args=(d,), daemon=True) for d in self.dirs]
-
-    def _loop(self, d: str):
-        s = torch.cuda.Stream()
-        i = 0 if d == "h2d" else 1
-        with torch.cuda.stream(s):
-            while not self.stop.is_set():
-                if d == "h2d":
-                    self.dev[i].copy_(self.host[i], non_blocking=True)
-                else:
-                    self.host[i].copy_(self.dev[i], non_blocking=True)
-                s.synchronize()
-                self.bytes[d] += self.host[i].numel() * 4
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join()
-        dt = time.perf_counter() - self.t0
-        self.gbps = {d: b / dt / 1e9 for d, b in self.bytes.items()}
 
 
 def main():

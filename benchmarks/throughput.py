@@ -96,6 +96,8 @@ def main():
                          "as fit)")
     ap.add_argument("--grad-host-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="allow bf16 gradients on the host where no plan with fp32 ones fits")
+    ap.add_argument("--hardware", help="the spec the plan is made for: a preset or a spec file (megatrain probe "
+                                       "writes one for this machine); default: the card's preset")
     ap.add_argument("--host-gib", type=float, help="host memory the plan may use (default: what the machine has)")
     ap.add_argument("--gpu-gib", type=float,
                     help="device memory the plan may fill, the allocator capped to it (default: the card's)")
@@ -154,7 +156,7 @@ def main():
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg))
     t0 = time.perf_counter()
     optim = megatrain.OptimConfig(lr=1e-4, max_grad_norm=None if args.no_clip else args.max_grad_norm)
-    sm = megatrain.compile(model, init_seed=0, device=args.device, optim=optim,
+    sm = megatrain.compile(model, init_seed=0, device=args.device, optim=optim, hardware=args.hardware,
                            streams=not args.sync and args.device != "cpu",
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,

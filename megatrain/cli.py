@@ -87,6 +87,17 @@ def _export(args) -> int:
     return 0
 
 
+def _probe(args) -> int:
+    from megatrain.probe import probe
+
+    try:
+        probe(args.out, device=args.device, seconds=args.seconds, json_path=args.json)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"megatrain probe: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _slots(value: str):
     if value == "all":
         return value
@@ -187,6 +198,9 @@ def _main(argv: list[str]) -> int:
                            ("gpu_gib", float, "device memory the plan may fill, GiB, torch's allocator capped to it plus "
                                               "the spec's reserve: a smaller card's plan (default: the card's, less the "
                                               "reserve)"),
+                           ("hardware", str, "the hardware spec to plan for: a preset (h100, h200, cpu) or a "
+                                              "spec file, e.g. what megatrain probe wrote on this machine "
+                                              "(default: the card's preset, with the host memory available)"),
                            ("vocab", int, "BPE vocabulary when the model brings no tokenizer (1024)"),
                            ("seed", int, "seed for initialization and batches (0)"),
                            ("save_every", int, "also save the training state (weights, Adam moments, step, data "
@@ -328,6 +342,12 @@ def _main(argv: list[str]) -> int:
     e.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true",
                    help="run the Python files the model's config names (auto_map); never taken from the run")
     e.set_defaults(fn=_export)
+    r = sub.add_parser("probe", help="measure this machine's host link and host AdamW: a hardware spec to plan with")
+    r.add_argument("--out", default="hardware.json", help="the spec file to write (for --hardware FILE)")
+    r.add_argument("--device", default="cuda", help="the GPU whose link is measured (cuda, cuda:1, ...)")
+    r.add_argument("--seconds", type=float, default=3.0, help="each of the seven cases' length (3)")
+    r.add_argument("--json", help="also write the measured rates and the fitted fields here")
+    r.set_defaults(fn=_probe)
     v = sub.add_parser("viz", help="draw simulated and measured timelines on one picture and one Chrome trace")
     v.add_argument("--schedule", help="schedule text to simulate (with --preset/--config and --hardware)")
     vsrc = v.add_mutually_exclusive_group()

@@ -60,7 +60,7 @@ def compile(model: nn.Module, *, checkpoint: str | Path | None = None, init_seed
     dtype = compute_dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     opts = _plan_options(plan, dev)
     spec = hardware if isinstance(hardware, HardwareSpec) else hardware_spec(hardware) if hardware else \
-        _device_spec(dev)
+        device_spec(dev)
     host_free = available_host_bytes() if hardware is None else None  # a spec given is taken at its word
     spec = _fitted_spec(spec, opts, dev, host_free)
     if opts.wire == "bf16" and dtype != torch.bfloat16:
@@ -241,7 +241,7 @@ def _device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _device_spec(dev: torch.device) -> HardwareSpec:
+def device_spec(dev: torch.device) -> HardwareSpec:
     """The hardware spec of ``dev`` where none is given: the preset of its card (H100, H200), or for another card
     the H200's rates with this card's memory; the CPU's preset on the CPU."""
     from megatrain.planner.hardware import PRESETS

@@ -79,7 +79,7 @@ def _prepare(cfg: TrainConfig, dp=None):
                          dict(checkpoint=model.weights) if model.weights else dict(init_seed=cfg.seed))
     world = 1 if dp is None else dp.world
     sm = megatrain.compile(meta, **source_of_weights, optim=optim, **({} if dp is None else {"streams": False}),
-                           device=cfg.device, **dataclasses.asdict(cfg.plan_options(world)))
+                           device=cfg.device, hardware=cfg.hardware, **dataclasses.asdict(cfg.plan_options(world)))
     if cfg.packing and not sm.captured.packs and cfg.method == "sft":
         raise ValueError(UNPACKABLE.format(model=cfg.model))
     if cfg.resume:

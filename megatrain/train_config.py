@@ -80,6 +80,8 @@ class TrainConfig:
     seq_tile: int | str = "auto"  # tokens per tile of the blocks' MLPs (long sequences; 0: untiled; "auto": planned)
     host_gib: float | None = None  # host memory the plan may use (default: what the machine has available)
     gpu_gib: float | None = None  # device memory the plan may fill, the allocator capped to it (default: the card's)
+    hardware: str | None = None  # the spec the plan is made for: a preset (h100, h200, cpu) or a spec file such as
+    # megatrain probe writes for this machine; None: the card's preset, with the host memory available
     vocab: int = 1024  # BPE vocabulary built from the data when the model brings no tokenizer
     export_dtype: str | None = None  # the exported weights' dtype (bf16, fp32, fp16); None: the model's own
     eos_token: str | None = None  # tokens the exported generation_config stops at besides its own and the chat
@@ -197,6 +199,10 @@ class TrainConfig:
             raise ValueError("wire must be 'fp32' or 'bf16' for a run (the search's choice of the two is for "
                              "megatrain plan)")
         self.plan_options()  # the plan options' own checks
+        if self.hardware is not None:  # a preset's name or a spec file that reads, before anything is built
+            from megatrain.planner.hardware import hardware
+
+            hardware(self.hardware)
         if self.batch % self.mb:
             raise ValueError(f"batch ({self.batch}) must be a multiple of mb ({self.mb})")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):

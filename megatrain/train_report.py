@@ -72,7 +72,7 @@ def header(cfg: TrainConfig, sm, schedule, weights: str, tokenizer: str, data: s
             f"{sm.device}, {weights}, {tokenizer}; {data}; {cfg.steps} steps"
             f"{f' ({cfg.epochs:g} epochs)' if cfg.epochs is not None else ''} x {cfg.batch} x {cfg.seq} tokens, "
             f"{cfg.mb} micro-batches, {schedule_text(cfg)}" + (f", {frozen_text(sm)}" if sm.captured.frozen else "")
-            + f"; plan: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers updated on the device "
+            + f"; plan{f' for the {sm.hardware.name} spec' if cfg.hardware else ''}: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers updated on the device "
             f"({len(c.resident_opt)} keeping their state there), {len(c.grad_kept)} keeping their gradients there "
             f"until the update, {len(c.saved_acts)} keeping their activations ({planned_text(sm, schedule, cfg)}); "
             f"host {host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")

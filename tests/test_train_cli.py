@@ -72,6 +72,8 @@ def test_yaml_config_and_flags(tmp_path):
     (["--report-to", "wandb"], "report_to: wandb needs the wandb package, which is not installed (pip install "
                                  "'megatrain[wandb]')"),
     (["--report-to", "comet"], "report_to: unknown tracker 'comet' (choose from tensorboard, wandb, mlflow"),
+    (["--hardware", "/nonexistent.json"], "hardware spec file /nonexistent.json does not exist"),
+    (["--hardware", "h300"], "unknown hardware 'h300'; presets: h200, cpu, h100, or a JSON file path"),
 ])
 def test_bad_input_is_refused_with_one_message(tmp_path, capsys, monkeypatch, argv, msg):
     import megatrain.compiler

@@ -21,10 +21,10 @@ def test_a_device_budget_is_never_exceeded_where_the_card_would_be_used():
     """A 1 GiB budget on a spec whose reserve is 256 MiB: the allocator is capped at 1.25 GiB, which the full
     card's plan of this model passes; the capped run allocates no more than the budget (peak allocated, cuBLAS's
     workspaces included), its plan counts no more, and it trains as the uncapped one does."""
-    from megatrain.compiler import _device_spec
+    from megatrain.compiler import device_spec
     from megatrain.planner.cost import device_memory
 
-    spec = dataclasses.replace(_device_spec(torch.device("cuda")), gpu_reserved_bytes=GiB // 4)  # this card's
+    spec = dataclasses.replace(device_spec(torch.device("cuda")), gpu_reserved_bytes=GiB // 4)  # this card's
     model = hf_model("qwen2", hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
                      num_key_value_heads=4, num_hidden_layers=16)
     data = batches(n_steps=2)

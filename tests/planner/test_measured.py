@@ -1,0 +1,94 @@
+"""The hardware spec fitted to measured rates (``megatrain probe``): the fields it derives are those that, run through
+the simulator's own rate model, give back the rates measured; a spec file it writes plans."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatrain.planner.hardware import PRESETS, HardwareSpec
+from megatrain.planner.measured import CASES, fit, predict, report, with_fitted
+
+SOME_HOST = dict(h2d_bytes_per_s=40e9, d2h_bytes_per_s=45e9, duplex_bytes_per_s=70e9, cpu_h2d_slowdown=0.3,
+                 cpu_d2h_slowdown=0.1, h2d_cpu_slowdown=0.05, d2h_cpu_slowdown=0.35, cpu_adam_params_per_s=2.9e9)
+
+
+def measured_by(spec: HardwareSpec) -> dict:
+    """What a machine behaving exactly as ``spec``'s model says would measure."""
+    return {name: predict(spec, *running) for name, running in CASES}
+
+
+@pytest.mark.parametrize("fields", [{}, SOME_HOST])
+def test_fit_recovers_the_spec_that_made_the_rates(fields):
+    truth = dataclasses.replace(PRESETS["h200"], **fields)
+    got = fit(measured_by(truth))
+    assert set(got) == {"h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "cpu_adam_params_per_s",
+                        "cpu_h2d_slowdown", "cpu_d2h_slowdown", "h2d_cpu_slowdown", "d2h_cpu_slowdown"}
+    for k, v in got.items():
+        assert v == pytest.approx(getattr(truth, k), rel=1e-9, abs=1e-12), k
+    spec = with_fitted(PRESETS["h200"], got)
+    assert spec.name == "h200-measured" and spec.matmul_flops_per_s == truth.matmul_flops_per_s
+    lines = report(measured_by(truth), spec)  # each case: the measured rate and the model's, here the same
+    assert [line[:18].strip() for line in lines] == [name for name, _ in CASES]
+    for line in lines:
+        for part in line[19:].split(", "):
+            value, model = part.split()[-2:]
+            assert value == model.strip("()"), line
+
+
+def test_the_case_with_everything_running_is_predicted_not_fitted():
+    truth = dataclasses.replace(PRESETS["h100"], **SOME_HOST)
+    m = measured_by(truth)
+    m["AdamW + both ways"] = {"h2d": 30.5e9, "d2h": 20.1e9, "adam": 2.6e9}
+    assert fit(m) == fit(measured_by(truth))
+    line = report(m, with_fitted(truth, fit(m)))[-1]
+    model = predict(truth, True, True, True)
+    assert f"d2h 20.1 ({model['d2h'] / 1e9:.1f})" in line and f"AdamW 2.6 ({model['adam'] / 1e9:.1f})" in line
+
+
+def test_fit_keeps_shares_the_spec_accepts():
+    # a host whose AdamW nearly stops beside either copy direction: the shares stay below 1 together
+    m = {"h2d alone": {"h2d": 50e9}, "d2h alone": {"d2h": 50e9}, "both ways": {"h2d": 30e9, "d2h": 30e9},
+         "AdamW alone": {"adam": 4e9}, "AdamW + h2d": {"adam": 0.2e9, "h2d": 60e9},
+         "AdamW + d2h": {"adam": 0.1e9, "d2h": 10e9}}
+    got = fit(m)
+    assert got["h2d_cpu_slowdown"] == 0 and got["d2h_cpu_slowdown"] == pytest.approx(0.8)
+    assert got["duplex_bytes_per_s"] == 60e9
+    assert got["cpu_h2d_slowdown"] == got["cpu_d2h_slowdown"] == pytest.approx(0.45)  # 0.9 each, halved
+    with_fitted(PRESETS["h100"], got)  # (HardwareSpec.from_dict refuses a sum of 1 or more)
+
+
+def test_a_fitted_spec_file_plans(tmp_path, capsys):
+    from megatrain.cli import main
+
+    spec = with_fitted(PRESETS["h100"], fit(measured_by(dataclasses.replace(PRESETS["h100"], **SOME_HOST))))
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(dataclasses.asdict(spec)))
+    assert HardwareSpec.from_json(path) == spec
+    assert main(["plan", "--preset", "qwen2.5-0.5b", "--tokens", "8192", "--seq", "1024", "--hardware", str(path),
+                 "--out", str(tmp_path / "plan")]) == 0
+    assert "hardware   h100-measured: 78 GiB device" in capsys.readouterr().out
+
+
+def test_a_run_plans_for_the_spec_file_it_is_given(tmp_path, capsys):
+    """``megatrain train --hardware FILE``: the plan is made for that spec (a CPU spec here, its host AdamW slower
+    than the preset's) and the run's first line names it."""
+    from megatrain.cli import main
+
+    path = tmp_path / "here.json"
+    path.write_text(json.dumps(dataclasses.asdict(dataclasses.replace(PRESETS["cpu"], name="cpu-here"))))
+    assert main(["train", "--steps", "1", "--batch", "2", "--seq", "32", "--hardware", str(path), "--out",
+                 str(tmp_path / "run")]) == 0
+    assert "; plan for the cpu-here spec: " in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a CUDA device")
+def test_the_probe_needs_a_cuda_device(tmp_path, capsys):
+    from megatrain.cli import main
+
+    assert main(["probe", "--out", str(tmp_path / "spec.json")]) == 2
+    assert capsys.readouterr().err.strip() == ("megatrain probe: measuring copies between pinned host memory and a "
+                                               "GPU needs a CUDA device, and this machine has none (plan for a GPU "
+                                               "machine with --hardware h100|h200 or its spec file)")
+    assert not (tmp_path / "spec.json").exists()

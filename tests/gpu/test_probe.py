@@ -28,7 +28,9 @@ def test_probe_measures_every_case_and_writes_a_spec_that_plans(tmp_path, monkey
     assert 1e9 < spec.h2d_bytes_per_s < 1e12 and 1e9 < spec.d2h_bytes_per_s < 1e12
     assert spec.duplex_bytes_per_s <= spec.h2d_bytes_per_s + spec.d2h_bytes_per_s
     assert HardwareSpec.from_json(tmp_path / "spec.json") == spec
-    # the cases the fit reads come back from the spec's model (shares clamped aside)
+    # the cases the fit reads come back from the spec's model (a copy measured faster beside the AdamW than alone
+    # is noise: its share lost is 0, and the model gives it its rate alone)
     assert predict(spec, True, False, False)["h2d"] == pytest.approx(m["h2d alone"]["h2d"])
-    assert predict(spec, False, True, True)["d2h"] == pytest.approx(m["AdamW + d2h"]["d2h"])
+    assert predict(spec, False, True, True)["d2h"] == pytest.approx(min(m["AdamW + d2h"]["d2h"],
+                                                                        m["d2h alone"]["d2h"]))
     assert any(line.startswith("probe: wrote ") for line in lines)

@@ -1,7 +1,7 @@
 """``megatrain probe``: this machine's host link and host AdamW measured, as a hardware spec the planner reads.
 
 Cards of one kind sit in hosts that differ: on two leases of the same H100 machine type the same GPT-OSS slice ran
-11% apart, and one host's copies both ways at once reached 65 GB/s where the presets (measured on the H200 machine)
+16% apart, and one host's copies both ways at once reached 65 GB/s where the presets (measured on the H200 machine)
 say 91.7. The probe times each copy direction alone and both at once, megatrain's host AdamW alone and beside each,
 and all three together (pinned memory, as a step runs them), fits the spec's link and host fields to them
 (``planner.measured``) and writes the card's preset with those in place; ``megatrain plan|train --hardware FILE``

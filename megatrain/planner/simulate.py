@@ -189,14 +189,14 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
             busy["pcie"] += transfer_nbytes(graph, cfg, ops[i], spec, deferred) / spec.duplex_bytes_per_s
         return busy
 
-    slowdown = {Stream.H2D: spec.cpu_h2d_slowdown, Stream.D2H: spec.cpu_d2h_slowdown}
     best = None
     for k in range(cfg.n_steps - 1):
         first, nxt = grads[k][-1], min(i for i in grads[k + 1] if ops[i].kind is OpKind.BWD)
         window = [i for i in between(first, nxt) if i not in (first, nxt)]
         busy = busy_on(window)
-        # the host updates' time lost to the copies in the window
-        slowed = sum(dur[i] * slowdown.get(ops[i].stream, 0.0) for i in window)
+        a, b = spec.cpu_h2d_slowdown, spec.cpu_d2h_slowdown  # (both at once: 1 - (1 - a)(1 - b) of its rate)
+        h, d = (sum(dur[i] for i in window if ops[i].stream is s) for s in (Stream.H2D, Stream.D2H))
+        slowed = a * h + b * d - a * b * min(h, d)  # the host updates' time lost to the window's copies
         if busy["cpu"]:  # each copy in the window slows the host's updates while they overlap, or adds its own
             busy["cpu"] += slowed  # time where they do not (the slowdowns are below 1)
         # the next backward: its compute, or the transfers that must run within it (the weights it loads back
@@ -218,8 +218,8 @@ def _rates(spec: HardwareSpec, running: list[Queue]) -> dict[Queue, float]:
     queues of one copy direction share its rate; when both directions run, each is slowed so that together they
     stay within the duplex rate; the compute queues share the GPU; the host's AdamW loses
     ``spec.cpu_h2d_slowdown`` (``cpu_d2h_slowdown``) of its rate per unit of the h2d (d2h) direction's full rate
-    in use, and while it runs each copy direction loses ``spec.h2d_cpu_slowdown`` (``d2h_cpu_slowdown``) of its
-    rate (the copy engines and the update threads share the host's DRAM)."""
+    in use, where both run of what the other leaves it (as ``megatrain probe`` measured), and while it runs each
+    copy direction loses ``spec.h2d_cpu_slowdown`` (``d2h_cpu_slowdown``) of its rate (DRAM shared)."""
     alone = _copy_rates(spec)
     count = {s: sum(1 for q in running if q[0] is s) for s in STREAM_ORDER}
     both = count[Stream.H2D] and count[Stream.D2H]
@@ -231,7 +231,7 @@ def _rates(spec: HardwareSpec, running: list[Queue]) -> dict[Queue, float]:
         if q[0] in alone:
             out[q] = alone[q[0]] * scale / count[q[0]] * (1.0 - host.get(q[0], 0.0))
         elif q[0] is Stream.CPU:
-            out[q] = 1.0 - spec.cpu_h2d_slowdown * use[Stream.H2D] - spec.cpu_d2h_slowdown * use[Stream.D2H]
+            out[q] = (1 - spec.cpu_h2d_slowdown * use[Stream.H2D]) * (1 - spec.cpu_d2h_slowdown * use[Stream.D2H])
         else:
             out[q] = 1.0 / count[q[0]]
     return out

@@ -47,16 +47,30 @@ def test_the_case_with_everything_running_is_predicted_not_fitted():
     assert f"d2h 20.1 ({model['d2h'] / 1e9:.1f})" in line and f"AdamW 2.6 ({model['adam'] / 1e9:.1f})" in line
 
 
+def test_the_host_keeps_the_product_of_what_each_direction_leaves_it():
+    # lease 2 of the H100 machine: 4.08 G params/s alone, 2.2 beside h2d, 1.9 beside d2h, 1.7 beside both (93 GB/s)
+    spec = dataclasses.replace(PRESETS["h100"], h2d_bytes_per_s=54.2e9, d2h_bytes_per_s=53.9e9,
+                               duplex_bytes_per_s=93.2e9, cpu_adam_params_per_s=4.08e9, cpu_h2d_slowdown=0.46,
+                               cpu_d2h_slowdown=0.53)
+    use = 93.2 / (54.2 + 53.9)
+    both = predict(spec, True, True, True)
+    assert both["adam"] == pytest.approx(4.08e9 * (1 - 0.46 * use) * (1 - 0.53 * use))
+    assert 1.3e9 < both["adam"] < 1.7e9  # (the sum of the two shares would leave 0.7)
+    assert predict(spec, True, False, True)["adam"] == pytest.approx(4.08e9 * 0.54)
+
+
 def test_fit_keeps_shares_the_spec_accepts():
-    # a host whose AdamW nearly stops beside either copy direction: the shares stay below 1 together
+    # a host whose AdamW nearly stops beside either copy direction: each share stays below 1
     m = {"h2d alone": {"h2d": 50e9}, "d2h alone": {"d2h": 50e9}, "both ways": {"h2d": 30e9, "d2h": 30e9},
          "AdamW alone": {"adam": 4e9}, "AdamW + h2d": {"adam": 0.2e9, "h2d": 60e9},
          "AdamW + d2h": {"adam": 0.1e9, "d2h": 10e9}}
     got = fit(m)
     assert got["h2d_cpu_slowdown"] == 0 and got["d2h_cpu_slowdown"] == pytest.approx(0.8)
     assert got["duplex_bytes_per_s"] == 60e9
-    assert got["cpu_h2d_slowdown"] == got["cpu_d2h_slowdown"] == pytest.approx(0.45)  # 0.9 each, halved
-    with_fitted(PRESETS["h100"], got)  # (HardwareSpec.from_dict refuses a sum of 1 or more)
+    assert got["cpu_h2d_slowdown"] == got["cpu_d2h_slowdown"] == 0.9  # (0.95 and 0.975 measured)
+    with_fitted(PRESETS["h100"], got)  # (HardwareSpec.from_dict refuses a share of 1 or more)
+    with pytest.raises(ValueError, match="cpu_d2h_slowdown must be below 1 .the host's AdamW would stop"):
+        with_fitted(PRESETS["h100"], {**got, "cpu_d2h_slowdown": 1.0})
 
 
 def test_a_fitted_spec_file_plans(tmp_path, capsys):

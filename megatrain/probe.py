@@ -5,7 +5,7 @@ Cards of one kind sit in hosts that differ: on two leases of the same H100 machi
 say 91.7. The probe times each copy direction alone and both at once, megatrain's host AdamW alone and beside each,
 and all three together (pinned memory, as a step runs them), fits the spec's link and host fields to them
 (``planner.measured``) and writes the card's preset with those in place; ``megatrain plan|train --hardware FILE``
-then plan with it. About half a minute and 8 GiB of pinned host memory on a GPU machine.
+then plan with it. About 45 s, 11 GiB of pinned host memory and 4 GiB of device memory on a GPU machine.
 """
 
 from __future__ import annotations
@@ -103,6 +103,14 @@ def measure(numel: int = 233_000_000, layers: int = 2, seconds: float = 3.0, gib
     from megatrain.runtime.optim import cpu_adamw
 
     _need_cuda()
+    from megatrain.runtime.memory.store import available_host_bytes
+
+    need = layers * numel * 16 + 2 * int(gib * (1 << 30))  # the blocks' four fp32 rows, the two copy buffers
+    free = available_host_bytes()
+    if free is not None and need > free:
+        raise RuntimeError(f"the probe pins {need / (1 << 30):.1f} GiB of host memory ({layers} blocks of {numel:,} "
+                           f"parameters and two copy buffers of {gib:g} GiB) and this machine has "
+                           f"{free / (1 << 30):.1f} GiB available")
     cpu_adamw.library()
     bs = blocks(layers, numel, True)
     n_params = numel * layers

@@ -106,3 +106,14 @@ def test_the_probe_needs_a_cuda_device(tmp_path, capsys):
                                                "GPU needs a CUDA device, and this machine has none (plan for a GPU "
                                                "machine with --hardware h100|h200 or its spec file)")
     assert not (tmp_path / "spec.json").exists()
+
+
+def test_the_probe_refuses_a_host_without_the_memory_it_pins(monkeypatch):
+    import megatrain.probe
+    import megatrain.runtime.memory.store as store
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (refused before any CUDA call)
+    monkeypatch.setattr(store, "available_host_bytes", lambda *a: 6 << 30)
+    with pytest.raises(RuntimeError, match=r"the probe pins 10\.9 GiB of host memory \(2 blocks of 233,000,000 "
+                                           r"parameters and two copy buffers of 2 GiB\) and this machine has 6\.0 GiB"):
+        megatrain.probe.measure()

@@ -2,10 +2,11 @@
 
 Cards of one kind sit in hosts that differ: on two leases of the same H100 machine type the same GPT-OSS slice ran
 16% apart, and one host's copies both ways at once reached 65 GB/s where the presets (measured on the H200 machine)
-say 91.7. The probe times each copy direction alone and both at once, megatrain's host AdamW alone and beside each,
-and all three together (pinned memory, as a step runs them), fits the spec's link and host fields to them
-(``planner.measured``) and writes the card's preset with those in place; ``megatrain plan|train --hardware FILE``
-then plan with it. About 45 s, 11 GiB of pinned host memory and 4 GiB of device memory on a GPU machine.
+say 91.7. The probe times each copy direction alone and both at once, megatrain's host AdamW alone, beside each and
+beside both, and the update's two passes (masters, then moments) alone, in pinned memory as a step runs them; fits
+the spec's link and host fields to them (``planner.measured``) and writes the card's preset with those in place;
+``megatrain plan|train --hardware FILE`` then plan with it. About a minute, 11 GiB of pinned host memory and 4 GiB
+of device memory on a GPU machine.
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def _need_cuda() -> None:
 
 def measure(numel: int = 233_000_000, layers: int = 2, seconds: float = 3.0, gib: float = 2.0,
             progress=None) -> dict[str, dict[str, float]]:
-    """Each case of ``planner.measured.CASES`` for about ``seconds``: {case: {queue: rate}} (copies in bytes/s,
-    "adam" in parameters/s: megatrain's host kernel over ``layers`` blocks of ``numel`` parameters, every thread)."""
-    from megatrain.planner.measured import CASES
+    """Each case of ``planner.measured.CASES`` and ``PASSES`` for about ``seconds``: {case: {queue: rate}} (copies
+    in bytes/s, "adam" in parameters/s: megatrain's host kernel over ``layers`` blocks of ``numel`` parameters,
+    every thread)."""
+    from megatrain.planner.measured import CASES, PASSES
     from megatrain.runtime.optim import cpu_adamw
 
     _need_cuda()
@@ -115,10 +117,10 @@ def measure(numel: int = 233_000_000, layers: int = 2, seconds: float = 3.0, gib
     bs = blocks(layers, numel, True)
     n_params = numel * layers
 
-    def adam_rate() -> float:  # whole passes over the blocks until the time is up
+    def adam_rate(mode: int = cpu_adamw.FULL) -> float:  # whole passes over the blocks until the time is up
         t0, done = time.perf_counter(), 0
         while True:
-            native_all(bs, HOST_UPDATE_CHUNK, cpu_adamw.FULL, None, 0.8)
+            native_all(bs, HOST_UPDATE_CHUNK, mode, None, 0.8)
             done += n_params
             if time.perf_counter() - t0 >= seconds:
                 return done / (time.perf_counter() - t0)
@@ -135,6 +137,10 @@ def measure(numel: int = 233_000_000, layers: int = 2, seconds: float = 3.0, gib
             rate = adam_rate() if adam else time.sleep(seconds)
         torch.cuda.synchronize()
         out[name] = {d: g * 1e9 for d, g in tr.gbps.items()} | ({"adam": rate} if adam else {})
+    for (name, _), mode in zip(PASSES, (cpu_adamw.MASTER, cpu_adamw.MOMENTS)):
+        if progress is not None:
+            progress(name)
+        out[name] = {"adam": adam_rate(mode)}
     return out
 
 

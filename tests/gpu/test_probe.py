@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 def test_probe_measures_every_case_and_writes_a_spec_that_plans(tmp_path, monkeypatch):
     import megatrain.probe
     from megatrain.planner.hardware import HardwareSpec
-    from megatrain.planner.measured import CASES, predict
+    from megatrain.planner.measured import CASES, PASSES, predict
 
     small = megatrain.probe.measure
     monkeypatch.setattr(megatrain.probe, "measure",  # (a short probe: 40M parameters, quarter-GiB copies)
@@ -21,8 +21,9 @@ def test_probe_measures_every_case_and_writes_a_spec_that_plans(tmp_path, monkey
     spec = megatrain.probe.probe(str(tmp_path / "spec.json"), seconds=0.5, json_path=str(tmp_path / "m.json"),
                                  say=lines.append)
     m = json.loads((tmp_path / "m.json").read_text())["measured"]
-    assert list(m) == [name for name, _ in CASES]
-    for name, (h2d, d2h, adam) in CASES:
+    assert list(m) == [name for name, _ in CASES + PASSES]
+    assert spec.cpu_moments_params_per_s == m["AdamW moments alone"]["adam"] > m["AdamW alone"]["adam"]
+    for name, (h2d, d2h, adam) in CASES + tuple((name, (False, False, True)) for name, _ in PASSES):
         assert set(m[name]) == {k for k, on in (("h2d", h2d), ("d2h", d2h), ("adam", adam)) if on}, name
         assert all(v > 0 for v in m[name].values()), (name, m[name])
     assert 1e9 < spec.h2d_bytes_per_s < 1e12 and 1e9 < spec.d2h_bytes_per_s < 1e12

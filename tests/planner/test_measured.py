@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatrain.planner.hardware import PRESETS, HardwareSpec
-from megatrain.planner.measured import CASES, fit, predict, report, with_fitted
+from megatrain.planner.measured import CASES, PASSES, fit, predict, report, with_fitted
 
 SOME_HOST = dict(h2d_bytes_per_s=40e9, d2h_bytes_per_s=45e9, duplex_bytes_per_s=70e9, cpu_h2d_slowdown=0.3,
                  cpu_d2h_slowdown=0.1, h2d_cpu_slowdown=0.05, d2h_cpu_slowdown=0.35, cpu_adam_params_per_s=2.9e9)
@@ -16,23 +16,26 @@ SOME_HOST = dict(h2d_bytes_per_s=40e9, d2h_bytes_per_s=45e9, duplex_bytes_per_s=
 
 def measured_by(spec: HardwareSpec) -> dict:
     """What a machine behaving exactly as ``spec``'s model says would measure."""
-    return {name: predict(spec, *running) for name, running in CASES}
+    return {name: predict(spec, *running) for name, running in CASES} | \
+        {name: {"adam": getattr(spec, field)} for name, field in PASSES}
 
 
-@pytest.mark.parametrize("fields", [{}, SOME_HOST])
+@pytest.mark.parametrize("fields", [{}, {**SOME_HOST, "cpu_adam_master_params_per_s": 5.5e9,
+                                         "cpu_moments_params_per_s": 6.1e9}])
 def test_fit_recovers_the_spec_that_made_the_rates(fields):
     truth = dataclasses.replace(PRESETS["h200"], **fields)
     got = fit(measured_by(truth))
     assert set(got) == {"h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "cpu_adam_params_per_s",
-                        "cpu_h2d_slowdown", "cpu_d2h_slowdown", "h2d_cpu_slowdown", "d2h_cpu_slowdown"}
+                        "cpu_h2d_slowdown", "cpu_d2h_slowdown", "h2d_cpu_slowdown", "d2h_cpu_slowdown",
+                        "cpu_adam_master_params_per_s", "cpu_moments_params_per_s"}
     for k, v in got.items():
         assert v == pytest.approx(getattr(truth, k), rel=1e-9, abs=1e-12), k
     spec = with_fitted(PRESETS["h200"], got)
     assert spec.name == "h200-measured" and spec.matmul_flops_per_s == truth.matmul_flops_per_s
     lines = report(measured_by(truth), spec)  # each case: the measured rate and the model's, here the same
-    assert [line[:18].strip() for line in lines] == [name for name, _ in CASES]
+    assert [line[:20].strip() for line in lines] == [name for name, _ in CASES + PASSES]
     for line in lines:
-        for part in line[19:].split(", "):
+        for part in line[21:].split(", "):
             value, model = part.split()[-2:]
             assert value == model.strip("()"), line
 
@@ -42,7 +45,7 @@ def test_the_case_with_everything_running_is_predicted_not_fitted():
     m = measured_by(truth)
     m["AdamW + both ways"] = {"h2d": 30.5e9, "d2h": 20.1e9, "adam": 2.6e9}
     assert fit(m) == fit(measured_by(truth))
-    line = report(m, with_fitted(truth, fit(m)))[-1]
+    line = report(m, with_fitted(truth, fit(m)))[len(CASES) - 1]
     model = predict(truth, True, True, True)
     assert f"d2h 20.1 ({model['d2h'] / 1e9:.1f})" in line and f"AdamW 2.6 ({model['adam'] / 1e9:.1f})" in line
 

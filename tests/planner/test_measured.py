@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatrain.planner.hardware import PRESETS, HardwareSpec
 from megatrain.planner.measured import CASES, PASSES, fit, predict, report, with_fitted
@@ -120,3 +122,20 @@ def test_the_probe_refuses_a_host_without_the_memory_it_pins(monkeypatch):
     with pytest.raises(RuntimeError, match=r"the probe pins 10\.9 GiB of host memory \(2 blocks of 233,000,000 "
                                            r"parameters and two copy buffers of 2 GiB\) and this machine has 6\.0 GiB"):
         megatrain.probe.measure()
+
+
+@settings(max_examples=60, deadline=None)
+@given(h2d=st.floats(1e9, 1e11), d2h=st.floats(1e9, 1e11), duplex_share=st.floats(0.3, 1.0),
+       adam=st.floats(1e8, 1e10), shares=st.lists(st.floats(0.0, 0.89), min_size=4, max_size=4),
+       passes=st.lists(st.floats(1e8, 1e10), min_size=2, max_size=2))
+def test_fit_inverts_the_rate_model_for_any_host(h2d, d2h, duplex_share, adam, shares, passes):
+    """Whatever the host (rates, a duplex total at or under the sum of the directions, shares the fit does not
+    clamp), what the simulator's model says it measures fits back to its own figures."""
+    fields = dict(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex_share * (h2d + d2h),
+                  cpu_adam_params_per_s=adam, cpu_h2d_slowdown=shares[0], cpu_d2h_slowdown=shares[1],
+                  h2d_cpu_slowdown=shares[2], d2h_cpu_slowdown=shares[3], cpu_adam_master_params_per_s=passes[0],
+                  cpu_moments_params_per_s=passes[1])
+    truth = dataclasses.replace(PRESETS["h100"], **fields)
+    got = fit(measured_by(truth))
+    assert got == pytest.approx(fields, rel=1e-9, abs=1e-9)
+    assert with_fitted(truth, got).name == "h100-measured"

@@ -345,7 +345,7 @@ def _main(argv: list[str]) -> int:
     r = sub.add_parser("probe", help="measure this machine's host link and host AdamW: a hardware spec to plan with")
     r.add_argument("--out", default="hardware.json", help="the spec file to write (for --hardware FILE)")
     r.add_argument("--device", default="cuda", help="the GPU whose link is measured (cuda, cuda:1, ...)")
-    r.add_argument("--seconds", type=float, default=3.0, help="each of the seven cases' length (3)")
+    r.add_argument("--seconds", type=float, default=3.0, help="each case's length (3; nine cases)")
     r.add_argument("--json", help="also write the measured rates and the fitted fields here")
     r.set_defaults(fn=_probe)
     v = sub.add_parser("viz", help="draw simulated and measured timelines on one picture and one Chrome trace")

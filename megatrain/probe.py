@@ -102,11 +102,10 @@ def measure(numel: int = 233_000_000, layers: int = 2, seconds: float = 3.0, gib
     in bytes/s, "adam" in parameters/s: megatrain's host kernel over ``layers`` blocks of ``numel`` parameters,
     every thread)."""
     from megatrain.planner.measured import CASES, PASSES
+    from megatrain.runtime.memory.store import available_host_bytes
     from megatrain.runtime.optim import cpu_adamw
 
     _need_cuda()
-    from megatrain.runtime.memory.store import available_host_bytes
-
     need = layers * numel * 16 + 2 * int(gib * (1 << 30))  # the blocks' four fp32 rows, the two copy buffers
     free = available_host_bytes()
     if free is not None and need > free:

@@ -319,8 +319,6 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
     raise AssertionError(k)
 
 
-
-
 def early_update_s(cfg: ScheduleConfig, spec: HardwareSpec, p: int) -> float:
     """Host seconds of an update of ``p`` parameters made before the guard (``speculate``): the masters kept (read
     4 bytes a parameter, write 4) and the new masters written alone, or (``speculate_keeps`` "state") one whole

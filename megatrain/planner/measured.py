@@ -3,9 +3,9 @@
 The simulator (``planner.simulate._rates``) gives each copy direction its rate alone, both directions together at
 most ``duplex_bytes_per_s``, the host's AdamW ``cpu_adam_params_per_s`` less a share per copy direction running at
 its full rate (with both: the product of what each leaves it), and each copy direction a share less while the
-AdamW runs. :func:`fit` inverts that model
-for the rates of each case measured alone and in pairs; :func:`report` sets each measured case beside the rates the
-fitted spec's model gives it (the case with all three running is measured but not fitted: it checks the model).
+AdamW runs. :func:`fit` inverts that model for the rates of each case measured alone and in pairs; :func:`report`
+sets each measured case beside the rates the fitted spec's model gives it (the case with all three running is
+measured but not fitted: it checks the model).
 Pure: no torch here; the measuring is ``megatrain.probe``'s.
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from megatrain.planner.checks import SPECULATE_KEEPS
 from megatrain.planner.choices import LONG_SEQ, check_resident
 
 
@@ -56,8 +57,8 @@ class PlanOptions:
     # device's default (as gpu_opt_every)
     speculate_keeps: str = "masters"  # what an update before the norm keeps to be made again: "masters" (4 bytes a
     # parameter; its moments made after the norm, a second pass), "state" (a spare block of 12 bytes a parameter
-    # its whole update goes to, one pass), or "auto": the search's choice (not the default until its speed is
-    # measured on a GPU)
+    # its whole update goes to, one pass), or "auto": the search's choice (not the default: the plans where the
+    # two forms differ, the whole 70B's, are not measured)
     clip_rate: float = 0.1  # the share of steps expected to be clipped, which the search weighs "auto" speculation by
     device_budget_gib: float | None = None  # device memory the plan may fill, GiB; on a GPU torch's caching
     # allocator is capped for this process to it plus the hardware spec's reserve (its rounding and fragmentation),
@@ -66,7 +67,7 @@ class PlanOptions:
     def __post_init__(self):
         if self.wire not in ("fp32", "bf16", "auto"):
             raise ValueError(f"wire must be 'fp32', 'bf16' or 'auto', got {self.wire!r}")
-        if self.speculate_keeps not in ("auto", "masters", "state"):
+        if self.speculate_keeps not in ("auto", *SPECULATE_KEEPS):
             raise ValueError(f"speculate_keeps must be 'masters', 'state' or 'auto', got {self.speculate_keeps!r}")
         if self.grad_host_dtype not in ("fp32", "bf16"):
             raise ValueError(f"grad_host_dtype must be 'fp32' or 'bf16', got {self.grad_host_dtype!r}")

@@ -189,12 +189,11 @@ def _chain(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, dur: list[
             busy["pcie"] += transfer_nbytes(graph, cfg, ops[i], spec, deferred) / spec.duplex_bytes_per_s
         return busy
 
-    best = None
+    best, (a, b) = None, (spec.cpu_h2d_slowdown, spec.cpu_d2h_slowdown)  # (both at once: (1 - a)(1 - b) kept)
     for k in range(cfg.n_steps - 1):
         first, nxt = grads[k][-1], min(i for i in grads[k + 1] if ops[i].kind is OpKind.BWD)
         window = [i for i in between(first, nxt) if i not in (first, nxt)]
         busy = busy_on(window)
-        a, b = spec.cpu_h2d_slowdown, spec.cpu_d2h_slowdown  # (both at once: 1 - (1 - a)(1 - b) of its rate)
         h, d = (sum(dur[i] for i in window if ops[i].stream is s) for s in (Stream.H2D, Stream.D2H))
         slowed = a * h + b * d - a * b * min(h, d)  # the host updates' time lost to the window's copies
         if busy["cpu"]:  # each copy in the window slows the host's updates while they overlap, or adds its own

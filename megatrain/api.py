@@ -258,7 +258,7 @@ class StreamedModel:
 
     def _eval_plan(self, batch_size: int, seq_len: int) -> Schedule:
         """The evaluation schedule for a batch shape: the training plan's micro-batches and weight slots (where
-        those are "auto": the fewest micro-batches of at most search.MAX_MB_TOKENS tokens, 2 slots), every
+        those are "auto": the fewest micro-batches of at most choices.MAX_MB_TOKENS tokens, 2 slots), every
         checkpoint on the device (an evaluation keeps none beyond the next layer), the MLPs over tiles for
         micro-batches longer than a tile."""
         key = ("eval", batch_size, seq_len, self.plan_options)

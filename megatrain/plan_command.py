@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -91,6 +92,7 @@ def plan(args) -> int:
     from megatrain.planner.dump import PLOT_EXTRA, can_plot, plot, table
     from megatrain.planner.graph import full_recompute
     from megatrain.planner.request import PlanOptions
+    from megatrain.planner.checks import NoFit
     from megatrain.planner.search import PlanError, plan
 
     try:
@@ -134,9 +136,16 @@ def plan(args) -> int:
                 bar.total = total
                 bar.update(done - bar.n)
 
-            p = plan(graph, spec, args.tokens, args.seq, budget_bytes=budget, clip=not args.no_clip,
-                     n_steps=args.steps, workers=jobs, progress=progress, order=args.search,
-                     prune=args.search != "exhaustive", **fixed)
+            search = functools.partial(plan, graph, spec, budget_bytes=budget, clip=not args.no_clip,
+                                       n_steps=args.steps, workers=jobs, order=args.search,
+                                       prune=args.search != "exhaustive")
+            try:
+                p = search(args.tokens, args.seq, progress=progress, **fixed)
+            except NoFit as e:  # over the device budget: the longest sequence that plans (a search each)
+                if not e.device:
+                    raise
+                bar.close()
+                raise NoFit(f"{e}; {_longest(search, opts, args, spec.name != 'cpu', e.longest)}") from None
         searched_s = time.perf_counter() - t0
     except (PlanError, ValueError) as e:
         print(f"megatrain plan: {e}", file=sys.stderr)
@@ -165,6 +174,31 @@ def _drawing_pool():
 
     fork = "fork" in multiprocessing.get_all_start_methods()
     return concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork") if fork else None)
+
+
+def _longest(search, opts, args, on_gpu: bool, below: int | None) -> str:
+    """Where no plan fits ``args.seq``: the longest sequence that plans (as many sequences a step), in words, by
+    bisection with ``search(tokens, seq, **options)`` (each probe a search of its own)."""
+    from megatrain.planner.checks import PlanError
+    from megatrain.planner.limits import longest_seq
+
+    n_seqs = args.tokens // args.seq
+    print(f"megatrain plan: no plan fits {args.seq:,}-token sequences; searching the longest that does",
+          file=sys.stderr)
+
+    def fits(seq: int) -> bool:
+        try:
+            search(n_seqs * seq, seq, **opts.search_kwargs(seq, on_gpu=on_gpu))
+        except PlanError:
+            print(f"  {seq:,} tokens: none fits", file=sys.stderr)
+            return False
+        print(f"  {seq:,} tokens: fits", file=sys.stderr)
+        return True
+
+    seq = longest_seq(fits, args.seq, None if below is None else below + 1)
+    if not seq:
+        return "no shorter sequence fits either"
+    return f"the longest sequence that plans is {seq:,} tokens (--seq {seq} --tokens {n_seqs * seq})"
 
 
 def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:

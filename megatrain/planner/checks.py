@@ -11,6 +11,17 @@ class PlanError(ValueError):
     """The request cannot be planned; the message names the limit and the numbers."""
 
 
+class NoFit(PlanError):
+    """No plan of the request fits the device budget or the host, though a shorter sequence might: what the memory
+    of each candidate decided, not an option no plan can take. ``longest``: the longest sequence whose smallest plan
+    fits the budget, where the request was refused before a search (None: a search found none); ``device``: the
+    device budget refused some candidate (a shorter sequence needs less of it)."""
+
+    def __init__(self, message: str, longest: int | None = None, device: bool = False):
+        super().__init__(message)
+        self.longest, self.device = longest, device
+
+
 def check_grad_kept(graph: LayerGraph, cfg: ScheduleConfig) -> None:
     """Refuse ``grad_kept`` layers that cannot keep their gradient on the device until the update pass: it is for
     layers updated on the host, that own their weights and share them with none, with clipping (without it each

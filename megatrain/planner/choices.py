@@ -5,6 +5,7 @@ their host update done on the device instead (split updates). :func:`megatrain.p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Schedule, ScheduleConfig
@@ -23,10 +24,11 @@ SEQ_TILES = (65536, 16384, 4096)
 LONG_SEQ = 131072  # sequences from this long get checkpoint placements between all on the device and all on the host
 
 
-def tile_choices(mb_tokens: int) -> list[int]:
+def tile_choices(mb_tokens: int, short: bool = False) -> list[int]:
     """The tile sizes the search tries for micro-batches of ``mb_tokens`` (0: untiled): the :data:`SEQ_TILES`
-    shorter than the micro-batch once it holds :data:`LONG_SEQ` tokens or more; shorter ones fit untiled."""
-    return [0, *(t for t in SEQ_TILES if t < mb_tokens)] if mb_tokens >= LONG_SEQ else [0]
+    shorter than the micro-batch once it holds :data:`LONG_SEQ` tokens or more, or where ``short`` (an untiled
+    sequence does not fit the budget, ``limits.smallest_plan``); shorter ones are left untiled."""
+    return [0, *(t for t in SEQ_TILES if t < mb_tokens)] if mb_tokens >= LONG_SEQ or short else [0]
 
 
 GRAD_HOST_BYTES = {"fp32": 4, "bf16": 2}
@@ -245,3 +247,72 @@ def with_split(graph: LayerGraph, cfg: ScheduleConfig, layers: tuple[int, ...], 
     """``cfg`` with the updates of ``layers`` split to the device, their state streamed in parts of ``part``
     elements (None: :data:`SPLIT_PART`)."""
     return replace(cfg, split_opt=layers, opt_part=(SPLIT_PART if part is None else part) if layers else 0)
+
+
+MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
+MB_CHOICES = 4  # micro-batch sizes tried (the largest ones that fit the token limit)
+
+
+def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
+               n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
+               host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
+               resident_opt: int | None = None, grad_slots: int | None = None,
+               grad_host_dtype: str = "fp32", seq_tile: int | None = None,
+               short_tiles: bool = False) -> list[ScheduleConfig]:
+    """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
+    k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
+    GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer). ``resident_opt``: how many
+    of the device updates keep their state on the device (see :func:`resident_sets`; None: search).
+    ``grad_host_dtype``: "bf16" lets gradients go to the host in bf16 (each candidate also so; a plan with fp32
+    gradients is preferred wherever one fits). ``seq_tile``: tokens per tile of the blocks' MLPs (0: untiled; None:
+    untiled and, for micro-batches of :data:`LONG_SEQ` tokens or more, each of :data:`SEQ_TILES` shorter than the
+    micro-batch). ``grad_slots``: gradient slots (None: 2, and 1 as well for sequences of :data:`LONG_SEQ`
+    tokens, where a layer's backward takes seconds and a second slot hides little but costs the largest layer's
+    fp32 gradient). ``short_tiles``: shorter sequences get what those long ones do (tiles, checkpoints split
+    between host and device, one gradient slot), for a budget that cannot hold one untiled
+    (``limits.smallest_plan``)."""
+    n_seqs = tokens // seq_len
+    if n_mb is not None:
+        if n_mb <= 0 or n_seqs % n_mb:
+            raise PlanError(f"{n_mb} micro-batches cannot split {n_seqs} sequences evenly")
+        mbs = [n_mb]
+    else:
+        fit = [m for m in range(1, n_seqs + 1) if n_seqs % m == 0 and tokens // m <= max(MAX_MB_TOKENS, seq_len)]
+        mbs = fit[:MB_CHOICES]
+    if weight_slots == "all":
+        weight_slots = len(graph)
+    slots = [weight_slots] if weight_slots else [2, 3, len(graph)]  # len(graph): each layer loaded once a step
+    wires = [wire_bytes] if wire_bytes else [2, 4]
+    # checkpoints all on the device or all on the host; for long sequences (a checkpoint of GiBs a layer, which
+    # neither memory may hold for every layer) also split between them after every block
+    long = seq_len >= LONG_SEQ or short_tiles  # (the regime of long sequences: see short_tiles)
+    split = range(0, len(graph) - 1) if long else ()
+    offload = [host_checkpoints] if host_checkpoints is not None else sorted({0, len(graph) - 2, *split})
+    if any(h < 0 or h > len(graph) - 2 for h in offload):
+        raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
+    if gpu_opt_every is not None and gpu_opt_every < 0:
+        raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
+    check_resident(gpu_opt_every, resident_opt)
+    device_sets = [(g, r) for g in device_update_sets(graph, gpu_opt_every)
+                   for r in resident_sets(g, "auto" if resident_opt is None else resident_opt, clip)]
+    if grad_host_dtype not in GRAD_HOST_BYTES:
+        raise PlanError(f"grad_host_dtype must be 'fp32' or 'bf16', got {grad_host_dtype!r}")
+    grads = [4] if grad_host_dtype == "fp32" else [4, 2]
+    if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 0):
+        raise PlanError(f"seq_tile must be a number of tokens >= 0 (0: untiled), got {seq_tile!r}")
+
+    def tiles(m: int) -> list[int]:  # searched for long micro-batches, or where an untiled one cannot fit
+        if seq_tile is not None:
+            return [seq_tile]
+        return tile_choices(tokens // m, short_tiles)
+
+    if grad_slots is not None and (not isinstance(grad_slots, int) or isinstance(grad_slots, bool) or grad_slots < 1):
+        raise PlanError(f"grad_slots must be an integer >= 1, got {grad_slots!r}")
+    gslots = [grad_slots] if grad_slots is not None else [2, 1] if long else [2]
+    return [
+        ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
+                       weight_slots=k, grad_slots=gs, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
+                       budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b, seq_tile=t)
+        for m, k, w, h, (g, r), b, gs in itertools.product(mbs, slots, wires, offload, device_sets, grads, gslots)
+        for t in tiles(m)
+    ]

@@ -1,7 +1,7 @@
 """The search's default order: a coordinate descent over the candidates' decisions instead of trying every one.
 
 A candidate is a point on a grid of decisions (micro-batches, device updates, weight slots, wire dtype, host
-checkpoints, gradient slots, MLP tiles, host gradient dtype; see :func:`megatrain.planner.search.candidates`). From
+checkpoints, gradient slots, MLP tiles, host gradient dtype; see :func:`megatrain.planner.choices.candidates`). From
 a centre every point that differs in one decision is tried, the best becomes the centre, until it stays
 (:func:`descend` says where the descents start). The decisions interact through the device memory: the search's own
 "auto" choices (kept gradients, saved activations) fill what a point leaves, which smooths each line, but where

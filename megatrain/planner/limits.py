@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Op, OpKind, Schedule, ScheduleConfig, Stream, Timeline
 from megatrain.layout import STORE_BYTES_PER_PARAM, fmt_bytes, store_bytes
-from megatrain.planner.checks import PlanError
+from megatrain.planner.checks import NoFit, PlanError
 from megatrain.planner.choices import tile_choices
 from megatrain.planner.cost import (COMPUTE_BYTES, OPT_SLOT_BYTES, checkpoint_nbytes, gemm_workspace_nbytes,
                                     host_memory, slot_nbytes, workspace_nbytes)
@@ -66,24 +67,59 @@ def check_request(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: i
             f"model does not fit host memory: {graph.n_params / 1e9:.2f}B parameters x {STORE_BYTES_PER_PARAM} B "
             f"(fp32 master, exp_avg, exp_avg_sq{_FROZEN_NOTE if any(l.frozen for l in graph.layers) else ''}) = "
             f"{gib(host)}, the {spec.name} host has {gib(spec.host_bytes)}{margin_note(spec)}")
-    smallest = ScheduleConfig(n_layers=len(graph), n_mb=tokens // seq_len, mb_tokens=seq_len, seq_len=seq_len,
-                              weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
-                              host_checkpoints=len(graph) - 2, budget_bytes=budget,
-                              seq_tile=min((t for t in tile_choices(seq_len) if t), default=0),
-                              gemm_workspace_bytes=gemm_workspace_nbytes(spec))
+    smallest = smallest_plan(graph, spec, tokens // seq_len, seq_len, budget)
     need = min_device_nbytes(graph, smallest)
-    if need > budget:
-        size = slot_nbytes(graph, smallest)
-        big = max(range(len(graph)), key=lambda i: graph.weight_params(i))
-        raise PlanError(
-            f"GPU budget {gib(budget)} is too small for one layer: the smallest plan (1 weight slot, 1 gradient "
-            f"slot, one {seq_len}-token sequence per micro-batch, every checkpoint on host"
-            f"{f', MLPs over {smallest.seq_tile}-token tiles' if smallest.seq_tile else ''}) needs {gib(need)} "
-            f"(largest layer '{graph[big].name}': {graph.weight_params(big) / 1e6:.1f}M params = "
-            f"{gib(size['w'])} of bf16 weights + {gib(size['g'])} of fp32 gradients"
-            f"{f', cuBLAS workspaces {gib(smallest.gemm_workspace_bytes)}' if smallest.gemm_workspace_bytes else ''})")
+    if need <= budget:
+        return
+    size = slot_nbytes(graph, smallest)
+    big = max(range(len(graph)), key=lambda i: graph.weight_params(i))
+    what = (f"the smallest plan (1 weight slot, 1 gradient slot, one {seq_len:,}-token sequence per micro-batch, "
+            f"every checkpoint on host{f', MLPs over {smallest.seq_tile}-token tiles' if smallest.seq_tile else ''})")
+    layer = (f"largest layer '{graph[big].name}': {graph.weight_params(big) / 1e6:.1f}M params = {gib(size['w'])} of "
+             f"bf16 weights + {gib(size['g'])} of fp32 gradients"
+             f"{f', cuBLAS workspaces {gib(smallest.gemm_workspace_bytes)}' if smallest.gemm_workspace_bytes else ''}")
+    fixed = size["w"] + size["g"] + smallest.gemm_workspace_bytes
+    longest = longest_seq(lambda s: min_device_nbytes(graph, smallest_plan(graph, spec, 1, s, budget)) <= budget,
+                          seq_len)
+    if fixed > budget or not longest:
+        raise PlanError(f"GPU budget {gib(budget)} is too small for one layer: {what} needs {gib(need)} ({layer})")
+    raise NoFit(f"GPU budget {gib(budget)} is too small for one {seq_len:,}-token sequence: {what} needs "
+                f"{gib(need)}, {gib(need - fixed)} of it the sequence's activations and working set ({layer}); "
+                f"no sequence longer than {longest:,} tokens fits it", longest=longest, device=True)
 
 
+def smallest_plan(graph: LayerGraph, spec: HardwareSpec, n_seqs: int, seq_len: int, budget: int) -> ScheduleConfig:
+    """The config of the least device memory for ``n_seqs`` sequences of ``seq_len`` tokens a step: one weight and
+    one gradient slot, bf16 on the wire, every checkpoint on the host, and the shortest MLP tile the search tries
+    (:func:`~megatrain.planner.choices.tile_choices`): for a sequence shorter than ``LONG_SEQ`` only where one
+    untiled does not fit ``budget``, which is where the search tries tiles for it."""
+    cfg = ScheduleConfig(n_layers=len(graph), n_mb=n_seqs, mb_tokens=seq_len, seq_len=seq_len,
+                         weight_slots=1, grad_slots=1, wire_bytes_per_param=2,
+                         host_checkpoints=len(graph) - 2, budget_bytes=budget, seq_tile=0,
+                         gemm_workspace_bytes=gemm_workspace_nbytes(spec))
+    short = min_device_nbytes(graph, cfg) > budget
+    return replace(cfg, seq_tile=min((t for t in tile_choices(seq_len, short) if t), default=0))
+
+
+# sequence lengths suggested instead of one that does not fit: multiples of this many tokens where that long
+SEQ_STEP = 1024
+
+
+def longest_seq(fits, seq_len: int, below: int | None = None) -> int:
+    """The longest multiple of :data:`SEQ_STEP` tokens shorter than ``seq_len`` (and than ``below``, a length known
+    not to fit) for which ``fits(tokens)`` holds, by bisection (what a plan needs grows with the sequence); 0 where
+    none does."""
+    hi = -(-min(seq_len, below or seq_len) // SEQ_STEP)  # in steps: not fits(hi * SEQ_STEP)
+    if hi <= 1 or not fits(SEQ_STEP):
+        return 0
+    lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * SEQ_STEP):
+            lo = mid
+        else:
+            hi = mid
+    return lo * SEQ_STEP
 
 
 def margin_refusal(outcomes: list, chosen: Timeline, spec: HardwareSpec) -> str | None:
@@ -106,11 +142,11 @@ def margin_refusal(outcomes: list, chosen: Timeline, spec: HardwareSpec) -> str 
 FLOOR_NOTE = "before any gradient buffer"
 
 
-def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, budget: int | None = None) -> str:
+def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, budget: int | None = None) -> NoFit:
     """Why no candidate fits, in one line: of the candidates that need more host memory than there is, the least
     any needs (and that bf16 host gradients need less, where they were not allowed and some candidate's gradient
     buffers were part of what did not fit); of those that need more device memory than the budget, the least any
-    needs; then every other distinct reason."""
+    needs; then every other distinct reason. The error to raise (``device``: some candidate was over the budget)."""
     host, device, other = [], [], set()
     grads_over = False  # some candidate over the host with its gradient buffers counted
     for why in reasons:
@@ -137,7 +173,7 @@ def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, 
         budget = spec.budget_bytes if budget is None else budget
         parts.append(f"device memory {min(device):.2f} GiB > budget {gib(budget)} (the least any of "
                      f"{len(device)} {'other ' if host else ''}candidate plans needs)")
-    return "no plan fits: " + "; ".join(parts + sorted(other))
+    return NoFit("no plan fits: " + "; ".join(parts + sorted(other)), device=bool(device))
 
 
 def largest_on_host(graph: LayerGraph, schedule: Schedule, host_bytes: int) -> str:

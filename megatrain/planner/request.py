@@ -14,7 +14,7 @@ from megatrain.planner.choices import LONG_SEQ, check_resident
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     n_mb: int | str = 1  # micro-batches per step; "auto": the search's choice for the step's shape (a divisor of
-    # the batch, micro-batches of up to search.MAX_MB_TOKENS tokens)
+    # the batch, micro-batches of up to choices.MAX_MB_TOKENS tokens)
     weight_slots: int | str = 2  # device buffers for layers' weights; "all": one per layer, so the backward finds
     # every layer's weights still there from the forward and each layer is loaded once per step; "auto": the
     # search's choice (2, 3 or all)

@@ -20,7 +20,8 @@ from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, setup_schedule, write_back_schedule
 from megatrain.planner.request import PlanOptions
 from megatrain.planner.choices import SEQ_TILES
-from megatrain.planner.search import MAX_MB_TOKENS, plan
+from megatrain.planner.choices import MAX_MB_TOKENS
+from megatrain.planner.search import plan
 from megatrain.planner.verify import verify
 
 
@@ -118,7 +119,7 @@ def _run_plan(graph: LayerGraph, spec: HardwareSpec, step: Schedule, margin_take
 
 def plan_eval(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: int, options: PlanOptions) -> Schedule:
     """The evaluation schedule for a batch shape, verified: the training plan's micro-batches and weight slots
-    (where those are "auto": the fewest micro-batches of at most search.MAX_MB_TOKENS tokens, 2 slots), every
+    (where those are "auto": the fewest micro-batches of at most choices.MAX_MB_TOKENS tokens, 2 slots), every
     checkpoint on the device (an evaluation keeps none beyond the next layer), the MLPs over tiles for micro-batches
     longer than a tile (without autograd a tile costs no recompute)."""
     n_mb = options.n_mb

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -13,9 +12,8 @@ from typing import Callable
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.planner.checks import SPECULATE_KEEPS, PlanError
 from megatrain.planner.descent import descend
-from megatrain.planner.choices import (GRAD_HOST_BYTES, LONG_SEQ, SPLIT_TRIED, check_resident, choose_grad_kept,
-                                       device_update_sets, resident_sets, saved_act_layers, split_eligible, split_sets,
-                                       spread, tile_choices, with_saved_acts, with_split)
+from megatrain.planner.choices import (LONG_SEQ, SPLIT_TRIED, candidates, choose_grad_kept, saved_act_layers,
+                                       split_eligible, split_sets, spread, tile_choices, with_saved_acts, with_split)
 from megatrain.planner.cost import (device_memory, gemm_workspace_nbytes, host_floor, host_memory,
                                     speculation_redo_s)
 from megatrain.planner.graph import LayerGraph
@@ -27,8 +25,6 @@ from megatrain.planner.passes import build_schedule, relabel_saved, repeat
 from megatrain.planner.simulate import Bound, Slower, Timeline, bound, compute_floor, simulate
 from megatrain.planner.verify import check_memory, verify
 
-MAX_MB_TOKENS = 16384  # beyond this a larger micro-batch buys no GEMM efficiency, only memory
-MB_CHOICES = 4  # micro-batch sizes tried (the largest ones that fit the token limit)
 # the orders the candidates are tried in: a coordinate descent over their decisions (megatrain.planner.descent), or
 # every one (the reference the descent is tested against)
 ORDERS = ("descent", "exhaustive")
@@ -50,66 +46,6 @@ class Plan:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.timeline.steady_step_s
-
-
-def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, clip: bool, n_steps: int,
-               n_mb: int | None = None, weight_slots: int | str | None = None, wire_bytes: int | None = None,
-               host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
-               resident_opt: int | None = None, grad_slots: int | None = None,
-               grad_host_dtype: str = "fp32", seq_tile: int | None = None) -> list[ScheduleConfig]:
-    """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
-    k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
-    GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer). ``resident_opt``: how many
-    of the device updates keep their state on the device (see :func:`resident_sets`; None: search).
-    ``grad_host_dtype``: "bf16" lets gradients go to the host in bf16 (each candidate also so; a plan with fp32
-    gradients is preferred wherever one fits). ``seq_tile``: tokens per tile of the blocks' MLPs (0: untiled; None:
-    untiled and, for micro-batches of :data:`LONG_SEQ` tokens or more, each of :data:`SEQ_TILES`).
-    ``grad_slots``: gradient slots (None: 2, and 1 as well for sequences of :data:`LONG_SEQ` tokens, where a
-    layer's backward takes seconds and a second slot hides little but costs the largest layer's fp32 gradient)."""
-    n_seqs = tokens // seq_len
-    if n_mb is not None:
-        if n_mb <= 0 or n_seqs % n_mb:
-            raise PlanError(f"{n_mb} micro-batches cannot split {n_seqs} sequences evenly")
-        mbs = [n_mb]
-    else:
-        fit = [m for m in range(1, n_seqs + 1) if n_seqs % m == 0 and tokens // m <= max(MAX_MB_TOKENS, seq_len)]
-        mbs = fit[:MB_CHOICES]
-    if weight_slots == "all":
-        weight_slots = len(graph)
-    slots = [weight_slots] if weight_slots else [2, 3, len(graph)]  # len(graph): each layer loaded once a step
-    wires = [wire_bytes] if wire_bytes else [2, 4]
-    # checkpoints all on the device or all on the host; for long sequences (a checkpoint of GiBs a layer, which
-    # neither memory may hold for every layer) also split between them after every block
-    split = range(0, len(graph) - 1) if seq_len >= LONG_SEQ else ()
-    offload = [host_checkpoints] if host_checkpoints is not None else sorted({0, len(graph) - 2, *split})
-    if any(h < 0 or h > len(graph) - 2 for h in offload):
-        raise PlanError(f"offloaded checkpoints must be between 0 and {len(graph) - 2} (layers 1..L-2)")
-    if gpu_opt_every is not None and gpu_opt_every < 0:
-        raise PlanError(f"gpu_opt_every must be >= 0 (0: every update on the host), got {gpu_opt_every}")
-    check_resident(gpu_opt_every, resident_opt)
-    device_sets = [(g, r) for g in device_update_sets(graph, gpu_opt_every)
-                   for r in resident_sets(g, "auto" if resident_opt is None else resident_opt, clip)]
-    if grad_host_dtype not in GRAD_HOST_BYTES:
-        raise PlanError(f"grad_host_dtype must be 'fp32' or 'bf16', got {grad_host_dtype!r}")
-    grads = [4] if grad_host_dtype == "fp32" else [4, 2]
-    if seq_tile is not None and (not isinstance(seq_tile, int) or isinstance(seq_tile, bool) or seq_tile < 0):
-        raise PlanError(f"seq_tile must be a number of tokens >= 0 (0: untiled), got {seq_tile!r}")
-
-    def tiles(m: int) -> list[int]:  # searched for long micro-batches only: shorter ones fit untiled
-        if seq_tile is not None:
-            return [seq_tile]
-        return tile_choices(tokens // m)
-
-    if grad_slots is not None and (not isinstance(grad_slots, int) or isinstance(grad_slots, bool) or grad_slots < 1):
-        raise PlanError(f"grad_slots must be an integer >= 1, got {grad_slots!r}")
-    gslots = [grad_slots] if grad_slots is not None else [2, 1] if seq_len >= LONG_SEQ else [2]
-    return [
-        ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
-                       weight_slots=k, grad_slots=gs, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
-                       budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b, seq_tile=t)
-        for m, k, w, h, (g, r), b, gs in itertools.product(mbs, slots, wires, offload, device_sets, grads, gslots)
-        for t in tiles(m)
-    ]
 
 
 def _screen(graph: LayerGraph, spec: HardwareSpec, budget: int, cutoff: tuple[bool, float] | None,
@@ -441,5 +377,12 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         tl = simulate(s, graph, spec)
         return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, margin_refusal(outcomes, tl, spec),
                     len(configs), len(done))
-    raise PlanError(no_fit_message([why for _, why in tried], spec, budget=budget,
-                                   bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16"))
+    if not fixed.get("short_tiles") and fixed.get("seq_tile") is None and seq_len < LONG_SEQ and \
+            tile_choices(tokens, True) != [0]:
+        # a sequence shorter than LONG_SEQ that fits no plan untiled: again with what long ones get
+        return plan(graph, spec, tokens, seq_len, budget_bytes=budget_bytes, clip=clip, n_steps=n_steps,
+                    saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
+                    speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
+                    order=order, prune=prune, progress=progress, **{**fixed, "short_tiles": True})
+    raise no_fit_message([why for _, why in tried], spec, budget=budget,
+                         bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16")

@@ -316,3 +316,23 @@ def test_a_plan_for_a_preset_imports_neither_torch_nor_transformers(tmp_path):
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (tmp_path / "p" / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_cli_names_the_longest_sequence_that_plans(tmp_path, capsys):
+    """A sequence over the device budget is refused with the longest that plans under the same options (found by
+    searching shorter ones): that one plans, one SEQ_STEP longer does not."""
+    from megatrain.planner.limits import SEQ_STEP
+
+    fixed = ["--preset", "qwen2.5-0.5b", "--hardware", "h100", "--gpu-gib", "2", "--steps", "1"]
+    assert main(["plan", *fixed, "--tokens", "262144", "--seq", "262144", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    m = re.search(r"too small for one 262,144-token sequence: .*; the longest sequence that plans is ([\d,]+) tokens "
+                  r"\(--seq (\d+) --tokens (\d+)\)$", err.strip(), re.M)
+    assert m and int(m.group(1).replace(",", "")) == int(m.group(2)) == int(m.group(3)), err
+    longest = int(m.group(2))
+    assert longest % SEQ_STEP == 0 and 0 < longest < 262144
+    assert main(["plan", *fixed, "--tokens", str(longest), "--seq", str(longest), "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    over = longest + SEQ_STEP
+    assert main(["plan", *fixed, "--tokens", str(over), "--seq", str(over), "--out", str(tmp_path / "c")]) == 2
+    assert "no plan fits" in capsys.readouterr().err

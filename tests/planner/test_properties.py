@@ -11,9 +11,8 @@ from megatrain.planner.cost import device_memory, host_memory
 from megatrain.planner.graph import Layer, LayerGraph
 from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule, setup_schedule
-from megatrain.planner.choices import unsaved
-from megatrain.planner.search import (PlanError, device_update_sets, plan, saved_act_layers,
-                                      with_saved_acts)
+from megatrain.planner.choices import device_update_sets, unsaved
+from megatrain.planner.search import PlanError, plan, saved_act_layers, with_saved_acts
 from megatrain.planner.critical import critical_path
 from megatrain.planner.simulate import bound, simulate
 from megatrain.planner.carried import carried_deps, join, unroll
@@ -278,15 +277,36 @@ def test_tiny_budget_is_refused_before_anything_is_built():
 
 
 def test_the_smallest_plan_checked_first_tiles_as_the_search_would():
-    """The check before the search assumes tiles only where the search tries them (micro-batches of LONG_SEQ tokens
-    or more): a 65,536-token sequence is refused untiled, a 524,288-token one with the smallest tiles."""
+    """The check before the search assumes tiles where the search tries them: micro-batches of LONG_SEQ tokens or
+    more, and shorter ones where one untiled cannot fit the budget. A sequence that does not fit is refused naming
+    the sequence and the longest that passes the same check."""
     from megatrain.planner.graph import preset
     from megatrain.planner.choices import LONG_SEQ, SEQ_TILES, tile_choices
+    from megatrain.planner.limits import check_request
 
     assert tile_choices(LONG_SEQ // 2) == [0] and tile_choices(LONG_SEQ) == [0, *SEQ_TILES]
+    assert tile_choices(LONG_SEQ // 2, short=True) == [0, *(t for t in SEQ_TILES if t < LONG_SEQ // 2)]
     g = preset("qwen2.5-7b")
-    with pytest.raises(PlanError, match="too small for one layer") as untiled:
-        plan(g, SPEC, 65536, 65536, budget_bytes=4 << 30)
-    assert "tiles" not in str(untiled.value)
-    with pytest.raises(PlanError, match=rf"too small for one layer.*MLPs over {min(SEQ_TILES)}-token tiles"):
-        plan(g, SPEC, 524288, 524288, budget_bytes=4 << 30)
+    for seq in (65536, 524288):
+        with pytest.raises(PlanError, match=rf"too small for one {seq:,}-token sequence: .*MLPs over "
+                                            rf"{min(SEQ_TILES)}-token tiles.* no sequence longer than") as e:
+            plan(g, SPEC, seq, seq, budget_bytes=4 << 30)
+        longest = e.value.longest
+        assert longest % 1024 == 0 and 0 < longest < seq and f"than {longest:,} tokens" in str(e.value)
+        check_request(g, SPEC, longest, longest, 4 << 30)  # passes
+        with pytest.raises(PlanError, match="too small"):
+            check_request(g, SPEC, longest + 1024, longest + 1024, 4 << 30)
+    with pytest.raises(PlanError, match="too small for one layer"):  # the weights alone are over the budget
+        plan(g, SPEC, 4096, 4096, budget_bytes=2 << 30)
+
+
+def test_a_sequence_shorter_than_long_ones_gets_their_plans_where_it_fits_no_other():
+    """Below LONG_SEQ the search tries untiled plans with every checkpoint on the device or every one on the
+    host; where none of those fits (7B, 65,536 tokens, a 20 GiB budget) it searches again with tiles and the
+    checkpoints split, and plans."""
+    from megatrain.planner.graph import preset
+
+    p = plan(preset("qwen2.5-7b"), PRESETS["h100"], 65536, 65536, budget_bytes=20 << 30, workers=2)
+    cfg = p.schedule.config
+    assert cfg.seq_tile and 0 < cfg.host_checkpoints < 29
+    assert device_memory(preset("qwen2.5-7b"), p.schedule).total_nbytes <= 20 << 30

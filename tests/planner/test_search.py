@@ -14,7 +14,8 @@ from megatrain.planner.hardware import PRESETS
 from megatrain.planner.passes import build_schedule, relabel_saved
 from megatrain.planner.choices import unsaved
 from megatrain.planner.limits import min_device_nbytes
-from megatrain.planner.search import candidates, plan, with_saved_acts
+from megatrain.planner.choices import candidates
+from megatrain.planner.search import plan, with_saved_acts
 from megatrain.planner.simulate import simulate
 from megatrain.planner.verify import ScheduleError, verify
 

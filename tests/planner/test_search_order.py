@@ -52,7 +52,7 @@ def test_pruning_never_drops_the_plan_and_the_floor_is_below_every_step(graph, s
 def test_the_device_floor_is_below_every_candidates_schedule(graph, seqs, seq):
     """min_device_nbytes against the built schedule of every candidate (budget unbounded, so none is refused),
     slots for every layer and device checkpoints included: the search refuses by it before building."""
-    from megatrain.planner.search import candidates
+    from megatrain.planner.choices import candidates
 
     for cfg in candidates(graph, seqs * seq, seq, 1 << 50, clip=True, n_steps=1, gpu_opt_every=None,
                           wire_bytes=None):

@@ -266,7 +266,7 @@ def test_a_tied_embedding_updated_on_the_device_equals_host_updates(clip):
 
 
 def test_auto_device_updates_take_the_fastest_simulated_set():
-    from megatrain.planner.search import choose_grad_kept, device_update_sets
+    from megatrain.planner.choices import choose_grad_kept, device_update_sets
     from megatrain.planner.simulate import simulate
 
     opt = dataclasses.replace(OPT, fused=True)

@@ -378,8 +378,9 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, margin_refusal(outcomes, tl, spec),
                     len(configs), len(done))
     if not fixed.get("short_tiles") and fixed.get("seq_tile") is None and seq_len < LONG_SEQ and \
-            tile_choices(tokens, True) != [0]:
-        # a sequence shorter than LONG_SEQ that fits no plan untiled: again with what long ones get
+            tile_choices(tokens, True) != [0] and any(l.tile_work_bytes_per_token for l in graph.layers):
+        # a sequence shorter than LONG_SEQ that fits no plan untiled, of layers that tile: again with what long
+        # ones get
         return plan(graph, spec, tokens, seq_len, budget_bytes=budget_bytes, clip=clip, n_steps=n_steps,
                     saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
                     speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,

@@ -323,7 +323,8 @@ def test_plan_cli_names_the_longest_sequence_that_plans(tmp_path, capsys):
     searching shorter ones): that one plans, one SEQ_STEP longer does not."""
     from megatrain.planner.limits import SEQ_STEP
 
-    fixed = ["--preset", "qwen2.5-0.5b", "--hardware", "h100", "--gpu-gib", "2", "--steps", "1"]
+    fixed = ["--preset", "qwen2.5-0.5b", "--hardware", "h100", "--gpu-gib", "2", "--steps", "1", "--slots", "2",
+             "--gpu-opt-every", "0", "--split-opt", "0", "--speculate", "off"]  # (fewer candidates: a search a probe)
     assert main(["plan", *fixed, "--tokens", "262144", "--seq", "262144", "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err
     m = re.search(r"too small for one 262,144-token sequence: .*; the longest sequence that plans is ([\d,]+) tokens "

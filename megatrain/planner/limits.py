@@ -142,7 +142,7 @@ def margin_refusal(outcomes: list, chosen: Timeline, spec: HardwareSpec) -> str 
 FLOOR_NOTE = "before any gradient buffer"
 
 
-def no_fit_message(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, budget: int | None = None) -> NoFit:
+def no_fit_error(reasons: list[str], spec: HardwareSpec, *, bf16_tried: bool, budget: int | None = None) -> NoFit:
     """Why no candidate fits, in one line: of the candidates that need more host memory than there is, the least
     any needs (and that bf16 host gradients need less, where they were not allowed and some candidate's gradient
     buffers were part of what did not fit); of those that need more device memory than the budget, the least any

@@ -19,7 +19,7 @@ from megatrain.planner.cost import (device_memory, gemm_workspace_nbytes, host_f
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.speculation import AUTO_SHARES, host_left, with_speculation
 from megatrain.planner.limits import (FLOOR_NOTE, check_request, gib, margin_refusal, min_device_nbytes,
-                                      no_fit_message)
+                                      no_fit_error)
 from megatrain.planner.hardware import HardwareSpec
 from megatrain.planner.passes import build_schedule, relabel_saved, repeat
 from megatrain.planner.simulate import Bound, Slower, Timeline, bound, compute_floor, simulate
@@ -385,5 +385,5 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
                     saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
                     speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
                     order=order, prune=prune, progress=progress, **{**fixed, "short_tiles": True})
-    raise no_fit_message([why for _, why in tried], spec, budget=budget,
+    raise no_fit_error([why for _, why in tried], spec, budget=budget,
                          bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16")

@@ -386,4 +386,4 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
                     speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
                     order=order, prune=prune, progress=progress, **{**fixed, "short_tiles": True})
     raise no_fit_error([why for _, why in tried], spec, budget=budget,
-                         bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16")
+                       bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16")

@@ -1,7 +1,8 @@
 """The decisions a candidate plan takes beyond its micro-batches and slots, each a pure function of the layer graph
 and a config: MLP tiles for long micro-batches, which layers update on the device and keep their state there, which
 keep their gradient there until the update pass, which keep their activations for the backward, and which have
-their host update done on the device instead (split updates). :func:`megatrain.planner.search.plan` tries them."""
+their host update done on the device instead (split updates); and :func:`candidates`, the grid of micro-batches,
+slots and placements they are taken on. :func:`megatrain.planner.search.plan` tries them."""
 
 from __future__ import annotations
 

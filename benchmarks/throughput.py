@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from megatrain.cli import (gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts, seq_tile, speculate,
-                           split_opt)
+from megatrain.cli import (dropped_checkpoints, gpu_opt_every, grad_kept, host_checkpoints, resident_opt, saved_acts,
+                           seq_tile, speculate, split_opt)
 from megatrain.layout import WIRE_STAGE_PARAMS
 
 
@@ -72,6 +72,8 @@ def main():
                     help="weight slots, all (one per layer), or auto (the planner's choice)")
     ap.add_argument("--host-checkpoints", type=host_checkpoints, default="auto",
                     help="layers whose checkpoints wait on the host (auto: the planner's choice)")
+    ap.add_argument("--dropped-checkpoints", type=dropped_checkpoints, default="auto",
+                    help="checkpoints the forward drops, made again in the backward (auto: the planner's choice)")
     ap.add_argument("--seq-tile", type=seq_tile, default="auto",
                     help="tokens per tile the blocks' MLPs run over (0: untiled; auto: the planner's choice)")
     ap.add_argument("--gpu-opt-every", type=gpu_opt_every, default=0,
@@ -160,6 +162,7 @@ def main():
                            streams=not args.sync and args.device != "cpu",
                            kernels=not args.no_kernels, n_mb=args.mb, weight_slots=args.slots,
                            host_checkpoints=args.host_checkpoints, gpu_opt_every=args.gpu_opt_every,
+                           dropped_checkpoints=args.dropped_checkpoints,
                            wire=args.wire, saved_acts=args.saved_acts, resident_opt=args.resident_opt,
                            grad_kept=args.grad_kept, grad_host_dtype=args.grad_host_dtype,
                            seq_tile=args.seq_tile, host_budget_gib=args.host_gib, device_budget_gib=args.gpu_gib,
@@ -502,7 +505,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         # whether the blocks' recomputes left out the projections nothing reads (grad_sink.outputs_unread)
         "unread_skipped": any(m.unread for i in range(len(sm.graph)) for m in sm.executor.runner.unread(i)),
         "kernels": sorted(sm.kernels), "tokens_per_step": tokens, "n_mb": c.n_mb, "weight_slots": c.weight_slots,
-        "host_checkpoints": c.host_checkpoints, "clip": c.clip, "gpu_opt": list(c.gpu_opt),
+        "host_checkpoints": c.host_checkpoints, "dropped_checkpoints": c.dropped_checkpoints, "clip": c.clip,
+        "gpu_opt": list(c.gpu_opt),
         "wire_bytes_per_param": c.wire_bytes_per_param, "saved_acts": list(c.saved_acts),
         "resident_opt": list(c.resident_opt), "grad_kept": list(c.grad_kept), "grad_host_bytes": c.grad_host_bytes,
         "planned_host_gib": sum(host_memory(graph, sched).values()) / (1 << 30),

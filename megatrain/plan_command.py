@@ -30,9 +30,9 @@ def _count_or_auto(name: str):
     return parse
 
 
-gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile, host_checkpoints, split_opt = (
+gpu_opt_every, saved_acts, resident_opt, grad_kept, seq_tile, host_checkpoints, split_opt, dropped_checkpoints = (
     _count_or_auto(n) for n in ("gpu_opt_every", "saved_acts", "resident_opt", "grad_kept", "seq_tile",
-                                "host_checkpoints", "split_opt"))
+                                "host_checkpoints", "split_opt", "dropped_checkpoints"))
 
 
 def speculate(value: str) -> int | str:
@@ -111,6 +111,7 @@ def plan(args) -> int:
         auto = lambda v: "auto" if v is None else v  # noqa: E731 - a flag not given: the search's
         opts = PlanOptions(n_mb=auto(args.mb), weight_slots=auto(args.slots), wire=auto(args.wire),
                            host_checkpoints=auto(args.host_checkpoints),
+                           dropped_checkpoints=dropped_checkpoints(args.dropped_checkpoints),
                            gpu_opt_every=None if args.gpu_opt_every is None else gpu_opt_every(args.gpu_opt_every),
                            split_opt=None if args.split_opt is None else split_opt(args.split_opt),
                            saved_acts=saved_acts(args.saved_acts), resident_opt=resident_opt(args.resident_opt),
@@ -229,7 +230,9 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
         f"plan       {cfg.weight_slots} weight slots, {mem.slot_count['g']} gradient slots, "
         f"{mem.slot_count['a']} activation slots; weights on the wire as "
         f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
-        f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host; optimizer "
+        f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host"
+        + (f" ({_n(cfg.dropped_checkpoints, 'checkpoint')} of layers 2, 4, .. dropped and made again in the backward)"
+           if cfg.dropped_checkpoints else "") + "; optimizer "
         f"{'after the step (exact global-norm clipping)' if cfg.clip else 'during backward (no clipping)'}"
         + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else "")
         + (f" ({'all' if len(cfg.resident_opt) == len(cfg.gpu_opt) else len(cfg.resident_opt)} keeping their "

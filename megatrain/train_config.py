@@ -58,6 +58,8 @@ class TrainConfig:
     clip: float | None = 1.0  # global-norm clipping; None: off
     mb: int | None = None  # micro-batches per step; None: 2 where the batch splits in two, else 1
     slots: int | str = 2  # weight slots; "all": one per layer
+    dropped_checkpoints: int | str = "auto"  # checkpoints the forward drops, made again in the backward ("auto":
+    # none unless no plan keeping them all fits)
     host_checkpoints: int | str = "auto"  # layers whose checkpoints wait on the host ("auto": compile()'s, the
     # planner's choice of none or all on a GPU, none on the CPU)
     gpu_opt_every: int | str | None = None  # every k-th layer updated on the GPU (0: all on the host; "auto": the
@@ -154,6 +156,7 @@ class TrainConfig:
         from megatrain.planner.request import PlanOptions
 
         return PlanOptions(n_mb=self.mb // world, weight_slots=self.slots, host_checkpoints=self.host_checkpoints,
+                           dropped_checkpoints=self.dropped_checkpoints,
                            gpu_opt_every=self.gpu_opt_every, split_opt=self.split_opt, speculate=self.speculate,
                            clip_rate=self.clip_rate, speculate_keeps=self.speculate_keeps, wire=self.wire,
                            saved_acts=self.saved_acts, resident_opt=self.resident_opt, grad_kept=self.grad_kept,

@@ -35,12 +35,13 @@ from megatrain.ir.contents import (OUTLIVING_POOLS, QUEUES, Carried, Queue, cont
                                    initial_contents, issue_preds, op_contents, queue_of, resident_slots, setup_ops,
                                    slot_contents, split_part)
 from megatrain.ir.graph import Layer, LayerGraph
-from megatrain.ir.op import FORMAT_VERSION, KIND_STREAMS, ROLES, SLOT_POOL, STREAM_ORDER, IRError, Op, OpKind, Stream
+from megatrain.ir.op import (FORMAT_VERSION, FORWARDS, KIND_STREAMS, ROLES, SLOT_POOL, STREAM_ORDER, IRError, Op,
+                             OpKind, Stream)
 from megatrain.ir.schedule import QUIET_DEFAULTS, TUPLE_KEYS, Schedule, ScheduleConfig, format_table
 from megatrain.ir.slots import HOST_POOLS, POOLS, op_params, slot_params
 from megatrain.ir.timeline import Timeline
 
-__all__ = ["Carried", "contents_of", "deferrable_opts", "format_table", "FORMAT_VERSION", "HOST_POOLS",
+__all__ = ["Carried", "contents_of", "deferrable_opts", "format_table", "FORMAT_VERSION", "FORWARDS", "HOST_POOLS",
            "initial_contents", "IRError", "issue_preds", "KIND_STREAMS", "Layer", "LayerGraph", "Op", "op_contents",
            "op_params", "OpKind", "OUTLIVING_POOLS", "POOLS", "Queue", "queue_of", "QUEUES", "QUIET_DEFAULTS",
            "resident_slots", "ROLES", "Schedule", "ScheduleConfig", "setup_ops", "slot_contents", "slot_params",

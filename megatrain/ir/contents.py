@@ -38,7 +38,7 @@ def slot_contents(op: Op, owner: Callable[[int], int], n_mb: int,
         return {}, {"w": w}
     if k is OpKind.KEEP_W:  # (the kept weights are no slot: cost.device_memory counts them; verify orders them)
         return {}, {}
-    if k is OpKind.FWD:
+    if k is OpKind.FWD or k is OpKind.REFWD:
         reads = {"w": w}
         if l > 0:
             reads["x"] = ("A", st, l, j)

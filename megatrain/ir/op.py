@@ -19,6 +19,9 @@ class OpKind(str, enum.Enum):
     # buffer its device updates keep its new weights in, which the steady step's compute-stream LOAD_W copies
     FWD = "FWD"  # compute: forward of (layer, mb), no autograd graph kept (a layer in saved_acts keeps its saved
     # activations, without the weights, for its BWD)
+    REFWD = "REFWD"  # compute: the forward of (layer, mb) again in the backward, from its checkpoint and without
+    # autograd, to make the checkpoint of layer + 1 the forward dropped (ScheduleConfig.dropped_checkpoints) just
+    # ahead of that layer's BWD
     LOSS = "LOSS"  # compute: forward + backward of the head+loss layer for one mb
     EVAL = "EVAL"  # compute: forward of the head+loss layer for one mb, the loss alone (an evaluation schedule)
     BWD = "BWD"  # compute: recompute forward from the checkpoint (not for a layer in saved_acts), back-propagate,
@@ -48,6 +51,9 @@ class OpKind(str, enum.Enum):
     # their copy to the host (d2h, for host updates and the step's result). Layer 0 (it belongs to none)
 
 
+FORWARDS = (OpKind.FWD, OpKind.REFWD)  # the kinds that run a layer's forward without autograd
+
+
 class Stream(str, enum.Enum):
     COMPUTE = "compute"
     H2D = "h2d"
@@ -63,6 +69,7 @@ KIND_STREAMS: dict[OpKind, tuple[Stream, ...]] = {
     OpKind.LOAD_W: (Stream.H2D, Stream.COMPUTE),
     OpKind.KEEP_W: (Stream.H2D,),
     OpKind.FWD: (Stream.COMPUTE,),
+    OpKind.REFWD: (Stream.COMPUTE,),
     OpKind.LOSS: (Stream.COMPUTE,),
     OpKind.EVAL: (Stream.COMPUTE,),
     OpKind.BWD: (Stream.COMPUTE,),

@@ -17,7 +17,8 @@ TUPLE_KEYS = ("gpu_opt", "saved_acts", "resident_opt", "grad_kept", "split_opt",
 # ScheduleConfig fields written only where they differ from these defaults (older schedules read back the same)
 QUIET_DEFAULTS = {"saved_lean": False, "train": True, "setup": False, "write_back": False, "grad_host_bytes": 4,
                   "host_grad_slots": 2, "host_grad_part": 0, "seq_tile": 0, "opt_part": 0,
-                  "gemm_workspace_bytes": 0, "defer_moments": True, "speculate_keeps": "masters"}
+                  "gemm_workspace_bytes": 0, "defer_moments": True,
+                  "speculate_keeps": "masters", "dropped_checkpoints": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,11 @@ class ScheduleConfig:
     grad_slots: int = 2  # device fp32 gradient slots
     wire_bytes_per_param: int = 2  # 2: bf16 shadow on host; 4: fp32 master, cast on the GPU
     host_checkpoints: int = 0  # checkpoints of layers 1..host_checkpoints are offloaded to host; the rest stay on GPU
+    # checkpoints the forward drops: those at the input of layers 2, 4, .., 2 x dropped_checkpoints (never two
+    # adjacent ones, so that the layer below keeps its own); the backward makes each again (REFWD of the layer
+    # below, from its checkpoint) just ahead of the layer's BWD. A forward of that layer more per micro-batch, for
+    # a checkpoint fewer on the host or the device (``dropped``)
+    dropped_checkpoints: int = 0
     clip: bool = True  # exact global-norm clipping: every OPT waits for all of the step's gradients
     budget_bytes: int = 0  # device bytes the plan may use (slots + largest working set)
     # device bytes cuBLAS's workspaces take while the schedule runs (one per thread that runs its GEMMs:
@@ -107,6 +113,11 @@ class ScheduleConfig:
     # update pass, from that buffer (``ir.deferrable_opts``; the streaming executor): a shorter pass behind the
     # backward, a second pass the next step's stores into those buffers wait for. False: each update in one pass
     defer_moments: bool = True
+
+    def dropped(self, layer: int) -> bool:
+        """Whether the checkpoint at the input of ``layer`` is dropped after the forward and made again in the
+        backward (``dropped_checkpoints``)."""
+        return 2 <= layer <= 2 * self.dropped_checkpoints and layer % 2 == 0
 
     def tiled(self, layer: "Layer", index: int) -> bool:
         """Whether layer ``index`` (``layer``) runs its token-wise part over tiles in this schedule."""

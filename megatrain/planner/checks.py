@@ -65,3 +65,16 @@ def check_speculate(graph: LayerGraph, cfg: ScheduleConfig) -> None:
                          f"(not {bad})")
     if cfg.speculate_keeps not in SPECULATE_KEEPS:
         raise ValueError(f"speculate_keeps must be one of {', '.join(SPECULATE_KEEPS)}, got {cfg.speculate_keeps!r}")
+
+
+def check_dropped(graph: LayerGraph, cfg: ScheduleConfig) -> None:
+    """Refuse ``dropped_checkpoints`` beyond the checkpoints there are (those at layers 2, 4, .. below the head), or
+    dropping the checkpoint of a layer in ``saved_acts`` (its backward reads what its forward kept, not a forward
+    made again)."""
+    n, top = cfg.dropped_checkpoints, len(graph) - 2
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= 2 * n <= top:
+        raise ValueError(f"dropped_checkpoints must be an integer in 0..{top // 2} (the checkpoints at layers 2, 4, "
+                         f".. up to layer {top}), got {n!r}")
+    both = sorted(l for l in cfg.saved_acts if cfg.dropped(l))
+    if both:
+        raise ValueError(f"layers {both} keep their activations (saved_acts): their checkpoints cannot be dropped")

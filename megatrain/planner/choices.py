@@ -149,7 +149,8 @@ def saved_act_layers(graph: LayerGraph, cfg: ScheduleConfig, choice: int | str,
     first), and every layer saved is one recompute less, whichever it is. A layer whose checkpoint goes to the
     host cannot: what it saves holds its input on the device anyway. ``base``: the schedule of
     :func:`unsaved` ``(cfg)`` where the caller has it (built here otherwise)."""
-    able = [l for l in range(cfg.host_checkpoints + 1, len(graph) - 1) if graph[l].saved_bytes_per_token > 0]
+    able = [l for l in range(cfg.host_checkpoints + 1, len(graph) - 1)
+            if graph[l].saved_bytes_per_token > 0 and not cfg.dropped(l)]
     if choice != "auto":
         if not isinstance(choice, int) or isinstance(choice, bool) or not 0 <= choice <= len(able):
             raise PlanError(f"saved_acts must be 'auto' or a count of layers from 0 to {len(able)} (the layers "
@@ -259,7 +260,8 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
                host_checkpoints: int | None = None, gpu_opt_every: int | None = 0,
                resident_opt: int | None = None, grad_slots: int | None = None,
                grad_host_dtype: str = "fp32", seq_tile: int | None = None,
-               short_tiles: bool = False) -> list[ScheduleConfig]:
+               short_tiles: bool = False, dropped_checkpoints: int | None = None,
+               dropping: bool = False) -> list[ScheduleConfig]:
     """Every combination of decisions the search tries; a fixed value pins a decision. ``gpu_opt_every``: every
     k-th layer that owns its weights is updated on the device (0: none, the default until measured on the
     GPU; None: search none, every 4th, 3rd, 2nd, each also with the first such layer). ``resident_opt``: how many
@@ -271,7 +273,9 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     tokens, where a layer's backward takes seconds and a second slot hides little but costs the largest layer's
     fp32 gradient). ``short_tiles``: shorter sequences get what those long ones do (tiles, checkpoints split
     between host and device, one gradient slot), for a budget that cannot hold one untiled
-    (``limits.smallest_plan``)."""
+    (``limits.smallest_plan``). ``dropped_checkpoints``: checkpoints the forward drops and the backward makes
+    again (``ScheduleConfig.dropped_checkpoints``; None: none, or where ``dropping``, each of
+    :func:`drop_choices`: the search's round for requests no plan keeping every checkpoint fits)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:
@@ -310,10 +314,20 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     if grad_slots is not None and (not isinstance(grad_slots, int) or isinstance(grad_slots, bool) or grad_slots < 1):
         raise PlanError(f"grad_slots must be an integer >= 1, got {grad_slots!r}")
     gslots = [grad_slots] if grad_slots is not None else [2, 1] if long else [2]
+    drops = [dropped_checkpoints] if dropped_checkpoints is not None else drop_choices(graph) if dropping else [0]
     return [
         ScheduleConfig(n_layers=len(graph), n_steps=n_steps, n_mb=m, mb_tokens=tokens // m, seq_len=seq_len,
                        weight_slots=k, grad_slots=gs, wire_bytes_per_param=w, host_checkpoints=h, clip=clip,
-                       budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b, seq_tile=t)
-        for m, k, w, h, (g, r), b, gs in itertools.product(mbs, slots, wires, offload, device_sets, grads, gslots)
+                       budget_bytes=budget, gpu_opt=g, resident_opt=r, grad_host_bytes=b, seq_tile=t,
+                       dropped_checkpoints=d)
+        for m, k, w, h, (g, r), b, gs, d in itertools.product(mbs, slots, wires, offload, device_sets, grads, gslots,
+                                                               drops)
         for t in tiles(m)
     ]
+
+
+def drop_choices(graph: LayerGraph) -> list[int]:
+    """The counts of dropped checkpoints the search tries where no plan keeping them all fits: a quarter, half,
+    three quarters and all of those that may be dropped (every other one, ``ScheduleConfig.dropped``)."""
+    top = (len(graph) - 2) // 2
+    return sorted({top * k // 4 for k in (1, 2, 3, 4)} - {0})

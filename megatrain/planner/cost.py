@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.ir import POOLS, Op, OpKind, Schedule, ScheduleConfig, Stream, op_params, slot_params
+from megatrain.ir import FORWARDS, POOLS, Op, OpKind, Schedule, ScheduleConfig, Stream, op_params, slot_params
 from megatrain.layout import (DELTA_PIECE_TOKENS, GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, KEPT_MASTER_BYTES,
                               LOSS_CHUNK_TOKENS, block_bytes, fmt_bytes, store_bytes)
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
@@ -93,9 +93,9 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     lay = graph[op.layer]
     t = cfg.mb_tokens
     work = lay.work_bytes_per_token * t + lay.scan_piece_bytes_per_token * min(t, DELTA_PIECE_TOKENS)
-    if op.kind in (OpKind.FWD, OpKind.BWD) and cfg.tiled(lay, op.layer):  # the tiled part for one tile at a time
+    if op.kind in (*FORWARDS, OpKind.BWD) and cfg.tiled(lay, op.layer):  # the tiled part for one tile at a time
         work -= lay.tile_work_bytes_per_token * (t - cfg.seq_tile)
-    if op.kind is OpKind.FWD:
+    if op.kind in FORWARDS:
         return work
     if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients, and the attention
         # kernel's own buffers while its backward runs (Layer.attn_bwd_bytes: a step of 4 blocks of Qwen2.5-7B's
@@ -175,7 +175,7 @@ def _passes(cfg: ScheduleConfig, op: Op) -> float:
     ``saved_acts``); loss = forward + backward 3; an evaluation's loss 1."""
     if op.kind is OpKind.BWD:
         return 3.0 if recomputes(cfg, op) else 2.0
-    return {OpKind.FWD: 1.0, OpKind.LOSS: 3.0, OpKind.EVAL: 1.0}.get(op.kind, 0.0)
+    return {OpKind.FWD: 1.0, OpKind.REFWD: 1.0, OpKind.LOSS: 3.0, OpKind.EVAL: 1.0}.get(op.kind, 0.0)
 
 
 # A fused attention's backward in forward passes: it forms the probabilities again and has five products to the
@@ -188,7 +188,7 @@ def _attn_passes(cfg: ScheduleConfig, op: Op) -> float:
     the forward."""
     if op.kind is OpKind.BWD:
         return ATTN_BWD_PASSES + (1.0 if recomputes(cfg, op) else 0.0)
-    return 1.0 if op.kind is OpKind.FWD else 0.0
+    return 1.0 if op.kind in FORWARDS else 0.0
 
 
 def matmul_and_attention_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> tuple[float, float]:
@@ -221,7 +221,7 @@ def route_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
     """Bytes a compute op of a mixture-of-experts block moves routing tokens to experts (Layer.route_bytes_per_token
     a forward; a backward :data:`ROUTE_BWD_PASSES` of them, and one more where it recomputes the forward)."""
     per_token = graph[op.layer].route_bytes_per_token
-    if not per_token or op.kind not in (OpKind.FWD, OpKind.BWD, OpKind.EVAL):
+    if not per_token or op.kind not in (*FORWARDS, OpKind.BWD, OpKind.EVAL):
         return 0.0
     passes = ROUTE_BWD_PASSES + (1.0 if recomputes(cfg, op) else 0.0) if op.kind is OpKind.BWD else 1.0
     return passes * per_token * cfg.mb_tokens
@@ -237,7 +237,7 @@ def scan_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> float:
     """FLOPs of a compute op's linear-attention recurrence (Layer.scan_flops_per_token): a forward 1 pass, a backward
     :data:`SCAN_BWD_PASSES` and 1 more where it recomputes the forward."""
     per_token = graph[op.layer].scan_flops_per_token
-    if not per_token or op.kind not in (OpKind.FWD, OpKind.BWD, OpKind.EVAL):
+    if not per_token or op.kind not in (*FORWARDS, OpKind.BWD, OpKind.EVAL):
         return 0.0
     passes = SCAN_BWD_PASSES + (1.0 if recomputes(cfg, op) else 0.0) if op.kind is OpKind.BWD else 1.0
     return passes * per_token * cfg.mb_tokens
@@ -288,7 +288,7 @@ def duration_s(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, op: O
                deferred: frozenset[int] | None = None) -> float:
     """Seconds ``op`` takes with its resource to itself (``deferred``: as :func:`defers_moments` takes it)."""
     k = op.kind
-    if k in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL):
+    if k in (*FORWARDS, OpKind.BWD, OpKind.LOSS, OpKind.EVAL):
         return max(compute_seconds(graph, cfg, spec, op),
                    compute_traffic_nbytes(graph, cfg, op) / spec.hbm_bytes_per_s,
                    spec.bwd_issue_s if k is OpKind.BWD else spec.fwd_issue_s)
@@ -444,5 +444,6 @@ def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
     out = {"store": store_bytes(graph), "process": PROCESS_HOST_BYTES, "stages": STAGE_HOST_BYTES}
     if cfg.wire_bytes_per_param == 2:
         out["bf16_shadow"] = graph.n_params * 2
-    out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb
+    out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)
+                              if not cfg.dropped(l)) * cfg.n_mb
     return out

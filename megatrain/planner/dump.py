@@ -13,7 +13,7 @@ KIND_COLORS = {
     OpKind.BWD: "#2d6b3c", OpKind.SAVE_ACT: "#dd8452", OpKind.STORE_G: "#937860", OpKind.OPT: "#8172b3",
     OpKind.LOAD_OPT: "#b7a9de", OpKind.STORE_OPT: "#5a4a8f", OpKind.EVAL: "#e17c7f", OpKind.NORM: "#c9b18b",
     OpKind.GUARD: "#222222", OpKind.LOAD_IN: "#9a9a9a", OpKind.LOSS_OUT: "#7a7a7a", OpKind.KEEP_W: "#2b4f7e",
-    OpKind.CHECK: "#b05050",
+    OpKind.CHECK: "#b05050", OpKind.REFWD: "#8cc79a",
 }
 GiB = 1 << 30
 

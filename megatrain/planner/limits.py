@@ -50,7 +50,7 @@ def min_device_nbytes(graph: LayerGraph, cfg: ScheduleConfig) -> int:
         weights = max(weights, sum(graph.weight_params(o) for o in {graph.owner(l) for l in range(len(graph))}
                                    if o not in cfg.gpu_opt) * cfg.wire_bytes_per_param)
     acts = 2 if len(graph) > 2 else 1  # a micro-batch's activations in and out (the head reads the embedding's alone)
-    acts = max(acts, (len(graph) - 2 - cfg.host_checkpoints) * cfg.n_mb)
+    acts = max(acts, sum(not cfg.dropped(l) for l in range(cfg.host_checkpoints + 1, len(graph) - 1)) * cfg.n_mb)
     return weights + size["g"] + acts * size["a"] + work + cfg.gemm_workspace_bytes + kept + opt
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Op, OpKind, Schedule, ScheduleConfig, Stream, resident_slots
 from megatrain.planner.carried import unroll
-from megatrain.planner.checks import check_grad_kept, check_speculate, check_split_opt
+from megatrain.planner.checks import check_dropped, check_grad_kept, check_speculate, check_split_opt
 from megatrain.planner.cost import defers_head_store
 from megatrain.planner.op_edits import (CPU, D2H, H2D, C, Ids, add_deps, by_compute_key, compute_key, finalize,
                                         insert_after)
@@ -23,8 +23,10 @@ from megatrain.planner.slot_passes import (PREFETCH_LAYERS, assign_activation_sl
 
 def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
     """Layer-major compute: each micro-batch's inputs to the device (LOAD_IN, h2d), FWD of layers 0..L-2 over all
-    mbs, LOSS of the head per mb, BWD of L-2..0."""
+    mbs, LOSS of the head per mb, BWD of L-2..0 (each behind the REFWD that makes its checkpoint again where the
+    forward dropped it)."""
     cfg = s.config
+    check_dropped(graph, cfg)
     L, M = len(graph), cfg.n_mb
     ops: list[Op] = []
     ids = Ids(s.ops)
@@ -49,14 +51,18 @@ def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
         for l in range(L - 2, -1, -1):
             for j in range(M):
                 up = (OpKind.LOSS if l + 1 == L - 1 else OpKind.BWD, st, l + 1, j)
-                emit(OpKind.BWD, st, l, j, (up, (OpKind.FWD, st, l, j)))
+                if cfg.dropped(l):  # its checkpoint made again by the layer below, from that one's
+                    emit(OpKind.REFWD, st, l - 1, j, ((OpKind.FWD, st, l - 1, j), up))
+                remade = (OpKind.REFWD, st, l - 1, j)
+                emit(OpKind.BWD, st, l, j, (up, (OpKind.FWD, st, l, j), remade))
     what = "" if cfg.train else " (an evaluation)"
     return s.with_ops(list(s.ops) + ops, f"emit_compute: {len(ops)} compute and input ops, {cfg.n_steps} step(s) x {M} mb{what}")
 
 
 def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
-    """Offload the checkpoints at the input of layers 1..host_checkpoints: SAVE_ACT right after the FWD that made
-    it; LOAD_ACT one layer ahead of its BWD (just before the backward of the layer above)."""
+    """Offload the checkpoints at the input of layers 1..host_checkpoints (not those the forward drops): SAVE_ACT
+    right after the FWD that made it; LOAD_ACT one layer ahead of its first reader in the backward (just before the
+    backward of the layer above; of the layer two above where the REFWD of the layer reads it)."""
     cfg = s.config
     if cfg.host_checkpoints == 0:
         return s.with_ops(s.ops, "add_checkpoint_transfers: every checkpoint stays on the device")
@@ -67,22 +73,23 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
     before: dict[int, list[Op]] = defaultdict(list)
     loaded: dict[tuple, int] = {}
     for st in range(cfg.n_steps):
-        for l in range(1, cfg.host_checkpoints + 1):
+        for l in (l for l in range(1, cfg.host_checkpoints + 1) if not cfg.dropped(l)):
             for j in range(cfg.n_mb):
                 made = idx[(OpKind.FWD, st, l - 1, j)]
                 save = Op(ids(), OpKind.SAVE_ACT, D2H, st, l, j, deps=(made.id,))
                 after[made.id].append(save)
                 load = Op(ids(), OpKind.LOAD_ACT, H2D, st, l, j, deps=(save.id,))
-                above = idx[(OpKind.LOSS if l + 1 == L - 1 else OpKind.BWD, st, l + 1, j)]
+                a = l + 2 if cfg.dropped(l + 1) else l + 1
+                above = idx[(OpKind.LOSS if a == L - 1 else OpKind.BWD, st, a, j)]
                 before[above.id].append(load)
-                loaded[(OpKind.BWD, st, l, j)] = load.id
+                loaded[(OpKind.BWD, st, l, j)] = loaded[(OpKind.REFWD, st, l, j)] = load.id
     out = []
     for op in ops:
         out.extend(before.get(op.id, ()))
         dep = loaded.get(compute_key(op))
         out.append(add_deps(op, (dep,)) if dep is not None else op)
         out.extend(after.get(op.id, ()))
-    n = cfg.host_checkpoints * cfg.n_mb * cfg.n_steps
+    n = sum(not cfg.dropped(l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb * cfg.n_steps
     return s.with_ops(out, f"add_checkpoint_transfers: {n} checkpoints of layers 1..{cfg.host_checkpoints} via host")
 
 

@@ -23,6 +23,9 @@ class PlanOptions:
     host_checkpoints: int | str = "auto"  # layers (from the first block up) whose checkpoints wait on the host;
     # "auto": on a GPU the search's choice of all on the device or all on the host, on the CPU none; for sequences
     # of choices.LONG_SEQ tokens or more also the search's split (long checkpoints)
+    dropped_checkpoints: int | str = "auto"  # checkpoints the forward drops (those at blocks 2, 4, ..: every other
+    # one), each made again in the backward by a forward of the layer below: a forward more per checkpoint dropped,
+    # for memory; "auto": none, unless no plan keeping them all fits (then the search's count)
     gpu_opt_every: int | str | None = None  # every k-th layer (of those owning weights) is updated on the GPU;
     # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search);
     # None: the device's default (DEVICE_DEFAULTS: "auto" on a GPU, 0 on the CPU)
@@ -89,7 +92,8 @@ class PlanOptions:
                            ("resident_opt", "every device update's state goes back to the host each step"),
                            ("grad_kept", "every gradient goes to the host during the backward"),
                            ("split_opt", "every host-updated layer stays on the host"),
-                           ("speculate", "every update waits for the step's global norm")):
+                           ("speculate", "every update waits for the step's global norm"),
+                           ("dropped_checkpoints", "the forward keeps every checkpoint")):
             v = getattr(self, name)
             if v is None and name in DEVICE_DEFAULTS:
                 continue
@@ -124,7 +128,7 @@ class PlanOptions:
                     host_checkpoints=host_checkpoints(o.host_checkpoints, seq_len, on_gpu),
                     gpu_opt_every=auto(o.gpu_opt_every), resident_opt=auto(o.resident_opt),
                     seq_tile=auto(o.seq_tile), speculate=o.speculate, clip_rate=o.clip_rate,
-                    speculate_keeps=o.speculate_keeps)
+                    speculate_keeps=o.speculate_keeps, dropped_checkpoints=auto(o.dropped_checkpoints))
 
 
 # decisions whose default depends on the device: (on a GPU, on the CPU). On the H200 device updates and split

@@ -12,8 +12,9 @@ from typing import Callable
 from megatrain.ir import Schedule, ScheduleConfig
 from megatrain.planner.checks import SPECULATE_KEEPS, PlanError
 from megatrain.planner.descent import descend
-from megatrain.planner.choices import (LONG_SEQ, SPLIT_TRIED, candidates, choose_grad_kept, saved_act_layers,
-                                       split_eligible, split_sets, spread, tile_choices, with_saved_acts, with_split)
+from megatrain.planner.choices import (LONG_SEQ, SPLIT_TRIED, candidates, choose_grad_kept, drop_choices,
+                                       saved_act_layers, split_eligible, split_sets, spread, tile_choices,
+                                       with_saved_acts, with_split)
 from megatrain.planner.cost import (device_memory, gemm_workspace_nbytes, host_floor, host_memory,
                                     speculation_redo_s)
 from megatrain.planner.graph import LayerGraph
@@ -385,5 +386,11 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
                     saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
                     speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
                     order=order, prune=prune, progress=progress, **{**fixed, "short_tiles": True})
+    if not fixed.get("dropping") and fixed.get("dropped_checkpoints") is None and drop_choices(graph):
+        # none fits keeping every checkpoint: again with some dropped, each made again by a forward in the backward
+        return plan(graph, spec, tokens, seq_len, budget_bytes=budget_bytes, clip=clip, n_steps=n_steps,
+                    saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
+                    speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
+                    order=order, prune=prune, progress=progress, **{**fixed, "dropping": True})
     raise no_fit_error([why for _, why in tried], spec, budget=budget,
                        bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16")

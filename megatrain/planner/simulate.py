@@ -89,7 +89,8 @@ def compute_floor(graph: LayerGraph, cfg: ScheduleConfig, spec: HardwareSpec, sp
             total += duration_s(graph, cfg, spec, Op(0, OpKind.LOSS, Stream.COMPUTE, 0, l, 0))
             continue
         fwd, bwd = (Op(0, k, Stream.COMPUTE, 0, l, 0) for k in (OpKind.FWD, OpKind.BWD))
-        total += duration_s(graph, unsaved, spec, fwd) + duration_s(graph, unsaved, spec, bwd)
+        total += duration_s(graph, unsaved, spec, fwd) * (1 + cfg.dropped(l + 1)) + \
+            duration_s(graph, unsaved, spec, bwd)  # (a forward more where the checkpoint above is dropped: REFWD)
         if l > cfg.host_checkpoints and graph[l].saved_bytes_per_token > 0:
             gain = duration_s(graph, unsaved, spec, bwd) - duration_s(graph, saved, spec, bwd)
             gains.append((gain * cfg.n_mb, graph[l].saved_bytes(True) * cfg.mb_tokens * cfg.n_mb))
@@ -400,8 +401,8 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
     size = slot_sizes(graph, schedule)
     events: list[tuple[float, int]] = []
     holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
-    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.LOAD_OPT: ("o",),
-                OpKind.NORM: ("k",)}
+    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.REFWD: ("y",),
+                OpKind.LOAD_OPT: ("o",), OpKind.NORM: ("k",)}
     # a resident state's slot is in use from before the schedule to after it
     homes = {("o", k) for k in resident_slots(schedule, graph.owner).values()}
     for key in homes:

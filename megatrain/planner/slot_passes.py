@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Callable
 
-from megatrain.ir import LayerGraph, Op, OpKind, Schedule, ScheduleConfig
+from megatrain.ir import FORWARDS, LayerGraph, Op, OpKind, Schedule, ScheduleConfig
 from megatrain.planner.cost import grad_slot_count, weights_kept
 from megatrain.planner.op_edits import CPU, D2H, H2D, C, Ids, add_deps, edit, insert_after, opt_owner
 
@@ -72,7 +72,7 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
     split = set(cfg.split_opt)
     opt_of = {(op.step, op.layer): op for op in ops
               if op.kind is OpKind.OPT or op.kind is OpKind.STORE_OPT and op.layer in split}
-    computes = [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL)]
+    computes = [op for op in ops if op.kind in (*FORWARDS, OpKind.BWD, OpKind.LOSS, OpKind.EVAL)]
     inputs = {op.step: op for op in ops if op.kind is OpKind.LOAD_IN}  # each step's last input load
     content = [(op.step, graph.owner(op.layer)) for op in computes]
     step_start: dict[int, int] = {}
@@ -135,10 +135,12 @@ def assign_weight_slots(s: Schedule, graph: LayerGraph) -> Schedule:
 
 
 # Activation buffers: A(step, layer, mb, copy) is the checkpoint at the input of `layer`; copy 0 is the one FWD made,
-# copy 1 the one LOAD_ACT brought back. BWD/LOSS overwrite it in place with the input's gradient, which the
-# backward of the layer below reads as `dy`.
+# copy 1 the one LOAD_ACT brought back, copy 2 the one a REFWD made again (a checkpoint the forward dropped).
+# BWD/LOSS overwrite it in place with the input's gradient, which the backward of the layer below reads as `dy`.
 def _activation_uses(cfg: ScheduleConfig, graph: LayerGraph) -> Callable[[Op], list[tuple[str, tuple, bool]]]:
     def copy(layer: int, backward: bool) -> int:
+        if backward and cfg.dropped(layer):
+            return 2
         return 1 if backward and 1 <= layer <= cfg.host_checkpoints else 0
 
     def uses(op: Op) -> list[tuple[str, tuple, bool]]:  # (role, buffer key, starts the buffer)
@@ -146,6 +148,9 @@ def _activation_uses(cfg: ScheduleConfig, graph: LayerGraph) -> Callable[[Op], l
         if op.kind is OpKind.FWD:
             out = [("x", (st, l, j, 0), False)] if l > 0 else []
             return out + [("y", (st, l + 1, j, 0), True)]
+        if op.kind is OpKind.REFWD:
+            out = [("x", (st, l, j, copy(l, True)), False)] if l > 0 else []
+            return out + [("y", (st, l + 1, j, 2), True)]
         if op.kind is OpKind.SAVE_ACT:
             return [("a", (st, l, j, 0), False)]
         if op.kind is OpKind.LOAD_ACT:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from megatrain.ir import (KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, contents_of, initial_contents,
-                          issue_preds, queue_of, resident_slots, setup_ops)
-from megatrain.planner.checks import check_grad_kept, check_speculate, check_split_opt
+from megatrain.ir import (FORWARDS, KIND_STREAMS, QUEUES, SLOT_POOL, Op, OpKind, Schedule, Stream, contents_of,
+                          initial_contents, issue_preds, queue_of, resident_slots, setup_ops)
+from megatrain.planner.checks import check_dropped, check_grad_kept, check_speculate, check_split_opt
 from megatrain.planner.cost import POOLS, device_memory, fmt_bytes, grad_slot_count, host_memory
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.hardware import HardwareSpec
@@ -73,18 +73,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
     if len(set(resident)) != len(resident) or not set(resident) <= set(cfg.gpu_opt):
         raise ScheduleError("resident", None, f"resident_opt {list(resident)}: each layer at most once, and only "
                                               f"layers updated on the device (gpu_opt {list(cfg.gpu_opt)})")
-    try:
-        check_grad_kept(graph, cfg)
-    except ValueError as e:
-        raise ScheduleError("grad-kept", None, str(e)) from None
-    try:
-        check_split_opt(graph, cfg)
-    except ValueError as e:
-        raise ScheduleError("split", None, str(e)) from None
-    try:
-        check_speculate(graph, cfg)
-    except ValueError as e:
-        raise ScheduleError("speculate", None, str(e)) from None
+    for rule, check in (("grad-kept", check_grad_kept), ("split", check_split_opt), ("speculate", check_speculate),
+                        ("dropped", check_dropped)):
+        try:
+            check(graph, cfg)
+        except ValueError as e:
+            raise ScheduleError(rule, None, str(e)) from None
     if cfg.grad_host_bytes not in (2, 4) or cfg.host_grad_slots < 1:
         raise ScheduleError("config", None, f"grad_host_bytes must be 4 (fp32) or 2 (bf16) and host_grad_slots at "
                                             f"least 1, got {cfg.grad_host_bytes} and {cfg.host_grad_slots}")
@@ -101,7 +95,7 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
             raise ScheduleError("stream", op, f"{op.kind.value} cannot run on stream {op.stream.value}")
         if not (0 <= op.step < cfg.n_steps and 0 <= op.layer < L):
             raise ScheduleError("range", op, f"step or layer out of range ({cfg.n_steps} steps, {L} layers)")
-        has_mb = op.kind in (OpKind.FWD, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT,
+        has_mb = op.kind in (*FORWARDS, OpKind.BWD, OpKind.LOSS, OpKind.EVAL, OpKind.SAVE_ACT, OpKind.LOAD_ACT,
                              OpKind.LOAD_IN)
         parts = cfg.parts(op.layer, graph[op.layer].params)
         split = op.layer in cfg.split_opt
@@ -115,8 +109,12 @@ def _check_shape(s: Schedule, graph: LayerGraph) -> None:
                                                  f"{parts}, not {op.mb}")
         elif has_mb != (op.mb is not None) or (has_mb and not 0 <= op.mb < cfg.n_mb):
             raise ScheduleError("range", op, f"micro-batch must be in 0..{cfg.n_mb - 1} for {op.kind.value}")
-        if op.kind in (OpKind.FWD, OpKind.BWD) and op.layer == L - 1:
+        if op.kind in (*FORWARDS, OpKind.BWD) and op.layer == L - 1:
             raise ScheduleError("kind", op, "the head+loss layer runs as LOSS (or EVAL), not FWD/BWD")
+        if op.kind is OpKind.REFWD and not cfg.dropped(op.layer + 1):
+            raise ScheduleError("kind", op, f"the forward keeps layer {op.layer + 1}'s checkpoint: none to make again")
+        if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT) and cfg.dropped(op.layer):
+            raise ScheduleError("kind", op, f"the forward drops layer {op.layer}'s checkpoint (dropped_checkpoints)")
         if op.kind is OpKind.LOAD_IN and op.layer != 0:
             raise ScheduleError("kind", op, "a micro-batch's inputs load as layer 0's (the embedding reads them)")
         if op.kind in (OpKind.LOSS, OpKind.EVAL, OpKind.LOSS_OUT) and op.layer != L - 1:
@@ -214,6 +212,10 @@ def _check_counts(s: Schedule, graph: LayerGraph, hb: HappensBefore) -> None:
                         raise ScheduleError("complete", None, f"step {st} has no {k.value} of layer {l} mb {j}")
                 if l < L - 1 and not hb(seen[(OpKind.FWD, st, l, j)].id, seen[(OpKind.BWD, st, l, j)].id):
                     raise ScheduleError("fwd-before-bwd", seen[(OpKind.BWD, st, l, j)], "its FWD may not have run")
+                remade = seen.get((OpKind.REFWD, st, l - 1, j)) if cfg.dropped(l) else None
+                if cfg.dropped(l) and (remade is None or not hb(remade.id, seen[(OpKind.BWD, st, l, j)].id)):
+                    raise ScheduleError("remade-before-bwd", seen[(OpKind.BWD, st, l, j)], "the forward dropped its "
+                                        "checkpoint, which no REFWD of the layer below makes again before it")
             parts = cfg.parts(l, graph[l].params) if l not in cfg.gpu_opt else [None]
             split = l in cfg.split_opt
             for p in parts if not (split and l in cfg.grad_kept) else ():  # (a split update reads it there)

@@ -93,8 +93,9 @@ def test_mixture_of_experts_blocks_are_not_tiled():
 def test_qwen_7b_at_524k_tokens_fits_one_h200_only_with_tiles():
     """The docs' plan (docs/planner.md, long sequences) with its other decisions pinned: tiles, a split of the
     checkpoints between device and host, one gradient slot and gradients kept on the device make it fit the H200
-    and its 125 GiB host with bf16 host gradients (with fp32 ones it needs 125.44 GiB, more than the 122.50 a plan
-    may take there); untiled, nothing does."""
+    and its 125 GiB host with bf16 host gradients, every checkpoint kept (with fp32 ones that needs 125.44 GiB, more
+    than the 122.50 a plan may take there, and the search's next round drops checkpoints: it fits so); untiled,
+    nothing does."""
     from megatrain.planner.hardware import PRESETS
     from megatrain.planner.search import PlanError, plan
 
@@ -102,11 +103,13 @@ def test_qwen_7b_at_524k_tokens_fits_one_h200_only_with_tiles():
     fixed = dict(n_mb=1, weight_slots=2, wire_bytes=4, gpu_opt_every=0, resident_opt=0)
     with pytest.raises(PlanError, match=r"no plan fits: host memory 125\.\d\d GiB > 122\.50 GiB .*gradients on the "
                                         r"host in bf16 \(grad_host_dtype='bf16'\) need less"):
-        plan(g, spec, 524288, 524288, **fixed)
+        plan(g, spec, 524288, 524288, dropped_checkpoints=0, **fixed)
     p = plan(g, spec, 524288, 524288, grad_host_dtype="bf16", **fixed)
     cfg = p.schedule.config
     assert cfg.seq_tile == 4096 and 0 < cfg.host_checkpoints < len(g) - 2 and cfg.grad_slots == 1
-    assert cfg.grad_host_bytes == 2 and cfg.grad_kept
+    assert cfg.grad_host_bytes == 2 and cfg.grad_kept and cfg.dropped_checkpoints == 0
+    fp32 = plan(g, spec, 524288, 524288, **fixed).schedule.config
+    assert fp32.grad_host_bytes == 4 and fp32.dropped_checkpoints > 0 and fp32.seq_tile == 4096
     with pytest.raises(PlanError, match="no plan fits"):
         plan(g, spec, 524288, 524288, seq_tile=0, grad_host_dtype="bf16", **fixed)
 

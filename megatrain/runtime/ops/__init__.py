@@ -4,7 +4,7 @@ gradients, their norms, the step's guard and the updates with their state's load
 
 from megatrain.ir import OpKind, Stream
 from megatrain.runtime.ops.compute import (bwd, eval_loss, fwd, keep_w, load_act, load_in, load_w, load_w_kept, loss,
-                                           loss_out, save_act)
+                                           loss_out, refwd, save_act)
 from megatrain.runtime.ops.update import (check, guard, load_opt, norm, opt_on_device, opt_on_host, store_g_to_host,
                                           store_g_to_slot, store_opt)
 
@@ -14,6 +14,7 @@ HANDLERS = {
     (OpKind.LOAD_W, Stream.COMPUTE): load_w_kept,
     (OpKind.KEEP_W, Stream.H2D): keep_w,
     (OpKind.FWD, Stream.COMPUTE): fwd,
+    (OpKind.REFWD, Stream.COMPUTE): refwd,
     (OpKind.LOSS, Stream.COMPUTE): loss,
     (OpKind.EVAL, Stream.COMPUTE): eval_loss,
     (OpKind.BWD, Stream.COMPUTE): bwd,

@@ -91,17 +91,31 @@ def fwd(ctx, op: Op, st: StepState) -> None:
     if op.layer in st.schedule.config.saved_acts:
         return _forward_saved(ctx, op, st)
     logits: list = []
-    with torch.no_grad():
-        if op.layer == 0:
-            mb = st.mbs[op.mb]
-            h, st.side[op.mb] = ctx.runner.run(0, ctx.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
-        else:
-            with _routers(ctx, op, st, logits):
-                h = ctx.runner.run(op.layer, ctx.dev.weights(op), st.act[op.slot("x")], st.side[op.mb],
-                                  tile=_tile(ctx, op, st))
-    st.act[op.slot("y")] = h
+    with torch.no_grad(), _routers(ctx, op, st, logits):
+        st.act[op.slot("y")] = _forward(ctx, op, st, keep_side=True)
     if logits:
         router_aux.add(st.aux[op.mb], logits, ctx.captured.router_aux, _aux_mask(st, op.mb))
+
+
+def refwd(ctx, op: Op, st: StepState) -> None:
+    """REFWD: the layer's forward for one micro-batch again, in the backward, to make the checkpoint above it that
+    the forward dropped: the same output as the FWD's (the same seed; its router loss was counted there)."""
+    ctx.rng.seed(op.layer, op.mb)
+    with torch.no_grad():
+        st.act[op.slot("y")] = _forward(ctx, op, st, keep_side=False)
+
+
+def _forward(ctx, op: Op, st: StepState, keep_side: bool) -> torch.Tensor:
+    """The layer's output for one micro-batch from its input (the embedding: from the inputs, keeping what the
+    blocks read besides their input where ``keep_side``)."""
+    if op.layer == 0:
+        mb = st.mbs[op.mb]
+        h, side = ctx.runner.run(0, ctx.dev.weights(op), (mb.input_ids, mb.attention_mask, mb.position_ids))
+        if keep_side:
+            st.side[op.mb] = side
+        return h
+    return ctx.runner.run(op.layer, ctx.dev.weights(op), st.act[op.slot("x")], st.side[op.mb],
+                          tile=_tile(ctx, op, st))
 
 
 def _tile(ctx, op: Op, st: StepState) -> int:

@@ -1,0 +1,69 @@
+"""Checkpoints the forward drops and the backward makes again (ScheduleConfig.dropped_checkpoints, REFWD): the
+same training bit for bit as keeping them (fp32, CPU), with and without host checkpoints and dropout; the schedule
+and what the verifier refuses."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatrain.ir import OpKind
+from megatrain.planner.checks import check_dropped
+from megatrain.planner.passes import build_schedule
+from megatrain.planner.verify import ScheduleError, verify
+
+from .models import compile_cpu, hf_model, with_dropout
+from .test_parity import OPT, batches
+
+
+def _train(model, data, **plan):
+    sm = compile_cpu(model, optim=OPT, n_mb=2, weight_slots=2, **plan)
+    losses = [sm.train_step(*b).loss for b in data]
+    return sm, losses, sm.state_dict()
+
+
+@pytest.mark.parametrize("family,host,dropout", [("llama", 0, False), ("qwen2", 3, False), ("gpt2", 2, True)])
+def test_dropped_checkpoints_train_bit_for_bit_as_kept_ones(family, host, dropout):
+    """Three steps with clipping, two micro-batches: every checkpoint kept against those of blocks 2 and 4 (and
+    the embedding's output is layer 1's, kept) dropped and made again; losses, weights equal exactly; each
+    dropped checkpoint's REFWD ran once per micro-batch and step, and its BWD read what the REFWD made."""
+    data = batches(n_steps=3)
+    extra = with_dropout(family, 0.1) if dropout else {}
+    make = lambda: hf_model(family, num_hidden_layers=4, **extra)  # noqa: E731
+    _, l0, w0 = _train(make(), data, host_checkpoints=host, dropped_checkpoints=0)
+    sm, l1, w1 = _train(make(), data, host_checkpoints=host, dropped_checkpoints=2)
+    cfg = sm.schedule_for(*data[0][0].shape).config
+    assert cfg.dropped_checkpoints == 2 and [l for l in range(cfg.n_layers) if cfg.dropped(l)] == [2, 4]
+    s = sm.schedule_for(*data[0][0].shape)
+    remade = [(op.layer, op.mb) for op in s.ops if op.kind is OpKind.REFWD]
+    assert sorted(remade) == sorted((l, j) for l in (1, 3) for j in range(2))
+    assert not [op for op in s.ops if op.kind in (OpKind.SAVE_ACT, OpKind.LOAD_ACT) and cfg.dropped(op.layer)]
+    assert l1 == l0
+    assert w1.keys() == w0.keys()
+    for n in w0:
+        assert torch.equal(w1[n], w0[n]), n
+
+
+def test_the_verifier_refuses_a_backward_before_its_checkpoint_is_made_again():
+    """Removing a REFWD, or moving it behind the BWD that reads what it makes, breaks a named rule; so does a
+    REFWD under a kept checkpoint, and a count beyond the checkpoints there are."""
+    data = batches(n_steps=1)
+    sm = compile_cpu(hf_model("llama", num_hidden_layers=4), optim=OPT, n_mb=2, dropped_checkpoints=2)
+    s, graph = sm.schedule_for(*data[0][0].shape), sm.graph
+    verify(s, graph, sm.hardware)
+    refwd = next(op for op in s.ops if op.kind is OpKind.REFWD)
+    gone = s.with_ops([op for op in s.ops if op.id != refwd.id], "mutation: a REFWD removed")
+    with pytest.raises(ScheduleError):
+        verify(gone, graph, sm.hardware)
+    bwd = next(op for op in s.ops if op.kind is OpKind.BWD and op.layer == refwd.layer + 1 and op.mb == refwd.mb)
+    late = [op for op in s.ops if op.id != refwd.id]
+    late.insert(late.index(bwd) + 1, refwd)
+    with pytest.raises(ScheduleError):
+        verify(s.with_ops(late, "mutation: a REFWD after the BWD it makes the checkpoint of"), graph, sm.hardware)
+    kept = dataclasses.replace(s.config, dropped_checkpoints=1)  # layer 4's kept: its REFWD (layer 3's) has no place
+    with pytest.raises(ScheduleError, match="keeps layer 4's checkpoint"):
+        verify(dataclasses.replace(s, config=kept), graph, sm.hardware)
+    with pytest.raises(ValueError, match="dropped_checkpoints must be an integer in 0..2"):
+        check_dropped(graph, dataclasses.replace(s.config, dropped_checkpoints=3))
+    with pytest.raises(ValueError, match="cannot be dropped"):
+        build_schedule(graph, dataclasses.replace(s.config, saved_acts=(4,)))

@@ -11,7 +11,7 @@ role    meaning
 ``g``   gradient slot the layer accumulates its fp32 gradient into (read + write)
 ``x``   activation slot holding the layer's input checkpoint; BWD/LOSS overwrite it in
         place with the gradient of that input
-``y``   activation slot FWD writes the layer's output into
+``y``   activation slot FWD (or REFWD) writes the layer's output into
 ``dy``  activation slot holding the gradient of the layer's output (read)
 ``a``   activation slot a SAVE_ACT reads or a LOAD_ACT writes
 ``o``   optimizer slot holding a device-updated layer's master weights, moments and gradient

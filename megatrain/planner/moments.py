@@ -59,7 +59,7 @@ def plan_moments(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, defe
         for key in reversed(keys):  # the last deferred first
             parts = loads.get((k, key), [])
             names[(k, key)] = list(dict.fromkeys([key, *(op.slot("h") for op in parts)]))
-            out.tasks.append((k, keys[key] / rate, [host_end[k]] * (k in host_end) + [op.id for op in parts]))
+            out.tasks.append((k, keys[key] / rate, ([host_end[k]] if k in host_end else []) + [op.id for op in parts]))
     task = {key: i for i, key in enumerate(names)}
     latest: dict[object, tuple[int, int]] = {}  # a name -> (step, task) of its latest task, as ops go by
     for op in schedule.ops:

@@ -206,3 +206,15 @@ def test_the_cost_model_defers_what_the_executor_defers():
                                                                                   for r, k in op.slots))
                                              if op.id == late.id else op for op in s.ops))
         deferred = deferrable_opts(s)
+
+
+def test_a_plan_that_splits_every_update_simulates_with_no_host_op_in_its_steps():
+    """Every layer's update split to the device (the 1M-token plan's choice): the steps have deferred moments but
+    no op on the host's queue, which the moments' plan took for granted (a KeyError on the step's last host op)."""
+    from megatrain.planner.simulate import simulate
+
+    g = tiny_graph(num_hidden_layers=4, tie_word_embeddings=False)
+    s = build_schedule(g, config(g, n_steps=2, n_mb=3, split_opt=tuple(range(len(g))), opt_part=PART))
+    verify(s, g)
+    assert not [op for op in s.ops if op.stream.value == "cpu"] and deferrable_opts(s)
+    assert simulate(s, g, PRESETS["h200"]).steady_step_s > 0

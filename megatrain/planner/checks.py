@@ -75,6 +75,11 @@ def check_dropped(graph: LayerGraph, cfg: ScheduleConfig) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= 2 * n <= top:
         raise ValueError(f"dropped_checkpoints must be an integer in 0..{top // 2} (the checkpoints at layers 2, 4, "
                          f".. up to layer {top}), got {n!r}")
+    handing = [lay.name for lay in graph.layers[1:] if lay.carry_bytes_per_token]
+    if n and handing:
+        raise ValueError(f"blocks of this model hand the next more than their output ({handing[0]}: items it stores "
+                         f"for later blocks or a state they share), which a forward made again would store twice: "
+                         f"its checkpoints cannot be dropped")
     both = sorted(l for l in cfg.saved_acts if cfg.dropped(l))
     if both:
         raise ValueError(f"layers {both} keep their activations (saved_acts): their checkpoints cannot be dropped")

@@ -328,6 +328,9 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
 
 def drop_choices(graph: LayerGraph) -> list[int]:
     """The counts of dropped checkpoints the search tries where no plan keeping them all fits: a quarter, half,
-    three quarters and all of those that may be dropped (every other one, ``ScheduleConfig.dropped``)."""
+    three quarters and all of those that may be dropped (every other one, ``ScheduleConfig.dropped``); none where
+    blocks hand the next more than their output (``checks.check_dropped``)."""
+    if any(lay.carry_bytes_per_token for lay in graph.layers[1:]):
+        return []
     top = (len(graph) - 2) // 2
     return sorted({top * k // 4 for k in (1, 2, 3, 4)} - {0})

@@ -67,3 +67,22 @@ def test_the_verifier_refuses_a_backward_before_its_checkpoint_is_made_again():
         check_dropped(graph, dataclasses.replace(s.config, dropped_checkpoints=3))
     with pytest.raises(ValueError, match="cannot be dropped"):
         build_schedule(graph, dataclasses.replace(s.config, saved_acts=(4,)))
+
+
+def test_blocks_that_hand_the_next_more_than_their_output_keep_their_checkpoints():
+    """A block that stores items for later ones (GLM-MoE-DSA's top-k indices, Gemma 3n's shared keys and values:
+    Layer.carry_bytes_per_token) would store them again in a REFWD: the check refuses a count, and the search's
+    round of dropped checkpoints has nothing to try."""
+    from megatrain.ir import LayerGraph, ScheduleConfig
+    from megatrain.planner.choices import drop_choices
+    from megatrain.planner.graph import preset
+
+    g = preset("qwen2.5-7b")
+    assert drop_choices(g) == [3, 7, 10, 14]
+    layers = list(g.layers)
+    layers[5] = dataclasses.replace(layers[5], carry_bytes_per_token=8)
+    carrying = LayerGraph(layers, name="carrying")
+    assert drop_choices(carrying) == []
+    with pytest.raises(ValueError, match="hand the next more than their output"):
+        check_dropped(carrying, ScheduleConfig(n_layers=len(carrying), dropped_checkpoints=1))
+    check_dropped(carrying, ScheduleConfig(n_layers=len(carrying)))

@@ -349,9 +349,11 @@ def test_a_marked_steps_timeline_is_its_own_after_the_next_step_ran():
     assert one.ops[0].step == two.ops[0].step  # each a step's own schedule (one step each)
     assert {op.id for op in one.ops} == first and len(one.ops) == len(first)
     assert marked.timing is not ex.timer.records()  # the first step's records, not the second's
-    # timed from the first step's start (from the second's, every op of the first would start before 0)
+    # timed from the first step's start (from the second's, every op of the first would start before 0; from an
+    # earlier origin, its first op would start well into the span: a quarter of it is a margin a loaded 2-core
+    # machine keeps, where 5% once failed at 3.5 of 56 ms)
     assert all(0 <= a <= b for a, b in zip(one.start_s, one.end_s))
-    assert min(one.start_s) < 0.05 * max(one.end_s)
+    assert min(one.start_s) < 0.25 * max(one.end_s)
     assert marked.host_issue_s == issue and sum(issue.values()) > 0
 
 

@@ -74,7 +74,9 @@ def header(cfg: TrainConfig, sm, schedule, weights: str, tokenizer: str, data: s
             f"{cfg.mb} micro-batches, {schedule_text(cfg)}" + (f", {frozen_text(sm)}" if sm.captured.frozen else "")
             + f"; plan{f' for the {sm.hardware.name} spec' if cfg.hardware else ''}: {c.weight_slots} weight slots, {len(c.gpu_opt)} layers updated on the device "
             f"({len(c.resident_opt)} keeping their state there), {len(c.grad_kept)} keeping their gradients there "
-            f"until the update, {len(c.saved_acts)} keeping their activations ({planned_text(sm, schedule, cfg)}); "
+            f"until the update, {len(c.saved_acts)} keeping their activations"
+            + (f", {c.dropped_checkpoints} checkpoints dropped and made again in the backward" if c.dropped_checkpoints
+               else "") + f" ({planned_text(sm, schedule, cfg)}); "
             f"host {host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")
             + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/")
 

@@ -19,7 +19,9 @@
 #           compile's: saved activations where the routing's cost makes them pay), then at a 24 GiB budget; the
 #           Qwen3-30B-A3B shape cut to 12 blocks;
 #   seq     Qwen2.5-7B's shape cut to 4 blocks with one 262,144-token sequence (untiled, 16,384- and 65,536-token
-#           tiles) and one of 524,288 tokens (3 steps; the planner's device peak next to the measured one);
+#           tiles) and one of 524,288 tokens (3 steps; the planner's device peak next to the measured one), and one of
+#           515,072 with two checkpoints dropped and made again;
+#   seq-whole the whole 7B shape at 524,288 tokens (one step, detached: below), then at 262,144;
 #   adamw   the host AdamW rate for 7B-block-sized updates: main or worker thread, thread count, pinned or not, with
 #           copies to and from the GPU running (benchmarks/host_adamw.py);
 #   journey a checkpoint directory in, chat fine-tuning, the weights out (below; journey-7b, journey-1.5b apart);
@@ -73,6 +75,21 @@ if [[ $part == seq ]]; then
         --json "$out/seq-262k.json"
     stage seq-524k 440 python3 benchmarks/throughput.py --preset qwen2.5-7b --layers 4 --seq 524288 --batch 1 --mb 1 \
         --slots 3 --gpu-opt-every auto --warmup 1 --steps 2 --json "$out/seq-524k.json"
+    # a checkpoint dropped in the forward and made again (REFWD) at 515,072 tokens, every layer's op memory recorded
+    stage seq-515k-dropped 300 python3 benchmarks/throughput.py --preset qwen2.5-7b --layers 4 --seq 515072 --batch 1 \
+        --mb 1 --slots 2 --dropped-checkpoints 2 --gpu-opt-every auto --grad-host-dtype bf16 --warmup 0 --steps 1 \
+        --cooldown 0 --memory-by-op "$out/seq-515k-dropped-memory.json" --json "$out/seq-515k-dropped.json"
+fi
+# seq-whole: the whole Qwen2.5-7B shape at one 524,288-token sequence (the search's plan: on the H200 with fp32 host
+# gradients it drops checkpoints; a step ~10 minutes and ~2 more to build and pin: past one 10-minute command, so
+# start it detached, e.g. `setsid nohup bash benchmarks/gpu_checks.sh /tmp/out seq-whole > /tmp/out.log 2>&1 &`,
+# and poll for its "== seq-whole-524k: exit" line); then the 262,144-token step as the search plans it
+if [[ $part == seq-whole ]]; then
+    stage seq-whole-524k 1500 python3 benchmarks/throughput.py --preset qwen2.5-7b --seq 524288 --batch 1 --mb 1 \
+        --slots auto --gpu-opt-every auto --warmup 0 --steps 1 --cooldown 0 \
+        --memory-by-op "$out/seq-whole-524k-memory.json" --json "$out/seq-whole-524k.json"
+    stage seq-whole-262k 900 python3 benchmarks/throughput.py --preset qwen2.5-7b --seq 262144 --batch 1 --mb 1 \
+        --slots auto --gpu-opt-every auto --warmup 0 --steps 1 --cooldown 0 --json "$out/seq-whole-262k.json"
 fi
 # journey: a user's whole run from a checkpoint directory (benchmarks/journey.py): Qwen2.5-7B's shape at a 24 GiB
 # budget (the state is larger than the disk: refused after the weights are written), then Qwen2.5-1.5B's with saves

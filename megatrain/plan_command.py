@@ -231,8 +231,9 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
         f"{mem.slot_count['a']} activation slots; weights on the wire as "
         f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
         f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host"
-        + (f" ({_n(cfg.dropped_checkpoints, 'checkpoint')} of layers 2, 4, .. dropped and made again in the backward)"
-           if cfg.dropped_checkpoints else "") + "; optimizer "
+        + (f" ({_n(cfg.dropped_checkpoints, 'checkpoint')} dropped, "
+           + ("every other one" if cfg.drop_run() == 1 else f"in runs of up to {cfg.drop_run()} between kept ones")
+           + ", and made again in the backward)" if cfg.dropped_checkpoints else "") + "; optimizer "
         f"{'after the step (exact global-norm clipping)' if cfg.clip else 'during backward (no clipping)'}"
         + (f", layers {list(cfg.gpu_opt)} updated on the GPU" if cfg.gpu_opt else "")
         + (f" ({'all' if len(cfg.resident_opt) == len(cfg.gpu_opt) else len(cfg.resident_opt)} keeping their "

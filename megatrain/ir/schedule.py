@@ -21,6 +21,14 @@ QUIET_DEFAULTS = {"saved_lean": False, "train": True, "setup": False, "write_bac
                   "speculate_keeps": "masters", "dropped_checkpoints": 0}
 
 
+MAX_DROP_RUN = 3  # checkpoints dropped in a row at most: a run's backward holds as many made again at once
+
+
+def max_dropped(n: int, run: int) -> int:
+    """How many of ``n`` checkpoints runs of ``run`` between kept ones drop (the first one kept)."""
+    return n - -(-n // (run + 1))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """The planner's decisions for one schedule; everything the runtime needs besides the layer graph."""
@@ -34,10 +42,11 @@ class ScheduleConfig:
     grad_slots: int = 2  # device fp32 gradient slots
     wire_bytes_per_param: int = 2  # 2: bf16 shadow on host; 4: fp32 master, cast on the GPU
     host_checkpoints: int = 0  # checkpoints of layers 1..host_checkpoints are offloaded to host; the rest stay on GPU
-    # checkpoints the forward drops: those at the input of layers 2, 4, .., 2 x dropped_checkpoints (never two
-    # adjacent ones, so that the layer below keeps its own); the backward makes each again (REFWD of the layer
-    # below, from its checkpoint) just ahead of the layer's BWD. A forward of that layer more per micro-batch, for
-    # a checkpoint fewer on the host or the device (``dropped``)
+    # checkpoints the forward drops, from the first blocks up: every other one (those at the input of layers 2, 4,
+    # ..) where that drops this many, else runs of 2 or 3 between kept ones (``drop_run``); the backward makes each
+    # run again from the checkpoint below it (a REFWD of each layer from there up) just ahead of the BWD of the
+    # run's top layer. A forward more per micro-batch and checkpoint dropped, for that checkpoint's memory on the
+    # host or the device outside the backward of its run (``dropped``)
     dropped_checkpoints: int = 0
     clip: bool = True  # exact global-norm clipping: every OPT waits for all of the step's gradients
     budget_bytes: int = 0  # device bytes the plan may use (slots + largest working set)
@@ -114,10 +123,22 @@ class ScheduleConfig:
     # backward, a second pass the next step's stores into those buffers wait for. False: each update in one pass
     defer_moments: bool = True
 
+    def drop_run(self) -> int:
+        """The most checkpoints dropped in a row (``dropped_checkpoints``): the shortest run, up to
+        :data:`MAX_DROP_RUN`, with that many checkpoints in the runs (each kept one followed by a run)."""
+        n = self.n_layers - 2  # the checkpoints: the inputs of layers 1..n
+        return next((r for r in range(1, MAX_DROP_RUN) if self.dropped_checkpoints <= max_dropped(n, r)),
+                    MAX_DROP_RUN)
+
     def dropped(self, layer: int) -> bool:
         """Whether the checkpoint at the input of ``layer`` is dropped after the forward and made again in the
-        backward (``dropped_checkpoints``)."""
-        return 2 <= layer <= 2 * self.dropped_checkpoints and layer % 2 == 0
+        backward (``dropped_checkpoints``): layer 1's kept, then runs of ``drop_run`` dropped between kept ones,
+        the first ``dropped_checkpoints`` of them dropped."""
+        if not self.dropped_checkpoints or not 1 <= layer <= self.n_layers - 2:
+            return False
+        r = self.drop_run()
+        i, k = divmod(layer - 1, r + 1)
+        return k != 0 and i * r + k - 1 < self.dropped_checkpoints
 
     def tiled(self, layer: "Layer", index: int) -> bool:
         """Whether layer ``index`` (``layer``) runs its token-wise part over tiles in this schedule."""

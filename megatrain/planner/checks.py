@@ -5,6 +5,7 @@ with the rule it breaks."""
 from __future__ import annotations
 
 from megatrain.ir import LayerGraph, ScheduleConfig
+from megatrain.ir.schedule import MAX_DROP_RUN, max_dropped
 
 
 class PlanError(ValueError):
@@ -68,13 +69,13 @@ def check_speculate(graph: LayerGraph, cfg: ScheduleConfig) -> None:
 
 
 def check_dropped(graph: LayerGraph, cfg: ScheduleConfig) -> None:
-    """Refuse ``dropped_checkpoints`` beyond the checkpoints there are (those at layers 2, 4, .. below the head), or
+    """Refuse ``dropped_checkpoints`` beyond what runs of :data:`~megatrain.ir.schedule.MAX_DROP_RUN` drop, or
     dropping the checkpoint of a layer in ``saved_acts`` (its backward reads what its forward kept, not a forward
     made again)."""
-    n, top = cfg.dropped_checkpoints, len(graph) - 2
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= 2 * n <= top:
-        raise ValueError(f"dropped_checkpoints must be an integer in 0..{top // 2} (the checkpoints at layers 2, 4, "
-                         f".. up to layer {top}), got {n!r}")
+    n, most = cfg.dropped_checkpoints, max_dropped(len(graph) - 2, MAX_DROP_RUN)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
+        raise ValueError(f"dropped_checkpoints must be an integer in 0..{most} (of the {len(graph) - 2} checkpoints, "
+                         f"at most {MAX_DROP_RUN} in a row after one kept), got {n!r}")
     handing = [lay.name for lay in graph.layers[1:] if lay.carry_bytes_per_token]
     if n and handing:
         raise ValueError(f"blocks of this model hand the next more than their output ({handing[0]}: items it stores "

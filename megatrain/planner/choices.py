@@ -10,6 +10,7 @@ import itertools
 from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Schedule, ScheduleConfig
+from megatrain.ir.schedule import MAX_DROP_RUN, max_dropped
 from megatrain.planner import cost
 from megatrain.planner.checks import PlanError
 from megatrain.planner.cost import device_memory
@@ -328,9 +329,12 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
 
 def drop_choices(graph: LayerGraph) -> list[int]:
     """The counts of dropped checkpoints the search tries where no plan keeping them all fits: a quarter, half,
-    three quarters and all of those that may be dropped (every other one, ``ScheduleConfig.dropped``); none where
-    blocks hand the next more than their output (``checks.check_dropped``)."""
+    three quarters and all of every other one, and all that runs of 2 and 3 between kept ones drop
+    (``ScheduleConfig.dropped``); none where blocks hand the next more than their output
+    (``checks.check_dropped``)."""
     if any(lay.carry_bytes_per_token for lay in graph.layers[1:]):
         return []
-    top = (len(graph) - 2) // 2
-    return sorted({top * k // 4 for k in (1, 2, 3, 4)} - {0})
+    n = len(graph) - 2
+    top = max_dropped(n, 1)
+    return sorted({top * k // 4 for k in (1, 2, 3, 4)} | {max_dropped(n, r) for r in range(2, MAX_DROP_RUN + 1)}
+                  - {0})

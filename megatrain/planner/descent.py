@@ -1,7 +1,7 @@
 """The search's default order: a coordinate descent over the candidates' decisions instead of trying every one.
 
 A candidate is a point on a grid of decisions (micro-batches, device updates, weight slots, wire dtype, host
-checkpoints, gradient slots, MLP tiles, host gradient dtype; see :func:`megatrain.planner.choices.candidates`). From
+checkpoints, gradient slots, MLP tiles, host gradient dtype, checkpoints dropped; see :func:`megatrain.planner.choices.candidates`). From
 a centre every point that differs in one decision is tried, the best becomes the centre, until it stays
 (:func:`descend` says where the descents start). The decisions interact through the device memory: the search's own
 "auto" choices (kept gradients, saved activations) fill what a point leaves, which smooths each line, but where
@@ -20,7 +20,7 @@ from megatrain.ir import ScheduleConfig
 # the decisions, as ScheduleConfig fields, in the order lines are searched (device updates are one decision: the
 # set and how many of it keep their state on the device)
 DECISIONS = ("n_mb", "device", "weight_slots", "wire_bytes_per_param", "host_checkpoints", "grad_slots", "seq_tile",
-             "grad_host_bytes")
+             "grad_host_bytes", "dropped_checkpoints")
 
 
 def point(cfg: ScheduleConfig) -> tuple:
@@ -37,9 +37,9 @@ def leanest(points: list[tuple], on: str) -> tuple:
     host, wire_up = on == "host", on in ("host", "both")
 
     def need(p: tuple) -> tuple:
-        _, (gpu_opt, _), slots, wire, host_ckpt, gslots, tile, grad = p
-        return (len(gpu_opt), -wire if wire_up else wire, host_ckpt if host else -host_ckpt, grad, slots, gslots,
-                tile or 1 << 62)
+        _, (gpu_opt, _), slots, wire, host_ckpt, gslots, tile, grad, dropped = p
+        return (-dropped, len(gpu_opt), -wire if wire_up else wire, host_ckpt if host else -host_ckpt, grad, slots,
+                gslots, tile or 1 << 62)
     return min(points, key=need)
 
 

@@ -24,7 +24,7 @@ from megatrain.planner.slot_passes import (PREFETCH_LAYERS, assign_activation_sl
 def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
     """Layer-major compute: each micro-batch's inputs to the device (LOAD_IN, h2d), FWD of layers 0..L-2 over all
     mbs, LOSS of the head per mb, BWD of L-2..0 (each behind the REFWD that makes its checkpoint again where the
-    forward dropped it)."""
+    forward dropped it; a run of them made again from the kept one below it ahead of its top layer's BWD)."""
     cfg = s.config
     check_dropped(graph, cfg)
     L, M = len(graph), cfg.n_mb
@@ -51,8 +51,13 @@ def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
         for l in range(L - 2, -1, -1):
             for j in range(M):
                 up = (OpKind.LOSS if l + 1 == L - 1 else OpKind.BWD, st, l + 1, j)
-                if cfg.dropped(l):  # its checkpoint made again by the layer below, from that one's
-                    emit(OpKind.REFWD, st, l - 1, j, ((OpKind.FWD, st, l - 1, j), up))
+                if cfg.dropped(l) and not cfg.dropped(l + 1):  # the top of a run of dropped checkpoints: the run
+                    # made again from the kept one below it, a layer's forward at a time
+                    k = l - 1
+                    while cfg.dropped(k):
+                        k -= 1
+                    for m in range(k, l):
+                        emit(OpKind.REFWD, st, m, j, ((OpKind.FWD, st, m, j), up, (OpKind.REFWD, st, m - 1, j)))
                 remade = (OpKind.REFWD, st, l - 1, j)
                 emit(OpKind.BWD, st, l, j, (up, (OpKind.FWD, st, l, j), remade))
     what = "" if cfg.train else " (an evaluation)"
@@ -62,7 +67,8 @@ def emit_compute(s: Schedule, graph: LayerGraph) -> Schedule:
 def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
     """Offload the checkpoints at the input of layers 1..host_checkpoints (not those the forward drops): SAVE_ACT
     right after the FWD that made it; LOAD_ACT one layer ahead of its first reader in the backward (just before the
-    backward of the layer above; of the layer two above where the REFWD of the layer reads it)."""
+    backward of the layer above; where a run of dropped ones is above it, of the layer above the run, since the
+    run's REFWDs read it first)."""
     cfg = s.config
     if cfg.host_checkpoints == 0:
         return s.with_ops(s.ops, "add_checkpoint_transfers: every checkpoint stays on the device")
@@ -79,7 +85,9 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
                 save = Op(ids(), OpKind.SAVE_ACT, D2H, st, l, j, deps=(made.id,))
                 after[made.id].append(save)
                 load = Op(ids(), OpKind.LOAD_ACT, H2D, st, l, j, deps=(save.id,))
-                a = l + 2 if cfg.dropped(l + 1) else l + 1
+                a = l + 1  # ahead of the backward above it, or of the run of dropped ones above that it remakes
+                while cfg.dropped(a):
+                    a += 1
                 above = idx[(OpKind.LOSS if a == L - 1 else OpKind.BWD, st, a, j)]
                 before[above.id].append(load)
                 loaded[(OpKind.BWD, st, l, j)] = loaded[(OpKind.REFWD, st, l, j)] = load.id

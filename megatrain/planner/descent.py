@@ -2,8 +2,9 @@
 
 A candidate is a point on a grid of decisions (micro-batches, device updates, weight slots, wire dtype, host
 checkpoints, gradient slots, MLP tiles, host gradient dtype, checkpoints dropped; see
-:func:`megatrain.planner.choices.candidates`). From a centre every point that differs in one decision is tried, the best becomes the centre, until it stays
-(:func:`descend` says where the descents start). The decisions interact through the device memory: the search's own
+:func:`megatrain.planner.choices.candidates`). From a centre every point that differs in one decision is tried, the
+best becomes the centre, until it stays (:func:`descend` says where the descents start). The decisions interact
+through the device memory: the search's own
 "auto" choices (kept gradients, saved activations) fill what a point leaves, which smooths each line, but where
 memory is tight a better point can differ in several decisions at once; the device updates and the weight slots
 are therefore one line, and each checkpoint placement is descended on its own. The exhaustive order

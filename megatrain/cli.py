@@ -166,9 +166,9 @@ def _main(argv: list[str]) -> int:
                            ("host_checkpoints", host_checkpoints, "layers whose checkpoints wait on the host ("
                                                                   "auto: the planner's choice of none or all on a "
                                                                   "GPU, none on the CPU)"),
-                           ("dropped_checkpoints", dropped_checkpoints, "checkpoints the forward drops (of layers "
-                                                                        "2, 4, ..), made again in the backward (auto: "
-                                                                        "none unless no plan fits keeping them)"),
+                           ("dropped_checkpoints", dropped_checkpoints, "checkpoints the forward drops, made again "
+                                                                        "in the backward (auto: none unless no plan "
+                                                                        "keeping them fits a long sequence)"),
                            ("gpu_opt_every", gpu_opt_every, "update every k-th layer on the GPU, not the host (0: none; "
                                                      "auto: the planner's choice; default auto on a GPU, 0 on "
                                                      "the CPU)"),
@@ -288,8 +288,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--wire", choices=["bf16", "fp32"], help="fix the weights' dtype on the wire")
     p.add_argument("--host-checkpoints", type=int, help="fix how many layers' checkpoints go to host")
     p.add_argument("--dropped-checkpoints", metavar="N|auto", default="auto",
-                   help="checkpoints the forward drops (those of layers 2, 4, ..), each made again in the backward by "
-                        "a forward of the layer below; auto (default): none unless no plan keeping them all fits")
+                   help="checkpoints the forward drops (every other one, or runs of up to 3 between kept ones), "
+                        "each made again in the backward from the kept one below; auto (default): none unless no "
+                        "plan keeping them all fits a sequence of 131,072 tokens or more")
     p.add_argument("--seq-tile", type=int, metavar="TOKENS",  # plan: unset means searched
                    help="fix the tokens per tile the blocks' MLPs run over (0: untiled; default: search, for "
                         "micro-batches longer than a tile)")

@@ -59,7 +59,7 @@ class TrainConfig:
     mb: int | None = None  # micro-batches per step; None: 2 where the batch splits in two, else 1
     slots: int | str = 2  # weight slots; "all": one per layer
     dropped_checkpoints: int | str = "auto"  # checkpoints the forward drops, made again in the backward ("auto":
-    # none unless no plan keeping them all fits)
+    # none unless no plan keeping them all fits a sequence of 131,072 tokens or more)
     host_checkpoints: int | str = "auto"  # layers whose checkpoints wait on the host ("auto": compile()'s, the
     # planner's choice of none or all on a GPU, none on the CPU)
     gpu_opt_every: int | str | None = None  # every k-th layer updated on the GPU (0: all on the host; "auto": the

@@ -276,7 +276,8 @@ def candidates(graph: LayerGraph, tokens: int, seq_len: int, budget: int, *, cli
     between host and device, one gradient slot), for a budget that cannot hold one untiled
     (``limits.smallest_plan``). ``dropped_checkpoints``: checkpoints the forward drops and the backward makes
     again (``ScheduleConfig.dropped_checkpoints``; None: none, or where ``dropping``, each of
-    :func:`drop_choices`: the search's round for requests no plan keeping every checkpoint fits)."""
+    :func:`drop_choices`: the search's round for sequences of :data:`LONG_SEQ` tokens or more that no plan keeping
+    every checkpoint fits)."""
     n_seqs = tokens // seq_len
     if n_mb is not None:
         if n_mb <= 0 or n_seqs % n_mb:

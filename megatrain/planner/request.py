@@ -25,7 +25,8 @@ class PlanOptions:
     # of choices.LONG_SEQ tokens or more also the search's split (long checkpoints)
     dropped_checkpoints: int | str = "auto"  # checkpoints the forward drops (those at blocks 2, 4, ..: every other
     # one), each made again in the backward by a forward of the layer below: a forward more per checkpoint dropped,
-    # for memory; "auto": none, unless no plan keeping them all fits (then the search's count)
+    # for memory; "auto": none, unless no plan keeping them all fits a sequence of choices.LONG_SEQ tokens or more
+    # (then the search's count)
     gpu_opt_every: int | str | None = None  # every k-th layer (of those owning weights) is updated on the GPU;
     # 0: none; "auto": the set the simulation finds fastest for the step's shape (see megatrain.planner.search);
     # None: the device's default (DEVICE_DEFAULTS: "auto" on a GPU, 0 on the CPU)

@@ -386,8 +386,10 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
                     saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
                     speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
                     order=order, prune=prune, progress=progress, **{**fixed, "short_tiles": True})
-    if not fixed.get("dropping") and fixed.get("dropped_checkpoints") is None and drop_choices(graph):
-        # none fits keeping every checkpoint: again with some dropped, each made again by a forward in the backward
+    if not fixed.get("dropping") and fixed.get("dropped_checkpoints") is None and seq_len >= LONG_SEQ and \
+            drop_choices(graph):
+        # a long sequence that fits no plan keeping every checkpoint (GiBs each): again with some dropped, each made
+        # again by a forward in the backward
         return plan(graph, spec, tokens, seq_len, budget_bytes=budget_bytes, clip=clip, n_steps=n_steps,
                     saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
                     speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,

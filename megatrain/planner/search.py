@@ -176,10 +176,13 @@ def _cutoff(outcomes: list, k: int) -> tuple[bool, float] | None:
     return keys[k - 1][0], keys[k - 1][1] * (1 + HOST_LEAN_SLACK)
 
 
-def rank(keys: list[tuple | None]) -> list[int]:
+def rank(keys: list[tuple | None], fewest_mb: bool = False) -> list[int]:
     """Indices of the runnable candidates (their :func:`_try` key not None), best first: the fastest by simulated
     steady-state step, except that among those within :data:`HOST_LEAN_SLACK` of it (with the same gradient dtype
-    on the host) the one needing the least host memory comes first."""
+    on the host) the one needing the least host memory comes first; with ``fewest_mb`` (the plan chosen at the end)
+    the one with the fewest micro-batches before it: more of them cost the host more than the simulator counts
+    (Qwen2.5-7B at 24 GiB on the H100: 8 measured 7.5% slower than 4, simulated 0.3% apart; docs/benchmarks.md,
+    "The runtime in rooms")."""
     able = [(key, i) for i, key in enumerate(keys) if key is not None]
     if not able:
         return []
@@ -188,7 +191,7 @@ def rank(keys: list[tuple | None]) -> list[int]:
     def order(item):
         key, i = item
         near = key[0] == best[0] and key[1] <= best[1] * (1 + HOST_LEAN_SLACK)
-        return (not near, key[-1] if near else 0, key, i)
+        return (not near, key[4] if near and fewest_mb else 0, key[-1] if near else 0, key, i)
 
     return [i for _, i in sorted(able, key=order)]
 
@@ -222,9 +225,9 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
          speculate_keeps: str = "masters",
          workers: int = 1, order: str = "descent", prune: bool = True,
          progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
-    """The fastest schedule (by simulated steady-state step time, the leanest on host memory among those within
-    :data:`HOST_LEAN_SLACK` of it, then the end of the second-to-last of ``n_steps`` steps, then the order of
-    :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host, each with
+    """The fastest schedule (by simulated steady-state step time, the fewest micro-batches, then the leanest on host
+    memory among those within :data:`HOST_LEAN_SLACK` of it, then the end of the second-to-last of ``n_steps``
+    steps, then the order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host, each with
     the saved activations ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises :class:`PlanError` before
     building anything when nothing can fit.
 
@@ -367,7 +370,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             if progress is not None:
                 progress(len(outcomes), len(outcomes))
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
-    for i in rank([o[2] for o in outcomes]):
+    for i in rank([o[2] for o in outcomes], fewest_mb=True):
         cfg = outcomes[i][0]
         s = build_schedule(graph, cfg)
         try:

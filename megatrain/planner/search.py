@@ -227,9 +227,9 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
          progress: Callable[[int, int], None] | None = None, **fixed) -> Plan:
     """The fastest schedule (by simulated steady-state step time, the fewest micro-batches, then the leanest on host
     memory among those within :data:`HOST_LEAN_SLACK` of it, then the end of the second-to-last of ``n_steps``
-    steps, then the order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget and the host, each with
-    the saved activations ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises :class:`PlanError` before
-    building anything when nothing can fit.
+    steps, then the order of :func:`candidates`) among :func:`candidates` that verifies and fits the device budget
+    and the host, each with the saved activations ``saved_acts`` chooses (see :func:`saved_act_layers`). Raises
+    :class:`PlanError` before building anything when nothing can fit.
 
     Each candidate tried is built once, checked against the memory budget and simulated (:func:`_try`); the full
     verification then runs on the fastest, and on the next where one fails it. ``order``: "descent" tries the

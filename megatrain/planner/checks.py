@@ -76,7 +76,7 @@ def check_dropped(graph: LayerGraph, cfg: ScheduleConfig) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
         raise ValueError(f"dropped_checkpoints must be an integer in 0..{most} (of the {len(graph) - 2} checkpoints, "
                          f"at most {MAX_DROP_RUN} in a row after one kept), got {n!r}")
-    handing = [lay.name for lay in graph.layers[1:] if lay.carry_bytes_per_token]
+    handing = handing_on(graph)
     if n and handing:
         raise ValueError(f"blocks of this model hand the next more than their output ({handing[0]}: items it stores "
                          f"for later blocks or a state they share), which a forward made again would store twice: "
@@ -84,3 +84,9 @@ def check_dropped(graph: LayerGraph, cfg: ScheduleConfig) -> None:
     both = sorted(l for l in cfg.saved_acts if cfg.dropped(l))
     if both:
         raise ValueError(f"layers {both} keep their activations (saved_acts): their checkpoints cannot be dropped")
+
+
+def handing_on(graph: LayerGraph) -> list[str]:
+    """The blocks that hand the next more than their output (items they store for later blocks, a state they
+    share: ``Layer.carry_bytes_per_token``), whose checkpoints a forward made again would store twice."""
+    return [lay.name for lay in graph.layers[1:] if lay.carry_bytes_per_token]

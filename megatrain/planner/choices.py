@@ -12,7 +12,7 @@ from dataclasses import replace
 from megatrain.ir import LayerGraph, Schedule, ScheduleConfig
 from megatrain.ir.schedule import MAX_DROP_RUN, max_dropped
 from megatrain.planner import cost
-from megatrain.planner.checks import PlanError
+from megatrain.planner.checks import PlanError, handing_on
 from megatrain.planner.cost import device_memory
 from megatrain.planner.passes import build_schedule, relabel_saved
 
@@ -333,7 +333,7 @@ def drop_choices(graph: LayerGraph) -> list[int]:
     three quarters and all of every other one, and all that runs of 2 and 3 between kept ones drop
     (``ScheduleConfig.dropped``); none where blocks hand the next more than their output
     (``checks.check_dropped``)."""
-    if any(lay.carry_bytes_per_token for lay in graph.layers[1:]):
+    if handing_on(graph):
         return []
     n = len(graph) - 2
     top = max_dropped(n, 1)

@@ -381,21 +381,17 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
         tl = simulate(s, graph, spec)
         return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, margin_refusal(outcomes, tl, spec),
                     len(configs), len(done))
-    if not fixed.get("short_tiles") and fixed.get("seq_tile") is None and seq_len < LONG_SEQ and \
-            tile_choices(tokens, True) != [0] and any(l.tile_work_bytes_per_token for l in graph.layers):
-        # a sequence shorter than LONG_SEQ that fits no plan untiled, of layers that tile: again with what long
-        # ones get
+    # nothing fits: a sequence shorter than LONG_SEQ, of layers that tile, again with what long ones get; a long one
+    # again with some checkpoints dropped (GiBs each), each made again by a forward in the backward
+    short = not fixed.get("short_tiles") and fixed.get("seq_tile") is None and seq_len < LONG_SEQ and \
+        tile_choices(tokens, True) != [0] and any(l.tile_work_bytes_per_token for l in graph.layers)
+    drop = not fixed.get("dropping") and fixed.get("dropped_checkpoints") is None and seq_len >= LONG_SEQ and \
+        drop_choices(graph)
+    if short or drop:
         return plan(graph, spec, tokens, seq_len, budget_bytes=budget_bytes, clip=clip, n_steps=n_steps,
                     saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
                     speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
-                    order=order, prune=prune, progress=progress, **{**fixed, "short_tiles": True})
-    if not fixed.get("dropping") and fixed.get("dropped_checkpoints") is None and seq_len >= LONG_SEQ and \
-            drop_choices(graph):
-        # a long sequence that fits no plan keeping every checkpoint (GiBs each): again with some dropped, each made
-        # again by a forward in the backward
-        return plan(graph, spec, tokens, seq_len, budget_bytes=budget_bytes, clip=clip, n_steps=n_steps,
-                    saved_acts=saved_acts, grad_kept=grad_kept, split_opt=split_opt, opt_part=opt_part,
-                    speculate=speculate, clip_rate=clip_rate, speculate_keeps=speculate_keeps, workers=workers,
-                    order=order, prune=prune, progress=progress, **{**fixed, "dropping": True})
+                    order=order, prune=prune, progress=progress,
+                    **{**fixed, "short_tiles" if short else "dropping": True})
     raise no_fit_error([why for _, why in tried], spec, budget=budget,
                        bf16_tried=fixed.get("grad_host_dtype", "fp32") == "bf16")

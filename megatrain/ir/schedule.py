@@ -24,6 +24,14 @@ QUIET_DEFAULTS = {"saved_lean": False, "train": True, "setup": False, "write_bac
 MAX_DROP_RUN = 3  # checkpoints dropped in a row at most: a run's backward holds as many made again at once
 
 
+def droppable(n_layers: int) -> int:
+    """The checkpoints a forward may drop in a graph of ``n_layers``: the inputs of layers 1..n_layers-3. Not the
+    top block's (layer n_layers-2): the first backward reads it right after the head's loss, with nothing between
+    that needs its memory (one micro-batch's stays in its slot), so making it again would be a block's forward
+    for nothing."""
+    return max(n_layers - 3, 0)
+
+
 def max_dropped(n: int, run: int) -> int:
     """How many of ``n`` checkpoints runs of ``run`` between kept ones drop (the first one kept)."""
     return n - -(-n // (run + 1))
@@ -126,7 +134,7 @@ class ScheduleConfig:
     def drop_run(self) -> int:
         """The most checkpoints dropped in a row (``dropped_checkpoints``): the shortest run, up to
         :data:`MAX_DROP_RUN`, with that many checkpoints in the runs (each kept one followed by a run)."""
-        n = self.n_layers - 2  # the checkpoints: the inputs of layers 1..n
+        n = droppable(self.n_layers)  # the inputs of layers 1..n
         return next((r for r in range(1, MAX_DROP_RUN) if self.dropped_checkpoints <= max_dropped(n, r)),
                     MAX_DROP_RUN)
 
@@ -134,7 +142,7 @@ class ScheduleConfig:
         """Whether the checkpoint at the input of ``layer`` is dropped after the forward and made again in the
         backward (``dropped_checkpoints``): layer 1's kept, then runs of ``drop_run`` dropped between kept ones,
         the first ``dropped_checkpoints`` of them dropped."""
-        if not self.dropped_checkpoints or not 1 <= layer <= self.n_layers - 2:
+        if not self.dropped_checkpoints or not 1 <= layer <= droppable(self.n_layers):
             return False
         r = self.drop_run()
         i, k = divmod(layer - 1, r + 1)

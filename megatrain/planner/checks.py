@@ -5,7 +5,7 @@ with the rule it breaks."""
 from __future__ import annotations
 
 from megatrain.ir import LayerGraph, ScheduleConfig
-from megatrain.ir.schedule import MAX_DROP_RUN, max_dropped
+from megatrain.ir.schedule import MAX_DROP_RUN, droppable, max_dropped
 
 
 class PlanError(ValueError):
@@ -72,10 +72,10 @@ def check_dropped(graph: LayerGraph, cfg: ScheduleConfig) -> None:
     """Refuse ``dropped_checkpoints`` beyond what runs of :data:`~megatrain.ir.schedule.MAX_DROP_RUN` drop, or
     dropping the checkpoint of a layer in ``saved_acts`` (its backward reads what its forward kept, not a forward
     made again)."""
-    n, most = cfg.dropped_checkpoints, max_dropped(len(graph) - 2, MAX_DROP_RUN)
+    n, most = cfg.dropped_checkpoints, max_dropped(droppable(len(graph)), MAX_DROP_RUN)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
-        raise ValueError(f"dropped_checkpoints must be an integer in 0..{most} (of the {len(graph) - 2} checkpoints, "
-                         f"at most {MAX_DROP_RUN} in a row after one kept), got {n!r}")
+        raise ValueError(f"dropped_checkpoints must be an integer in 0..{most} (of the {droppable(len(graph))} checkpoints "
+                         f"below the top block's, at most {MAX_DROP_RUN} in a row after one kept), got {n!r}")
     handing = handing_on(graph)
     if n and handing:
         raise ValueError(f"blocks of this model hand the next more than their output ({handing[0]}: items it stores "

@@ -10,7 +10,7 @@ import itertools
 from dataclasses import replace
 
 from megatrain.ir import LayerGraph, Schedule, ScheduleConfig
-from megatrain.ir.schedule import MAX_DROP_RUN, max_dropped
+from megatrain.ir.schedule import MAX_DROP_RUN, droppable, max_dropped
 from megatrain.planner import cost
 from megatrain.planner.checks import PlanError, handing_on
 from megatrain.planner.cost import device_memory
@@ -335,7 +335,7 @@ def drop_choices(graph: LayerGraph) -> list[int]:
     (``checks.check_dropped``)."""
     if handing_on(graph):
         return []
-    n = len(graph) - 2
+    n = droppable(len(graph))
     top = max_dropped(n, 1)
     return sorted({top * k // 4 for k in (1, 2, 3, 4)} | {max_dropped(n, r) for r in range(2, MAX_DROP_RUN + 1)}
                   - {0})

@@ -74,8 +74,9 @@ def check_dropped(graph: LayerGraph, cfg: ScheduleConfig) -> None:
     made again)."""
     n, most = cfg.dropped_checkpoints, max_dropped(droppable(len(graph)), MAX_DROP_RUN)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
-        raise ValueError(f"dropped_checkpoints must be an integer in 0..{most} (of the {droppable(len(graph))} checkpoints "
-                         f"below the top block's, at most {MAX_DROP_RUN} in a row after one kept), got {n!r}")
+        raise ValueError(f"dropped_checkpoints must be an integer in 0..{most} (of the {droppable(len(graph))} "
+                         f"checkpoints below the top block's, at most {MAX_DROP_RUN} in a row after one kept), "
+                         f"got {n!r}")
     handing = handing_on(graph)
     if n and handing:
         raise ValueError(f"blocks of this model hand the next more than their output ({handing[0]}: items it stores "

@@ -249,7 +249,8 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
            f"{'a spare block each for their new state' if cfg.speculate_keeps == 'state' else 'their masters kept'})"
            if cfg.speculate else "")
         + ("; every host update makes its moments in its pass (none left for after it)"
-           if cfg.clip and not cfg.defer_moments else ""),
+           if cfg.clip and not cfg.defer_moments else "")
+        + (f"; {p.speculation_left}" if p.speculation_left else ""),
         f"predicted  {steady:.3f} s/step steady ({args.tokens / steady:,.0f} tokens/s, "
         f"{flops_6nt / steady / 1e12:.0f} TFLOPS 6NT); {tl.makespan_s:.3f} s for {cfg.n_steps} steps",
         f"bound      {b.step_s:.3f} s/step ({b.limiter}-bound; per step: "

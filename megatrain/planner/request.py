@@ -135,7 +135,8 @@ class PlanOptions:
 # decisions whose default depends on the device: (on a GPU, on the CPU). On the H200 device updates and split
 # updates were faster at every size measured (docs/benchmark-history.md); on the CPU a "device" update is a host
 # update by another path. Updates before the norm (speculate): on an H100 6% faster on a Mistral-123B slice at
-# 24 GiB, no change measurable on the 7B shape (docs/benchmarks.md); the CPU's program order overlaps nothing
+# 24 GiB, slower on the 7B shape (docs/benchmarks.md), so the search takes a window only where it is simulated well
+# ahead (search.SPECULATE_GAIN); the CPU's program order overlaps nothing
 DEVICE_DEFAULTS = {"gpu_opt_every": ("auto", 0), "split_opt": ("auto", 0), "speculate": ("auto", 0)}
 
 

@@ -41,6 +41,7 @@ class Plan:
     tokens: int
     tried: list[tuple[ScheduleConfig, str]] = field(default_factory=list)  # every candidate and its outcome
     margin_taken: str | None = None  # where a faster plan was refused for the host margin alone: in words
+    speculation_left: str | None = None  # where a plan with updates before the norm was not worth it: in words
     n_candidates: int = 0  # candidates the search could have tried (before the split updates' round)
     n_searched: int = 0  # of them, those it tried (``tried`` holds them, then the split updates' round)
 
@@ -142,6 +143,29 @@ RESTART_SLACK = 0.05
 # that leaves it free leaves room for the rest of the process)
 HOST_LEAN_SLACK = 0.01
 
+# A window of updates before the norm (``speculate``) is taken only where the simulator puts its plan this share
+# faster than the fastest without one: what the window's updates cost the host beside the backward is not simulated
+# (H100 leases: Qwen2.5-7B at 24 GiB simulated 1.6% faster and measured 6% slower, on the full card 1.7% faster and
+# 7% slower; the Mistral-Large slice simulated 9.1% faster and measured 6% faster; docs/benchmarks.md, "Host updates
+# before the global norm")
+SPECULATE_GAIN = 0.04
+
+
+def worth_speculating(order: list[int], outcomes: list) -> tuple[list[int], str | None]:
+    """``order`` (:func:`rank`'s, of ``outcomes``) with the plans without a window of updates before the norm first
+    where the first has one and is less than :data:`SPECULATE_GAIN` faster than the fastest of them (same gradient
+    dtype on the host), and a sentence saying so; else ``order`` and None."""
+    if not order or not outcomes[order[0]][0].speculate:
+        return order, None
+    first = outcomes[order[0]][2]
+    without = [i for i in order if not outcomes[i][0].speculate and outcomes[i][2][0] == first[0]]
+    if not without or outcomes[without[0]][2][1] > first[1] * (1 + SPECULATE_GAIN):
+        return order, None
+    return without + [i for i in order if i not in without], (
+        f"a window of {len(outcomes[order[0]][0].speculate)} updates before the norm simulated {first[1]:.3f} s/step "
+        f"(the clipped steps' redo counted) against {outcomes[without[0]][2][1]:.3f} without: less than the "
+        f"{SPECULATE_GAIN:.0%} its unsimulated host cost needs, not taken")
+
 
 def _try_share(graph: LayerGraph, spec: HardwareSpec, budget: int, saved_acts: int | str, grad_kept: int | str,
                clip_rate: float, cutoff: tuple[bool, float] | None, cfg: ScheduleConfig, share: float,
@@ -166,14 +190,14 @@ def undecided(cfg: ScheduleConfig) -> ScheduleConfig:
     return replace(cfg, grad_kept=(), host_grad_part=0, saved_acts=(), saved_lean=False, speculate=())
 
 
-def _cutoff(outcomes: list, k: int) -> tuple[bool, float] | None:
-    """:func:`_try`'s cutoff from ``outcomes``: the ``k``-th best key's gradient dtype and seconds (plus
-    :data:`HOST_LEAN_SLACK`), so that a candidate it refuses can be neither the best nor one of the ``k`` best the
-    split updates start from (None: fewer than ``k`` run)."""
+def _cutoff(outcomes: list, k: int, slack: float = HOST_LEAN_SLACK) -> tuple[bool, float] | None:
+    """:func:`_try`'s cutoff from ``outcomes``: the ``k``-th best key's gradient dtype and seconds (plus ``slack``),
+    so that a candidate it refuses can be neither the best nor one of the ``k`` best the split updates start from
+    (None: fewer than ``k`` run)."""
     keys = sorted(o[2] for o in outcomes if o[2] is not None)  # (bf16 host gradients, steady seconds, ...)
     if len(keys) < k:
         return None
-    return keys[k - 1][0], keys[k - 1][1] * (1 + HOST_LEAN_SLACK)
+    return keys[k - 1][0], keys[k - 1][1] * (1 + slack)
 
 
 def rank(keys: list[tuple | None], fewest_mb: bool = False) -> list[int]:
@@ -347,11 +371,14 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             outcomes += _refine_split(graph, outcomes, split, opt_part, lambda cs: list(run(whole, cs)))
         top = rank([o[2] for o in outcomes])[:1]
         if speculate == "auto" and clip and top:  # the fastest again with the other shares of its window (none
-            # among them)
-            share = functools.partial(_try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
-                                      _cutoff(outcomes, 1) if prune else None, undecided(outcomes[top[0]][0]),
-                                      keeps=keeps)
-            outcomes += run(share, AUTO_SHARES[1:])
+            # among them; simulated to its end where within SPECULATE_GAIN of the fastest, which it is then taken
+            # before: worth_speculating)
+            base = undecided(outcomes[top[0]][0])
+            share = lambda slack: functools.partial(  # noqa: E731
+                _try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
+                _cutoff(outcomes, 1, slack) if prune else None, base, keeps=keeps)
+            outcomes += run(share(HOST_LEAN_SLACK), AUTO_SHARES[1:-1])
+            outcomes += run(share(SPECULATE_GAIN), AUTO_SHARES[-1:])
         top = rank([o[2] for o in outcomes])[:1]
         if speculate and speculate_keeps == "auto" and clip and top:  # the fastest again, its window keeping the
             # state: one update pass instead of two, for the host memory of a spare block
@@ -370,7 +397,10 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             if progress is not None:
                 progress(len(outcomes), len(outcomes))
     tried: list[tuple[ScheduleConfig, str]] = [(o[0], o[1]) for o in outcomes]
-    for i in rank([o[2] for o in outcomes], fewest_mb=True):
+    ranked, left = rank([o[2] for o in outcomes], fewest_mb=True), None
+    if speculate == "auto":
+        ranked, left = worth_speculating(ranked, outcomes)
+    for i in ranked:
         cfg = outcomes[i][0]
         s = build_schedule(graph, cfg)
         try:
@@ -380,7 +410,7 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             continue
         tl = simulate(s, graph, spec)
         return Plan(s, tl, bound(s, graph, spec), graph, spec, tokens, tried, margin_refusal(outcomes, tl, spec),
-                    len(configs), len(done))
+                    left, len(configs), len(done))
     # nothing fits: a sequence shorter than LONG_SEQ, of layers that tile, again with what long ones get; a long one
     # again with some checkpoints dropped (GiBs each), each made again by a forward in the backward
     short = not fixed.get("short_tiles") and fixed.get("seq_tile") is None and seq_len < LONG_SEQ and \

@@ -76,7 +76,10 @@ def header(cfg: TrainConfig, sm, schedule, weights: str, tokenizer: str, data: s
             f"({len(c.resident_opt)} keeping their state there), {len(c.grad_kept)} keeping their gradients there "
             f"until the update, {len(c.saved_acts)} keeping their activations"
             + (f", {c.dropped_checkpoints} checkpoints dropped and made again in the backward" if c.dropped_checkpoints
-               else "") + f" ({planned_text(sm, schedule, cfg)}); "
+               else "") + (f", {len(c.speculate)} updated on the host before the step's global norm" if c.speculate
+                           else "")
+            + (f"; {sm.run_plan(schedule).speculation_left}" if sm.run_plan(schedule).speculation_left else "")
+            + f" ({planned_text(sm, schedule, cfg)}); "
             f"host {host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")
             + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/")
 

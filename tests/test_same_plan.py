@@ -93,6 +93,10 @@ def test_a_known_plan_is_taken_only_for_its_request_and_where_the_host_holds_it(
     first = plan_run(g, spec, 4, 256, opts, clip=True, on_gpu=False)
     again = plan_run(g, spec, 4, 256, opts, clip=True, on_gpu=False, known=(first.to_json(),))
     assert again.from_cache and not first.from_cache and again.step.to_text() == first.step.to_text()
+    # what the search said it left out comes back with the plan file's plan
+    said = json.dumps({**json.loads(first.to_json()), "speculation_left": "a window ... not taken"})
+    assert plan_run(g, spec, 4, 256, opts, clip=True, on_gpu=False, known=(said,)).speculation_left == \
+        "a window ... not taken" and first.speculation_left is None
     other = plan_run(g, spec, 8, 256, opts, clip=True, on_gpu=False, known=(first.to_json(),))
     assert not other.from_cache  # another batch shape
     from megatrain.planner.cost import host_memory

@@ -730,3 +730,12 @@ def test_every_command_prints_its_help(command, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: megatrain") and "--help" in out
+
+
+def test_the_first_line_names_a_window_of_updates_before_the_norm(tmp_path, capsys):
+    """``--speculate 2``: the run's first line says two layers update on the host before the step's global norm;
+    without it, nothing of the kind."""
+    for n in (2, 0):
+        assert main(["train", "--out", str(tmp_path / f"s{n}"), "--steps", "1", "--speculate", str(n)]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert ("2 updated on the host before the step's global norm" in first) == (n == 2), first

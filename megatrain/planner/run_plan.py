@@ -36,11 +36,13 @@ class RunPlan:
     # what takes the optimizer states the steps keep on the device (resident_opt) back to the host store before it
     # is read or saved, or before another plan runs (None: the steps keep none)
     write_back: Schedule | None = None
+    speculation_left: str | None = None  # where the search left a window of updates before the norm out: in words
 
     def to_json(self) -> str:
         """What a plan file holds: the request's key and the step's config (all a later run needs to build the
         same plan without searching)."""
-        return json.dumps({"key": self.key, "config": self.step.config.to_dict(), "margin_taken": self.margin_taken})
+        return json.dumps({"key": self.key, "config": self.step.config.to_dict(), "margin_taken": self.margin_taken,
+                           "speculation_left": self.speculation_left})
 
 
 @functools.cache
@@ -80,11 +82,12 @@ def plan_run(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: in
     for text in known:
         step = _known_step(text, key, graph, spec)
         if step is not None:
-            return _run_plan(graph, spec, step, json.loads(text).get("margin_taken"), key, True)
+            d = json.loads(text)
+            return _run_plan(graph, spec, step, d.get("margin_taken"), key, True, d.get("speculation_left"))
     found = plan(graph, spec, batch_size * seq_len, seq_len, clip=clip, n_steps=3,
                  **options.search_kwargs(seq_len, on_gpu))
     step = build_schedule(graph, replace(found.schedule.config, n_steps=1))
-    return _run_plan(graph, spec, step, found.margin_taken, key, False)
+    return _run_plan(graph, spec, step, found.margin_taken, key, False, found.speculation_left)
 
 
 def _known_step(known: str, key: str, graph: LayerGraph, spec: HardwareSpec) -> Schedule | None:
@@ -100,7 +103,7 @@ def _known_step(known: str, key: str, graph: LayerGraph, spec: HardwareSpec) -> 
 
 
 def _run_plan(graph: LayerGraph, spec: HardwareSpec, step: Schedule, margin_taken: str | None, key: str,
-              from_cache: bool) -> RunPlan:
+              from_cache: bool, speculation_left: str | None = None) -> RunPlan:
     setup = setup_schedule(graph, step)
     for s in (setup, step):
         if s is not None:
@@ -114,7 +117,7 @@ def _run_plan(graph: LayerGraph, spec: HardwareSpec, step: Schedule, margin_take
     write_back = write_back_schedule(graph, homes) if homes else None
     if write_back is not None:
         verify(write_back, graph)
-    return RunPlan(setup, step, tuple(pairs), margin_taken, key, from_cache, write_back)
+    return RunPlan(setup, step, tuple(pairs), margin_taken, key, from_cache, write_back, speculation_left)
 
 
 def plan_eval(graph: LayerGraph, spec: HardwareSpec, batch_size: int, seq_len: int, options: PlanOptions) -> Schedule:

@@ -406,3 +406,17 @@ def test_weights_kept_after_a_device_update_serve_the_next_load_until_the_host_c
     # a step's loss is computed from the weights it loads: the halved ones, not the kept copies
     assert sm.train_step(*data[1]).loss == ref.train_step(*data[1]).loss
     assert set(sm.executor.dev.kept) == dev  # and this step's device updates keep theirs again
+
+
+def test_every_checkpoint_on_the_host_with_one_micro_batch_trains_as_none():
+    """Layers 1..L-2's checkpoints all offloaded, one micro-batch: the top block's comes back from the host into the
+    slot that still holds it, a write the executor once refused as a loss of what the backward reads; losses and
+    weights bit for bit those of every checkpoint kept on the device."""
+    data = batches(n_steps=2)
+    runs = []
+    for host in (0, 4):
+        sm = compile_cpu(hf_model("llama"), optim=OPT, n_mb=1, weight_slots=1, host_checkpoints=host)
+        assert sm.schedule_for(*data[0][0].shape).config.host_checkpoints == host and len(sm.graph) - 2 == 4
+        runs.append(([sm.train_step(*b).loss for b in data], sm.state_dict()))
+    (l0, w0), (l1, w1) = runs
+    assert l1 == l0 and all(torch.equal(w1[n], t) for n, t in w0.items())

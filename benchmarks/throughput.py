@@ -517,6 +517,8 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "max_grad_norm": sm.optimizer.cfg.max_grad_norm,
         # the simulator's device memory in use at its peak, for the measured peak below
         "planned_gpu_peak_gib": planned_peak / (1 << 30),
+        # and what the plan reserves (every slot, the largest working set), for the allocator's reserved peak below
+        "planned_gpu_reserved_gib": device_memory(graph, sched).total_nbytes / (1 << 30),
         "saved_bytes_per_token": max((graph[l].saved_bytes_per_token for l in c.saved_acts), default=0),
         "lean_saved_bytes_per_token": max((graph[l].saved_bytes(True) for l in c.saved_acts), default=0),
         "sync_between_steps": getattr(sm.executor, "sync_between_steps", None),
@@ -536,6 +538,7 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "efficiency_bound_over_measured": b.step_s / step_s, "efficiency_bound_over_median": b.step_s / median_s,
         # (the peak statistic is reset before each op of a --memory-by-op step: the most over every op then)
         "gpu_peak_gib": max([torch.cuda.max_memory_allocated()] + [p for _, _, p in by_op]) / (1 << 30) if cuda else 0.0,
+        "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved() / (1 << 30) if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
         # what the simulation above ran on, for benchmarks/sim_accuracy.py to rebuild it as it was: the plan's
         # config, the layer graph (as captured, with the saved bytes measured here) and the hardware spec
@@ -594,8 +597,10 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     print(f"{args.preset} {res['executor']} clip={c.clip} threads={res['cpu_threads']} gpu_opt={list(c.gpu_opt)}: "
           f"{tokens} tokens/step, {step_s:.3f} s/step, "
           f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops_6nt']:.0f} TFLOPS(6NT); bound {b.step_s:.3f} s "
-          f"({b.limiter}), simulated {sim.steady_step_s:.3f} s; GPU peak {res['gpu_peak_gib']:.1f} GiB, "
-          f"host RSS {res['host_rss_gib']:.1f} GiB"
+          f"({b.limiter}), simulated {sim.steady_step_s:.3f} s; GPU peak {res['gpu_peak_gib']:.1f} GiB allocated "
+          f"(planned {res['planned_gpu_peak_gib']:.1f} in use), {res['gpu_reserved_peak_gib']:.1f} reserved (planned "
+          f"{res['planned_gpu_reserved_gib']:.1f}), host RSS {res['host_rss_gib']:.1f} GiB "
+          f"(planned {res['planned_host_gib']:.1f})"
           + (f"; host AdamW in the worker {res['host_adamw_params_per_s'] / 1e9:.2f} G params/s "
              f"({res['host_adamw_params'] / 1e9:.2f}B params in {res['host_adamw_busy_s']:.3f} s)"
              if "host_adamw_params_per_s" in res else "")

@@ -40,6 +40,8 @@ def test_throughput_variants_run_on_one_model_and_report_each_plan(tmp_path):
         # a warm-up step, two timed ones and a cool-down step after them
         assert r["tokens_per_step"] == 256 and r["step_s"] > 0 and len(r["losses"]) == 4
         assert r["cooldown_steps"] == 1
+        # the plan's device figures beside the allocator's peaks (none on the CPU)
+        assert r["planned_gpu_reserved_gib"] >= r["planned_gpu_peak_gib"] > 0 and r["gpu_reserved_peak_gib"] == 0
         # the steady mean runs from the warm-up step's end to the last timed step's end; the drained one on to the
         # end of everything issued, the cool-down step included
         gaps = r["step_times_between_ends_s"]

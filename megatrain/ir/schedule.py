@@ -148,6 +148,11 @@ class ScheduleConfig:
         i, k = divmod(layer - 1, r + 1)
         return k != 0 and i * r + k - 1 < self.dropped_checkpoints
 
+    def offloaded(self) -> list[int]:
+        """The layers whose checkpoint goes to the host and back: 1..``host_checkpoints``, but those the forward
+        drops (``dropped``)."""
+        return [l for l in range(1, self.host_checkpoints + 1) if not self.dropped(l)]
+
     def tiled(self, layer: "Layer", index: int) -> bool:
         """Whether layer ``index`` (``layer``) runs its token-wise part over tiles in this schedule."""
         return bool(self.seq_tile) and layer.tile_work_bytes_per_token > 0 and index not in self.saved_acts \

@@ -444,6 +444,5 @@ def host_floor(graph: LayerGraph, cfg: ScheduleConfig) -> dict[str, int]:
     out = {"store": store_bytes(graph), "process": PROCESS_HOST_BYTES, "stages": STAGE_HOST_BYTES}
     if cfg.wire_bytes_per_param == 2:
         out["bf16_shadow"] = graph.n_params * 2
-    out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in range(1, cfg.host_checkpoints + 1)
-                              if not cfg.dropped(l)) * cfg.n_mb
+    out["checkpoints"] = sum(checkpoint_nbytes(graph, cfg, l) for l in cfg.offloaded()) * cfg.n_mb
     return out

@@ -79,7 +79,7 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
     before: dict[int, list[Op]] = defaultdict(list)
     loaded: dict[tuple, int] = {}
     for st in range(cfg.n_steps):
-        for l in (l for l in range(1, cfg.host_checkpoints + 1) if not cfg.dropped(l)):
+        for l in cfg.offloaded():
             for j in range(cfg.n_mb):
                 made = idx[(OpKind.FWD, st, l - 1, j)]
                 save = Op(ids(), OpKind.SAVE_ACT, D2H, st, l, j, deps=(made.id,))
@@ -97,7 +97,7 @@ def add_checkpoint_transfers(s: Schedule, graph: LayerGraph) -> Schedule:
         dep = loaded.get(compute_key(op))
         out.append(add_deps(op, (dep,)) if dep is not None else op)
         out.extend(after.get(op.id, ()))
-    n = sum(not cfg.dropped(l) for l in range(1, cfg.host_checkpoints + 1)) * cfg.n_mb * cfg.n_steps
+    n = len(cfg.offloaded()) * cfg.n_mb * cfg.n_steps
     return s.with_ops(out, f"add_checkpoint_transfers: {n} checkpoints of layers 1..{cfg.host_checkpoints} via host")
 
 

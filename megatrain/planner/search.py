@@ -374,11 +374,10 @@ def plan(graph: LayerGraph, spec: HardwareSpec, tokens: int, seq_len: int, *, bu
             # among them; simulated to its end where within SPECULATE_GAIN of the fastest, which it is then taken
             # before: worth_speculating)
             base = undecided(outcomes[top[0]][0])
-            share = lambda slack: functools.partial(  # noqa: E731
-                _try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
-                _cutoff(outcomes, 1, slack) if prune else None, base, keeps=keeps)
-            outcomes += run(share(HOST_LEAN_SLACK), AUTO_SHARES[1:-1])
-            outcomes += run(share(SPECULATE_GAIN), AUTO_SHARES[-1:])
+            for shares, slack in ((AUTO_SHARES[1:-1], HOST_LEAN_SLACK), (AUTO_SHARES[-1:], SPECULATE_GAIN)):
+                outcomes += run(functools.partial(_try_share, graph, spec, budget, saved_acts, grad_kept, clip_rate,
+                                                  _cutoff(outcomes, 1, slack) if prune else None, base, keeps=keeps),
+                                shares)
         top = rank([o[2] for o in outcomes])[:1]
         if speculate and speculate_keeps == "auto" and clip and top:  # the fastest again, its window keeping the
             # state: one update pass instead of two, for the host memory of a spare block

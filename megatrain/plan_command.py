@@ -230,7 +230,7 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
         f"plan       {cfg.weight_slots} weight slots, {mem.slot_count['g']} gradient slots, "
         f"{mem.slot_count['a']} activation slots; weights on the wire as "
         f"{'bf16 (host shadow)' if cfg.wire_bytes_per_param == 2 else 'fp32 (cast on the GPU)'}; "
-        f"checkpoints of {cfg.host_checkpoints} of {len(graph) - 2} layers on host"
+        f"checkpoints of {len(cfg.offloaded())} of {len(graph) - 2} layers on host"
         + (f" ({_n(cfg.dropped_checkpoints, 'checkpoint')} dropped, "
            + ("every other one" if cfg.drop_run() == 1 else f"in runs of up to {cfg.drop_run()} between kept ones")
            + ", and made again in the backward)" if cfg.dropped_checkpoints else "") + "; optimizer "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, ScheduleConfig, Stream,
-                          Timeline, deferrable_opts, issue_preds, queue_of, resident_slots)
+                          Timeline, deferrable_opts, issue_preds, queue_of)
 from megatrain.layout import OPT_STATE_ROWS
 from megatrain.planner.cost import (POOLS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
                                     transfer_nbytes, workspace_nbytes)
@@ -393,28 +393,25 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
 
 
 def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end: list[float]) -> list[tuple[float, int]]:
-    """Device bytes in use over time: each slot from the start of the op that fills it to the end of the last op
-    that reads that content, plus each compute op's working set while it runs, plus saved activations (see
-    ``ScheduleConfig.saved_acts``) from their forward to their backward, on top of cuBLAS's workspaces
-    (``ScheduleConfig.gemm_workspace_bytes``, held throughout)."""
+    """Device bytes in use over time: the weight, gradient, optimizer and kept-gradient pools throughout (the
+    runtime allocates them before the first op and holds them, ``DeviceBuffers.fit``), each activation slot from
+    the start of the op that fills it to the end of the last op that reads that content (activations are tensors
+    of their own, freed when the last reader drops them), plus each compute op's working set while it runs, plus
+    saved activations (see ``ScheduleConfig.saved_acts``) from their forward to their backward, on top of cuBLAS's
+    workspaces (``ScheduleConfig.gemm_workspace_bytes``, held throughout)."""
     cfg = schedule.config
     size = slot_sizes(graph, schedule)
     events: list[tuple[float, int]] = []
     holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
-    starters = {OpKind.LOAD_W: ("w",), OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.REFWD: ("y",),
-                OpKind.LOAD_OPT: ("o",), OpKind.NORM: ("k",)}
-    # a resident state's slot is in use from before the schedule to after it
-    homes = {("o", k) for k in resident_slots(schedule, graph.owner).values()}
-    for key in homes:
-        events += [(0.0, size["o"][key[1]]), (max(end, default=0.0), -size["o"][key[1]])]
+    starters = {OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.REFWD: ("y",)}
+    held = sum(sum(size[p]) for p in POOLS if p != "a")
+    events += [(0.0, held), (max(end, default=0.0), -held)]
     carry = sum(lay.carry_bytes_per_token for lay in graph.layers)
     for op in schedule.ops:
         fills = set(starters.get(op.kind, ()))
-        if op.kind in (OpKind.BWD, OpKind.LOSS) and op.mb == 0:
-            fills.add("g")
         for role, idx in op.slots:
             key = (SLOT_POOL[role], idx)
-            if key in homes or key[0] not in POOLS:  # host gradient buffers are not device memory
+            if key[0] != "a":  # the held pools, and host gradient buffers (not device memory)
                 continue
             if role in fills:
                 if key in holder:  # the old content's last read may overlap the refill (a state load a row

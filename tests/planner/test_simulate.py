@@ -252,3 +252,28 @@ def test_the_steady_step_is_never_under_a_steps_work_on_its_busiest_resource():
     squeezed = Timeline("simulated", tl.ops, tl.start_s, tl.end_s, n_steps=3, floor_s=(ends[1] - ends[0]) * 1.5)
     assert squeezed.steady_step_s == squeezed.floor_s
     assert Timeline.from_json(squeezed.to_json()).steady_step_s == squeezed.floor_s
+
+
+def test_the_held_pools_are_in_use_from_the_start_and_activations_from_their_fill():
+    # the runtime allocates the weight, gradient, optimizer and kept-gradient pools before the first op
+    # (DeviceBuffers.fit) and holds them; an activation is a tensor of its own from the op that makes it
+    from megatrain.planner.cost import slot_sizes
+
+    g = LayerGraph([
+        Layer(name="embed", kind="embedding", template="e", params=1_000_000, act_bytes_per_token=2),
+        Layer(name="block", kind="block", template="b", params=2_000_000, matmul_flops_per_token=4e6,
+              act_bytes_per_token=2),
+        Layer(name="head", kind="head", template="h", params=1_000_000, matmul_flops_per_token=1e3),
+    ])
+    s = build_schedule(g, config(g, n_mb=2, mb_tokens=1000, wire_bytes_per_param=2, clip=True))
+    tl = simulate(s, g, SPEC)
+    size = slot_sizes(g, s)
+    held = sum(sum(size[p]) for p in ("w", "g", "o", "k"))
+    gemm = s.config.gemm_workspace_bytes
+    assert held >= 2 * 2_000_000 * 2 + 4 * 2_000_000  # two weight slots at 2 B, a gradient slot at 4 B
+    assert tl.memory[0] == (0.0, gemm + held)  # before any op ran: no activation, no working set
+    assert tl.memory[-1][1] == gemm  # all of it given back at the end
+    # never below the held pools while the step runs
+    assert min(b for _, b in tl.memory[:-1]) == gemm + held
+    first_fwd = min(a for op, a in zip(s.ops, tl.start_s) if op.kind is OpKind.FWD)
+    assert all(b == gemm + held for t, b in tl.memory if t < first_fwd)

@@ -97,10 +97,12 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
         work -= lay.tile_work_bytes_per_token * (t - cfg.seq_tile)
     if op.kind in FORWARDS:
         return work
-    if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients, and the attention
+    if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients, the attention
         # kernel's own buffers while its backward runs (Layer.attn_bwd_bytes: a step of 4 blocks of Qwen2.5-7B's
-        # shape at 524,288 tokens peaked 15.3 GiB above its plan without them)
-        return (2 if recomputes(cfg, op) else 1) * work + lay.attn_bwd_bytes(t)
+        # shape at 524,288 tokens peaked 15.3 GiB above its plan without them), and the input's gradient, made
+        # while the input's checkpoint is still held (the schedule writes it to that checkpoint's slot)
+        dx = graph[op.layer - 1].act_bytes_per_token * t if op.layer else 0
+        return (2 if recomputes(cfg, op) else 1) * work + lay.attn_bwd_bytes(t) + dx
     if op.kind is OpKind.LOSS:  # one chunk of the fused loss's logits (graph.LOSS_LOGITS_PER_CHUNK)
         return lay.work_bytes_per_token * t + loss_chunk_nbytes(lay, t)
     if op.kind is OpKind.EVAL:  # one chunk of fp32 logits

@@ -105,8 +105,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
     (``megatrain.capture``). ``matmul_params``: the parameters its matmuls multiply by (2 FLOPs each a token).
 
     Activations per token in the compute dtype: a layer's output (the next layer's checkpoint) is the hidden
-    state; a block's forward builds for its backward both norm outputs and the residual (4 H), q, k and v, and
-    the MLP's gate, up and their product (3 x intermediate; a mixture of experts' per routed pair, and each pair's
+    state; a block's forward holds at once 3 H (the attention's input norm, the residual, and the MLP's input norm
+    or the attention's output), q, k and v, and the MLP's gate, up and their product (3 x intermediate; a mixture of experts' per routed pair, and each pair's
     gathered input and its expert's output, 2 x top-k x H); the embedding its output, the final norm its input
     and output; the head its input, its gradient and a token's fp32 log-sum-exp (logits exist one chunk of
     :data:`LOSS_LOGITS_PER_CHUNK` elements at a time, see ``cost.workspace_nbytes``). ``tiles``: a block whose MLP
@@ -135,7 +135,7 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
         # QK^T and AV: 2 matmuls x 2 FLOP per multiply-add x (seq/2 keys on average) x q_dim
         attn_flops_per_token_per_seq=2.0 * q,
         act_bytes_per_token=H * a,
-        work_bytes_per_token=(4 * H + q + 2 * kv + 3 * inter + (2 * moe.top_k * H if moe is not None else 0)) * a,
+        work_bytes_per_token=(3 * H + q + 2 * kv + 3 * inter + (2 * moe.top_k * H if moe is not None else 0)) * a,
         tile_work_bytes_per_token=(3 * inter + (H if tile_norm else 0)) * a if tiles else 0,
         tile_flops_per_token=6.0 * H * inter if tiles else 0.0,
         saved_bytes_per_token=block_saved_bytes(H, q, kv, inter, heads, a),

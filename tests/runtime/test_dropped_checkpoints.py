@@ -97,16 +97,16 @@ def test_blocks_that_hand_the_next_more_than_their_output_keep_their_checkpoints
 
 
 def test_qwen_7b_at_524k_tokens_fits_an_h100_with_runs_of_checkpoints_dropped():
-    """The H100's 74.35 GiB and 125 GiB host hold one 524,288-token sequence of the Qwen2.5-7B shape only where
-    more than every other checkpoint is dropped (docs/planner.md, "Checkpoints dropped"); with every other one at
-    most, nothing fits."""
+    """The H100's 74.35 GiB and 125 GiB host hold one 524,288-token sequence of the Qwen2.5-7B shape with fp32 host
+    gradients only where more than every other checkpoint is dropped (docs/planner.md, "Checkpoints dropped");
+    with every other one at most, nothing fits."""
     from megatrain.planner.graph import preset
     from megatrain.planner.hardware import PRESETS
     from megatrain.planner.search import PlanError, plan
 
     g, spec = preset("qwen2.5-7b"), PRESETS["h100"]
     fixed = dict(n_mb=1, weight_slots=2, wire_bytes=4, gpu_opt_every=0, resident_opt=0, seq_tile=4096,
-                 grad_host_dtype="bf16")
+                 grad_host_dtype="fp32")
     cfg = plan(g, spec, 524288, 524288, **fixed).schedule.config
     assert cfg.dropped_checkpoints > 14 and cfg.drop_run() > 1
     with pytest.raises(PlanError, match="no plan fits"):

@@ -232,7 +232,7 @@ def allocated_by(op, out: list, held: dict):
     torch.cuda.reset_peak_memory_stats()
     yield
     now = torch.cuda.memory_allocated()
-    out.append((str(op), now, torch.cuda.max_memory_allocated()))
+    out.append((str(op), now, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
     if now > held.get("bytes", -1):
         held.update(op=str(op), bytes=now, snapshot=torch.cuda.memory._snapshot())
 
@@ -262,10 +262,10 @@ def write_memory_by_op(path: str, by_op: list, planned_reserved: int, planned_pe
     blocks = held_blocks(held["snapshot"]) if held else []
     with open(path, "w") as f:
         json.dump({"planned_reserved_bytes": planned_reserved, "planned_peak_in_use_bytes": planned_peak,
-                   "budget_bytes": budget, "ops": [{"op": o, "allocated": a, "most": m} for o, a, m in by_op],
+                   "budget_bytes": budget, "ops": [{"op": o, "allocated": a, "most": m, "most_reserved": r} for o, a, m, r in by_op],
                    "held_after": held.get("op"),
                    "held_blocks": [{"where": p, "bytes": b, "blocks": n} for p, b, n in blocks]}, f, indent=0)
-    over = [(o, m) for o, _, m in by_op if m > planned_reserved]
+    over = [(o, m) for o, _, m, _ in by_op if m > planned_reserved]
     top = max(by_op, key=lambda r: r[2])
     gib = 1 << 30
     print(f"memory by op: the most allocated {top[2] / gib:.2f} GiB at {top[0]!r}; planned {planned_reserved / gib:.2f} "
@@ -437,14 +437,16 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
     timer = getattr(sm.executor, "timer", None)
     marked_index = None
     last = None  # the last timed step, as measured (with cool-down steps after it, the executor's last is theirs)
-    by_op: list = []  # --memory-by-op: (op, bytes allocated after its issue, the most while it was issued)
+    by_op: list = []  # --memory-by-op: (op, bytes allocated after its issue, the most allocated and reserved while
+    # it was issued)
     held: dict = {}  # --memory-by-op: the allocator's snapshot after the op with the most allocated after it
     for i in range(args.warmup + args.steps + args.cooldown):
         marked = i == args.warmup + args.steps - 1
         if marked and worker is not None:  # the worker's optimizer step index while it runs this step's updates
             marked_index = worker.submit(lambda: sm.optimizer.step_index)
         if marked and cuda and args.memory_by_op:
-            by_op.append(("(before the step)", torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+            by_op.append(("(before the step)", torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                          torch.cuda.max_memory_reserved()))
             sm.executor.on_op = lambda op: allocated_by(op, by_op, held)
         if data == "pairs":
             b = rows.batch(batch)
@@ -537,8 +539,9 @@ def measure(args, sm, cfg, n, batch, t_init, overrides, data="random"):
         "bound_step_s": b.step_s, "bound_limiter": b.limiter, "simulated_steady_step_s": sim.steady_step_s,
         "efficiency_bound_over_measured": b.step_s / step_s, "efficiency_bound_over_median": b.step_s / median_s,
         # (the peak statistic is reset before each op of a --memory-by-op step: the most over every op then)
-        "gpu_peak_gib": max([torch.cuda.max_memory_allocated()] + [p for _, _, p in by_op]) / (1 << 30) if cuda else 0.0,
-        "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved() / (1 << 30) if cuda else 0.0,
+        "gpu_peak_gib": max([torch.cuda.max_memory_allocated()] + [p for _, _, p, _ in by_op]) / (1 << 30) if cuda else 0.0,
+        "gpu_reserved_peak_gib": max([torch.cuda.max_memory_reserved()] + [r for *_, r in by_op]) / (1 << 30)
+        if cuda else 0.0,
         "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20), "init_s": t_init,
         # what the simulation above ran on, for benchmarks/sim_accuracy.py to rebuild it as it was: the plan's
         # config, the layer graph (as captured, with the saved bytes measured here) and the hardware spec

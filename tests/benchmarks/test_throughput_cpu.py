@@ -114,8 +114,8 @@ def test_memory_by_op_reports_the_ops_above_the_plan(tmp_path, capsys):
     from benchmarks.throughput import write_memory_by_op
 
     gib = 1 << 30
-    ops = [("(before the step)", 1 * gib, 5 * gib), ("LOAD_W L2", 2 * gib, 7 * gib), ("BWD L3 m0", 3 * gib, 9 * gib),
-           ("FWD L4 m1", 2 * gib, 6 * gib)]
+    ops = [("(before the step)", 1 * gib, 5 * gib, 6 * gib), ("LOAD_W L2", 2 * gib, 7 * gib, 8 * gib),
+           ("BWD L3 m0", 3 * gib, 9 * gib, 10 * gib), ("FWD L4 m1", 2 * gib, 6 * gib, 10 * gib)]
     # the allocator's snapshot after the op with the most allocated after it: live blocks by the innermost frame in
     # megatrain's code (else the innermost; none recorded: before recording); freed blocks left out
     frame = lambda f, line, name: {"filename": f, "line": line, "name": name}  # noqa: E731
@@ -129,7 +129,8 @@ def test_memory_by_op_reports_the_ops_above_the_plan(tmp_path, capsys):
     write_memory_by_op(str(tmp_path / "m.json"), ops, planned_reserved=6 * gib + 1, planned_peak=4 * gib,
                        budget=8 * gib, held={"op": "BWD L3 m0", "bytes": 3 * gib, "snapshot": snapshot})
     rec = json.loads((tmp_path / "m.json").read_text())
-    assert [o["op"] for o in rec["ops"]] == [o for o, _, _ in ops] and rec["ops"][2]["most"] == 9 * gib
+    assert [o["op"] for o in rec["ops"]] == [o for o, *_ in ops] and rec["ops"][2]["most"] == 9 * gib
+    assert [o["most_reserved"] for o in rec["ops"]] == [r for *_, r in ops]
     assert rec["held_after"] == "BWD L3 m0" and rec["held_blocks"] == [
         {"where": "runtime/memory/device.py:70 fit", "bytes": 2.5 * gib, "blocks": 2},
         {"where": "runtime/layers/probe.py:35 _measure", "bytes": gib, "blocks": 1},

@@ -22,7 +22,9 @@ def test_probe_measures_every_case_and_writes_a_spec_that_plans(tmp_path, monkey
                                  say=lines.append)
     m = json.loads((tmp_path / "m.json").read_text())["measured"]
     assert list(m) == [name for name, _ in CASES + PASSES]
-    assert spec.cpu_moments_params_per_s == m["AdamW moments alone"]["adam"] > m["AdamW alone"]["adam"]
+    # (the rates as measured: which pass is faster is the host's, and a short probe's figures are noisy -- an H100
+    # lease measured the moments alone at 3.70 G params/s against 3.81 for the whole AdamW)
+    assert spec.cpu_moments_params_per_s == m["AdamW moments alone"]["adam"] > 0
     for name, (h2d, d2h, adam) in CASES + tuple((name, (False, False, True)) for name, _ in PASSES):
         assert set(m[name]) == {k for k, on in (("h2d", h2d), ("d2h", d2h), ("adam", adam)) if on}, name
         assert all(v > 0 for v in m[name].values()), (name, m[name])

@@ -43,7 +43,8 @@ class Layer:
     frozen: bool = False
     # of work_bytes_per_token, the share a tiled forward holds for one tile of tokens at a time (a dense block's MLP:
     # gate, up and their product; ScheduleConfig.seq_tile), and the FLOPs per token of that part's forward, which a
-    # tiled backward runs once more (each tile recomputed ahead of its backward). 0: the layer is not tiled
+    # tiled backward runs once more (each tile recomputed ahead of its backward) unless the layer's recompute leaves
+    # its last projection out (unread_flops_per_token: the tiles then formed in the backward alone). 0: not tiled
     tile_work_bytes_per_token: int = 0
     tile_flops_per_token: float = 0.0
     # some of the layer's parameters are frozen: the first ``trainable`` elements of its weights are the ones that

@@ -98,9 +98,8 @@ def workspace_nbytes(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -> int:
     if op.kind in FORWARDS:
         return work
     if op.kind is OpKind.BWD:  # recomputed activations (unless saved) and their gradients, the attention
-        # kernel's own buffers while its backward runs (Layer.attn_bwd_bytes: a step of 4 blocks of Qwen2.5-7B's
-        # shape at 524,288 tokens peaked 15.3 GiB above its plan without them), and the input's gradient, made
-        # while the input's checkpoint is still held (the schedule writes it to that checkpoint's slot)
+        # kernel's own buffers (Layer.attn_bwd_bytes), and the input's gradient, made while the input's checkpoint
+        # is still held (the schedule writes it to that checkpoint's slot)
         dx = graph[op.layer - 1].act_bytes_per_token * t if op.layer else 0
         return (2 if recomputes(cfg, op) else 1) * work + lay.attn_bwd_bytes(t) + dx
     if op.kind is OpKind.LOSS:  # one chunk of the fused loss's logits (graph.LOSS_LOGITS_PER_CHUNK)
@@ -197,10 +196,11 @@ def matmul_and_attention_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -
     """A compute op's FLOPs: those of its matmuls (:func:`_passes` forward passes) and of its attention
     (:func:`_attn_passes`)."""
     lay = graph[op.layer]
-    # a tiled backward runs its tiled part's forward once more (each tile again, ahead of its backward); an untiled
-    # recompute leaves out the projection only the block's residual sum reads (Layer.unread_flops_per_token)
+    # a recompute leaves out the projection only the block's residual sum reads (Layer.unread_flops_per_token); tiled,
+    # such an MLP forms each tile once, in its backward, and no more FLOPs than untiled (runtime.layers.tiling); a
+    # tiled MLP without it runs its tiles' forward once more (each tile again, ahead of its backward)
     again = 0.0
-    if op.kind is OpKind.BWD and cfg.tiled(lay, op.layer):
+    if op.kind is OpKind.BWD and cfg.tiled(lay, op.layer) and not lay.unread_flops_per_token:
         again = lay.tile_flops_per_token
     elif recomputes(cfg, op):
         again = -lay.unread_flops_per_token

@@ -161,6 +161,11 @@ def outputs_unread(on: bool = True, fill: float | None = None):
         _unread.on, _unread.fill = before
 
 
+def unread_on() -> bool:
+    """Whether :func:`outputs_unread` is in effect on this thread."""
+    return getattr(_unread, "on", False)
+
+
 class SinkLinear(nn.Linear):
     """``nn.Linear`` in a template. While the executor binds its parameters for a backward (``offsets`` set:
     where weight and bias lie in the layer's weights), its backward sends their gradients to the sink. One marked

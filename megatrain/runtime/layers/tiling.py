@@ -8,6 +8,12 @@ each tile runs under torch's non-reentrant checkpoint, which keeps its input alo
 its backward. The intermediate then exists for one tile at a time, at the price of one more forward of the MLP in a
 backward (the planner charges it: ``Layer.tile_flops_per_token``). Results equal the untiled MLP's up to the order
 in which the tiles' weight gradients are summed.
+
+Where the MLP's output is read by nothing but the block's residual sum (its last projection marked ``unread``, as
+the executor's probe confirms: ``grad_sink.outputs_unread``), a backward's recompute does not form the tiles at all:
+the MLP's output stands uninitialized in the block's output, which only its gradient is taken against, and each tile
+runs for the first time in the backward, without its last projection's product (:class:`_TilesInBackward`). The
+tiled backward then costs the untiled one's FLOPs.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatrain.capture.blocks import mlp_tileable
 from megatrain.layout import NORM_WITH_MLP
-from megatrain.runtime.layers.grad_sink import SinkLinear
+from megatrain.runtime.layers.grad_sink import SinkLinear, outputs_unread, unread_on
 
 
 class TiledMLP(nn.Module):
@@ -37,15 +43,58 @@ class TiledMLP(nn.Module):
         n = self.tile
         if not n or x.shape[:-1].numel() <= n:
             return self.inner(x)
-        parts = x.reshape(1, -1, x.shape[-1]).split(n, dim=1)
         if torch.is_grad_enabled():
-            # the tile's input is kept, its intermediate recomputed in the backward (the random state with it),
-            # which runs after the executor has unbound the template's weights: the recompute binds them again
-            run = functools.partial(_rebound, self.inner, _binding(self.inner))
-            outs = [checkpoint(run, p, use_reentrant=False) for p in parts]
+            # the backward runs after the executor has unbound the template's weights: each tile binds them again
+            binding = _binding(self.inner)
+            run = functools.partial(_rebound, self.inner, binding)
+            if self.output_unread():
+                params = [v for _, _, v in binding if isinstance(v, torch.Tensor) and v.requires_grad]
+                return _TilesInBackward.apply(run, n, x, *params)
+            # the tile's input is kept, its intermediate recomputed in the backward (the random state with it)
+            with outputs_unread(False):
+                outs = [checkpoint(run, p, use_reentrant=False) for p in _parts(x, n)]
         else:
-            outs = [self.inner(p) for p in parts]
+            outs = [self.inner(p) for p in _parts(x, n)]
         return torch.cat(outs, dim=1).view(*x.shape[:-1], -1)
+
+    def output_unread(self) -> bool:
+        """Whether this forward is a backward's recompute whose MLP output nothing reads but the block's residual sum
+        (its last projection marked ``unread``, under ``outputs_unread``), with no dropout to replay."""
+        mods = list(self.inner.modules())
+        return unread_on() and any(isinstance(m, SinkLinear) and m.unread for m in mods) and \
+            not any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in mods)
+
+
+def _parts(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """``x``'s tokens laid end to end, in tiles of ``n``."""
+    return x.reshape(1, -1, x.shape[-1]).split(n, dim=1)
+
+
+class _TilesInBackward(torch.autograd.Function):
+    """The MLP over tiles of ``n`` tokens where its output is not read (:meth:`TiledMLP.output_unread`): the forward
+    keeps ``x`` and returns an uninitialized tensor of its shape; the backward runs each tile's forward (its last
+    projection's product skipped) and backward, and returns the input's gradient and those of the bound parameters
+    ``params`` that autograd routes (the linears' weights go to the gradient sink in effect, as in any backward)."""
+
+    @staticmethod
+    def forward(ctx, run, n: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.n, ctx.params = run, n, params  # (the tensors the tiles' forward binds, as bound)
+        ctx.save_for_backward(x)
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (x,), params = ctx.saved_tensors, ctx.params
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (each tile's input gradient copied to its place: never two of the whole)
+        dps = [None] * len(params)
+        # (autograd may run this on its own device thread, where the issuing thread's setting is not seen)
+        with torch.enable_grad(), outputs_unread(True):
+            for p, g, into in zip(_parts(x, ctx.n), _parts(dy, ctx.n), _parts(dx, ctx.n)):
+                p = p.detach().requires_grad_()
+                got = torch.autograd.grad(ctx.run(p), [p, *params], g, allow_unused=True)
+                into.copy_(got[0])
+                dps = [a if b is None else b if a is None else a + b for a, b in zip(dps, got[1:])]
+        return None, None, dx, *dps
 
 
 def _binding(module: nn.Module) -> list[tuple[dict, str, object]]:

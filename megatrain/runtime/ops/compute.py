@@ -324,9 +324,9 @@ def bwd(ctx, op: Op, st: StepState) -> None:
             logits: list = []
             tile = _tile(ctx, op, st)
             ins = BlockInputs(ctx, st, op.mb)
-            # untiled, the recompute skips the products nothing but the layer's output reads (the output is then
-            # not its value: only differentiated against dy); tiled, each tile's forward runs again in the backward
-            with _routers(ctx, op, st, logits), outputs_unread(not tile):
+            # the recompute skips the products nothing but the layer's output reads (the output is then not its
+            # value: only differentiated against dy); tiled, such an MLP forms each tile in its backward alone
+            with _routers(ctx, op, st, logits), outputs_unread():
                 out = ctx.runner.run(op.layer, flat, x, ins.side, grad_views=views, tile=tile)
             probs = router_aux.layer_probs(logits, _aux_mask(st, op.mb)) if logits else None
             outs, dys = _block_outputs(ctx, st, op, out, dy, probs, ins)

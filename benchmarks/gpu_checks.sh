@@ -80,12 +80,12 @@ if [[ $part == seq ]]; then
         --mb 1 --slots 2 --dropped-checkpoints 2 --gpu-opt-every auto --grad-host-dtype bf16 --warmup 0 --steps 1 \
         --cooldown 0 --memory-by-op "$out/seq-515k-dropped-memory.json" --json "$out/seq-515k-dropped.json"
 fi
-# seq-whole: the whole Qwen2.5-7B shape at one 524,288-token sequence (the search's plan: on the H200 with fp32 host
-# gradients it drops checkpoints; a step ~10 minutes and ~2 more to build and pin: past one 10-minute command, so
-# start it detached, e.g. `setsid nohup bash benchmarks/gpu_checks.sh /tmp/out seq-whole > /tmp/out.log 2>&1 &`,
-# and poll for its "== seq-whole-524k: exit" line); then the 262,144-token step as the search plans it.
-# $SEQ_WHOLE_FLAGS goes to the 524,288-token run: on an H100 80GB "--grad-host-dtype bf16" (measured so, 2026-12-07;
-# with fp32 gradients its plan leaves 0.6 GiB of the host's 122.5)
+# seq-whole: the whole Qwen2.5-7B shape at one 524,288-token sequence (the search's plan: on the H200 fp32 host
+# gradients and every checkpoint kept, on an H100 80GB 18 dropped; a step ~10 minutes and ~2 more to build and pin:
+# past one 10-minute command, so start it detached, e.g. `setsid nohup bash benchmarks/gpu_checks.sh /tmp/out
+# seq-whole > /tmp/out.log 2>&1 &`, and poll for its "== seq-whole-524k: exit" line); then the 262,144-token step as
+# the search plans it. $SEQ_WHOLE_FLAGS goes to the 524,288-token run (e.g. "--dropped-checkpoints 3" for host
+# margin: each drop costs about 0.75% of the step)
 if [[ $part == seq-whole ]]; then
     stage seq-whole-524k 1500 python3 benchmarks/throughput.py --preset qwen2.5-7b --seq 524288 --batch 1 --mb 1 \
         --slots auto --gpu-opt-every auto ${SEQ_WHOLE_FLAGS:-} --warmup 0 --steps 1 --cooldown 0 \

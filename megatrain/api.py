@@ -402,4 +402,5 @@ class StreamedModel:
             out["device.saved_activations"] = mem.saved_nbytes
             out["device.gemm_workspaces"] = mem.gemm_nbytes
             out["device.allocator_rounding"] = mem.slack_nbytes
+            out["device.wire_stage"] = mem.stage_nbytes
         return out

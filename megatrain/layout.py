@@ -56,3 +56,9 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def wire_stage_bytes(largest_params: int, wire_bytes: int) -> int:
+    """Device bytes of the staging buffer an fp32 wire takes (``DeviceState._fit_stage``): the largest layer's
+    weights in fp32, :data:`WIRE_STAGE_PARAMS` elements at most; none on a bf16 wire."""
+    return 4 * min(largest_params, WIRE_STAGE_PARAMS) if wire_bytes == 4 else 0

@@ -269,6 +269,7 @@ def _report(args, p, graph, spec, out: Path, searched: str) -> list[str]:
         + (f"values blocks hand on {mem.carry_nbytes / GiB:.2f}, " if mem.carry_nbytes else "")
         + f"working set {mem.workspace_nbytes / GiB:.2f}"
         + (f", cuBLAS workspaces {mem.gemm_nbytes / GiB:.2f}" if mem.gemm_nbytes else "")
+        + (f", wire stage {mem.stage_nbytes / GiB:.2f}" if mem.stage_nbytes else "")
         + f", allocator rounding {mem.slack_nbytes / GiB:.2f})",
         f"gradients  {grads}",
         f"host       {sum(host.values()) / GiB:.1f} GiB needed ("

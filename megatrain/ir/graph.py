@@ -142,6 +142,10 @@ class LayerGraph:
         """Parameters layer i reads (its own, or its owner's when tied)."""
         return self.layers[self.owner(i)].params
 
+    def largest_weights(self) -> int:
+        """Parameters of the largest weights any layer reads."""
+        return max(self.weight_params(i) for i in range(len(self)))
+
     @property
     def n_params(self) -> int:
         return sum(lay.params for lay in self.layers)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from megatrain.ir import FORWARDS, POOLS, Op, OpKind, Schedule, ScheduleConfig, Stream, op_params, slot_params
 from megatrain.layout import (DELTA_PIECE_TOKENS, GRAD_BYTES, HOST_UPDATE_CHUNK, IO_CHUNK_BYTES, KEPT_MASTER_BYTES,
-                              LOSS_CHUNK_TOKENS, block_bytes, fmt_bytes, store_bytes)
+                              LOSS_CHUNK_TOKENS, block_bytes, fmt_bytes, store_bytes, wire_stage_bytes)
 from megatrain.planner.graph import LOSS_LOGITS_PER_CHUNK, LayerGraph
 from megatrain.planner.hardware import HardwareSpec
 
@@ -66,10 +66,8 @@ def slot_sizes(graph: LayerGraph, schedule: Schedule) -> dict[str, list[int]]:
     per parameter); activation slots are all the largest checkpoint. Host gradient buffers (``h``) included."""
     cfg = schedule.config
     # weight slots at the wire's bytes: with an fp32 wire the slots hold the compute dtype, and the other half stays
-    # counted for what a 24 GiB 7B plan was measured to take beyond its slots and working sets (the fp32 staging
-    # buffer, 512 MiB, is a part of it): counted at 2 bytes, the plan the search then made (1.74 GiB of kept
-    # gradients more) reached 25.1 GiB allocated against 23.5 planned (docs/benchmark-history.md, "Weights sent as
-    # fp32")
+    # counted for the staging buffer and what a 24 GiB 7B plan was measured to take beyond its slots (counted at 2
+    # bytes it reached 25.1 GiB allocated against 23.5 planned: docs/benchmark-history.md, "Weights sent as fp32")
     per_param = {"w": cfg.wire_bytes_per_param, "g": GRAD_BYTES, "o": OPT_SLOT_BYTES, "h": cfg.grad_host_bytes,
                  "k": cfg.grad_host_bytes}
     checkpoint = slot_nbytes(graph, cfg)["a"]
@@ -196,9 +194,8 @@ def matmul_and_attention_flops(graph: LayerGraph, cfg: ScheduleConfig, op: Op) -
     """A compute op's FLOPs: those of its matmuls (:func:`_passes` forward passes) and of its attention
     (:func:`_attn_passes`)."""
     lay = graph[op.layer]
-    # a recompute leaves out the projection only the block's residual sum reads (Layer.unread_flops_per_token); tiled,
-    # such an MLP forms each tile once, in its backward, and no more FLOPs than untiled (runtime.layers.tiling); a
-    # tiled MLP without it runs its tiles' forward once more (each tile again, ahead of its backward)
+    # a recompute leaves out the projection only the block's residual sum reads (Layer.unread_flops_per_token), and
+    # tiled such an MLP costs no more (runtime.layers.tiling); a tiled one without it forms its tiles once more
     again = 0.0
     if op.kind is OpKind.BWD and cfg.tiled(lay, op.layer) and not lay.unread_flops_per_token:
         again = lay.tile_flops_per_token
@@ -357,6 +354,7 @@ class DeviceMemory:
     gemm_nbytes: int = 0  # cuBLAS's workspaces (ScheduleConfig.gemm_workspace_bytes)
     slack_nbytes: int = 0  # the caching allocator's rounding of the long-held buffers (ALLOC_SLACK_BYTES each)
     carry_nbytes: int = 0  # what blocks hand the next besides the hidden state, every micro-batch's at the turn
+    stage_nbytes: int = 0  # an fp32 wire's staging buffer beyond the half of the weight slots counted for it
 
     @property
     def slot_count(self) -> dict[str, int]:
@@ -369,7 +367,7 @@ class DeviceMemory:
     @property
     def total_nbytes(self) -> int:
         return sum(self.pool_nbytes.values()) + self.workspace_nbytes + self.kept_nbytes + self.saved_nbytes + \
-            self.gemm_nbytes + self.slack_nbytes + self.carry_nbytes
+            self.gemm_nbytes + self.slack_nbytes + self.carry_nbytes + self.stage_nbytes
 
 
 def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
@@ -385,7 +383,9 @@ def device_memory(graph: LayerGraph, schedule: Schedule) -> DeviceMemory:
     sizes = slot_sizes(graph, schedule)
     slack = ALLOC_SLACK_BYTES * sum(n >= ALLOC_SLACK_BYTES for n in [n for p in POOLS for n in sizes[p]] + kept)
     carried = sum(lay.carry_bytes_per_token for lay in graph.layers) * cfg.mb_tokens * cfg.n_mb
-    return DeviceMemory(sizes, work, sum(kept), saved, cfg.gemm_workspace_bytes, slack, carried)
+    wire = cfg.wire_bytes_per_param
+    stage = max(0, wire_stage_bytes(graph.largest_weights(), wire) - sum(sizes["w"]) * (wire - COMPUTE_BYTES) // wire)
+    return DeviceMemory(sizes, work, sum(kept), saved, cfg.gemm_workspace_bytes, slack, carried, stage)
 
 
 def gemm_workspace_nbytes(spec: HardwareSpec, train: bool = True) -> int:

@@ -106,8 +106,8 @@ def layer_costs(kind: str, shape: DecoderShape, matmul_params: int, act_dtype_by
 
     Activations per token in the compute dtype: a layer's output (the next layer's checkpoint) is the hidden
     state; a block's forward holds at once 3 H (the attention's input norm, the residual, and the MLP's input norm
-    or the attention's output), q, k and v, and the MLP's gate, up and their product (3 x intermediate; a mixture of experts' per routed pair, and each pair's
-    gathered input and its expert's output, 2 x top-k x H); the embedding its output, the final norm its input
+    or the attention's output), q, k and v, and the MLP's gate, up and their product (3 x intermediate; a mixture
+    of experts' per routed pair, and each pair's gathered input and its expert's output, 2 x top-k x H); the embedding its output, the final norm its input
     and output; the head its input, its gradient and a token's fp32 log-sum-exp (logits exist one chunk of
     :data:`LOSS_LOGITS_PER_CHUNK` elements at a time, see ``cost.workspace_nbytes``). ``tiles``: a block whose MLP
     runs over tiles of the tokens (``ScheduleConfig.seq_tile``; a dense MLP, not a mixture of experts);

@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 from megatrain.ir import (QUEUES, SLOT_POOL, STREAM_ORDER, Op, OpKind, Queue, Schedule, ScheduleConfig, Stream,
                           Timeline, deferrable_opts, issue_preds, queue_of)
-from megatrain.layout import OPT_STATE_ROWS
-from megatrain.planner.cost import (POOLS, device_memory, duration_s, host_memory, saved_nbytes, slot_sizes,
-                                    transfer_nbytes, workspace_nbytes)
+from megatrain.layout import OPT_STATE_ROWS, wire_stage_bytes
+from megatrain.planner.cost import (COMPUTE_BYTES, POOLS, device_memory, duration_s, host_memory, saved_nbytes,
+                                    slot_sizes, transfer_nbytes, workspace_nbytes)
 from megatrain.planner.graph import LayerGraph
 from megatrain.planner.floor import step_floor_s
 from megatrain.planner.hardware import HardwareSpec
@@ -393,18 +393,19 @@ def simulate(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec, *, curve
 
 
 def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end: list[float]) -> list[tuple[float, int]]:
-    """Device bytes in use over time: the weight, gradient, optimizer and kept-gradient pools throughout (the
-    runtime allocates them before the first op and holds them, ``DeviceBuffers.fit``), each activation slot from
-    the start of the op that fills it to the end of the last op that reads that content (activations are tensors
-    of their own, freed when the last reader drops them), plus each compute op's working set while it runs, plus
-    saved activations (see ``ScheduleConfig.saved_acts``) from their forward to their backward, on top of cuBLAS's
-    workspaces (``ScheduleConfig.gemm_workspace_bytes``, held throughout)."""
+    """Device bytes in use over time: the weight, gradient, optimizer and kept-gradient pools throughout, as the
+    runtime allocates them before the first op (``DeviceBuffers.fit``: weight slots in the compute dtype, and an
+    fp32 wire's staging buffer), each activation slot from the start of the op that fills it to the end of the last
+    op that reads that content (activations are tensors of their own), plus each compute op's working set while it
+    runs, plus saved activations (see ``ScheduleConfig.saved_acts``) from their forward to their backward, on top of
+    cuBLAS's workspaces (``ScheduleConfig.gemm_workspace_bytes``, held throughout)."""
     cfg = schedule.config
     size = slot_sizes(graph, schedule)
     events: list[tuple[float, int]] = []
     holder: dict[tuple[str, int], tuple[float, float]] = {}  # (pool, slot) -> (filled at, last read end)
     starters = {OpKind.LOAD_ACT: ("a",), OpKind.FWD: ("y",), OpKind.REFWD: ("y",)}
-    held = sum(sum(size[p]) for p in POOLS if p != "a")
+    held = sum(sum(size[p]) for p in POOLS if p not in "aw") + sum(size["w"]) * COMPUTE_BYTES // \
+        cfg.wire_bytes_per_param + wire_stage_bytes(graph.largest_weights(), cfg.wire_bytes_per_param)
     events += [(0.0, held), (max(end, default=0.0), -held)]
     carry = sum(lay.carry_bytes_per_token for lay in graph.layers)
     for op in schedule.ops:

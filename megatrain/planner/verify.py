@@ -437,7 +437,7 @@ def check_memory(schedule: Schedule, graph: LayerGraph, spec: HardwareSpec | Non
                             f"activations {fmt_bytes(mem.saved_nbytes)}, cuBLAS workspaces "
                             f"{fmt_bytes(mem.gemm_nbytes)}, allocator rounding {fmt_bytes(mem.slack_nbytes)}"
                             + (f", values blocks hand on {fmt_bytes(mem.carry_nbytes)}" if mem.carry_nbytes else "")
-                            + "), "
+                            + (f", wire stage {fmt_bytes(mem.stage_nbytes)}" if mem.stage_nbytes else "") + "), "
                             f"budget is {fmt_bytes(cfg.budget_bytes)}")
     if spec is not None and cfg.budget_bytes > spec.gpu_bytes:
         raise ScheduleError("memory", None, f"budget {fmt_bytes(cfg.budget_bytes)} exceeds the {spec.name}'s "

@@ -85,7 +85,7 @@ class _TilesInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (x,), params = ctx.saved_tensors, ctx.params
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (each tile's input gradient copied to its place: never two of the whole)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # each tile's gradient copied in (not two)
         dps = [None] * len(params)
         # (autograd may run this on its own device thread, where the issuing thread's setting is not seen)
         with torch.enable_grad(), outputs_unread(True):

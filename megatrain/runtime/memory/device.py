@@ -87,8 +87,7 @@ class DeviceState:
         if self.stage is not None or not (self.stage_params and self.device.type == "cuda" and
                                           self.dtype != torch.float32 and schedule.config.wire_bytes_per_param == 4):
             return
-        largest = max(self.graph.weight_params(i) for i in range(len(self.graph)))
-        self.stage = torch.empty(min(largest, self.stage_params), dtype=torch.float32, device=self.device)
+        self.stage = torch.empty(min(self.graph.largest_weights(), self.stage_params), dtype=torch.float32, device=self.device)
 
     def load_cast(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
         """``dst`` (on the device) <- ``src`` (host), rounded to ``dst``'s dtype. An fp32 ``src`` bound for a GPU slot

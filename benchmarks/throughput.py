@@ -262,7 +262,8 @@ def write_memory_by_op(path: str, by_op: list, planned_reserved: int, planned_pe
     blocks = held_blocks(held["snapshot"]) if held else []
     with open(path, "w") as f:
         json.dump({"planned_reserved_bytes": planned_reserved, "planned_peak_in_use_bytes": planned_peak,
-                   "budget_bytes": budget, "ops": [{"op": o, "allocated": a, "most": m, "most_reserved": r} for o, a, m, r in by_op],
+                   "budget_bytes": budget,
+                   "ops": [{"op": o, "allocated": a, "most": m, "most_reserved": r} for o, a, m, r in by_op],
                    "held_after": held.get("op"),
                    "held_blocks": [{"where": p, "bytes": b, "blocks": n} for p, b, n in blocks]}, f, indent=0)
     over = [(o, m) for o, _, m, _ in by_op if m > planned_reserved]

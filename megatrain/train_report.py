@@ -67,7 +67,7 @@ class Meter:
 def header(cfg: TrainConfig, sm, schedule, weights: str, tokenizer: str, data: str, saves: str, out: Path) -> str:
     """The run's first line: the model and where its weights and tokenizer come from, the data, the steps and the
     learning rate, the plan, the host memory it counts, what the run saves and where it writes."""
-    c = schedule.config
+    c, left = schedule.config, sm.run_plan(schedule).speculation_left
     return (f"megatrain train: {cfg.model} ({sm.graph.n_params / 1e6:.2f}M params, {len(sm.graph)} layers) on "
             f"{sm.device}, {weights}, {tokenizer}; {data}; {cfg.steps} steps"
             f"{f' ({cfg.epochs:g} epochs)' if cfg.epochs is not None else ''} x {cfg.batch} x {cfg.seq} tokens, "
@@ -78,7 +78,7 @@ def header(cfg: TrainConfig, sm, schedule, weights: str, tokenizer: str, data: s
             + (f", {c.dropped_checkpoints} checkpoints dropped and made again in the backward" if c.dropped_checkpoints
                else "") + (f", {len(c.speculate)} updated on the host before the step's global norm" if c.speculate
                            else "")
-            + (f"; {sm.run_plan(schedule).speculation_left}" if sm.run_plan(schedule).speculation_left else "")
+            + (f"; {left}" if left else "")
             + f" ({planned_text(sm, schedule, cfg)}); "
             f"host {host_text(sm, schedule)}; " + (f"{saves}; " if saves else "")
             + (f"resuming {cfg.resume} at step {sm.step}; " if cfg.resume else "") + f"writing {out}/")

@@ -415,8 +415,7 @@ def memory_curve(schedule: Schedule, graph: LayerGraph, start: list[float], end:
             if key[0] != "a":  # the held pools, and host gradient buffers (not device memory)
                 continue
             if role in fills:
-                if key in holder:  # the old content's last read may overlap the refill (a state load a row
-                    # behind its store): one buffer, counted once
+                if key in holder:  # the old content's last read may overlap the refill: one buffer, counted once
                     a, b = holder[key][0], min(holder[key][1], start[op.id])
                     events += [(a, size[key[0]][key[1]]), (b, -size[key[0]][key[1]])]
                 holder[key] = (start[op.id], end[op.id])
